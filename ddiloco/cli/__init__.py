@@ -1,0 +1,1 @@
+"""Command-line entry points: `ddiloco up|status|syncer|learner|checkpoint|evaluate`."""

@@ -1,0 +1,48 @@
+"""argparse with environment-variable defaults, for the services' `config.py` modules.
+
+Every option can be given as a flag or as an environment variable (12-factor, so compose files
+and Kubernetes manifests configure services without editing commands). The environment is passed
+in explicitly: only a service's `__main__` reads `os.environ`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose options may also come from named environment variables.
+
+    Precedence: command-line flag > environment variable > default. `--help` names the variable
+    and shows the default for every option.
+    """
+
+    def __init__(self, *args: Any, environ: Mapping[str, str], **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._environ = environ
+
+    def add_env_argument(self, flag: str, *, env: str, type: Callable[[str], Any] = str, **kwargs: Any):
+        """Adds `flag`, defaulting to the value of `env` when it is set (parsed with `type`)."""
+        help_text = kwargs.pop("help", "")
+        kwargs["help"] = f"{help_text} [env: {env}]"
+        if env in self._environ:
+            raw = self._environ[env]
+            try:
+                kwargs["default"] = type(raw)
+            except (TypeError, ValueError) as exc:
+                self.error(f"environment variable {env}={raw!r} is not valid for {flag}: {exc}")
+            kwargs.pop("required", None)
+        return self.add_argument(flag, type=type, **kwargs)
+
+
+def parse_bool(text: str) -> bool:
+    """Parses 1/0, true/false, yes/no, on/off (case-insensitive)."""
+    value = text.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {text!r}")

@@ -1,0 +1,59 @@
+"""Domain errors raised by service cores, and the one mapping from them to gRPC status codes.
+
+Cores (syncer, checkpoint store) raise these without importing grpc; servicers catch
+`ServiceError` and abort with `error.code`, so every error path has exactly one status code.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServiceError(Exception):
+    """An error a servicer turns into a gRPC status. `reason` is a short label for counters."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or type(self).__name__
+
+
+class InvalidArgument(ServiceError):
+    """Malformed input: wrong sizes, checksum, non-finite values, chunk order."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(ServiceError):
+    """Valid input the current state refuses: stale base, fenced incarnation, wrong protocol."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AlreadyExists(ServiceError):
+    """The same idempotency key arrived with a different payload."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(ServiceError):
+    """Too many concurrent requests, or no space left."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DataLoss(ServiceError):
+    """Stored bytes no longer match their digest."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class Unavailable(ServiceError):
+    """A dependency is temporarily unreachable; the caller may retry."""
+
+    code = grpc.StatusCode.UNAVAILABLE

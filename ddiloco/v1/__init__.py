@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf code for the ddiloco.v1 API. Do not edit: run `make protos`."""
