@@ -46,3 +46,39 @@ def parse_bool(text: str) -> bool:
     if value in {"0", "false", "no", "off"}:
         return False
     raise ValueError(f"expected a boolean (true/false), got {text!r}")
+
+
+def parse_dataclass(
+    cls: type,
+    *,
+    prog: str,
+    description: str,
+    env_prefix: str,
+    helps: Mapping[str, str],
+    argv: list[str] | tuple[str, ...],
+    environ: Mapping[str, str],
+):
+    """Parses flags into a frozen config dataclass: one `--field-name` and one env var per field.
+
+    Field types must be bool, int, float or str (as annotations under `from __future__ import
+    annotations`). A ValueError from the dataclass's own validation becomes a usage error.
+    """
+    import dataclasses
+
+    parser = EnvArgumentParser(prog=prog, description=description, environ=environ)
+    for field in dataclasses.fields(cls):
+        kind = {"bool": parse_bool, "int": int, "float": float}.get(str(field.type), str)
+        parser.add_env_argument(
+            "--" + field.name.replace("_", "-"),
+            env=env_prefix + field.name.upper(),
+            type=kind,
+            default=field.default,
+            dest=field.name,
+            help=helps[field.name],
+        )
+    args = parser.parse_args(list(argv))
+    try:
+        return cls(**vars(args))
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

@@ -113,7 +113,8 @@ class SyncerServicer:
         """Streams new global fragment versions. The stream first sends, for every fragment, the current
         version when it is newer than the one the learner says it holds (so an empty `held` list gets
         the full model), then every new version as it is merged. Only the newest version of a
-        fragment is ever queued for a slow reader.
+        fragment is ever queued for a slow reader. An empty learner_id watches as an observer
+        (evaluators, tools): no membership, no fencing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

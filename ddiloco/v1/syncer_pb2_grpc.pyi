@@ -62,7 +62,8 @@ class SyncerStub:
     """Streams new global fragment versions. The stream first sends, for every fragment, the current
     version when it is newer than the one the learner says it holds (so an empty `held` list gets
     the full model), then every new version as it is merged. Only the newest version of a
-    fragment is ever queued for a slow reader.
+    fragment is ever queued for a slow reader. An empty learner_id watches as an observer
+    (evaluators, tools): no membership, no fencing.
     """
     ReportEval: _grpc.UnaryUnaryMultiCallable[_syncer_pb2.ReportEvalRequest, _syncer_pb2.ReportEvalResponse]
     """Reports the held-out loss of the global parameters, measured by an evaluator."""
@@ -98,7 +99,8 @@ class SyncerAsyncStub(SyncerStub):
     """Streams new global fragment versions. The stream first sends, for every fragment, the current
     version when it is newer than the one the learner says it holds (so an empty `held` list gets
     the full model), then every new version as it is merged. Only the newest version of a
-    fragment is ever queued for a slow reader.
+    fragment is ever queued for a slow reader. An empty learner_id watches as an observer
+    (evaluators, tools): no membership, no fencing.
     """
     ReportEval: _aio.UnaryUnaryMultiCallable[_syncer_pb2.ReportEvalRequest, _syncer_pb2.ReportEvalResponse]  # type: ignore[assignment]
     """Reports the held-out loss of the global parameters, measured by an evaluator."""
@@ -155,7 +157,8 @@ class SyncerServicer(metaclass=_abc_1.ABCMeta):
         """Streams new global fragment versions. The stream first sends, for every fragment, the current
         version when it is newer than the one the learner says it holds (so an empty `held` list gets
         the full model), then every new version as it is merged. Only the newest version of a
-        fragment is ever queued for a slow reader.
+        fragment is ever queued for a slow reader. An empty learner_id watches as an observer
+        (evaluators, tools): no membership, no fencing.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,248 @@
+"""Merging learners' pseudo-gradients for one fragment (Decoupled DiLoCo §1.4, Sec. 3.2).
+
+Owns: the contribution weight (tokens² / steps), the batch merge rules (weighted mean and
+Radial-Directional Averaging) and ``MergeAccumulator``, their streaming per-tensor form.
+Must not: apply the outer optimizer, decode payloads, read clocks or do I/O.
+
+RDA({v_m, w_m}) = (Σ w_m‖v_m‖ / Σ w_m) · φ(Σ w_m φ(v_m) / Σ w_m), with φ(x) = x/‖x‖,
+φ(0) = 0, applied per tensor. Learners' outer gradients are nearly orthogonal, so a plain
+mean of M vectors of norm R has norm ≈ R/√M; RDA keeps the norm at R whatever M is, so the
+outer learning rate need not be retuned with the number of learners. Embedding tensors,
+whose outer gradients are not orthogonal, use the weighted mean instead.
+
+Zero weights: a contribution of weight 0 (a learner that processed no tokens) counts for
+nothing, unless every contribution has weight 0; then all are merged with equal weights,
+so a merge always has a well-defined result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ddiloco.algo import fragments as fragments_lib
+
+RULES: tuple[str, ...] = ("rda", "mean")
+
+
+def contribution_weight(tokens: int, steps: int) -> float:
+    """Returns a contribution's merge weight, tokens · (tokens / steps).
+
+    "Quantity × quality" (paper Sec. 3.2): linear in the steps a learner contributed and
+    quadratic in its per-step batch, so learners with bigger batches count for more.
+
+    Args:
+        tokens: tokens the learner processed on the fragment since it last received it.
+        steps: inner steps over the same period.
+
+    Returns:
+        ``tokens**2 / steps`` as a float; 0.0 when ``tokens == 0``.
+
+    Raises:
+        ValueError: if ``steps <= 0`` or ``tokens < 0``.
+    """
+    if steps <= 0:
+        raise ValueError(f"steps={steps} is invalid: a contribution needs at least 1 step")
+    if tokens < 0:
+        raise ValueError(f"tokens={tokens} is negative: token counts must be >= 0")
+    return float(tokens) * float(tokens) / float(steps)
+
+
+def weighted_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """Returns Σ w·v / Σ w (equal weights if every weight is 0).
+
+    Args:
+        vectors: one or more arrays of the same shape, all finite.
+        weights: one finite weight >= 0 per vector.
+
+    Returns:
+        A float32 array of the vectors' shape, computed in float64.
+
+    Raises:
+        ValueError: on empty or mismatched inputs, non-finite values or bad weights.
+    """
+    stacked, w = _check_batch(vectors, weights)
+    return (np.tensordot(w, stacked, axes=1) / w.sum()).astype(np.float32)
+
+
+def radial_directional_average(
+    vectors: Sequence[np.ndarray], weights: Sequence[float]
+) -> np.ndarray:
+    """Returns RDA of the vectors: the weighted mean norm along the weighted mean direction.
+
+    Each vector is treated as one tensor (its norm is taken over all its elements).
+
+    Args:
+        vectors: one or more arrays of the same shape, all finite.
+        weights: one finite weight >= 0 per vector (equal weights if every weight is 0).
+
+    Returns:
+        A float32 array of the vectors' shape, computed in float64.
+
+    Raises:
+        ValueError: on empty or mismatched inputs, non-finite values or bad weights.
+    """
+    stacked, w = _check_batch(vectors, weights)
+    flat = stacked.reshape(len(stacked), -1)
+    norms = np.linalg.norm(flat, axis=1)
+    # φ(0) = 0: a zero vector adds nothing to the direction (its norm 0 still counts).
+    inv_norms = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
+    direction = np.tensordot(w * inv_norms, stacked, axes=1)
+    radius = float(w @ norms) / w.sum()
+    return (_unit(direction) * radius).astype(np.float32)
+
+
+class MergeAccumulator:
+    """Streaming merge for one fragment: memory O(fragment size), independent of the number
+    of contributions.
+
+    Each tensor of the fragment is merged on its own: RDA norms are per tensor, and tensors
+    flagged ``is_embedding`` use ``embedding_rule`` instead of ``rule``. Sums are kept in
+    float64: per tensor Σ w·‖v‖ and Σ w·φ(v) for RDA tensors, Σ w·v for mean tensors.
+    """
+
+    def __init__(
+        self,
+        fragment: fragments_lib.Fragment,
+        *,
+        rule: str = "rda",
+        embedding_rule: str = "mean",
+    ) -> None:
+        """Creates an empty accumulator.
+
+        Args:
+            fragment: the fragment whose flat deltas will be added.
+            rule: merge rule of non-embedding tensors, one of ``RULES``.
+            embedding_rule: merge rule of embedding tensors, one of ``RULES``.
+
+        Raises:
+            ValueError: on an unknown rule.
+        """
+        for field, value in (("rule", rule), ("embedding_rule", embedding_rule)):
+            if value not in RULES:
+                raise ValueError(f"{field}={value!r} is unknown: use one of {list(RULES)}")
+        self._fragment = fragment
+        self._segments = [
+            (where, embedding_rule if spec.is_embedding else rule)
+            for spec, where in zip(fragment.tensors, fragment.slices().values())
+        ]
+        self._sums = np.zeros(fragment.numel, dtype=np.float64)
+        self._radial_sums = np.zeros(len(self._segments), dtype=np.float64)
+        self._count = 0
+        self._total_weight = 0.0
+        # Sum of the weights actually folded into the sums: equals total_weight, or the
+        # number of contributions while every weight so far is 0 (equal-weight fallback).
+        self._folded_weight = 0.0
+
+    @property
+    def count(self) -> int:
+        """Number of contributions added."""
+        return self._count
+
+    @property
+    def total_weight(self) -> float:
+        """Sum of the weights passed to ``add``."""
+        return self._total_weight
+
+    def add(self, delta_flat: np.ndarray, weight: float) -> None:
+        """Folds one learner's pseudo-gradient into the merge.
+
+        Args:
+            delta_flat: 1-D array of ``fragment.numel`` finite values (the flat delta).
+            weight: finite weight >= 0, usually ``contribution_weight(tokens, steps)``.
+
+        Raises:
+            ValueError: on a wrong size, non-finite values, or a negative or non-finite
+                weight. The accumulator is unchanged.
+        """
+        delta = np.asarray(delta_flat)
+        if delta.ndim != 1 or delta.size != self._fragment.numel:
+            raise ValueError(
+                f"delta_flat has shape {delta.shape} but fragment "
+                f"{self._fragment.fragment_id} needs a 1-D vector of {self._fragment.numel}"
+            )
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"weight={weight} is invalid: must be finite and >= 0")
+        if not np.isfinite(delta).all():
+            raise ValueError(
+                f"delta_flat for fragment {self._fragment.fragment_id} has non-finite values: "
+                "reject the contribution"
+            )
+
+        if weight > 0 and self._total_weight == 0.0 and self._count:
+            # Earlier contributions all had weight 0 and were folded in with equal weights
+            # as the fallback; now that a positive weight exists they must count for nothing.
+            self._sums[:] = 0.0
+            self._radial_sums[:] = 0.0
+            self._folded_weight = 0.0
+        fold = weight if weight > 0 or self._total_weight > 0 else 1.0
+        self._count += 1
+        self._total_weight += float(weight)
+        if fold == 0:
+            return
+        self._folded_weight += fold
+        values = delta.astype(np.float64)
+        for index, (where, rule) in enumerate(self._segments):
+            segment = values[where]
+            if rule == "mean":
+                self._sums[where] += fold * segment
+                continue
+            norm = float(np.linalg.norm(segment))
+            if norm > 0:  # φ(0) = 0: a zero tensor adds nothing to either sum.
+                self._radial_sums[index] += fold * norm
+                self._sums[where] += (fold / norm) * segment
+
+    def result(self) -> np.ndarray:
+        """Returns the merged flat delta (the accumulator stays usable).
+
+        Returns:
+            A fresh 1-D float32 array of ``fragment.numel`` values.
+
+        Raises:
+            ValueError: if nothing was added.
+        """
+        if self._count == 0:
+            raise ValueError(
+                f"fragment {self._fragment.fragment_id} has no contributions: "
+                "add at least one before merging"
+            )
+        out = np.empty(self._fragment.numel, dtype=np.float32)
+        for index, (where, rule) in enumerate(self._segments):
+            if rule == "mean":
+                out[where] = self._sums[where] / self._folded_weight
+            else:
+                radius = self._radial_sums[index] / self._folded_weight
+                out[where] = _unit(self._sums[where]) * radius
+        return out
+
+
+def _unit(vector: np.ndarray) -> np.ndarray:
+    """φ(x) = x / ‖x‖, with φ(0) = 0."""
+    norm = np.linalg.norm(vector)
+    return vector / norm if norm > 0 else np.zeros_like(vector)
+
+
+def _check_batch(
+    vectors: Sequence[np.ndarray], weights: Sequence[float]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validates a batch merge's inputs; returns them stacked as float64 and the weights,
+    replaced by equal weights when they are all 0."""
+    if len(vectors) == 0:
+        raise ValueError("vectors is empty: a merge needs at least one vector")
+    if len(weights) != len(vectors):
+        raise ValueError(
+            f"len(weights)={len(weights)} but len(vectors)={len(vectors)}: pass one weight "
+            "per vector"
+        )
+    shapes = {np.shape(v) for v in vectors}
+    if len(shapes) != 1:
+        raise ValueError(f"vectors have shapes {sorted(shapes)}: all must have the same shape")
+    stacked = np.stack([np.asarray(v, dtype=np.float64) for v in vectors])
+    if not np.isfinite(stacked).all():
+        raise ValueError("vectors have non-finite values: reject those contributions")
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError(f"weights={list(weights)} are invalid: each must be finite and >= 0")
+    return stacked, (w if w.sum() > 0 else np.ones_like(w))

@@ -1,0 +1,155 @@
+"""The outer optimizer: SGD with Nesterov momentum applied to one fragment at a time.
+
+Owns: ``make_outer_optimizer`` and ``OuterStepper``, which runs the optimizer on flat
+float32 fragment vectors and keeps its state as plain numpy arrays (checkpointable).
+Must not: merge contributions, hold state for more than the call, or do I/O.
+
+The outer gradient is Δ = Θ − θ (the syncer's global fragment minus a learner's, merged
+over learners), so a step moves Θ towards the learners:
+    buf ← μ·buf + Δ;    Θ ← Θ − η·(Δ + μ·buf)
+(optax ``sgd(nesterov=True)``). DiLoCo's defaults are η = 0.7, μ = 0.9; the Decoupled
+DiLoCo paper publishes no values of its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+# The optimizer state's leaf shapes/dtypes and treedef for one fragment size.
+_Structure = tuple[list[jax.ShapeDtypeStruct], jax.tree_util.PyTreeDef]
+
+
+def make_outer_optimizer(
+    learning_rate: float = 0.7, momentum: float = 0.9, nesterov: bool = True
+) -> optax.GradientTransformation:
+    """Builds the outer optimizer.
+
+    Args:
+        learning_rate: η, > 0.
+        momentum: μ, in [0, 1).
+        nesterov: use Nesterov momentum (the paper's choice) rather than heavy ball.
+
+    Returns:
+        ``optax.sgd(learning_rate, momentum, nesterov)``.
+
+    Raises:
+        ValueError: on a non-positive learning rate or momentum outside [0, 1).
+    """
+    if not (math.isfinite(learning_rate) and learning_rate > 0):
+        raise ValueError(f"learning_rate={learning_rate} is invalid: must be finite and > 0")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum={momentum} is invalid: must be in [0, 1)")
+    return optax.sgd(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov)
+
+
+class OuterStepper:
+    """Applies the outer optimizer to one fragment's flat float32 params; jitted once per
+    fragment size.
+
+    One stepper serves every fragment: state is passed in and returned, never kept. State is
+    a list of numpy arrays (the optimizer state's leaves), so it can be checkpointed and
+    restored bit-exactly; the same inputs always give bit-identical outputs.
+    """
+
+    def __init__(self, optimizer: optax.GradientTransformation) -> None:
+        """Wraps an optimizer.
+
+        Args:
+            optimizer: usually ``make_outer_optimizer()``.
+        """
+        self._optimizer = optimizer
+
+        def step(params, state, grad):
+            updates, state = optimizer.update(grad, state, params)
+            return optax.apply_updates(params, updates), state
+
+        self._step = jax.jit(step)
+        # numel -> state structure; computed once per fragment size.
+        self._structures: dict[int, _Structure] = {}
+
+    def init(self, params_flat: np.ndarray) -> list[np.ndarray]:
+        """Returns a fresh optimizer state for a fragment.
+
+        Args:
+            params_flat: the fragment's 1-D float32 global params.
+
+        Returns:
+            The state's leaves as numpy arrays.
+
+        Raises:
+            ValueError: if ``params_flat`` is not a 1-D float32 array.
+        """
+        params = _check_vector("params_flat", params_flat)
+        leaves = jax.tree_util.tree_leaves(self._optimizer.init(jnp.asarray(params)))
+        return [np.array(leaf) for leaf in leaves]
+
+    def step(
+        self,
+        params_flat: np.ndarray,
+        state: list[np.ndarray],
+        outer_grad_flat: np.ndarray,
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Applies one outer step.
+
+        Args:
+            params_flat: the fragment's 1-D float32 global params Θ.
+            state: the state from ``init`` or a previous ``step`` (or restored from disk).
+            outer_grad_flat: the merged outer gradient Δ, same size as ``params_flat``.
+
+        Returns:
+            The new params and the new state, as fresh numpy arrays.
+
+        Raises:
+            ValueError: on mismatched sizes or dtypes, or a state that does not have the
+                structure ``init`` gives for this fragment size.
+        """
+        params = _check_vector("params_flat", params_flat)
+        grad = _check_vector("outer_grad_flat", outer_grad_flat)
+        if grad.shape != params.shape:
+            raise ValueError(
+                f"outer_grad_flat has {grad.size} values but params_flat has {params.size}: "
+                "both must cover the same fragment"
+            )
+        leaf_specs, treedef = self._structure(params.size)
+        if len(state) != len(leaf_specs):
+            raise ValueError(
+                f"state has {len(state)} arrays but the optimizer state has "
+                f"{len(leaf_specs)}: pass the list returned by init() or step()"
+            )
+        leaves = [np.asarray(leaf) for leaf in state]
+        for index, (leaf, spec) in enumerate(zip(leaves, leaf_specs)):
+            if leaf.shape != spec.shape or leaf.dtype != spec.dtype:
+                raise ValueError(
+                    f"state[{index}] is {leaf.dtype}{list(leaf.shape)} but the optimizer "
+                    f"expects {spec.dtype}{list(spec.shape)}: the state belongs to another "
+                    "fragment or optimizer"
+                )
+        tree = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(leaf) for leaf in leaves])
+        new_params, new_state = self._step(jnp.asarray(params), tree, jnp.asarray(grad))
+        # np.array copies, so callers never hold buffers owned by JAX.
+        return np.array(new_params), [np.array(x) for x in jax.tree_util.tree_leaves(new_state)]
+
+    def _structure(self, numel: int) -> _Structure:
+        """Returns the state's leaf specs and treedef for a fragment size, derived from the
+        optimizer itself so that a state restored from disk can be checked without init()."""
+        if numel not in self._structures:
+            spec = jax.ShapeDtypeStruct((numel,), np.float32)
+            # eval_shape traces init without computing or allocating anything.
+            self._structures[numel] = jax.tree_util.tree_flatten(
+                jax.eval_shape(self._optimizer.init, spec)
+            )
+        return self._structures[numel]
+
+
+def _check_vector(field: str, value: np.ndarray) -> np.ndarray:
+    array = np.asarray(value)
+    if array.ndim != 1 or array.dtype != np.float32:
+        raise ValueError(
+            f"{field} is {array.dtype}{list(array.shape)}: pass a 1-D float32 vector"
+        )
+    return array

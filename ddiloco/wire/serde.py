@@ -1,0 +1,131 @@
+"""Conversions between the ddiloco.v1 messages and domain objects, in one place.
+
+Symmetric names (`x_to_proto` / `x_from_proto`); no grpc import, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.v1 import common_pb2
+from ddiloco.wire import codec as codec_lib
+
+PROTOCOL_VERSION = 1
+
+_CODEC_TO_PROTO = {
+    "fp32": common_pb2.CODEC_FP32,
+    "bf16": common_pb2.CODEC_BF16,
+    "int8": common_pb2.CODEC_INT8,
+    "int4": common_pb2.CODEC_INT4,
+}
+_CODEC_FROM_PROTO = {v: k for k, v in _CODEC_TO_PROTO.items()}
+
+
+def codec_to_proto(name: str) -> int:
+    """Codec name ("fp32", "bf16", "int8", "int4") to the proto enum value."""
+    try:
+        return _CODEC_TO_PROTO[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; expected one of {sorted(_CODEC_TO_PROTO)}") from None
+
+
+def codec_from_proto(value: int) -> str:
+    """Proto enum value to codec name; ValueError for unspecified or unknown values."""
+    try:
+        return _CODEC_FROM_PROTO[value]
+    except KeyError:
+        raise ValueError(f"unknown or unspecified codec enum value {value}") from None
+
+
+def payload_info_to_proto(encoded: codec_lib.EncodedPayload) -> common_pb2.PayloadInfo:
+    return common_pb2.PayloadInfo(
+        codec=codec_to_proto(encoded.codec),
+        numel=encoded.numel,
+        block_size=encoded.block_size,
+        raw_size_bytes=encoded.raw_size_bytes,
+        payload_size_bytes=len(encoded.payload),
+        checksum=encoded.checksum,
+    )
+
+
+def payload_chunks(payload: bytes, chunk_size_bytes: int) -> Iterator[common_pb2.PayloadChunk]:
+    """Splits a payload into numbered PayloadChunk messages, the last one flagged."""
+    pieces = codec_lib.chunk_payload(payload, chunk_size_bytes)
+    for seq, piece in enumerate(pieces):
+        yield common_pb2.PayloadChunk(seq=seq, data=bytes(piece), last=seq == len(pieces) - 1)
+
+
+class ChunkAssembler:
+    """Reassembles PayloadChunk messages, enforcing order and the declared total size.
+
+    Raises ValueError on a gap, a repeat, data past the declared size, or chunks after `last`.
+    Never holds more than the declared size.
+    """
+
+    def __init__(self, declared_size_bytes: int) -> None:
+        self._declared = declared_size_bytes
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._next_seq = 0
+        self.done = False
+
+    def add(self, chunk: common_pb2.PayloadChunk) -> None:
+        if self.done:
+            raise ValueError(f"chunk seq {chunk.seq} arrived after the last chunk")
+        if chunk.seq != self._next_seq:
+            raise ValueError(f"chunk out of order: expected seq {self._next_seq}, got {chunk.seq}")
+        self._size += len(chunk.data)
+        if self._size > self._declared:
+            raise ValueError(f"payload exceeds its declared size of {self._declared} bytes")
+        self._parts.append(chunk.data)
+        self._next_seq += 1
+        self.done = chunk.last
+
+    def payload(self) -> bytes:
+        if not self.done:
+            raise ValueError(f"stream ended before the last chunk (got {self._next_seq} chunks)")
+        if self._size != self._declared:
+            raise ValueError(f"payload has {self._size} bytes, header declared {self._declared}")
+        return b"".join(self._parts)
+
+
+def plan_to_proto(plan: fragments_lib.FragmentPlan) -> list[common_pb2.FragmentInfo]:
+    return [
+        common_pb2.FragmentInfo(
+            fragment_id=f.fragment_id,
+            offset_steps=f.offset_steps,
+            numel=f.numel,
+            tensors=[
+                common_pb2.TensorInfo(name=t.name, shape=list(t.shape), is_embedding=t.is_embedding)
+                for t in f.tensors
+            ],
+        )
+        for f in plan.fragments
+    ]
+
+
+def plan_from_proto(infos, sync_period_steps: int) -> fragments_lib.FragmentPlan:
+    """Rebuilds the syncer's fragment plan on a learner, exactly as the syncer made it."""
+    frags = tuple(
+        fragments_lib.Fragment(
+            fragment_id=info.fragment_id,
+            offset_steps=info.offset_steps,
+            tensors=tuple(
+                fragments_lib.TensorSpec(name=t.name, shape=tuple(t.shape), is_embedding=t.is_embedding)
+                for t in info.tensors
+            ),
+        )
+        for info in infos
+    )
+    if [f.fragment_id for f in frags] != list(range(len(frags))):
+        raise ValueError("fragment ids in the run config must be 0..P-1 in order")
+    return fragments_lib.FragmentPlan(fragments=frags, sync_period_steps=sync_period_steps)
+
+
+def versions_to_proto(versions: Mapping[int, int]) -> list[common_pb2.FragmentVersion]:
+    return [common_pb2.FragmentVersion(fragment_id=f, version=v) for f, v in sorted(versions.items())]
+
+
+def versions_from_proto(items) -> dict[int, int]:
+    return {int(x.fragment_id): int(x.version) for x in items}

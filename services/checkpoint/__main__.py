@@ -1,0 +1,67 @@
+"""Wiring only: config → logging → BlobStore → gRPC server → ready file → wait for a signal.
+
+`python -m services.checkpoint --root DIR` and the `ddiloco checkpoint` CLI both call `main`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pathlib
+import signal
+import sys
+from collections.abc import Sequence
+
+from ddiloco import logs
+from ddiloco.rpc import server as server_lib
+from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+from services.checkpoint import config as config_lib
+from services.checkpoint import servicer as servicer_lib
+from services.checkpoint import store as store_lib
+
+SERVICE_NAME = checkpoint_pb2.DESCRIPTOR.services_by_name["CheckpointStore"].full_name
+_LOG = logging.getLogger("services.checkpoint")
+
+
+async def serve(cfg: config_lib.CheckpointConfig) -> int:
+    """Serves until SIGTERM/SIGINT, then stops gracefully. Returns the exit status."""
+    if cfg.ready_file is not None:
+        # A ready file from an earlier (killed) process must not announce this one early.
+        pathlib.Path(cfg.ready_file).unlink(missing_ok=True)
+    store = store_lib.BlobStore(  # removes temp files left by a crash
+        cfg.root,
+        retention=store_lib.LatestN(cfg.keep_latest),
+        max_blob_bytes=cfg.max_blob_bytes,
+        gc_grace_s=cfg.gc_grace_s,
+        failpoints=cfg.failpoints,
+    )
+    if cfg.failpoints:
+        _LOG.warning("failpoints armed: %s", dict(cfg.failpoints))
+    servicer = servicer_lib.CheckpointStoreServicer(store, chunk_size_bytes=cfg.chunk_size_bytes)
+    handle = await server_lib.start_server(
+        cfg.bind,
+        [SERVICE_NAME],
+        [lambda server: checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(servicer, server)],
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if cfg.ready_file is not None:
+        server_lib.write_ready_file(cfg.ready_file, address=handle.address, service="checkpoint")
+    _LOG.info("checkpoint store serving on %s root=%s", handle.address, cfg.root)
+    await stop.wait()
+    _LOG.info("signal received; stopping (grace %.1f s)", cfg.grace_s)
+    await handle.stop(cfg.grace_s)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = config_lib.parse_config(sys.argv[1:] if argv is None else argv, os.environ)
+    logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs, component="services.checkpoint")
+    return asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

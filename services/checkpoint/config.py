@@ -1,0 +1,136 @@
+"""Configuration of the checkpoint store service: one frozen dataclass, validated on construction,
+and `parse_config`, which builds it from flags and `DDILOCO_CHECKPOINT_*` environment variables.
+
+Only `__main__` passes in the real `os.environ`; everything here is pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from collections.abc import Mapping, Sequence
+
+from ddiloco.cli import flags
+from ddiloco.rpc import server as server_lib
+from services.checkpoint import store as store_lib
+
+# Every option `--foo-bar` can also be set as DDILOCO_CHECKPOINT_FOO_BAR, so compose files and
+# Kubernetes manifests configure the service without editing its command.
+ENV_PREFIX = "DDILOCO_CHECKPOINT_"
+# Shared by every service, so one variable arms a fault test across processes. Tests only.
+FAILPOINTS_ENV = "DDILOCO_FAILPOINTS"
+
+_MIN_CHUNK_BYTES = 1024
+# Half the message limit leaves ample room for the envelope of a chunk message.
+_MAX_CHUNK_BYTES = server_lib.MAX_MESSAGE_BYTES // 2
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _env(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _invalid(field: str, value: object, fix: str) -> ValueError:
+    return ValueError(f"{field}={value!r} is invalid: {fix} (flag {_flag(field)}, env {_env(field)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Everything the checkpoint store service needs; validated in `__post_init__`."""
+
+    # Directory holding blobs/ and manifests/; use a persistent volume in deployments.
+    root: pathlib.Path
+    # host:port to listen on; port 0 picks a free port (tests; read it from the ready file).
+    bind: str = "0.0.0.0:50052"
+    # Committed checkpoints kept per run (retention policy LatestN).
+    keep_latest: int = 5
+    # Largest blob accepted; bigger uploads fail with RESOURCE_EXHAUSTED.
+    max_blob_bytes: int = 2 * 1024**3
+    # Data per GetBlob message; must stay well below the gRPC message limit.
+    chunk_size_bytes: int = 512 * 1024
+    # Unreferenced blobs younger than this survive GC, so the blobs of a checkpoint still being
+    # uploaded (referenced by no manifest yet) are not collected under the writer's feet.
+    gc_grace_s: float = 3600.0
+    log_level: str = "INFO"
+    # One JSON object per log line (for log shippers) instead of human-readable lines.
+    json_logs: bool = False
+    # Written (atomically, JSON with address and pid) once the server is serving.
+    ready_file: pathlib.Path | None = None
+    # On SIGTERM/SIGINT, in-flight RPCs get this long to finish.
+    grace_s: float = 10.0
+    # Fault injection for tests: point -> "crash" | "enospc" (see store.py). Empty in production.
+    failpoints: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not str(self.root):
+            raise _invalid("root", str(self.root), "give the directory to store checkpoints in")
+        host, sep, port = self.bind.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise _invalid("bind", self.bind, "use host:port, e.g. 0.0.0.0:50052 or 127.0.0.1:0")
+        if self.keep_latest < 1:
+            raise _invalid("keep_latest", self.keep_latest, "keep at least 1 checkpoint per run")
+        if self.max_blob_bytes < 1:
+            raise _invalid("max_blob_bytes", self.max_blob_bytes, "use a positive byte count")
+        if not _MIN_CHUNK_BYTES <= self.chunk_size_bytes <= _MAX_CHUNK_BYTES:
+            raise _invalid(
+                "chunk_size_bytes",
+                self.chunk_size_bytes,
+                f"use {_MIN_CHUNK_BYTES}..{_MAX_CHUNK_BYTES} bytes (524288 is a good default)",
+            )
+        if self.gc_grace_s < 0:
+            raise _invalid("gc_grace_s", self.gc_grace_s, "use 0 or more seconds")
+        if self.grace_s < 0:
+            raise _invalid("grace_s", self.grace_s, "use 0 or more seconds")
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise _invalid("log_level", self.log_level, "use DEBUG, INFO, WARNING or ERROR")
+        try:
+            store_lib.validate_failpoints(self.failpoints)
+        except ValueError as exc:
+            raise ValueError(f"failpoints: {exc} (flag --failpoints, env {FAILPOINTS_ENV})") from None
+
+
+def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointConfig:
+    """Builds the config from `argv` (flags win) and `environ`; exits with usage on bad input."""
+    parser = flags.EnvArgumentParser(
+        prog="python -m services.checkpoint",
+        description="The ddiloco checkpoint store: content-addressed blobs plus per-run "
+        "manifests that commit a checkpoint atomically, served over gRPC.",
+        environ=environ,
+    )
+    defaults = CheckpointConfig(root=pathlib.Path("."))
+
+    def add(field: str, help_text: str, **kwargs) -> None:
+        kwargs.setdefault("default", getattr(defaults, field))
+        parser.add_env_argument(_flag(field), env=_env(field), help=help_text, **kwargs)
+
+    add("root", "directory for blobs/ and manifests/ (required)", type=pathlib.Path,
+        default=None, required=True)
+    add("bind", "host:port to serve on; port 0 picks a free port")
+    add("keep_latest", "committed checkpoints kept per run; older ones are pruned", type=int)
+    add("max_blob_bytes", "largest blob accepted, in bytes", type=int)
+    add("chunk_size_bytes", "bytes of blob data per streamed message", type=int)
+    add("gc_grace_s", "seconds an unreferenced blob survives garbage collection (protects "
+        "checkpoints still uploading)", type=float)
+    add("log_level", "DEBUG, INFO, WARNING or ERROR")
+    add("json_logs", "log one JSON object per line (true/false)", type=flags.parse_bool,
+        metavar="BOOL")
+    add("ready_file", "write {address, pid, service} here once serving", type=pathlib.Path)
+    add("grace_s", "seconds in-flight RPCs may finish after SIGTERM", type=float)
+    parser.add_env_argument(
+        "--failpoints",
+        env=FAILPOINTS_ENV,
+        type=store_lib.parse_failpoints,
+        default={},
+        metavar="POINT=ACTION,...",
+        help="TESTS ONLY: crash or fail with ENOSPC at named store points, e.g. "
+        "store.after_tmp_write=crash,store.write=enospc",
+    )
+    args = parser.parse_args(list(argv))
+    try:
+        return CheckpointConfig(**vars(args))
+    except ValueError as exc:
+        parser.error(str(exc))

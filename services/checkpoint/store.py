@@ -1,0 +1,657 @@
+"""The checkpoint store's core: content-addressed blobs and per-run manifests on a local disk.
+
+Owns the on-disk layout, atomic writes, verification, retention and blob garbage collection.
+Must not import grpc: it raises `ddiloco.rpc.errors` domain errors, which the servicer maps to
+status codes.
+
+Layout under `root`:
+
+    blobs/<first 2 hex>/<sha256 hex>          immutable blob bytes
+    manifests/<run_id>/<step:020d>.json       one committed checkpoint of a run
+
+Every file is written as `<name>.tmp-<random>` in its target's directory, then flushed,
+fsynced, renamed over the target with `os.replace`, and the directory is fsynced (without
+that last step a crash can lose the rename). A checkpoint exists once its manifest is renamed
+into place: the manifest is written last and is the commit marker. Temp files left by a crash
+are removed when the store opens.
+
+Failpoints (fault tests only) make the process die (`crash`: `os._exit(137)`, like SIGKILL) or
+fail as if the disk were full (`enospc`) at a named point of every atomic write:
+
+    store.write                         before each write of data to a temp file
+    store.after_tmp_write               temp file complete and fsynced
+    store.before_rename                 just before os.replace
+    store.after_rename_before_dirsync   renamed, directory not yet fsynced
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from ddiloco.rpc import errors
+
+_LOG = logging.getLogger(__name__)
+
+FAILPOINTS: frozenset[str] = frozenset(
+    {"store.write", "store.after_tmp_write", "store.before_rename", "store.after_rename_before_dirsync"}
+)
+FAILPOINT_ACTIONS: frozenset[str] = frozenset({"crash", "enospc"})
+# The exit status of a process killed by SIGKILL, so a crash failpoint looks like one.
+CRASH_EXIT_CODE = 137
+
+DEFAULT_CHUNK_BYTES = 512 * 1024
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+# A run id becomes a directory name: no separators, no leading dot, bounded length.
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MANIFEST_RE = re.compile(r"(\d{20})\.json")
+_TMP_RE = re.compile(r".+\.tmp-[0-9a-f]+")
+_MANIFEST_FORMAT_VERSION = 1
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+# ---------------------------------------------------------------------------------------------
+# Retention policies (after orbax's PreservationPolicy): pure functions of the committed steps.
+
+
+class RetentionPolicy(Protocol):
+    """Decides which committed checkpoints of a run to keep."""
+
+    def should_preserve(self, steps: Sequence[int]) -> Sequence[bool]:
+        """For `steps` sorted ascending, returns one keep/drop decision per step."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LatestN:
+    """Keeps the `n` most recent checkpoints of a run."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"LatestN.n={self.n} would delete every checkpoint; use n >= 1")
+
+    def should_preserve(self, steps: Sequence[int]) -> Sequence[bool]:
+        first_kept = max(0, len(steps) - self.n)
+        return [i >= first_kept for i in range(len(steps))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Failpoints.
+
+
+def parse_failpoints(text: str) -> dict[str, str]:
+    """Parses `"store.after_tmp_write=crash,store.write=enospc"` (empty text: none).
+
+    Raises:
+      ValueError: an unknown point or action, or an entry without `=`.
+    """
+    points: dict[str, str] = {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, action = (s.strip() for s in entry.partition("="))
+        if not sep:
+            raise ValueError(f"failpoint {entry!r} has no action; write {entry}=crash or =enospc")
+        points[name] = action
+    validate_failpoints(points)
+    return points
+
+
+def validate_failpoints(points: Mapping[str, str]) -> None:
+    """Raises ValueError naming any unknown failpoint or action."""
+    for name, action in points.items():
+        if name not in FAILPOINTS:
+            raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(sorted(FAILPOINTS))}")
+        if action not in FAILPOINT_ACTIONS:
+            raise ValueError(f"failpoint {name}={action!r}: action must be crash or enospc")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and small filesystem helpers.
+
+
+def validate_digest(digest: str) -> str:
+    """Returns `digest` if it is 64 lowercase hex characters; raises InvalidArgument otherwise.
+
+    Every path built from a digest goes through here first.
+    """
+    if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+        raise errors.InvalidArgument(f"digest {digest!r} is not a lowercase hex sha256 (64 chars)")
+    return digest
+
+
+def validate_run_id(run_id: str) -> str:
+    """Returns `run_id` if it is a safe directory name; raises InvalidArgument otherwise."""
+    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
+        raise errors.InvalidArgument(
+            f"run_id {run_id!r} must be 1-128 characters of [A-Za-z0-9._-] starting with a "
+            "letter or digit"
+        )
+    return run_id
+
+
+def _tmp_path(target: pathlib.Path) -> pathlib.Path:
+    return target.with_name(f"{target.name}.tmp-{secrets.token_hex(8)}")
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _ensure_dir(path: pathlib.Path) -> None:
+    """Creates `path` (one level) durably: the new entry is fsynced into its parent."""
+    if path.is_dir():
+        return
+    with contextlib.suppress(FileExistsError):  # a concurrent writer created it first
+        path.mkdir()
+        _fsync_dir(path.parent)
+
+
+def _unlink_quietly(path: pathlib.Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+@contextlib.contextmanager
+def _disk_full_as_resource_exhausted(what: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in _DISK_FULL_ERRNOS:
+            raise errors.ResourceExhausted(f"{what}: no space left on the store's disk") from exc
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Blob streams.
+
+
+class BlobWriter:
+    """One blob being uploaded: stream `write()`s, then `commit()` or `abort()`.
+
+    The bytes go to a temp file and become visible only in `commit()`, after their size and
+    sha256 match the header. Any failure (or `abort()`, or leaving the `with` block without
+    committing) removes the temp file. When the store already holds the digest, the data is
+    hashed and checked but not written (`already_existed`).
+
+    NOTE: methods take a lock, so the servicer may call `abort()` from a cleanup path while a
+    `write()` is still running in a worker thread.
+    """
+
+    def __init__(self, store: BlobStore, digest: str, size_bytes: int, target: pathlib.Path):
+        self.digest = digest
+        self.size_bytes = size_bytes
+        self.already_existed = target.exists()
+        self.written_bytes = 0
+        self._store = store
+        self._target = target
+        self._hash = hashlib.sha256()
+        self._lock = threading.Lock()
+        self._done = False
+        self._tmp: pathlib.Path | None = None
+        self._file = None
+        if not self.already_existed:
+            with self._failing_aborts("creating a temp file"):
+                _ensure_dir(target.parent)
+                self._tmp = _tmp_path(target)
+                self._file = open(self._tmp, "xb")
+
+    def __enter__(self) -> BlobWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.abort()
+
+    def write(self, data: bytes) -> None:
+        """Appends `data`. Raises InvalidArgument past the declared size (and aborts)."""
+        with self._lock:
+            self._check_open()
+            if self.written_bytes + len(data) > self.size_bytes:
+                self._abort_locked()
+                raise errors.InvalidArgument(
+                    f"blob {self.digest}: more than the declared {self.size_bytes} bytes arrived"
+                )
+            self._hash.update(data)
+            self.written_bytes += len(data)
+            if self._file is not None:
+                with self._failing_aborts("writing"):
+                    self._store._failpoint("store.write")
+                    self._file.write(data)
+
+    def commit(self) -> bool:
+        """Verifies size and sha256, then makes the blob visible atomically.
+
+        Returns:
+          True if the store already held the blob (nothing was written).
+
+        Raises:
+          InvalidArgument: size or digest mismatch (the temp file is removed).
+          ResourceExhausted: the disk filled up (the temp file is removed).
+        """
+        with self._lock:
+            self._check_open()
+            if self.written_bytes != self.size_bytes:
+                self._abort_locked()
+                raise errors.InvalidArgument(
+                    f"blob {self.digest}: got {self.written_bytes} bytes, header declared "
+                    f"{self.size_bytes}"
+                )
+            actual = self._hash.hexdigest()
+            if actual != self.digest:
+                self._abort_locked()
+                raise errors.InvalidArgument(
+                    f"blob {self.digest}: the data hashes to {actual}; nothing was stored"
+                )
+            if self.already_existed:
+                self._done = True
+                self._store._touch(self._target)
+                return True
+            assert self._file is not None and self._tmp is not None
+            with self._failing_aborts("committing"):
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+                self._store._rename_into_place(self._tmp, self._target)
+            self._done = True
+            return False
+
+    def abort(self) -> None:
+        """Discards the upload and its temp file; a no-op after commit or a previous abort."""
+        with self._lock:
+            self._abort_locked()
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise errors.FailedPrecondition(f"blob {self.digest}: upload already finished")
+
+    def _abort_locked(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+        if self._tmp is not None:
+            _unlink_quietly(self._tmp)
+
+    @contextlib.contextmanager
+    def _failing_aborts(self, what: str) -> Iterator[None]:
+        try:
+            with _disk_full_as_resource_exhausted(f"blob {self.digest}: {what}"):
+                yield
+        except BaseException:
+            self._abort_locked()
+            raise
+
+
+class BlobReader:
+    """An open blob whose full content was verified against its digest on open.
+
+    `read()` streams the same open file again and re-hashes it; if the bytes changed after the
+    first pass, the final `read()` raises DataLoss instead of signalling a clean end. So a
+    caller never sees a complete blob that does not match its digest, while memory stays at one
+    chunk (the cost is reading the blob twice; the second pass is usually page cache).
+
+    NOTE: methods take a lock, so `close()` may run while a `read()` is in a worker thread.
+    """
+
+    def __init__(self, path: pathlib.Path, digest: str):
+        self.digest = digest
+        self._lock = threading.Lock()
+        try:
+            self._file = open(path, "rb")
+        except FileNotFoundError:
+            raise errors.NotFound(f"blob {digest} not found") from None
+        try:
+            first_pass = hashlib.sha256()
+            while chunk := self._file.read(DEFAULT_CHUNK_BYTES):
+                first_pass.update(chunk)
+            if first_pass.hexdigest() != digest:
+                raise errors.DataLoss(
+                    f"blob {digest}: stored bytes hash to {first_pass.hexdigest()}"
+                )
+            self.size_bytes = self._file.tell()
+            self._file.seek(0)
+        except BaseException:
+            self._file.close()
+            raise
+        self._hash = hashlib.sha256()
+        self._read_bytes = 0
+
+    def __enter__(self) -> BlobReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def read(self, max_bytes: int) -> bytes:
+        """The next chunk, or b"" at a verified end. Raises DataLoss if the bytes changed."""
+        with self._lock:
+            chunk = self._file.read(max_bytes)
+            self._hash.update(chunk)
+            self._read_bytes += len(chunk)
+            if not chunk and (
+                self._hash.hexdigest() != self.digest or self._read_bytes != self.size_bytes
+            ):
+                raise errors.DataLoss(f"blob {self.digest}: stored bytes changed while reading")
+            return chunk
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The store.
+
+
+class BlobStore:
+    """Content-addressed blobs plus manifests that commit a set of blobs as one checkpoint.
+
+    Thread-safe: the servicer calls it from worker threads. Commits, retention, garbage
+    collection and the GC-protecting touches of `stat`/re-uploads are serialized by one lock.
+
+    Args:
+      root: the directory holding `blobs/` and `manifests/` (created if missing).
+      retention: which manifests of a run to keep after each commit.
+      max_blob_bytes: larger uploads fail with ResourceExhausted.
+      gc_grace_s: unreferenced blobs younger than this survive GC. Blobs of a checkpoint being
+        uploaded are referenced by no manifest until it commits; the grace period protects them.
+      failpoints: fault-injection points (see the module docstring); tests only.
+      clock: returns the current unix time in seconds; injectable for tests.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        retention: RetentionPolicy = LatestN(5),
+        max_blob_bytes: int = 2 * 1024**3,
+        gc_grace_s: float = 3600.0,
+        failpoints: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.root = pathlib.Path(root)
+        self._blobs = self.root / "blobs"
+        self._manifests = self.root / "manifests"
+        self._retention = retention
+        self._max_blob_bytes = max_blob_bytes
+        self._gc_grace_s = gc_grace_s
+        self._failpoints = dict(failpoints or {})
+        validate_failpoints(self._failpoints)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.root.mkdir(parents=True, exist_ok=True)
+        _ensure_dir(self._blobs)
+        _ensure_dir(self._manifests)
+        self.removed_tmp_files = self._remove_tmp_files()
+
+    # -- blobs --------------------------------------------------------------------------------
+
+    def begin_blob(self, digest: str, size_bytes: int) -> BlobWriter:
+        """Starts an upload of `size_bytes` bytes that must hash to `digest`.
+
+        Raises:
+          InvalidArgument: malformed digest or negative size.
+          ResourceExhausted: the blob is larger than `max_blob_bytes`, or the disk is full.
+        """
+        validate_digest(digest)
+        if size_bytes < 0:
+            raise errors.InvalidArgument(f"blob {digest}: negative size {size_bytes}")
+        if size_bytes > self._max_blob_bytes:
+            raise errors.ResourceExhausted(
+                f"blob {digest}: {size_bytes} bytes exceeds the store's limit of "
+                f"{self._max_blob_bytes} bytes"
+            )
+        return BlobWriter(self, digest, size_bytes, self._blob_path(digest))
+
+    def put_blob(self, data: bytes) -> tuple[str, bool]:
+        """Stores `data` in one go. Returns (digest, already_existed)."""
+        digest = hashlib.sha256(data).hexdigest()
+        with self.begin_blob(digest, len(data)) as writer:
+            writer.write(data)
+            return digest, writer.commit()
+
+    def open_blob(self, digest: str) -> BlobReader:
+        """Opens a blob after verifying all of its bytes (NotFound, DataLoss)."""
+        return BlobReader(self._blob_path(validate_digest(digest)), digest)
+
+    def read_blob(self, digest: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+        """Yields the blob in chunks; nothing is yielded unless the whole blob verified first.
+
+        Raises (on the first `next()`): NotFound, DataLoss; DataLoss at the end if the bytes
+        changed while being read.
+        """
+        with self.open_blob(digest) as reader:
+            while chunk := reader.read(chunk_bytes):
+                yield chunk
+
+    def stat(self, digests: Iterable[str]) -> set[str]:
+        """The subset of `digests` the store holds.
+
+        Each present blob counts as fresh for the GC grace period, so a client that skips
+        uploading it can still reference it in a manifest.
+        """
+        wanted = [validate_digest(d) for d in digests]
+        with self._lock:
+            return {d for d in wanted if self._touch_locked(self._blob_path(d))}
+
+    # -- manifests ----------------------------------------------------------------------------
+
+    def commit_manifest(self, manifest: Mapping[str, Any]) -> tuple[int, int]:
+        """Commits one checkpoint: `{"run_id", "step", "blobs": [{"name", "digest",
+        "size_bytes"}], "metadata": {str: str}, "created_unix_s" (optional)}`.
+
+        Re-committing a run's latest step with the same blobs and metadata is a no-op success,
+        so a client may retry a commit whose response it never received.
+
+        Returns:
+          (step, number of this run's manifests pruned by the retention policy).
+
+        Raises:
+          InvalidArgument: malformed run id, digest, duplicate blob name or wrong blob size.
+          FailedPrecondition: a referenced blob is missing, or step <= the latest step.
+          ResourceExhausted: the disk is full (the previous checkpoints are untouched).
+        """
+        record = self._normalize_manifest(manifest)
+        run_id, step = record["run_id"], record["step"]
+        with self._lock:
+            for ref in record["blobs"]:
+                try:
+                    stored_bytes = self._blob_path(ref["digest"]).stat().st_size
+                except FileNotFoundError:
+                    raise errors.FailedPrecondition(
+                        f"run {run_id} step {step}: blob {ref['name']!r} ({ref['digest']}) is "
+                        "not in the store; upload it before committing"
+                    ) from None
+                if stored_bytes != ref["size_bytes"]:
+                    raise errors.InvalidArgument(
+                        f"run {run_id} step {step}: blob {ref['name']!r} is {stored_bytes} bytes, "
+                        f"the manifest says {ref['size_bytes']}"
+                    )
+            steps = self._steps(run_id)
+            if steps and step <= steps[-1]:
+                if step == steps[-1] and self._same_content(self._load(run_id, step), record):
+                    return step, 0
+                raise errors.FailedPrecondition(
+                    f"run {run_id}: step {step} is not after the latest committed step "
+                    f"{steps[-1]}"
+                )
+            run_dir = self._manifests / run_id
+            _ensure_dir(run_dir)
+            data = json.dumps({"format_version": _MANIFEST_FORMAT_VERSION, **record}, indent=1)
+            self._write_atomic(self._manifest_path(run_id, step), data.encode())
+            pruned = self._apply_retention(run_id, [*steps, step])
+            self._collect_garbage()
+        _LOG.info("committed run=%s step=%d pruned=%d", run_id, step, pruned)
+        return step, pruned
+
+    def latest_manifest(self, run_id: str) -> dict[str, Any] | None:
+        """The latest committed manifest of `run_id`, or None."""
+        steps = self._steps(validate_run_id(run_id))
+        return self._load(run_id, steps[-1]) if steps else None
+
+    def list_manifests(self, run_id: str) -> list[dict[str, Any]]:
+        """The retained manifests of `run_id`, oldest first."""
+        steps = self._steps(validate_run_id(run_id))
+        return [self._load(run_id, step) for step in steps]
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _blob_path(self, digest: str) -> pathlib.Path:
+        return self._blobs / digest[:2] / digest
+
+    def _manifest_path(self, run_id: str, step: int) -> pathlib.Path:
+        return self._manifests / run_id / f"{step:020d}.json"
+
+    def _failpoint(self, name: str) -> None:
+        action = self._failpoints.get(name)
+        if action == "crash":
+            _LOG.error("failpoint %s: exiting with %d", name, CRASH_EXIT_CODE)
+            os._exit(CRASH_EXIT_CODE)
+        if action == "enospc":
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (failpoint {name})")
+
+    def _rename_into_place(self, tmp: pathlib.Path, target: pathlib.Path) -> None:
+        self._failpoint("store.after_tmp_write")
+        self._failpoint("store.before_rename")
+        os.replace(tmp, target)
+        self._failpoint("store.after_rename_before_dirsync")
+        _fsync_dir(target.parent)
+
+    def _write_atomic(self, target: pathlib.Path, data: bytes) -> None:
+        tmp = _tmp_path(target)
+        try:
+            with _disk_full_as_resource_exhausted(f"writing {target.name}"):
+                with open(tmp, "xb") as f:
+                    self._failpoint("store.write")
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self._rename_into_place(tmp, target)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+
+    def _touch_locked(self, path: pathlib.Path) -> bool:
+        try:
+            os.utime(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _touch(self, path: pathlib.Path) -> None:
+        with self._lock:
+            self._touch_locked(path)
+
+    def _remove_tmp_files(self) -> int:
+        removed = 0
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                if _TMP_RE.fullmatch(name):
+                    _unlink_quietly(pathlib.Path(dirpath, name))
+                    removed += 1
+        if removed:
+            _LOG.warning("removed %d temp files left by an interrupted write", removed)
+        return removed
+
+    def _normalize_manifest(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        run_id = validate_run_id(manifest.get("run_id", ""))
+        step = manifest.get("step")
+        if not isinstance(step, int) or not 0 <= step < 10**20:
+            raise errors.InvalidArgument(f"run {run_id}: step {step!r} is not an integer >= 0")
+        blobs = []
+        for ref in manifest.get("blobs", ()):
+            size = ref.get("size_bytes")
+            if not isinstance(size, int) or size < 0:
+                raise errors.InvalidArgument(f"run {run_id}: blob size {size!r} is invalid")
+            blobs.append(
+                {"name": str(ref.get("name", "")), "digest": validate_digest(ref.get("digest")),
+                 "size_bytes": size}
+            )
+        names = [b["name"] for b in blobs]
+        if len(set(names)) != len(names):
+            raise errors.InvalidArgument(f"run {run_id} step {step}: duplicate blob names")
+        metadata = dict(manifest.get("metadata") or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise errors.InvalidArgument(f"run {run_id} step {step}: metadata must map str to str")
+        created = float(manifest.get("created_unix_s") or 0.0) or self._clock()
+        return {"run_id": run_id, "step": step, "created_unix_s": created, "blobs": blobs,
+                "metadata": metadata}
+
+    @staticmethod
+    def _same_content(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+        return a["blobs"] == b["blobs"] and a["metadata"] == b["metadata"]
+
+    def _steps(self, run_id: str) -> list[int]:
+        try:
+            names = os.listdir(self._manifests / run_id)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for m in map(_MANIFEST_RE.fullmatch, names) if m)
+
+    def _load(self, run_id: str, step: int) -> dict[str, Any]:
+        path = self._manifest_path(run_id, step)
+        try:
+            record = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            # Pruned between listing and reading.
+            raise errors.NotFound(f"run {run_id}: manifest for step {step} is gone") from None
+        except ValueError as exc:
+            raise errors.DataLoss(f"run {run_id}: manifest {path.name} is unreadable: {exc}")
+        if record.pop("format_version", None) != _MANIFEST_FORMAT_VERSION:
+            raise errors.DataLoss(f"run {run_id}: manifest {path.name} has an unknown format")
+        return record
+
+    def _apply_retention(self, run_id: str, steps: list[int]) -> int:
+        """Removes the manifests the policy drops. NOTE: call with the lock held."""
+        dropped = [s for s, keep in zip(steps, self._retention.should_preserve(steps)) if not keep]
+        for step in dropped:
+            _unlink_quietly(self._manifest_path(run_id, step))
+        if dropped:
+            _fsync_dir(self._manifests / run_id)
+        return len(dropped)
+
+    def _collect_garbage(self) -> int:
+        """Deletes blobs no retained manifest of any run references, once past the grace period.
+
+        NOTE: call with the lock held. If any manifest is unreadable, nothing is deleted: the
+        store cannot tell what that manifest references.
+        """
+        referenced: set[str] = set()
+        try:
+            for run_dir in self._manifests.iterdir():
+                if run_dir.is_dir() and _RUN_ID_RE.fullmatch(run_dir.name):
+                    for step in self._steps(run_dir.name):
+                        referenced.update(b["digest"] for b in self._load(run_dir.name, step)["blobs"])
+        except errors.ServiceError as exc:
+            _LOG.error("blob GC skipped: %s", exc)
+            return 0
+        cutoff_s = self._clock() - self._gc_grace_s
+        removed = 0
+        for path in self._blobs.glob("??/*"):
+            if not _DIGEST_RE.fullmatch(path.name) or path.name in referenced:
+                continue  # temp files and referenced blobs
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_mtime < cutoff_s:
+                    path.unlink()
+                    removed += 1
+        if removed:
+            _LOG.info("blob GC removed %d unreferenced blobs", removed)
+        return removed

@@ -1,0 +1,1 @@
+"""Learner service: runs inner AdamW steps on its shard and syncs fragments with the syncer."""

@@ -1,0 +1,133 @@
+"""Runs one learner: `python -m services.learner --help` (or `ddiloco learner`).
+
+Wiring only: join the syncer (which owns the run configuration and the model choice), load this
+learner's data shard, then train until --steps or SIGTERM while the SyncClient syncs fragments in
+the background. Exit status: 0 done, 3 could not join, 4 fenced off by a newer life.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+
+from ddiloco import logs, models
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.data import corpus
+from ddiloco.wire import serde
+from services.learner import client as client_lib
+from services.learner import config as config_lib
+from services.learner import loop as loop_lib
+from services.learner import train as train_lib
+
+_LOG = logging.getLogger("ddiloco.learner")
+
+
+def load_split(data_dir: str, max_bytes: int, num_shards: int, heldout_fraction: float) -> corpus.CorpusSplit:
+    """The deterministic corpus split shared by learners and the evaluator."""
+    if data_dir:
+        docs = corpus.load_text_directory(data_dir, max_bytes=max_bytes)
+        return corpus.split_corpus(docs, num_shards, heldout_fraction, source_name=data_dir)
+    docs = corpus.load_stdlib_documents(max_bytes=max_bytes)
+    return corpus.split_corpus(docs, num_shards, heldout_fraction, source_name=corpus.STDLIB_SOURCE_NAME)
+
+
+def run(cfg: config_lib.LearnerConfig) -> int:
+    incarnation = cfg.incarnation or time.time_ns()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    client = client_lib.SyncClient(
+        client_lib.ClientConfig(
+            target=cfg.syncer, learner_id=cfg.learner_id, incarnation=incarnation, region=cfg.region,
+            tokens_per_step=0, call_timeout_s=cfg.call_timeout_s, retry_bound_s=cfg.retry_bound_s,
+            progress_interval_s=cfg.progress_interval_s,
+        )
+    )
+    try:
+        run_config = client.start(cfg.join_timeout_s)
+    except client_lib.FencedError as exc:
+        _LOG.error(str(exc))
+        client.close(leave=False)
+        return 4
+    except TimeoutError as exc:
+        _LOG.error(str(exc))
+        client.close(leave=False)
+        return 3
+    model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
+    if models.model_fingerprint(model) != run_config.model_fingerprint:
+        _LOG.error("this learner builds a different model than the syncer's (fingerprint mismatch)")
+        client.close(leave=False)
+        return 4
+    plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
+    split = load_split(cfg.data_dir, cfg.max_corpus_bytes, cfg.num_shards, cfg.heldout_fraction)
+    shard = cfg.resolved_shard_index
+    sampler = corpus.BatchSampler(split.shards[shard], cfg.batch_size, model.seq_len,
+                                  seed=int(np.random.SeedSequence([cfg.seed, shard, incarnation]).generate_state(1)[0]))
+    optimizer = train_lib.make_inner_optimizer(
+        train_lib.InnerOptConfig(learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+                                 weight_decay=cfg.weight_decay)
+    )
+    # Start from zeros of the right shapes; the global fragments overwrite every tensor before
+    # the first step (client.start waited for all of them).
+    params = {k: np.zeros(v.shape, np.float32) for k, v in model.init(jax.random.PRNGKey(0)).items()}
+    rng = random.Random(incarnation)
+    delay = None
+    if cfg.step_delay_s:
+        delay = lambda: cfg.step_delay_s * (1.0 + cfg.step_jitter * rng.uniform(-1.0, 1.0))  # noqa: E731
+    loop = loop_lib.LearnerLoop(
+        plan=plan, params=params, train_step=train_lib.TrainStep(model, optimizer), sampler=sampler, client=client,
+        learner_id=cfg.learner_id, incarnation=incarnation, mixing_alpha=run_config.mixing_alpha, step_delay_s=delay,
+    )
+    loop.apply_updates()
+    _LOG.info(
+        f"learner {cfg.learner_id} training",
+        extra={"fields": {"incarnation": incarnation, "shard": shard, "data": split.source, "syncer": cfg.syncer,
+                          "fragments": plan.num_fragments, "H": plan.sync_period_steps}},
+    )
+    started = time.monotonic()
+    while not stop.is_set() and (cfg.steps == 0 or loop.stats.steps < cfg.steps):
+        if client.fenced:
+            _LOG.error(str(client.fenced))
+            client.close(leave=False)
+            return 4
+        loss = loop.step()
+        if loop.stats.steps % cfg.log_every_steps == 0:
+            _LOG.info(
+                "step",
+                extra={"fields": {"learner": cfg.learner_id, "step": loop.stats.steps, "loss": round(float(loss), 4),
+                                  "step_s": round(loop.stats.step_time_ema.value or 0.0, 3),
+                                  "held": {f: v for f, (_, v) in sorted(loop.held.items())}}},
+            )
+    # Let the last queued uploads go out (bounded) before leaving.
+    client.flush(timeout_s=min(10.0, cfg.retry_bound_s))
+    client.close(leave=True)
+    summary = {
+        "learner_id": cfg.learner_id, "incarnation": incarnation, "steps": loop.stats.steps,
+        "tokens": loop.stats.tokens, "first_loss": loop.stats.first_loss, "last_loss_ema": loop.stats.loss_ema.value,
+        "wall_s": round(time.monotonic() - started, 3), "uploads_queued": loop.stats.uploads_queued,
+        "fragments_applied": loop.stats.fragments_applied, "client": vars(client.stats),
+    }
+    _LOG.info("done", extra={"fields": summary})
+    if cfg.summary_file:
+        with open(cfg.summary_file, "w") as f:
+            json.dump(summary, f)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_lib.parse_learner_config(sys.argv[1:] if argv is None else argv, os.environ)
+    logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""SyncClient: the learner's connection to the syncer, run beside the training loop.
+
+The training loop never waits on the network. It talks to this client through three
+non-blocking, thread-safe calls: `submit_upload` (latest job per fragment wins), `take_updates`
+(the newest global version of each fragment received since the last call) and `set_progress`
+(the latest metadata snapshot, sent coalesced). Everything else happens on the client's own
+asyncio loop in a background thread:
+
+- a session supervisor that joins, then runs the fragment watch stream, the progress reporter and
+  the uploader; when the session breaks (syncer restart, network loss) it re-joins with jittered,
+  capped backoff for as long as the learner runs, while training goes on;
+- bounded retries (tenacity) of idempotent calls on UNAVAILABLE / DEADLINE_EXCEEDED;
+- a deadline on every call: unary calls get `call_timeout_s`, uploads a deadline scaled by their
+  size, and the watch stream is re-opened every `watch_stream_max_s` (it is resumable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import logging
+import random
+import threading
+
+import grpc
+import numpy as np
+
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.rpc import retry as retry_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import serde
+
+_LOG = logging.getLogger("ddiloco.learner")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    target: str
+    learner_id: str
+    incarnation: int
+    region: str
+    tokens_per_step: int
+    model_fingerprint: str = ""
+    call_timeout_s: float = 10.0  # deadline of unary calls
+    retry_bound_s: float = 30.0  # overall bound of one call's retries
+    upload_min_bandwidth_bytes_per_s: float = 1e6  # upload deadline = base + size / this
+    watch_stream_max_s: float = 600.0  # deadline of one watch stream; it is then resumed
+    progress_interval_s: float = 0.25
+    reconnect_max_backoff_s: float = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadJob:
+    fragment_id: int
+    base_version: int
+    syncer_instance: str
+    steps: int
+    tokens: int
+    delta: np.ndarray  # flat float32: global base - local
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalFragment:
+    fragment_id: int
+    version: int
+    syncer_instance: str
+    values: np.ndarray  # flat float32
+
+
+@dataclasses.dataclass
+class ClientStats:
+    uploads_accepted: int = 0
+    uploads_duplicate: int = 0
+    uploads_failed: int = 0
+    uploads_refused: int = 0
+    fragments_received: int = 0
+    sessions: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class FencedError(RuntimeError):
+    """A newer life of this learner joined: this process must stop."""
+
+
+class _SessionBroken(Exception):
+    """The session must be re-established (re-join, new watch stream)."""
+
+
+class SyncClient:
+    """See the module docstring. Start with `start()`, stop with `close()`."""
+
+    def __init__(self, cfg: ClientConfig) -> None:
+        self.cfg = cfg
+        self.stats = ClientStats()
+        self.run_config: syncer_pb2.RunConfig | None = None
+        self.instance = ""
+        self._lock = threading.Lock()
+        self._inbox: dict[int, GlobalFragment] = {}
+        self._held: dict[int, int] = {}  # versions received (of self.instance)
+        self._uploads: dict[int, UploadJob] = {}
+        self._progress: syncer_pb2.ReportProgressRequest | None = None
+        self._progress_sent: syncer_pb2.ReportProgressRequest | None = None
+        self.fenced: FencedError | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sync-client", daemon=True)
+        self._upload_wakeup: asyncio.Event | None = None
+        self._closing = False
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: syncer_pb2_grpc.SyncerStub | None = None
+        self._supervisor: asyncio.Future | None = None
+        self._joined = threading.Event()
+        self._uploading = False
+
+    # ---------------------------------------------------------------- training-thread API
+
+    def start(self, timeout_s: float) -> syncer_pb2.RunConfig:
+        """Joins and waits until every global fragment has arrived (bounded by timeout_s).
+
+        Raises TimeoutError if the syncer cannot be reached in time, FencedError if refused.
+        """
+        self._thread.start()
+        self._supervisor = asyncio.run_coroutine_threadsafe(self._supervise(), self._loop)
+        if not self._joined.wait(timeout_s):
+            raise TimeoutError(f"could not join the syncer at {self.cfg.target} within {timeout_s:.0f} s")
+        if self.fenced:
+            raise self.fenced
+        deadline = threading.Event()
+        waited = 0.0
+        while waited < timeout_s:
+            with self._lock:
+                if self.run_config is not None and len(self._inbox) >= self.run_config.num_fragments:
+                    return self.run_config
+            if self.fenced:
+                raise self.fenced
+            deadline.wait(0.05)
+            waited += 0.05
+        raise TimeoutError(f"did not receive the global parameters within {timeout_s:.0f} s")
+
+    def submit_upload(self, job: UploadJob) -> None:
+        """Queues an upload; a queued, not yet started upload of the same fragment is replaced."""
+        with self._lock:
+            self._uploads[job.fragment_id] = job
+        if self._upload_wakeup is not None:
+            self._loop.call_soon_threadsafe(self._upload_wakeup.set)
+
+    def take_updates(self) -> list[GlobalFragment]:
+        """The newest received version of each fragment since the last call (never blocks)."""
+        with self._lock:
+            out = list(self._inbox.values())
+            self._inbox.clear()
+        return out
+
+    def flush(self, timeout_s: float) -> bool:
+        """Waits (bounded) until queued uploads are sent or abandoned; True if the queue drained."""
+        waited_s = 0.0
+        while waited_s < timeout_s:
+            with self._lock:
+                if not self._uploads and not self._uploading:
+                    return True
+            threading.Event().wait(0.05)
+            waited_s += 0.05
+        return False
+
+    def set_progress(self, request: syncer_pb2.ReportProgressRequest) -> None:
+        with self._lock:
+            self._progress = request
+
+    def close(self, *, leave: bool, timeout_s: float = 5.0) -> None:
+        """Stops the client; with `leave`, tells the syncer first (best effort, bounded)."""
+        if not self._thread.is_alive():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._shutdown(leave), self._loop)
+        try:
+            fut.result(timeout_s)
+        except Exception as exc:  # shutting down: report and carry on
+            _LOG.warning(f"sync client shutdown: {exc!r}")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+
+    # ---------------------------------------------------------------- client-loop internals
+
+    async def _shutdown(self, leave: bool) -> None:
+        self._closing = True
+        if leave and self._stub is not None and self.instance:
+            try:
+                await self._stub.Leave(
+                    syncer_pb2.LeaveRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=self.cfg.learner_id,
+                                            incarnation=self.cfg.incarnation),
+                    timeout=self.cfg.call_timeout_s,
+                )
+            except grpc.RpcError as exc:
+                _LOG.info(f"leave not acknowledged: {exc.code().name}")
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _supervise(self) -> None:
+        self._upload_wakeup = asyncio.Event()
+        self._channel = channel_lib.aio_channel(self.cfg.target)
+        self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
+        failures = 0
+        while not self._closing:
+            try:
+                await self._join()
+                failures = 0
+                self.stats.sessions += 1
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(self._watch())
+                    group.create_task(self._report_progress())
+                    group.create_task(self._upload_loop())
+            except FencedError as exc:
+                self.fenced = exc
+                self._joined.set()
+                _LOG.error(str(exc))
+                return
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - any session failure leads to a re-join
+                cause = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
+                if isinstance(cause, FencedError):
+                    self.fenced = cause
+                    self._joined.set()
+                    _LOG.error(str(cause))
+                    return
+                failures += 1
+                detail = cause.code().name if isinstance(cause, grpc.RpcError) else repr(cause)
+                _LOG.warning(f"session with the syncer broke ({detail}); re-joining")
+            # Jittered, capped exponential backoff: a restarting syncer is not stampeded.
+            delay_s = min(self.cfg.reconnect_max_backoff_s, 0.2 * 2 ** min(failures, 6))
+            await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
+
+    async def _join(self) -> None:
+        request = syncer_pb2.JoinRequest(
+            protocol_version=serde.PROTOCOL_VERSION,
+            learner_id=self.cfg.learner_id,
+            incarnation=self.cfg.incarnation,
+            region=self.cfg.region,
+            tokens_per_step=self.cfg.tokens_per_step,
+            model_fingerprint=self.cfg.model_fingerprint,
+        )
+        async for attempt in retry_lib.async_retrying(
+            what=f"Join {self.cfg.target}", timeout=datetime.timedelta(seconds=self.cfg.retry_bound_s), idempotent=True
+        ):
+            with attempt:
+                try:
+                    response = await self._stub.Join(request, timeout=self.cfg.call_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        raise FencedError(f"the syncer refused this learner: {exc.details()}") from None
+                    raise
+        self.stats.bytes_sent += request.ByteSize()
+        self.stats.bytes_received += response.ByteSize()
+        with self._lock:
+            if response.syncer_instance != self.instance:
+                # Versions are only meaningful within one syncer life: start from the full model.
+                self._held.clear()
+                if self.instance:
+                    _LOG.info("syncer restarted (new instance): re-syncing every fragment")
+            self.instance = response.syncer_instance
+            self.run_config = response.config
+        self._joined.set()
+
+    async def _watch(self) -> None:
+        with self._lock:
+            held = dict(self._held)
+        request = syncer_pb2.WatchFragmentsRequest(
+            protocol_version=serde.PROTOCOL_VERSION, learner_id=self.cfg.learner_id,
+            incarnation=self.cfg.incarnation, syncer_instance=self.instance, held=serde.versions_to_proto(held),
+        )
+        call = self._stub.WatchFragments(request, timeout=self.cfg.watch_stream_max_s)
+        header = None
+        assembler = None
+        try:
+            async for msg in call:
+                self.stats.bytes_received += msg.ByteSize()
+                if msg.WhichOneof("kind") == "header":
+                    header = msg.header
+                    assembler = serde.ChunkAssembler(header.payload.payload_size_bytes)
+                    continue
+                if assembler is None:
+                    raise _SessionBroken("payload chunk without a header in the watch stream")
+                assembler.add(msg.chunk)
+                if assembler.done:
+                    await self._receive(header, assembler.payload())
+                    header = assembler = None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise _SessionBroken("watch stream reached its deadline; resuming") from None
+            raise
+        raise _SessionBroken("the syncer ended the watch stream")
+
+    async def _receive(self, header: syncer_pb2.GlobalFragmentHeader, payload: bytes) -> None:
+        info = header.payload
+        values = await asyncio.to_thread(
+            codec_lib.decode, payload, codec=serde.codec_from_proto(info.codec), numel=int(info.numel),
+            raw_size_bytes=int(info.raw_size_bytes), checksum=bytes(info.checksum),
+            block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
+        )
+        update = GlobalFragment(header.fragment_id, header.version, header.syncer_instance, values)
+        with self._lock:
+            if header.syncer_instance != self.instance:
+                return
+            self._inbox[header.fragment_id] = update
+            self._held[header.fragment_id] = header.version
+        self.stats.fragments_received += 1
+
+    async def _report_progress(self) -> None:
+        while True:
+            with self._lock:
+                request = self._progress
+            if request is not None and request is not self._progress_sent:
+                try:
+                    await self._stub.ReportProgress(request, timeout=self.cfg.call_timeout_s)
+                    self.stats.bytes_sent += request.ByteSize()
+                    self._progress_sent = request
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        raise _SessionBroken(f"progress refused: {exc.details()}") from None
+                    # Transient: the next snapshot is sent on the next tick; the watch stream
+                    # notices a dead syncer on its own.
+            await asyncio.sleep(self.cfg.progress_interval_s)
+
+    async def _upload_loop(self) -> None:
+        while True:
+            await self._upload_wakeup.wait()
+            self._upload_wakeup.clear()
+            while True:
+                with self._lock:
+                    if not self._uploads:
+                        break
+                    fid = min(self._uploads)
+                    job = self._uploads.pop(fid)
+                    self._uploading = True
+                try:
+                    await self._upload(job)
+                finally:
+                    self._uploading = False
+
+    async def _upload(self, job: UploadJob) -> None:
+        cfg = self.run_config
+        if job.syncer_instance != self.instance:
+            self.stats.uploads_refused += 1
+            return  # based on another syncer life: worthless
+        codec = serde.codec_from_proto(cfg.upload_codec)
+        try:
+            encoded = await asyncio.to_thread(
+                codec_lib.encode, job.delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
+            )
+        except codec_lib.NonFiniteError as exc:
+            self.stats.uploads_refused += 1
+            _LOG.error(f"fragment {job.fragment_id} not sent: {exc}")
+            return
+        header = syncer_pb2.UploadHeader(
+            protocol_version=serde.PROTOCOL_VERSION, learner_id=self.cfg.learner_id, incarnation=self.cfg.incarnation,
+            fragment_id=job.fragment_id, base_version=job.base_version, syncer_instance=job.syncer_instance,
+            steps=job.steps, tokens=job.tokens, payload=serde.payload_info_to_proto(encoded),
+        )
+        messages = [syncer_pb2.UploadFragmentRequest(header=header)] + [
+            syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(encoded.payload, cfg.chunk_size_bytes)
+        ]
+        wire_bytes = sum(m.ByteSize() for m in messages)
+        timeout_s = self.cfg.call_timeout_s + wire_bytes / self.cfg.upload_min_bandwidth_bytes_per_s
+        try:
+            async for attempt in retry_lib.async_retrying(
+                what=f"upload fragment {job.fragment_id}", timeout=datetime.timedelta(seconds=self.cfg.retry_bound_s),
+                idempotent=True,  # keyed on (learner, incarnation, fragment, base): never applied twice
+            ):
+                with attempt:
+                    with self._lock:
+                        superseded = job.fragment_id in self._uploads
+                    if superseded:
+                        return  # a newer pseudo-gradient of this fragment is queued; send that one
+                    self.stats.bytes_sent += wire_bytes
+                    response = await self._stub.UploadFragment(iter(messages), timeout=timeout_s)
+        except retry_lib.RetriesExhausted as exc:
+            self.stats.uploads_failed += 1
+            _LOG.warning(str(exc))
+            raise _SessionBroken("uploads keep failing") from None
+        except grpc.aio.AioRpcError as exc:
+            self.stats.uploads_refused += 1
+            code = exc.code()
+            _LOG.info(f"fragment {job.fragment_id} base {job.base_version} refused: {code.name}: {exc.details()}")
+            if code == grpc.StatusCode.FAILED_PRECONDITION and ("fenced" in exc.details() or "Join" in exc.details()):
+                raise _SessionBroken("the syncer no longer knows this learner") from None
+            return
+        if response.result == syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE:
+            self.stats.uploads_duplicate += 1
+        else:
+            self.stats.uploads_accepted += 1

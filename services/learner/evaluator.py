@@ -1,0 +1,165 @@
+"""The evaluator: held-out loss of the syncer's GLOBAL parameters, reported to the syncer.
+
+It watches the global fragments as an observer (no membership, never counted in a quorum),
+assembles the full model whenever it evaluates, and reports the loss with the evaluated versions
+(`ReportEval`), so the training state and `ddiloco status` show the curve.
+Run it with `python -m services.learner.evaluator` or `ddiloco evaluate` (`--once` for one number).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+
+from ddiloco import logs, models
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.data import corpus
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import serde
+from services.learner import config as config_lib
+from services.learner import train as train_lib
+
+_LOG = logging.getLogger("ddiloco.evaluator")
+
+
+class GlobalModelWatcher:
+    """Keeps the newest version of every global fragment, from a WatchFragments stream."""
+
+    def __init__(self, stub: syncer_pb2_grpc.SyncerStub, num_fragments: int) -> None:
+        self._stub = stub
+        self.values: dict[int, np.ndarray] = {}
+        self.versions: dict[int, int] = {}
+        self.instance = ""
+        self._num = num_fragments
+        self.complete = asyncio.Event()
+
+    async def run(self, stream_timeout_s: float) -> None:
+        """Consumes one watch stream until it ends or reaches its deadline."""
+        held = serde.versions_to_proto(self.versions)
+        call = self._stub.WatchFragments(
+            syncer_pb2.WatchFragmentsRequest(protocol_version=serde.PROTOCOL_VERSION, syncer_instance=self.instance, held=held),
+            timeout=stream_timeout_s,
+        )
+        header, assembler = None, None
+        async for msg in call:
+            if msg.WhichOneof("kind") == "header":
+                header = msg.header
+                assembler = serde.ChunkAssembler(header.payload.payload_size_bytes)
+                continue
+            assembler.add(msg.chunk)
+            if assembler.done:
+                info = header.payload
+                self.values[header.fragment_id] = codec_lib.decode(
+                    assembler.payload(), codec=serde.codec_from_proto(info.codec), numel=int(info.numel),
+                    raw_size_bytes=int(info.raw_size_bytes), checksum=bytes(info.checksum),
+                    block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
+                )
+                self.versions[header.fragment_id] = header.version
+                self.instance = header.syncer_instance
+                if len(self.values) == self._num:
+                    self.complete.set()
+
+
+async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) -> dict | None:
+    channel = channel_lib.aio_channel(cfg.syncer)
+    stub = syncer_pb2_grpc.SyncerStub(channel)
+    deadline = time.monotonic() + cfg.timeout_s
+    state = None
+    while state is None:
+        try:
+            state = (await stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(), timeout=cfg.call_timeout_s)).state
+        except Exception as exc:  # noqa: BLE001 - keep trying until the bound
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"syncer {cfg.syncer} unreachable for {cfg.timeout_s:.0f} s: {exc}") from None
+            await asyncio.sleep(0.5)
+    run_config = state.config
+    model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
+    plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
+    split = corpus.split_corpus(
+        corpus.load_text_directory(cfg.data_dir, max_bytes=cfg.max_corpus_bytes) if cfg.data_dir
+        else corpus.load_stdlib_documents(max_bytes=cfg.max_corpus_bytes),
+        cfg.num_shards, cfg.heldout_fraction,
+    )
+    batches = corpus.heldout_batches(split.heldout, cfg.batch_size, model.seq_len, cfg.eval_batches)
+    eval_fn = train_lib.make_eval_fn(model)
+    template = model.init(jax.random.PRNGKey(0))
+    watcher = GlobalModelWatcher(stub, plan.num_fragments)
+
+    async def keep_watching() -> None:
+        while not stop.is_set():
+            try:
+                await watcher.run(stream_timeout_s=600.0)
+            except Exception as exc:  # noqa: BLE001 - reconnect with a pause
+                _LOG.info(f"watch stream ended ({exc.__class__.__name__}); reconnecting")
+            await asyncio.sleep(1.0)
+
+    watch_task = asyncio.create_task(keep_watching())
+    result = None
+    try:
+        await asyncio.wait_for(watcher.complete.wait(), timeout=max(1.0, deadline - time.monotonic()))
+        while True:
+            versions = dict(watcher.versions)
+            params = {}
+            for frag in plan.fragments:
+                params.update(fragments_lib.unflatten_fragment(watcher.values[frag.fragment_id], frag))
+            missing = set(template) - set(params)
+            if missing:
+                raise ValueError(f"global parameters lack tensors {sorted(missing)}")
+            loss = await asyncio.to_thread(eval_fn, params, batches)
+            st = (await stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(), timeout=cfg.call_timeout_s)).state
+            await stub.ReportEval(
+                syncer_pb2.ReportEvalRequest(
+                    protocol_version=serde.PROTOCOL_VERSION, evaluator_id=cfg.evaluator_id,
+                    evaluated=serde.versions_to_proto(versions), heldout_loss=float(loss),
+                    tokens_merged=st.tokens_merged,
+                    heldout_tokens=cfg.eval_batches * cfg.batch_size * model.seq_len,
+                ),
+                timeout=cfg.call_timeout_s,
+            )
+            result = {"heldout_loss": float(loss), "versions": versions, "tokens_merged": st.tokens_merged}
+            _LOG.info("evaluated", extra={"fields": {"heldout_loss": round(float(loss), 4), "outer_steps": sum(versions.values())}})
+            if cfg.once:
+                return result
+            try:
+                await asyncio.wait_for(stop.wait(), cfg.interval_s)
+                return result
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        watch_task.cancel()
+        await channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_lib.parse_evaluator_config(sys.argv[1:] if argv is None else argv, os.environ)
+    logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
+
+    async def _main() -> dict | None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await evaluate_loop(cfg, stop)
+
+    try:
+        result = asyncio.run(_main())
+    except TimeoutError as exc:
+        _LOG.error(str(exc))
+        return 3
+    if cfg.once and result is not None:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

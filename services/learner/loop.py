@@ -1,0 +1,158 @@
+"""The learner's training loop: inner AdamW steps plus the Decoupled DiLoCo fragment schedule.
+
+Per step (paper Alg. 1, learner side): fold in any global fragments that arrived (overwrite, or
+alpha-mix), take one inner step, advance the per-fragment step and token counters, and for each
+fragment due at this step queue its pseudo-gradient (global fragment last received minus the
+local fragment) for upload. Nothing here waits on the network: the SyncClient does that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import grace as grace_lib
+from ddiloco.v1 import syncer_pb2
+from ddiloco.wire import serde
+from services.learner import client as client_lib
+
+_LOG = logging.getLogger("ddiloco.learner")
+
+
+@dataclasses.dataclass
+class LoopStats:
+    steps: int = 0
+    tokens: int = 0
+    uploads_queued: int = 0
+    fragments_applied: int = 0
+    resets_nonfinite: int = 0
+    first_loss: float | None = None
+    loss_ema: grace_lib.Ema = dataclasses.field(default_factory=lambda: grace_lib.Ema(0.1))
+    step_time_ema: grace_lib.Ema = dataclasses.field(default_factory=lambda: grace_lib.Ema(0.2))
+
+
+class LearnerLoop:
+    """Owns the local parameters, the inner optimizer state and the per-fragment counters."""
+
+    def __init__(
+        self,
+        *,
+        plan: fragments_lib.FragmentPlan,
+        params: dict,
+        train_step,
+        sampler,
+        client,
+        learner_id: str,
+        incarnation: int,
+        mixing_alpha: float = 0.0,
+        step_delay_s: Callable[[], float] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.params = params
+        self.opt_state = train_step.init_opt_state(params)
+        self._train_step = train_step
+        self._sampler = sampler
+        self._client = client
+        self._learner_id = learner_id
+        self._incarnation = incarnation
+        self._alpha = mixing_alpha
+        self._step_delay_s = step_delay_s
+        num = plan.num_fragments
+        self.global_copy: dict[int, np.ndarray] = {}
+        self.held: dict[int, tuple[str, int]] = {}  # fragment -> (syncer instance, version)
+        self.c_steps = np.zeros(num, dtype=np.int64)
+        self.c_tokens = np.zeros(num, dtype=np.int64)
+        self._last_upload_base: dict[int, tuple[str, int]] = {}
+        self.stats = LoopStats()
+
+    def apply_updates(self) -> int:
+        """Folds in every global fragment that arrived; returns how many."""
+        updates = self._client.take_updates()
+        for update in updates:
+            frag = self.plan.fragments[update.fragment_id]
+            values = update.values
+            if self._alpha and update.fragment_id in self.global_copy:
+                local = fragments_lib.flatten_fragment(self._host_params(frag), frag)
+                values_to_set = self._alpha * local + (1.0 - self._alpha) * values
+            else:
+                values_to_set = values
+            for name, arr in fragments_lib.unflatten_fragment(values_to_set.astype(np.float32), frag).items():
+                self.params[name] = jnp.asarray(arr)
+            self.global_copy[update.fragment_id] = values
+            self.held[update.fragment_id] = (update.syncer_instance, update.version)
+            self.c_steps[update.fragment_id] = 0
+            self.c_tokens[update.fragment_id] = 0
+        self.stats.fragments_applied += len(updates)
+        return len(updates)
+
+    def _host_params(self, frag: fragments_lib.Fragment) -> dict[str, np.ndarray]:
+        return {t.name: np.asarray(self.params[t.name]) for t in frag.tensors}
+
+    def step(self) -> float:
+        """One inner step plus the fragment schedule. Returns the step's training loss."""
+        started = time.monotonic()
+        self.apply_updates()
+        batch = self._sampler.next()
+        self.params, self.opt_state, loss = self._train_step(self.params, self.opt_state, batch)
+        if self._step_delay_s is not None:
+            time.sleep(self._step_delay_s())  # simulated slower hardware (benchmarks, tests)
+        tokens = self._sampler.tokens_per_batch
+        self.stats.steps += 1
+        self.stats.tokens += tokens
+        self.c_steps += 1
+        self.c_tokens += tokens
+        if self.stats.first_loss is None:
+            self.stats.first_loss = loss
+        self.stats.loss_ema.update(loss)
+        for fid in self.plan.due(self.stats.steps):
+            self._queue_upload(fid)
+        self.stats.step_time_ema.update(time.monotonic() - started)
+        self._client.set_progress(self.progress_request())
+        return loss
+
+    def _queue_upload(self, fid: int) -> None:
+        base = self.held.get(fid)
+        # One contribution per base version: the syncer keys uploads on it, and a second one
+        # would carry the same steps again.
+        if base is None or self._last_upload_base.get(fid) == base or self.c_steps[fid] == 0:
+            return
+        frag = self.plan.fragments[fid]
+        local = fragments_lib.flatten_fragment(self._host_params(frag), frag)
+        delta = self.global_copy[fid] - local
+        if not np.all(np.isfinite(delta)):
+            # Diverged locally: never send it; start this fragment again from the global copy.
+            _LOG.error("non-finite local fragment; resetting it to the global copy", extra={"fields": {"fragment": fid}})
+            for name, arr in fragments_lib.unflatten_fragment(self.global_copy[fid], frag).items():
+                self.params[name] = jnp.asarray(arr)
+            self.stats.resets_nonfinite += 1
+            return
+        self._client.submit_upload(
+            client_lib.UploadJob(
+                fragment_id=fid, base_version=base[1], syncer_instance=base[0],
+                steps=int(self.c_steps[fid]), tokens=int(self.c_tokens[fid]), delta=delta,
+            )
+        )
+        self._last_upload_base[fid] = base
+        self.stats.uploads_queued += 1
+
+    def progress_request(self) -> syncer_pb2.ReportProgressRequest:
+        return syncer_pb2.ReportProgressRequest(
+            protocol_version=serde.PROTOCOL_VERSION,
+            learner_id=self._learner_id,
+            incarnation=self._incarnation,
+            local_step=self.stats.steps,
+            tokens_total=self.stats.tokens,
+            fragments=[
+                syncer_pb2.FragmentProgress(fragment_id=f, steps=int(self.c_steps[f]), tokens=int(self.c_tokens[f]))
+                for f in range(self.plan.num_fragments)
+            ],
+            step_time_s=self.stats.step_time_ema.value or 0.0,
+            inner_loss=self.stats.loss_ema.value or 0.0,
+            held=serde.versions_to_proto({f: v for f, (_, v) in self.held.items()}),
+        )

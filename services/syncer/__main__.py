@@ -1,0 +1,163 @@
+"""Runs the syncer: `python -m services.syncer --help` (or `ddiloco syncer`).
+
+Wiring only: read the configuration, build the model's initial parameters and fragment plan,
+restore the latest checkpoint if the store has one, serve, checkpoint periodically and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+
+from ddiloco import checkpoint_client as checkpoint_client_lib
+from ddiloco import logs, models
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.rpc import retry as retry_lib
+from ddiloco.rpc import server as server_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from services.syncer import checkpointing
+from services.syncer import config as config_lib
+from services.syncer import core as core_lib
+from services.syncer import servicer as servicer_lib
+
+_LOG = logging.getLogger("ddiloco.syncer")
+
+
+class _Checkpointer:
+    """Writes checkpoints in the background; one at a time; a failure never stops training."""
+
+    def __init__(self, core: core_lib.SyncerCore, client, cfg: config_lib.SyncerConfig) -> None:
+        self._core = core
+        self._client = client
+        self._cfg = cfg
+        self._merges_since = 0
+        self._task: asyncio.Task | None = None
+
+    def on_merge(self) -> None:
+        self._merges_since += 1
+        if self._merges_since >= self._cfg.checkpoint_every_merges and (self._task is None or self._task.done()):
+            self._merges_since = 0
+            self._task = asyncio.get_running_loop().create_task(self.save())
+
+    async def save(self) -> bool:
+        core = self._core
+        if self._client is None or core.outer_steps <= core.last_checkpoint_outer_step:
+            return False
+        started = time.monotonic()
+        snapshot = await core.snapshot()
+        blobs, metadata = await asyncio.to_thread(checkpointing.encode_snapshot, snapshot)
+        try:
+            await asyncio.wait_for(self._write(snapshot["outer_steps"], blobs, metadata), self._cfg.checkpoint_timeout_s)
+        except Exception as exc:  # the store being down must not stop training; we retry next time
+            _LOG.warning(f"checkpoint at outer step {snapshot['outer_steps']} failed: {exc!r}")
+            return False
+        core.last_checkpoint_outer_step = snapshot["outer_steps"]
+        core.last_checkpoint_unix_s = time.time()
+        _LOG.info("checkpoint committed", extra={"fields": {"outer_step": snapshot["outer_steps"], "seconds": round(time.monotonic() - started, 3)}})
+        return True
+
+    async def _write(self, step: int, blobs: dict[str, bytes], metadata: dict) -> None:
+        refs = {}
+        for name, data in blobs.items():
+            digest = await self._client.put_blob(data)
+            refs[name] = (digest, len(data))
+        await self._client.commit_manifest(self._cfg.run_id, step, refs, metadata)
+
+    async def drain(self) -> None:
+        if self._task is not None and not self._task.done():
+            await asyncio.wait([self._task], timeout=self._cfg.checkpoint_timeout_s)
+
+
+async def _restore(client, cfg: config_lib.SyncerConfig) -> dict | None:
+    """The latest committed snapshot of this run, None for a new run; raises if the store is down."""
+    async for attempt in retry_lib.async_retrying(
+        what="restore from the checkpoint store",
+        timeout=datetime.timedelta(seconds=cfg.restore_timeout_s),
+        idempotent=True,
+    ):
+        with attempt:
+            manifest = await client.latest_manifest(cfg.run_id)
+    if manifest is None:
+        return None
+    blobs = {}
+    for ref in manifest.blobs:
+        blobs[ref.name] = await client.get_blob(ref.digest)
+    state = checkpointing.decode_snapshot(blobs)
+    _LOG.info("restoring checkpoint", extra={"fields": {"run": cfg.run_id, "outer_step": manifest.step}})
+    return state
+
+
+async def serve(cfg: config_lib.SyncerConfig) -> int:
+    model = models.get_model(cfg.model, cfg.model_overrides)
+    fingerprint = models.model_fingerprint(model)
+    plan = fragments_lib.plan_fragments(model.tensor_specs(), cfg.num_fragments, cfg.sync_period_steps)
+    params = {k: np.asarray(v, dtype=np.float32) for k, v in model.init(jax.random.PRNGKey(cfg.seed)).items()}
+    initial = {f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments}
+    run_config = core_lib.make_run_config(
+        cfg=cfg, plan=plan, model_name=model.name, model_config_json=json.dumps(dict(model.config), sort_keys=True),
+        fingerprint=fingerprint,
+    )
+    client = None
+    if cfg.checkpoint_target:
+        client = checkpoint_client_lib.CheckpointClient(channel_lib.aio_channel(cfg.checkpoint_target))
+    core = core_lib.SyncerCore(
+        run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
+        liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
+        clock=time.monotonic, wall_clock=time.time,
+    )
+    checkpointer = _Checkpointer(core, client, cfg)
+    core.on_merge = checkpointer.on_merge
+    if client is not None:
+        try:
+            state = await _restore(client, cfg)
+        except retry_lib.RetriesExhausted as exc:
+            _LOG.error(f"checkpoint store unreachable, refusing to start a fresh run over it: {exc}")
+            return 3
+        if state is not None:
+            core.restore(state)
+    servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=cfg.max_concurrent_uploads)
+    handle = await server_lib.start_server(
+        cfg.bind,
+        [syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].full_name],
+        [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
+    )
+    _LOG.info(
+        f"syncer serving on {handle.address}",
+        extra={"fields": {"run": cfg.run_id, "model": model.name, "fragments": plan.num_fragments,
+                          "params": sum(f.numel for f in plan.fragments), "restored": core.restored_from_checkpoint,
+                          "outer_step": core.outer_steps}},
+    )
+    if cfg.ready_file:
+        server_lib.write_ready_file(cfg.ready_file, address=handle.address, service="syncer", instance=core.instance)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    _LOG.info("shutting down: draining RPCs and writing a final checkpoint")
+    await handle.health.enter_graceful_shutdown()
+    await checkpointer.drain()
+    await checkpointer.save()
+    await handle.server.stop(cfg.grace_s)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_lib.parse_config(sys.argv[1:] if argv is None else argv, os.environ)
+    logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
+    return asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Serializes the syncer's snapshot into content-addressed blobs and back.
+
+Layout of one checkpoint (a manifest in the checkpoint store):
+  - `fragment/<id>`: safetensors with `params` (float32) and `opt/<i>` (outer optimizer state);
+    unchanged fragments produce identical bytes, so the store keeps them once.
+  - `state`: JSON with versions, counters, membership (for fencing) and the eval history.
+Bit-exactness: float32 arrays are stored as raw little-endian bytes, and each fragment's sha256
+is recorded in `state` and checked again by `SyncerCore.restore`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from safetensors import numpy as st_numpy
+
+FORMAT_VERSION = "1"
+
+
+def encode_snapshot(snapshot: dict) -> tuple[dict[str, bytes], dict]:
+    """Returns ({blob name: bytes}, metadata) for a snapshot from SyncerCore.snapshot()."""
+    blobs: dict[str, bytes] = {}
+    fragments_meta = []
+    for frag in snapshot["fragments"]:
+        tensors = {"params": np.ascontiguousarray(frag["params"], dtype=np.float32)}
+        for i, arr in enumerate(frag["opt_state"]):
+            tensors[f"opt/{i:03d}"] = np.ascontiguousarray(arr)
+        blobs[f"fragment/{frag['fragment_id']}"] = st_numpy.save(tensors)
+        fragments_meta.append(
+            {
+                "fragment_id": frag["fragment_id"],
+                "version": frag["version"],
+                "params_sha256": frag["params_sha256"],
+                "opt_state_len": len(frag["opt_state"]),
+            }
+        )
+    state = {k: v for k, v in snapshot.items() if k != "fragments"}
+    state["fragments"] = fragments_meta
+    state["format"] = FORMAT_VERSION
+    blobs["state"] = json.dumps(state, sort_keys=True).encode()
+    return blobs, {"format": FORMAT_VERSION, "kind": "syncer"}
+
+
+def decode_snapshot(blobs: dict[str, bytes]) -> dict:
+    """Inverse of encode_snapshot; ValueError when the checkpoint is malformed."""
+    try:
+        state = json.loads(blobs["state"])
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"checkpoint has no readable state blob: {exc}") from None
+    if state.get("format") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint format {state.get('format')!r} is not {FORMAT_VERSION!r}")
+    fragments = []
+    for meta in state["fragments"]:
+        name = f"fragment/{meta['fragment_id']}"
+        if name not in blobs:
+            raise ValueError(f"checkpoint is missing blob {name!r}")
+        tensors = st_numpy.load(blobs[name])
+        fragments.append(
+            {
+                **meta,
+                "params": tensors["params"],
+                "opt_state": [tensors[f"opt/{i:03d}"] for i in range(meta["opt_state_len"])],
+            }
+        )
+    state["fragments"] = fragments
+    return state

@@ -1,0 +1,755 @@
+"""SyncerCore: the syncer's state and merge policy, with no gRPC.
+
+Owns the global parameters (one flat float32 vector per fragment), the outer optimizer state,
+fragment versions with a short history for correcting stale contributions, the membership table
+with incarnation fencing, the open merge round of every fragment (a streaming accumulator, so
+memory does not grow with the number of learners), the adaptive grace window and the merge log.
+
+Concurrency: everything runs on one asyncio loop. Heavy numpy work (decode, fold-in, outer
+step, encode) runs in worker threads while the fragment's asyncio.Lock is held, so one fragment
+never sees two mutations at once and the loop stays responsive.
+
+Clocks are injected: `clock` (monotonic seconds) drives every timing decision, `wall_clock`
+(unix seconds) only stamps records for humans. Tests advance a fake clock and call `tick()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import logging
+import math
+import uuid
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import grace as grace_lib
+from ddiloco.algo import merge as merge_lib
+from ddiloco.algo import outer as outer_lib
+from ddiloco.rpc import errors
+from ddiloco.v1 import syncer_pb2
+from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import serde
+
+_LOG = logging.getLogger("ddiloco.syncer")
+
+# Idempotency records kept per learner: enough to recognise retries of recent uploads.
+_IDEMPOTENCY_KEYS_PER_LEARNER = 64
+_EVAL_HISTORY = 512
+
+
+def params_sha256(params: np.ndarray) -> str:
+    """sha256 of a float32 vector's little-endian bytes (how learners and checkpoints compare)."""
+    return hashlib.sha256(np.ascontiguousarray(params, dtype="<f4").tobytes()).hexdigest()
+
+
+@dataclasses.dataclass
+class Member:
+    learner_id: str
+    incarnation: int
+    region: str
+    tokens_per_step: int
+    last_seen_s: float  # clock()
+    last_seen_unix_s: float
+    left: bool = False
+    local_step: int = 0
+    tokens_total: int = 0
+    step_time_s: float = 0.0
+    inner_loss: float = 0.0
+    uploads_accepted: int = 0
+    uploads_rejected: int = 0
+    joins: int = 1
+    bytes_in: int = 0
+    bytes_out: int = 0
+    # (fragment_id, base_version) -> payload checksum of accepted uploads, oldest first.
+    accepted_keys: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
+
+
+@dataclasses.dataclass
+class _Round:
+    """The open merge round of one fragment: an accumulator plus small per-contribution records."""
+
+    accumulator: merge_lib.MergeAccumulator
+    opened_at_s: float
+    quorum_reached_at_s: float | None = None
+    contributions: list = dataclasses.field(default_factory=list)  # syncer_pb2.Contribution
+    learners: set = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class _Slot:
+    fragment: fragments_lib.Fragment
+    version: int
+    params: np.ndarray
+    opt_state: list
+    history: collections.OrderedDict  # version -> params (current included)
+    params_sha256: str
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    round: _Round | None = None
+    encoded: codec_lib.EncodedPayload | None = None  # current version in the download codec
+    timer: asyncio.TimerHandle | None = None
+    merging: bool = False  # a merge task is scheduled or running
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadTicket:
+    """What a validated upload header allows the servicer to read."""
+
+    header: syncer_pb2.UploadHeader
+    codec: str
+    duplicate: bool  # already accepted: acknowledge without applying
+
+
+class SyncerCore:
+    """The syncer's state machine. See the module docstring for the concurrency model."""
+
+    def __init__(
+        self,
+        *,
+        run_config: syncer_pb2.RunConfig,
+        plan: fragments_lib.FragmentPlan,
+        initial_params: Mapping[int, np.ndarray],
+        outer_lr: float,
+        outer_momentum: float,
+        grace_gamma: float,
+        max_grace_s: float,
+        liveness_timeout_s: float,
+        merge_history: int,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+        on_merge: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = run_config
+        self.plan = plan
+        self.instance = uuid.uuid4().hex
+        self._clock = clock
+        self._wall = wall_clock
+        self._grace_gamma = grace_gamma
+        self._max_grace_s = max_grace_s
+        self._liveness_s = liveness_timeout_s
+        self.on_merge = on_merge
+        self._stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(outer_lr, outer_momentum))
+        self.slots: list[_Slot] = []
+        for frag in plan.fragments:
+            params = np.asarray(initial_params[frag.fragment_id], dtype=np.float32).copy()
+            self.slots.append(
+                _Slot(
+                    fragment=frag,
+                    version=0,
+                    params=params,
+                    opt_state=self._stepper.init(params),
+                    history=collections.OrderedDict({0: params}),
+                    params_sha256=params_sha256(params),
+                )
+            )
+        self.members: dict[str, Member] = {}
+        self.merges: collections.deque = collections.deque(maxlen=merge_history)
+        self.evals: collections.deque = collections.deque(maxlen=_EVAL_HISTORY)
+        self.outer_steps = 0
+        self.tokens_merged = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.uploads: collections.Counter = collections.Counter()
+        self.started_at_unix_s = wall_clock()
+        self.restored_from_checkpoint = False
+        self.last_checkpoint_outer_step = 0
+        self.last_checkpoint_unix_s = 0.0
+        self._quorum_time = grace_lib.Ema()
+        self._sync_time = grace_lib.Ema()
+        self._changed = asyncio.Condition()
+        self._change_counter = 0
+
+    # ----------------------------------------------------------------------------- membership
+
+    def check_protocol(self, version: int) -> None:
+        if version != serde.PROTOCOL_VERSION:
+            raise errors.FailedPrecondition(
+                f"protocol_version {version} is not supported; this syncer speaks "
+                f"[{serde.PROTOCOL_VERSION}]",
+                reason="protocol_version",
+            )
+
+    def join(self, req: syncer_pb2.JoinRequest) -> syncer_pb2.JoinResponse:
+        """Registers a learner; a higher incarnation replaces (fences off) the previous life."""
+        self.check_protocol(req.protocol_version)
+        if not req.learner_id:
+            raise errors.InvalidArgument("learner_id must not be empty", reason="learner_id")
+        if req.model_fingerprint and req.model_fingerprint != self.config.model_fingerprint:
+            raise errors.FailedPrecondition(
+                f"model fingerprint {req.model_fingerprint[:12]}... does not match the run's "
+                f"{self.config.model_fingerprint[:12]}... (model {self.config.model_name})",
+                reason="fingerprint",
+            )
+        now, wall = self._clock(), self._wall()
+        member = self.members.get(req.learner_id)
+        if member is not None and req.incarnation < member.incarnation:
+            raise errors.FailedPrecondition(
+                f"learner {req.learner_id!r} incarnation {req.incarnation} is older than the "
+                f"registered {member.incarnation}: a newer life of this learner has joined",
+                reason="fenced",
+            )
+        if member is None or req.incarnation > member.incarnation:
+            joins = member.joins + 1 if member else 1
+            member = Member(
+                learner_id=req.learner_id,
+                incarnation=req.incarnation,
+                region=req.region,
+                tokens_per_step=req.tokens_per_step,
+                last_seen_s=now,
+                last_seen_unix_s=wall,
+                joins=joins,
+                bytes_in=member.bytes_in if member else 0,
+                bytes_out=member.bytes_out if member else 0,
+            )
+            self.members[req.learner_id] = member
+            _LOG.info("learner joined", extra={"fields": {"learner": req.learner_id, "incarnation": req.incarnation, "region": req.region}})
+        else:  # same incarnation re-joining after a broken connection
+            member.left = False
+            member.last_seen_s, member.last_seen_unix_s = now, wall
+        self._notify()
+        return syncer_pb2.JoinResponse(
+            config=self.config,
+            fragment_versions=serde.versions_to_proto(self.versions()),
+            syncer_instance=self.instance,
+        )
+
+    def require_member(self, learner_id: str, incarnation: int) -> Member:
+        """The registered member for this exact life, or FAILED_PRECONDITION."""
+        member = self.members.get(learner_id)
+        if member is None:
+            raise errors.FailedPrecondition(
+                f"learner {learner_id!r} has not joined (or the syncer restarted): call Join first",
+                reason="not_joined",
+            )
+        if incarnation != member.incarnation:
+            raise errors.FailedPrecondition(
+                f"learner {learner_id!r} incarnation {incarnation} is fenced off: the registered "
+                f"incarnation is {member.incarnation}",
+                reason="fenced",
+            )
+        return member
+
+    def is_current(self, learner_id: str, incarnation: int) -> bool:
+        member = self.members.get(learner_id)
+        return member is not None and member.incarnation == incarnation and not member.left
+
+    def report_progress(self, req: syncer_pb2.ReportProgressRequest, wire_bytes: int) -> syncer_pb2.ReportProgressResponse:
+        self.check_protocol(req.protocol_version)
+        member = self.require_member(req.learner_id, req.incarnation)
+        member.last_seen_s, member.last_seen_unix_s = self._clock(), self._wall()
+        member.left = False
+        member.local_step = req.local_step
+        member.tokens_total = req.tokens_total
+        if math.isfinite(req.step_time_s) and req.step_time_s > 0:
+            member.step_time_s = req.step_time_s
+        if math.isfinite(req.inner_loss):
+            member.inner_loss = req.inner_loss
+        self.count_bytes(member, inbound=wire_bytes)
+        return syncer_pb2.ReportProgressResponse(fragment_versions=serde.versions_to_proto(self.versions()))
+
+    def leave(self, req: syncer_pb2.LeaveRequest) -> None:
+        self.check_protocol(req.protocol_version)
+        member = self.require_member(req.learner_id, req.incarnation)
+        member.left = True
+        _LOG.info("learner left", extra={"fields": {"learner": req.learner_id}})
+        self._notify()
+        # Rounds that were waiting for this learner may now be complete.
+        self.tick()
+
+    def count_bytes(self, member: Member | None, *, inbound: int = 0, outbound: int = 0) -> None:
+        self.bytes_in += inbound
+        self.bytes_out += outbound
+        if member is not None:
+            member.bytes_in += inbound
+            member.bytes_out += outbound
+
+    def _live_members(self) -> int:
+        now = self._clock()
+        return sum(1 for m in self.members.values() if not m.left and now - m.last_seen_s <= self._liveness_s)
+
+    # -------------------------------------------------------------------------------- uploads
+
+    def versions(self) -> dict[int, int]:
+        return {s.fragment.fragment_id: s.version for s in self.slots}
+
+    def validate_upload_header(self, header: syncer_pb2.UploadHeader) -> UploadTicket:
+        """All checks that need no payload, cheapest first. Raises ServiceError."""
+        self.check_protocol(header.protocol_version)
+        member = self.require_member(header.learner_id, header.incarnation)
+        if header.syncer_instance != self.instance:
+            raise errors.FailedPrecondition(
+                f"base version comes from syncer instance {header.syncer_instance[:8] or '(none)'}, "
+                f"this is {self.instance[:8]}: re-sync from WatchFragments",
+                reason="stale",
+            )
+        if header.fragment_id >= len(self.slots):
+            raise errors.InvalidArgument(
+                f"fragment_id {header.fragment_id} out of range (P = {len(self.slots)})", reason="fragment_id"
+            )
+        slot = self.slots[header.fragment_id]
+        if header.base_version not in slot.history:
+            raise errors.FailedPrecondition(
+                f"base version {header.base_version} of fragment {header.fragment_id} is too stale or "
+                f"unknown (current {slot.version}, kept {list(slot.history)}): re-sync",
+                reason="stale",
+            )
+        info = header.payload
+        try:
+            codec = serde.codec_from_proto(info.codec)
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc), reason="codec") from None
+        if info.numel != slot.fragment.numel:
+            raise errors.InvalidArgument(
+                f"fragment {header.fragment_id} has {slot.fragment.numel} values, header says {info.numel}",
+                reason="size",
+            )
+        if codec in ("int8", "int4") and not 1 <= info.block_size <= 1 << 20:
+            raise errors.InvalidArgument(f"block_size {info.block_size} out of range", reason="size")
+        block = info.block_size or codec_lib.DEFAULT_BLOCK_SIZE
+        expected_raw = codec_lib.expected_raw_size_bytes(codec, slot.fragment.numel, block)
+        if info.raw_size_bytes != expected_raw:
+            raise errors.InvalidArgument(
+                f"raw_size_bytes {info.raw_size_bytes} != {expected_raw} implied by {codec} x "
+                f"{slot.fragment.numel} values",
+                reason="size",
+            )
+        if not 0 < info.payload_size_bytes <= codec_lib.max_payload_size_bytes(expected_raw):
+            raise errors.InvalidArgument(
+                f"payload_size_bytes {info.payload_size_bytes} outside (0, "
+                f"{codec_lib.max_payload_size_bytes(expected_raw)}]",
+                reason="size",
+            )
+        if len(info.checksum) != 32:
+            raise errors.InvalidArgument("checksum must be a 32-byte sha256 digest", reason="checksum")
+        if header.steps < 1:
+            raise errors.InvalidArgument("steps must be >= 1 for a contribution", reason="steps")
+        key = (header.fragment_id, header.base_version)
+        seen = member.accepted_keys.get(key)
+        if seen is not None:
+            if seen == info.checksum:
+                return UploadTicket(header=header, codec=codec, duplicate=True)
+            member.uploads_rejected += 1
+            raise errors.AlreadyExists(
+                f"upload (learner {header.learner_id}, incarnation {header.incarnation}, fragment "
+                f"{header.fragment_id}, base {header.base_version}) was already accepted with another payload",
+                reason="replay_mismatch",
+            )
+        if slot.round is not None and header.learner_id in slot.round.learners:
+            raise errors.FailedPrecondition(
+                f"learner {header.learner_id} already has a contribution in fragment "
+                f"{header.fragment_id}'s open round; send again after the next version arrives",
+                reason="already_pending",
+            )
+        return UploadTicket(header=header, codec=codec, duplicate=False)
+
+    async def accept_upload(self, ticket: UploadTicket, payload: bytes, wire_bytes: int) -> syncer_pb2.UploadFragmentResponse:
+        """Decodes, corrects to the current version and folds one contribution into its round."""
+        header = ticket.header
+        member = self.require_member(header.learner_id, header.incarnation)
+        self.count_bytes(member, inbound=wire_bytes)
+        slot = self.slots[header.fragment_id]
+        weight = merge_lib.contribution_weight(header.tokens, header.steps)
+        if ticket.duplicate:
+            self.uploads["duplicate"] += 1
+            return syncer_pb2.UploadFragmentResponse(
+                result=syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE, current_version=slot.version, weight=weight
+            )
+        info = header.payload
+        try:
+            delta = await asyncio.to_thread(
+                codec_lib.decode,
+                payload,
+                codec=ticket.codec,
+                numel=int(info.numel),
+                raw_size_bytes=int(info.raw_size_bytes),
+                checksum=bytes(info.checksum),
+                block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
+            )
+        except codec_lib.CodecError as exc:
+            member.uploads_rejected += 1
+            reason = {codec_lib.NonFiniteError: "nonfinite", codec_lib.ChecksumError: "checksum"}.get(type(exc), "size")
+            raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=reason) from None
+        async with slot.lock:
+            # Re-check under the lock: the round or history may have moved while decoding.
+            ticket = self.validate_upload_header(header)
+            if ticket.duplicate:
+                self.uploads["duplicate"] += 1
+                return syncer_pb2.UploadFragmentResponse(
+                    result=syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE, current_version=slot.version, weight=weight
+                )
+            base = slot.history[header.base_version]
+            if slot.round is None:
+                slot.round = _Round(
+                    accumulator=merge_lib.MergeAccumulator(
+                        slot.fragment, rule=self.config.merge_rule, embedding_rule=self.config.embedding_merge_rule
+                    ),
+                    opened_at_s=self._clock(),
+                )
+            rnd = slot.round
+
+            def fold() -> None:
+                # Re-anchor at the current global fragment (paper App. D.2): the learner's local
+                # fragment is base - delta, so its outer gradient against the current version is
+                # current - (base - delta).
+                corrected = delta if base is slot.params else delta + (slot.params - base)
+                rnd.accumulator.add(corrected, weight)
+
+            try:
+                await asyncio.to_thread(fold)
+            except ValueError as exc:
+                member.uploads_rejected += 1
+                raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason="nonfinite") from None
+            rnd.learners.add(header.learner_id)
+            rnd.contributions.append(
+                syncer_pb2.Contribution(
+                    learner_id=header.learner_id,
+                    incarnation=header.incarnation,
+                    base_version=header.base_version,
+                    steps=header.steps,
+                    tokens=header.tokens,
+                    weight=weight,
+                )
+            )
+            member.accepted_keys[(header.fragment_id, header.base_version)] = bytes(info.checksum)
+            while len(member.accepted_keys) > _IDEMPOTENCY_KEYS_PER_LEARNER:
+                member.accepted_keys.popitem(last=False)
+            member.uploads_accepted += 1
+            self.uploads["accepted"] += 1
+            if rnd.quorum_reached_at_s is None and len(rnd.contributions) >= self.config.min_quorum:
+                rnd.quorum_reached_at_s = self._clock()
+                self._quorum_time.update(rnd.quorum_reached_at_s - rnd.opened_at_s)
+            version_at_accept = slot.version
+        self.tick()
+        return syncer_pb2.UploadFragmentResponse(
+            result=syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED, current_version=version_at_accept, weight=weight
+        )
+
+    def record_rejection(self, reason: str) -> None:
+        self.uploads[f"rejected_{reason}"] += 1
+
+    # ------------------------------------------------------------------------------- merging
+
+    def step_time_s(self) -> float:
+        """Mean smoothed step time over live learners that reported one."""
+        now = self._clock()
+        times = [
+            m.step_time_s
+            for m in self.members.values()
+            if not m.left and m.step_time_s > 0 and now - m.last_seen_s <= self._liveness_s
+        ]
+        return sum(times) / len(times) if times else 0.0
+
+    def grace_window_s(self) -> float:
+        window = grace_lib.grace_window_s(
+            step_time_s=self.step_time_s(),
+            quorum_time_s=self._quorum_time.value or 0.0,
+            sync_time_s=self._sync_time.value or 0.0,
+            tau_steps=self.config.overlap_steps,
+            gamma=self._grace_gamma,
+        )
+        return min(window, self._max_grace_s)
+
+    def tick(self) -> None:
+        """Re-evaluates every open round at the current time; merges those that are due."""
+        now = self._clock()
+        grace_s = self.grace_window_s()
+        expected = self._live_members()
+        for slot in self.slots:
+            rnd = slot.round
+            if rnd is None or slot.merging or slot.lock.locked():
+                continue
+            decision = grace_lib.decide_merge(
+                now,
+                grace_lib.RoundView(
+                    opened_at_s=rnd.opened_at_s,
+                    contributors=len(rnd.contributions),
+                    quorum_reached_at_s=rnd.quorum_reached_at_s,
+                    expected_contributors=max(expected, 1),
+                ),
+                min_quorum=self.config.min_quorum,
+                grace_s=grace_s,
+            )
+            if decision.merge:
+                slot.merging = True
+                asyncio.get_running_loop().create_task(self._merge(slot, decision.reason, grace_s))
+            elif decision.wake_at_s is not None:
+                self._arm_timer(slot, decision.wake_at_s - now)
+
+    def _arm_timer(self, slot: _Slot, delay_s: float) -> None:
+        if slot.timer is not None:
+            slot.timer.cancel()
+        slot.timer = asyncio.get_running_loop().call_later(max(delay_s, 0.0) + 1e-3, self.tick)
+
+    async def _merge(self, slot: _Slot, reason: str, grace_s: float) -> None:
+        try:
+            await self._merge_locked(slot, reason, grace_s)
+        finally:
+            slot.merging = False
+        self._notify()
+        if self.on_merge is not None:
+            self.on_merge()
+        self.tick()  # contributions that arrived during the merge may already form a round
+
+    async def _merge_locked(self, slot: _Slot, reason: str, grace_s: float) -> None:
+        async with slot.lock:
+            rnd = slot.round
+            if rnd is None:  # merged by a concurrent task
+                return
+            started = self._clock()
+            if slot.timer is not None:
+                slot.timer.cancel()
+                slot.timer = None
+            outer_grad = await asyncio.to_thread(rnd.accumulator.result)
+            new_params, new_state = await asyncio.to_thread(self._stepper.step, slot.params, slot.opt_state, outer_grad)
+            if not np.all(np.isfinite(new_params)):
+                # Never publish a non-finite global fragment; drop the round instead.
+                _LOG.error("outer step produced non-finite values; round dropped", extra={"fields": {"fragment": slot.fragment.fragment_id}})
+                slot.round = None
+                self.uploads["dropped_nonfinite_round"] += 1
+                return
+            slot.params, slot.opt_state = new_params, new_state
+            slot.version += 1
+            slot.history[slot.version] = new_params
+            while len(slot.history) > self.config.max_staleness_versions + 1:
+                slot.history.popitem(last=False)
+            slot.params_sha256 = params_sha256(new_params)
+            slot.encoded = None
+            slot.round = None
+            self.outer_steps += 1
+            self.tokens_merged += sum(c.tokens for c in rnd.contributions)
+            quorum_at = rnd.quorum_reached_at_s if rnd.quorum_reached_at_s is not None else started
+            self.merges.append(
+                syncer_pb2.MergeRecord(
+                    fragment_id=slot.fragment.fragment_id,
+                    version=slot.version,
+                    merged_at_unix_s=self._wall(),
+                    contributors=rnd.contributions,
+                    quorum_wait_s=quorum_at - rnd.opened_at_s,
+                    grace_window_s=grace_s,
+                    grace_used_s=max(0.0, started - quorum_at),
+                    reason=reason,
+                    outer_grad_norm=float(np.linalg.norm(outer_grad)),
+                )
+            )
+            await self.encoded_payload(slot)
+            self._sync_time.update(self._clock() - started)
+            _LOG.info(
+                "merged",
+                extra={"fields": {"fragment": slot.fragment.fragment_id, "version": slot.version,
+                                  "contributors": len(rnd.contributions), "reason": reason}},
+            )
+
+    async def encoded_payload(self, slot: _Slot) -> tuple[int, codec_lib.EncodedPayload]:
+        """The current version of a fragment in the download codec (cached per version)."""
+        if slot.encoded is None:
+            version, params = slot.version, slot.params
+            encoded = await asyncio.to_thread(
+                codec_lib.encode, params, self.config.download_codec,
+                block_size=self.config.upload_block_size, zstd_level=self.config.zstd_level,
+            )
+            if slot.version == version:
+                slot.encoded = encoded
+            return version, encoded
+        return slot.version, slot.encoded
+
+    # ------------------------------------------------------------------------------ watchers
+
+    def _notify(self) -> None:
+        self._change_counter += 1
+
+        async def _wake() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        try:
+            asyncio.get_running_loop().create_task(_wake())
+        except RuntimeError:  # no loop (unit tests of pure parts)
+            pass
+
+    async def wait_for_change(self, seen_counter: int, timeout_s: float) -> int:
+        """Waits until the state changed after `seen_counter` (or timeout); returns the counter."""
+        async with self._changed:
+            if self._change_counter == seen_counter:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+        return self._change_counter
+
+    @property
+    def change_counter(self) -> int:
+        return self._change_counter
+
+    # ------------------------------------------------------------------------------- evals
+
+    def report_eval(self, req: syncer_pb2.ReportEvalRequest) -> None:
+        self.check_protocol(req.protocol_version)
+        if not math.isfinite(req.heldout_loss):
+            raise errors.InvalidArgument("heldout_loss must be finite", reason="eval")
+        self.evals.append(
+            syncer_pb2.EvalRecord(
+                at_unix_s=self._wall(),
+                heldout_loss=req.heldout_loss,
+                tokens_merged=req.tokens_merged,
+                outer_steps=sum(v.version for v in req.evaluated),
+            )
+        )
+        _LOG.info("held-out loss", extra={"fields": {"loss": round(req.heldout_loss, 4), "evaluator": req.evaluator_id}})
+        self._notify()
+
+    # ------------------------------------------------------------------------------- state
+
+    def training_state(self, recent_merges: int) -> syncer_pb2.TrainingState:
+        now = self._clock()
+        status = syncer_pb2.MemberState
+        members = []
+        for m in sorted(self.members.values(), key=lambda m: m.learner_id):
+            if m.left:
+                st = status.STATUS_LEFT
+            elif now - m.last_seen_s <= self._liveness_s:
+                st = status.STATUS_ACTIVE
+            else:
+                st = status.STATUS_SILENT
+            members.append(
+                status(
+                    learner_id=m.learner_id, incarnation=m.incarnation, region=m.region, status=st,
+                    last_seen_unix_s=m.last_seen_unix_s, local_step=m.local_step, tokens_total=m.tokens_total,
+                    step_time_s=m.step_time_s, inner_loss=m.inner_loss, uploads_accepted=m.uploads_accepted,
+                    uploads_rejected=m.uploads_rejected, joins=m.joins, bytes_in=m.bytes_in, bytes_out=m.bytes_out,
+                )
+            )
+        merges = list(self.merges)[-recent_merges:] if recent_merges else []
+        return syncer_pb2.TrainingState(
+            run_id=self.config.run_id,
+            syncer_instance=self.instance,
+            started_at_unix_s=self.started_at_unix_s,
+            now_unix_s=self._wall(),
+            outer_steps=self.outer_steps,
+            fragments=[
+                syncer_pb2.FragmentState(
+                    fragment_id=s.fragment.fragment_id, version=s.version, numel=s.fragment.numel,
+                    pending_contributions=len(s.round.contributions) if s.round else 0,
+                    params_sha256=s.params_sha256,
+                )
+                for s in self.slots
+            ],
+            members=members,
+            recent_merges=merges,
+            tokens_merged=self.tokens_merged,
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+            evals=list(self.evals),
+            last_checkpoint_outer_step=self.last_checkpoint_outer_step,
+            last_checkpoint_unix_s=self.last_checkpoint_unix_s,
+            restored_from_checkpoint=self.restored_from_checkpoint,
+            config=self.config,
+            uploads=dict(self.uploads),
+            grace_window_s=self.grace_window_s(),
+            step_time_s=self.step_time_s(),
+            quorum_time_s=self._quorum_time.value or 0.0,
+            sync_time_s=self._sync_time.value or 0.0,
+        )
+
+    # -------------------------------------------------------------------------- checkpoints
+
+    async def snapshot(self) -> dict:
+        """A consistent copy of everything a restart needs (each fragment copied under its lock)."""
+        fragments = []
+        for slot in self.slots:
+            async with slot.lock:
+                fragments.append(
+                    {
+                        "fragment_id": slot.fragment.fragment_id,
+                        "version": slot.version,
+                        "params": slot.params.copy(),
+                        "opt_state": [np.array(a, copy=True) for a in slot.opt_state],
+                        "params_sha256": slot.params_sha256,
+                    }
+                )
+        return {
+            "fragments": fragments,
+            "outer_steps": self.outer_steps,
+            "tokens_merged": self.tokens_merged,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "uploads": dict(self.uploads),
+            "members": {m.learner_id: {"incarnation": m.incarnation, "region": m.region, "joins": m.joins}
+                        for m in self.members.values()},
+            "evals": [
+                {"at_unix_s": e.at_unix_s, "heldout_loss": e.heldout_loss, "tokens_merged": e.tokens_merged,
+                 "outer_steps": e.outer_steps}
+                for e in self.evals
+            ],
+            "quorum_time_s": self._quorum_time.value,
+            "sync_time_s": self._sync_time.value,
+        }
+
+    def restore(self, state: dict) -> None:
+        """Loads a snapshot (as produced by `snapshot`, after a checkpoint round trip)."""
+        by_id = {f["fragment_id"]: f for f in state["fragments"]}
+        if sorted(by_id) != list(range(len(self.slots))):
+            raise ValueError(f"checkpoint has fragments {sorted(by_id)}, the plan has {len(self.slots)}")
+        for slot in self.slots:
+            frag = by_id[slot.fragment.fragment_id]
+            params = np.asarray(frag["params"], dtype=np.float32)
+            if params.shape != (slot.fragment.numel,):
+                raise ValueError(f"checkpoint fragment {slot.fragment.fragment_id} has shape {params.shape}")
+            digest = params_sha256(params)
+            if digest != frag["params_sha256"]:
+                raise ValueError(f"checkpoint fragment {slot.fragment.fragment_id} fails its sha256 check")
+            slot.params = params
+            slot.opt_state = [np.asarray(a) for a in frag["opt_state"]]
+            slot.version = int(frag["version"])
+            slot.history = collections.OrderedDict({slot.version: params})
+            slot.params_sha256 = digest
+            slot.encoded = None
+            slot.round = None
+        self.outer_steps = int(state["outer_steps"])
+        self.tokens_merged = int(state["tokens_merged"])
+        self.bytes_in = int(state.get("bytes_in", 0))
+        self.bytes_out = int(state.get("bytes_out", 0))
+        self.uploads = collections.Counter(state.get("uploads", {}))
+        # Fencing survives restarts: a learner must come back with an incarnation at least as new.
+        for learner_id, m in state.get("members", {}).items():
+            self.members[learner_id] = Member(
+                learner_id=learner_id, incarnation=int(m["incarnation"]), region=m.get("region", ""),
+                tokens_per_step=0, last_seen_s=-math.inf, last_seen_unix_s=0.0, joins=int(m.get("joins", 1)),
+            )
+        for e in state.get("evals", []):
+            self.evals.append(syncer_pb2.EvalRecord(**e))
+        if state.get("quorum_time_s") is not None:
+            self._quorum_time.update(state["quorum_time_s"])
+        if state.get("sync_time_s") is not None:
+            self._sync_time.update(state["sync_time_s"])
+        self.restored_from_checkpoint = True
+        self.last_checkpoint_outer_step = self.outer_steps
+
+
+def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, model_config_json: str, fingerprint: str) -> syncer_pb2.RunConfig:
+    """The RunConfig learners adopt, from the syncer's configuration and fragment plan."""
+    return syncer_pb2.RunConfig(
+        run_id=cfg.run_id,
+        model_name=model_name,
+        model_config_json=model_config_json,
+        model_fingerprint=fingerprint,
+        num_fragments=plan.num_fragments,
+        sync_period_steps=plan.sync_period_steps,
+        overlap_steps=cfg.overlap_steps,
+        min_quorum=cfg.min_quorum,
+        upload_codec=serde.codec_to_proto(cfg.upload_codec),
+        upload_block_size=cfg.upload_block_size,
+        download_codec=serde.codec_to_proto(cfg.download_codec),
+        chunk_size_bytes=cfg.chunk_size_bytes,
+        max_staleness_versions=cfg.max_staleness_versions,
+        mixing_alpha=cfg.mixing_alpha,
+        fragments=serde.plan_to_proto(plan),
+        zstd_level=cfg.zstd_level,
+        merge_rule=cfg.merge_rule,
+        embedding_merge_rule=cfg.embedding_merge_rule,
+        protocol_version=serde.PROTOCOL_VERSION,
+    )
+
