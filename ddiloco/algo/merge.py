@@ -220,8 +220,13 @@ class MergeAccumulator:
 
 def _unit(vector: np.ndarray) -> np.ndarray:
     """φ(x) = x / ‖x‖, with φ(0) = 0."""
-    norm = np.linalg.norm(vector)
-    return vector / norm if norm > 0 else np.zeros_like(vector)
+    # Divide by the largest entry first: squaring tiny (or huge) entries would underflow
+    # (or overflow) and lose the direction.
+    largest = np.abs(vector).max(initial=0.0)
+    if largest == 0:
+        return np.zeros_like(vector)
+    scaled = vector / largest
+    return scaled / np.linalg.norm(scaled)
 
 
 def _check_batch(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+import numpy as np
+
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import common_pb2
 from ddiloco.wire import codec as codec_lib
@@ -129,3 +131,15 @@ def versions_to_proto(versions: Mapping[int, int]) -> list[common_pb2.FragmentVe
 
 def versions_from_proto(items) -> dict[int, int]:
     return {int(x.fragment_id): int(x.version) for x in items}
+
+
+def decode_payload(info: common_pb2.PayloadInfo, payload: bytes) -> np.ndarray:
+    """Decodes a payload described by `info` (all of codec.decode's checks apply)."""
+    return codec_lib.decode(
+        payload,
+        codec=codec_from_proto(info.codec),
+        numel=int(info.numel),
+        raw_size_bytes=int(info.raw_size_bytes),
+        checksum=bytes(info.checksum),
+        block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
+    )

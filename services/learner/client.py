@@ -294,12 +294,7 @@ class SyncClient:
         raise _SessionBroken("the syncer ended the watch stream")
 
     async def _receive(self, header: syncer_pb2.GlobalFragmentHeader, payload: bytes) -> None:
-        info = header.payload
-        values = await asyncio.to_thread(
-            codec_lib.decode, payload, codec=serde.codec_from_proto(info.codec), numel=int(info.numel),
-            raw_size_bytes=int(info.raw_size_bytes), checksum=bytes(info.checksum),
-            block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
-        )
+        values = await asyncio.to_thread(serde.decode_payload, header.payload, payload)
         update = GlobalFragment(header.fragment_id, header.version, header.syncer_instance, values)
         with self._lock:
             if header.syncer_instance != self.instance:

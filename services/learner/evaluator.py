@@ -24,7 +24,6 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.data import corpus
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
-from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.learner import config as config_lib
 from services.learner import train as train_lib
@@ -58,12 +57,7 @@ class GlobalModelWatcher:
                 continue
             assembler.add(msg.chunk)
             if assembler.done:
-                info = header.payload
-                self.values[header.fragment_id] = codec_lib.decode(
-                    assembler.payload(), codec=serde.codec_from_proto(info.codec), numel=int(info.numel),
-                    raw_size_bytes=int(info.raw_size_bytes), checksum=bytes(info.checksum),
-                    block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
-                )
+                self.values[header.fragment_id] = serde.decode_payload(header.payload, assembler.payload())
                 self.versions[header.fragment_id] = header.version
                 self.instance = header.syncer_instance
                 if len(self.values) == self._num:

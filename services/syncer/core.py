@@ -360,15 +360,7 @@ class SyncerCore:
             )
         info = header.payload
         try:
-            delta = await asyncio.to_thread(
-                codec_lib.decode,
-                payload,
-                codec=ticket.codec,
-                numel=int(info.numel),
-                raw_size_bytes=int(info.raw_size_bytes),
-                checksum=bytes(info.checksum),
-                block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
-            )
+            delta = await asyncio.to_thread(serde.decode_payload, info, payload)
         except codec_lib.CodecError as exc:
             member.uploads_rejected += 1
             reason = {codec_lib.NonFiniteError: "nonfinite", codec_lib.ChecksumError: "checksum"}.get(type(exc), "size")

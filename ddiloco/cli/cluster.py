@@ -1,0 +1,170 @@
+"""LocalCluster: starts the services as separate processes on 127.0.0.1, for `ddiloco up` and tests.
+
+Each service binds port 0 the first time and announces its address in a ready file; a restarted
+service re-binds the same port so that clients reconnect to the address they know. Only
+processes started here are ever signalled, by PID.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+
+class ServiceStartError(RuntimeError):
+    """A service exited or did not announce itself in time; the message includes its log tail."""
+
+
+@dataclasses.dataclass
+class ServiceProcess:
+    name: str
+    module: str  # python -m <module>
+    args: list[str]
+    workdir: pathlib.Path
+    env: Mapping[str, str]
+    proc: subprocess.Popen | None = None
+    address: str = ""
+    starts: int = 0
+
+    @property
+    def ready_file(self) -> pathlib.Path:
+        return self.workdir / f"{self.name}.ready.json"
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.workdir / "logs" / f"{self.name}.log"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self, extra_args: Sequence[str] = ()) -> None:
+        """Starts the process (re-binding the previous port when restarting a server)."""
+        self.ready_file.unlink(missing_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        args = list(self.args) + list(extra_args)
+        if self.address and "--bind" in args:
+            args[args.index("--bind") + 1] = self.address
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, *args],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(self.env),
+            cwd=self.workdir,
+        )
+        log.close()
+        self.starts += 1
+
+    def wait_ready(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                info = json.loads(self.ready_file.read_text())
+                self.address = info["address"].replace("0.0.0.0", "127.0.0.1")
+                return self.address
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServiceStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.05)
+        raise ServiceStartError(f"{self.name} not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited within timeout_s."""
+        if not self.alive():
+            return self.proc.returncode if self.proc else None
+        self.signal(signal.SIGTERM)
+        code = self.wait(timeout_s)
+        if code is None:
+            self.signal(signal.SIGKILL)
+            code = self.wait(timeout_s)
+        return code
+
+
+class LocalCluster:
+    """A checkpoint store, a syncer, learners and an evaluator as processes on 127.0.0.1."""
+
+    def __init__(self, workdir: str | os.PathLike, *, env: Mapping[str, str] | None = None) -> None:
+        self.workdir = pathlib.Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        base_env = dict(os.environ if env is None else env)
+        base_env["PYTHONUNBUFFERED"] = "1"
+        # The services are imported from the project root (python -m services.<name>).
+        root = str(pathlib.Path(__file__).resolve().parents[2])
+        base_env["PYTHONPATH"] = root + (os.pathsep + base_env["PYTHONPATH"] if base_env.get("PYTHONPATH") else "")
+        self.env = base_env
+        self.services: dict[str, ServiceProcess] = {}
+
+    def add(self, name: str, module: str, args: Sequence[str]) -> ServiceProcess:
+        svc = ServiceProcess(name=name, module=module, args=list(args), workdir=self.workdir, env=self.env)
+        self.services[name] = svc
+        return svc
+
+    def start_store(self, *, extra: Sequence[str] = (), timeout_s: float = 60.0) -> ServiceProcess:
+        svc = self.add("checkpoint", "services.checkpoint", [
+            "--bind", "127.0.0.1:0", "--root", str(self.workdir / "store"),
+            "--ready-file", str(self.workdir / "checkpoint.ready.json"), *extra,
+        ])
+        svc.start()
+        svc.wait_ready(timeout_s)
+        return svc
+
+    def start_syncer(self, *, run_id: str, extra: Sequence[str] = (), timeout_s: float = 120.0) -> ServiceProcess:
+        args = ["--bind", "127.0.0.1:0", "--run-id", run_id, "--ready-file", str(self.workdir / "syncer.ready.json")]
+        if "checkpoint" in self.services:
+            args += ["--checkpoint-target", self.services["checkpoint"].address]
+        svc = self.add("syncer", "services.syncer", [*args, *extra])
+        svc.start()
+        svc.wait_ready(timeout_s)
+        return svc
+
+    def start_learner(self, index: int, *, region: str, extra: Sequence[str] = ()) -> ServiceProcess:
+        name = f"learner-{index}"
+        svc = self.add(name, "services.learner", [
+            "--syncer", self.services["syncer"].address, "--learner-id", name, "--region", region,
+            "--summary-file", str(self.workdir / f"{name}.summary.json"), *extra,
+        ])
+        svc.start()
+        return svc
+
+    def start_evaluator(self, *, extra: Sequence[str] = ()) -> ServiceProcess:
+        svc = self.add("evaluator", "services.learner.evaluator", [
+            "--syncer", self.services["syncer"].address, *extra,
+        ])
+        svc.start()
+        return svc
+
+    def learners(self) -> list[ServiceProcess]:
+        return [s for n, s in self.services.items() if n.startswith("learner-")]
+
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        """Stops learners and the evaluator first, then the syncer (it checkpoints), then the store."""
+        order = [s for s in self.services.values() if s.name not in ("syncer", "checkpoint")]
+        order += [self.services[n] for n in ("syncer", "checkpoint") if n in self.services]
+        for svc in order:
+            svc.stop(timeout_s)

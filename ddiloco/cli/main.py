@@ -1,0 +1,45 @@
+"""The `ddiloco` console script: dispatches to `up`, `status` and the services.
+
+`ddiloco syncer|learner|checkpoint|evaluate ARGS` runs the same code as
+`python -m services.<name> ARGS` (each service parses its own flags; `--help` explains them).
+Services are imported lazily by name: the library never imports `services`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+_SERVICES = {
+    "syncer": "services.syncer.__main__",
+    "learner": "services.learner.__main__",
+    "checkpoint": "services.checkpoint.__main__",
+    "evaluate": "services.learner.evaluator",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _SERVICES:
+        return importlib.import_module(_SERVICES[argv[0]]).main(argv[1:])
+    from ddiloco.cli import status, up  # imported here: rich and grpc only when needed
+
+    parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo as gRPC services.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up.add_arguments(sub.add_parser("up", help="run a local multi-learner training on 127.0.0.1",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    status.add_arguments(sub.add_parser("status", help="show a syncer's training state",
+                                        formatter_class=argparse.ArgumentDefaultsHelpFormatter),
+                         default_target=os.environ.get("DDILOCO_TARGET", "127.0.0.1:50051"))
+    for name in _SERVICES:
+        sub.add_parser(name, help=f"run the {name} service (see `ddiloco {name} --help`)", add_help=False)
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        return up.run(args)
+    return status.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Renders a TrainingState for humans (rich tables) and for machines (JSON)."""
+
+from __future__ import annotations
+
+import time
+
+from google.protobuf import json_format
+from rich.console import Group
+from rich.table import Table
+
+from ddiloco.v1 import syncer_pb2
+
+_STATUS = {
+    syncer_pb2.MemberState.STATUS_ACTIVE: "[green]active[/]",
+    syncer_pb2.MemberState.STATUS_SILENT: "[yellow]silent[/]",
+    syncer_pb2.MemberState.STATUS_LEFT: "[dim]left[/]",
+}
+
+
+def to_json(state: syncer_pb2.TrainingState) -> str:
+    return json_format.MessageToJson(state, preserving_proto_field_name=True, indent=None)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def state_renderable(state: syncer_pb2.TrainingState, *, target: str = ""):
+    """A rich renderable: run summary, learners, fragments and recent merges."""
+    now = state.now_unix_s or time.time()
+    last_eval = f"{state.evals[-1].heldout_loss:.4f}" if state.evals else "-"
+    first_eval = f"{state.evals[0].heldout_loss:.4f}" if state.evals else "-"
+    head = Table.grid(padding=(0, 2))
+    head.add_row(
+        f"run [bold]{state.run_id}[/]", f"syncer {target or state.syncer_instance[:8]}",
+        f"outer steps [bold]{state.outer_steps}[/]", f"tokens merged {state.tokens_merged:,}",
+    )
+    head.add_row(
+        f"held-out loss {first_eval} -> [bold]{last_eval}[/]",
+        f"bytes in {human_bytes(state.bytes_in)} / out {human_bytes(state.bytes_out)}",
+        f"grace {state.grace_window_s:.2f}s (step {state.step_time_s:.2f}s)",
+        f"checkpoint @ {state.last_checkpoint_outer_step}" + (" (restored)" if state.restored_from_checkpoint else ""),
+    )
+    members = Table(title="learners", expand=False)
+    for col in ("learner", "region", "status", "step", "loss", "step s", "accepted", "rejected", "last seen"):
+        members.add_column(col, justify="right" if col not in ("learner", "region", "status") else "left")
+    for m in state.members:
+        members.add_row(
+            m.learner_id, m.region, _STATUS.get(m.status, "?"), str(m.local_step), f"{m.inner_loss:.3f}",
+            f"{m.step_time_s:.2f}", str(m.uploads_accepted), str(m.uploads_rejected),
+            f"{max(0.0, now - m.last_seen_unix_s):.1f}s ago" if m.last_seen_unix_s else "-",
+        )
+    frags = Table(title="fragments")
+    for col in ("id", "version", "params", "pending", "sha256"):
+        frags.add_column(col)
+    for f in state.fragments:
+        frags.add_row(str(f.fragment_id), str(f.version), f"{f.numel:,}", str(f.pending_contributions), f.params_sha256[:12])
+    parts = [head, members, frags]
+    if state.recent_merges:
+        merges = Table(title="recent merges")
+        for col in ("fragment", "version", "contributors", "quorum s", "grace used/window s", "reason"):
+            merges.add_column(col)
+        for r in list(state.recent_merges)[-6:]:
+            who = ", ".join(f"{c.learner_id}(w={c.weight:.3g})" for c in r.contributors)
+            merges.add_row(str(r.fragment_id), str(r.version), who, f"{r.quorum_wait_s:.2f}",
+                           f"{r.grace_used_s:.2f}/{r.grace_window_s:.2f}", r.reason)
+        parts.append(merges)
+    return Group(*parts)

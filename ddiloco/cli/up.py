@@ -1,0 +1,166 @@
+"""`ddiloco up`: a local multi-learner run on 127.0.0.1 with live progress and a summary.
+
+Starts a checkpoint store, a syncer, an evaluator and N learners as separate processes (logs
+under <workdir>/logs), shows the training state live, and when the learners finish evaluates the
+final global model, prints a summary and shuts everything down (the syncer writes a last
+checkpoint). Ctrl-C stops everything cleanly at any time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from rich.console import Console
+from rich.live import Live
+
+from ddiloco.cli import cluster as cluster_lib
+from ddiloco.cli import render
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--learners", type=int, default=4, help="number of learner processes")
+    parser.add_argument("--steps", type=int, default=240, help="inner steps per learner")
+    parser.add_argument("--preset", default="small", help="transformer preset (small, tiny)")
+    parser.add_argument("--num-fragments", type=int, default=4, help="P")
+    parser.add_argument("--sync-period-steps", type=int, default=8, help="H")
+    parser.add_argument("--min-quorum", type=int, default=1, help="K")
+    parser.add_argument("--upload-codec", default="int4", help="fp32, bf16, int8 or int4")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per inner step")
+    parser.add_argument("--eval-interval-s", type=float, default=20.0, help="seconds between held-out evaluations")
+    parser.add_argument("--workdir", default="", help="logs, store and summaries (default runs/<time>)")
+    parser.add_argument("--summary-json", default="", help="also write the summary here")
+    parser.add_argument("--no-live", action="store_true", help="print one status line every few seconds instead")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
+
+
+def _state(stub, timeout_s: float = 5.0) -> syncer_pb2.TrainingState | None:
+    try:
+        return stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=8), timeout=timeout_s).state
+    except grpc.RpcError:
+        return None
+
+
+def _final_eval(cluster: cluster_lib.LocalCluster, args) -> float | None:
+    """Evaluates the final global parameters once (a separate evaluator process, bounded)."""
+    cmd = [sys.executable, "-m", "services.learner.evaluator", "--once", "--syncer",
+           cluster.services["syncer"].address, "--num-shards", str(args.learners), "--log-level", "WARNING"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cluster.env, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])["heldout_loss"]
+    except (subprocess.SubprocessError, ValueError, IndexError, KeyError):
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    workdir = pathlib.Path(args.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    cluster = cluster_lib.LocalCluster(workdir)
+    run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
+    interrupted = False
+
+    def _interrupt(*_):
+        nonlocal interrupted
+        interrupted = True
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    started = time.monotonic()
+    try:
+        console.print(f"[bold]ddiloco up[/]: {args.learners} learners x {args.steps} steps; logs in {workdir}/logs")
+        cluster.start_store()
+        model_config = json.dumps({"preset": args.preset})
+        syncer = cluster.start_syncer(run_id=run_id, extra=[
+            "--model-config", model_config, "--num-fragments", str(args.num_fragments),
+            "--sync-period-steps", str(args.sync_period_steps), "--min-quorum", str(args.min_quorum),
+            "--upload-codec", args.upload_codec,
+        ])
+        console.print(f"syncer listening on [bold]{syncer.address}[/]  "
+                      f"(watch it from another terminal: ddiloco status --watch --target {syncer.address})")
+        cluster.start_evaluator(extra=["--interval-s", str(args.eval_interval_s), "--num-shards", str(args.learners)])
+        for i in range(args.learners):
+            cluster.start_learner(i, region="region-a" if i % 2 == 0 else "region-b", extra=[
+                "--steps", str(args.steps), "--num-shards", str(args.learners), "--batch-size", str(args.batch_size),
+            ])
+        stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address))
+        live = None if args.no_live else Live(console=console, refresh_per_second=2)
+        if live:
+            live.start()
+        last_line = 0.0
+        try:
+            while not interrupted and any(s.alive() for s in cluster.learners()):
+                if time.monotonic() - started > args.timeout_s:
+                    console.print(f"[red]timed out after {args.timeout_s:.0f} s[/]")
+                    interrupted = True
+                    break
+                state = _state(stub)
+                if state is not None and live:
+                    live.update(render.state_renderable(state, target=syncer.address))
+                elif state is not None and time.monotonic() - last_line > 5:
+                    last_line = time.monotonic()
+                    steps = [m.local_step for m in state.members]
+                    console.print(f"outer steps {state.outer_steps}, learner steps {steps}, "
+                                  f"held-out {state.evals[-1].heldout_loss if state.evals else float('nan'):.4f}")
+                time.sleep(0.5)
+        finally:
+            if live:
+                live.stop()
+        failed = [s.name for s in cluster.learners() if s.proc.returncode not in (0, None)]
+        final_loss = None if interrupted else _final_eval(cluster, args)
+        state = _state(stub)
+        summary = _summary(state, final_loss, cluster, time.monotonic() - started)
+        _print_summary(console, summary, interrupted, failed)
+        if args.summary_json:
+            pathlib.Path(args.summary_json).write_text(json.dumps(summary, indent=2))
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return 1 if failed or interrupted else 0
+    except cluster_lib.ServiceStartError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    finally:
+        cluster.stop_all()
+
+
+def _summary(state, final_loss, cluster, wall_s: float) -> dict:
+    learner_summaries = []
+    for svc in cluster.learners():
+        path = cluster.workdir / f"{svc.name}.summary.json"
+        if path.exists():
+            learner_summaries.append(json.loads(path.read_text()))
+    evals = [e.heldout_loss for e in state.evals] if state else []
+    return {
+        "wall_s": round(wall_s, 1),
+        "heldout_loss_start": evals[0] if evals else None,
+        "heldout_loss_end": final_loss if final_loss is not None else (evals[-1] if evals else None),
+        "merges": state.outer_steps if state else None,
+        "tokens_merged": state.tokens_merged if state else None,
+        "bytes_in": state.bytes_in if state else None,
+        "bytes_out": state.bytes_out if state else None,
+        "uploads": dict(state.uploads) if state else {},
+        "learners": learner_summaries,
+    }
+
+
+def _print_summary(console: Console, s: dict, interrupted: bool, failed: list[str]) -> None:
+    console.rule("summary" + (" (interrupted)" if interrupted else ""))
+    start, end = s["heldout_loss_start"], s["heldout_loss_end"]
+    if start is not None and end is not None:
+        console.print(f"held-out loss of the global model: {start:.4f} -> [bold]{end:.4f}[/] nats/byte")
+    console.print(f"merges (outer steps): {s['merges']}   tokens merged: {s['tokens_merged']:,}" if s["merges"] is not None
+                  else "syncer state unavailable")
+    if s["bytes_in"] is not None:
+        console.print(f"bytes on the wire: in {render.human_bytes(s['bytes_in'])}, out {render.human_bytes(s['bytes_out'])}")
+    for ls in s["learners"]:
+        console.print(f"  {ls['learner_id']}: {ls['steps']} steps, train loss {ls['first_loss']:.3f} -> "
+                      f"{ls['last_loss_ema']:.3f}, {ls['client']['uploads_accepted']} uploads accepted")
+    if failed:
+        console.print(f"[red]learners that failed: {failed}[/]")
+    console.print(f"wall time {s['wall_s']} s")

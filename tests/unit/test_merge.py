@@ -1,0 +1,250 @@
+"""Tests for ddiloco.algo.merge: weights, RDA and weighted mean, the streaming accumulator."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import merge as merge_lib
+
+TensorSpec = fragments_lib.TensorSpec
+_BATCH_RULES = {"rda": merge_lib.radial_directional_average, "mean": merge_lib.weighted_mean}
+
+
+def _fragment(*specs: TensorSpec) -> fragments_lib.Fragment:
+    return fragments_lib.Fragment(fragment_id=0, tensors=specs, offset_steps=0)
+
+
+@st.composite
+def _contributions(draw):
+    """A fragment of 1-3 tensors, 1-5 flat deltas (some tensors zero) and their weights."""
+    sizes = draw(st.lists(st.integers(1, 20), min_size=1, max_size=3))
+    embeddings = draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
+    fragment = _fragment(
+        *(TensorSpec(f"t{i}", (n,), is_embedding=e) for i, (n, e) in enumerate(zip(sizes, embeddings)))
+    )
+    count = draw(st.integers(1, 5))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    deltas = []
+    for _ in range(count):
+        delta = (rng.standard_normal(fragment.numel) * rng.uniform(0.01, 10)).astype(np.float32)
+        if draw(st.booleans()):  # exercise φ(0) = 0 on a whole tensor
+            delta[fragment.slices()["t0"]] = 0.0
+        deltas.append(delta)
+    weight = st.one_of(st.just(0.0), st.floats(0.01, 1e6))
+    weights = draw(st.lists(weight, min_size=count, max_size=count))
+    return fragment, deltas, weights
+
+
+def _accumulate(fragment, deltas, weights, **rules) -> merge_lib.MergeAccumulator:
+    acc = merge_lib.MergeAccumulator(fragment, **rules)
+    for delta, weight in zip(deltas, weights):
+        acc.add(delta, weight)
+    return acc
+
+
+def test_contribution_weight_is_tokens_squared_over_steps():
+    assert merge_lib.contribution_weight(tokens=100, steps=10) == 1000.0
+    assert merge_lib.contribution_weight(tokens=0, steps=3) == 0.0
+    # b tokens per step over s steps: weight b² · s, linear in steps.
+    assert merge_lib.contribution_weight(64 * 6, 6) == 2 * merge_lib.contribution_weight(64 * 3, 3)
+
+
+@pytest.mark.parametrize(("tokens", "steps", "match"), [(10, 0, "steps=0"), (-1, 1, "tokens=-1")])
+def test_contribution_weight_rejects_bad_counts(tokens, steps, match):
+    with pytest.raises(ValueError, match=match):
+        merge_lib.contribution_weight(tokens, steps)
+
+
+def test_rda_of_a_hand_computed_example():
+    vectors = [np.array([3.0, 0.0]), np.array([0.0, 4.0])]
+
+    out = merge_lib.radial_directional_average(vectors, [1.0, 3.0])
+
+    # radius (1·3 + 3·4) / 4 = 3.75, along the unit vector of (1, 0) + 3·(0, 1).
+    np.testing.assert_allclose(out, 3.75 * np.array([1.0, 3.0]) / math.sqrt(10), rtol=1e-6)
+    assert out.dtype == np.float32
+
+
+def test_weighted_mean_of_a_hand_computed_example():
+    out = merge_lib.weighted_mean([np.array([1.0, 2.0]), np.array([3.0, 6.0])], [1.0, 3.0])
+    np.testing.assert_allclose(out, [2.5, 5.0])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 8), st.floats(0.1, 100), st.integers(0, 2**32 - 1))
+def test_rda_keeps_the_norm_of_aligned_inputs(count, radius, seed):
+    rng = np.random.default_rng(seed)
+    direction = rng.standard_normal(50)
+    direction /= np.linalg.norm(direction)
+    vectors = [radius * direction] * count
+
+    out = merge_lib.radial_directional_average(vectors, rng.uniform(0.1, 5, count))
+
+    np.testing.assert_allclose(out, radius * direction, rtol=1e-5, atol=1e-6 * radius)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 2**32 - 1))
+def test_rda_norm_is_the_weighted_mean_norm(count, seed):
+    rng = np.random.default_rng(seed)
+    vectors = [rng.standard_normal(30) * rng.uniform(0.1, 10) for _ in range(count)]
+    weights = rng.uniform(0.1, 5, count)
+    norms = np.array([np.linalg.norm(v) for v in vectors])
+
+    out = merge_lib.radial_directional_average(vectors, weights)
+
+    expected = weights @ norms / weights.sum()
+    assert np.linalg.norm(out) == pytest.approx(expected, rel=1e-5)
+    assert np.linalg.norm(out) <= norms.max() * (1 + 1e-6)
+
+
+def test_rda_keeps_the_norm_of_nearly_orthogonal_inputs_where_mean_shrinks_it():
+    rng = np.random.default_rng(0)
+    radius, count = 3.0, 16
+    vectors = []
+    for _ in range(count):
+        v = rng.standard_normal(20_000)
+        vectors.append(radius * v / np.linalg.norm(v))
+    weights = [1.0] * count
+
+    rda = merge_lib.radial_directional_average(vectors, weights)
+    mean = merge_lib.weighted_mean(vectors, weights)
+
+    assert np.linalg.norm(rda) == pytest.approx(radius, rel=1e-5)
+    assert np.linalg.norm(mean) == pytest.approx(radius / math.sqrt(count), rel=0.05)
+
+
+@settings(max_examples=50, deadline=None)
+@given(_contributions(), st.sampled_from(merge_lib.RULES), st.sampled_from(merge_lib.RULES))
+def test_accumulator_equals_the_batch_rules_per_tensor(contributions, rule, embedding_rule):
+    fragment, deltas, weights = contributions
+
+    merged = _accumulate(fragment, deltas, weights, rule=rule, embedding_rule=embedding_rule).result()
+
+    assert merged.dtype == np.float32 and merged.shape == (fragment.numel,)
+    for spec, where in zip(fragment.tensors, fragment.slices().values()):
+        batch = _BATCH_RULES[embedding_rule if spec.is_embedding else rule]
+        expected = batch([d[where] for d in deltas], weights)
+        np.testing.assert_allclose(merged[where], expected, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=50, deadline=None)
+@given(_contributions(), st.randoms(use_true_random=False))
+def test_accumulator_is_permutation_invariant(contributions, random):
+    fragment, deltas, weights = contributions
+    order = list(range(len(deltas)))
+    random.shuffle(order)
+
+    merged = _accumulate(fragment, deltas, weights).result()
+    shuffled = _accumulate(fragment, [deltas[i] for i in order], [weights[i] for i in order]).result()
+
+    np.testing.assert_allclose(shuffled, merged, rtol=1e-6, atol=1e-7)
+
+
+@settings(max_examples=50, deadline=None)
+@given(_contributions(), st.sampled_from(merge_lib.RULES), st.floats(0, 1e6))
+def test_one_contributor_is_returned_unchanged(contributions, rule, weight):
+    fragment, deltas, _ = contributions
+
+    merged = _accumulate(fragment, deltas[:1], [weight], rule=rule, embedding_rule=rule).result()
+
+    np.testing.assert_allclose(merged, deltas[0], rtol=1e-6)
+
+
+def test_mean_rule_with_equal_weights_is_plain_averaging():
+    fragment = _fragment(TensorSpec("a", (3,)), TensorSpec("b", (2, 2)))
+    rng = np.random.default_rng(1)
+    deltas = [rng.standard_normal(fragment.numel).astype(np.float32) for _ in range(5)]
+
+    merged = _accumulate(fragment, deltas, [2.5] * 5, rule="mean").result()
+
+    np.testing.assert_allclose(merged, np.mean(deltas, axis=0), rtol=1e-6)
+
+
+def test_embedding_tensors_use_the_embedding_rule():
+    fragment = _fragment(TensorSpec("embed", (2,), is_embedding=True), TensorSpec("w", (2,)))
+    deltas = [np.array([3.0, 0.0, 3.0, 0.0], np.float32), np.array([0.0, 3.0, 0.0, 3.0], np.float32)]
+
+    merged = _accumulate(fragment, deltas, [1.0, 1.0]).result()
+    swapped = _accumulate(fragment, deltas, [1.0, 1.0], rule="mean", embedding_rule="rda").result()
+
+    rda = 3.0 / math.sqrt(2)
+    np.testing.assert_allclose(merged, [1.5, 1.5, rda, rda], rtol=1e-6)
+    np.testing.assert_allclose(swapped, [rda, rda, 1.5, 1.5], rtol=1e-6)
+
+
+def test_zero_weights_fall_back_to_equal_weights_only_when_all_are_zero():
+    fragment = _fragment(TensorSpec("w", (2,)))
+    a, b, c = (np.array(v, np.float32) for v in ([1.0, 0.0], [0.0, 1.0], [4.0, 4.0]))
+
+    all_zero = _accumulate(fragment, [a, b], [0.0, 0.0], rule="mean")
+    zero_first = _accumulate(fragment, [a, b, c], [0.0, 0.0, 2.0], rule="mean")
+    zero_last = _accumulate(fragment, [c, a], [2.0, 0.0], rule="mean")
+
+    assert all_zero.total_weight == 0.0 and all_zero.count == 2
+    np.testing.assert_allclose(all_zero.result(), [0.5, 0.5])
+    np.testing.assert_allclose(zero_first.result(), c)
+    np.testing.assert_allclose(zero_last.result(), c)
+    assert zero_first.count == 3 and zero_first.total_weight == 2.0
+    np.testing.assert_allclose(merge_lib.weighted_mean([a, b], [0.0, 0.0]), [0.5, 0.5])
+
+
+def test_result_is_repeatable_and_fresh():
+    fragment = _fragment(TensorSpec("w", (3,)))
+    acc = _accumulate(fragment, [np.ones(3, np.float32)], [1.0])
+
+    first = acc.result()
+    first[:] = 0.0
+
+    np.testing.assert_array_equal(acc.result(), np.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("delta", "weight", "match"),
+    [
+        (np.zeros(2, np.float32), 1.0, "needs a 1-D vector of 3"),
+        (np.zeros((3, 1), np.float32), 1.0, "needs a 1-D vector of 3"),
+        (np.array([0.0, np.nan, 0.0], np.float32), 1.0, "non-finite"),
+        (np.array([0.0, np.inf, 0.0], np.float32), 1.0, "non-finite"),
+        (np.zeros(3, np.float32), -1.0, "weight=-1.0"),
+        (np.zeros(3, np.float32), math.nan, "weight=nan"),
+        (np.zeros(3, np.float32), math.inf, "weight=inf"),
+    ],
+)
+def test_add_rejects_bad_contributions_and_stays_unchanged(delta, weight, match):
+    acc = merge_lib.MergeAccumulator(_fragment(TensorSpec("w", (3,))))
+
+    with pytest.raises(ValueError, match=match):
+        acc.add(delta, weight)
+
+    assert acc.count == 0 and acc.total_weight == 0.0
+
+
+def test_accumulator_rejects_unknown_rules_and_empty_results():
+    fragment = _fragment(TensorSpec("w", (3,)))
+    with pytest.raises(ValueError, match="rule='median'"):
+        merge_lib.MergeAccumulator(fragment, rule="median")
+    with pytest.raises(ValueError, match="embedding_rule='sum'"):
+        merge_lib.MergeAccumulator(fragment, embedding_rule="sum")
+    with pytest.raises(ValueError, match="no contributions"):
+        merge_lib.MergeAccumulator(fragment).result()
+
+
+@pytest.mark.parametrize("merge", list(_BATCH_RULES.values()))
+def test_batch_rules_reject_bad_inputs(merge):
+    with pytest.raises(ValueError, match="empty"):
+        merge([], [])
+    with pytest.raises(ValueError, match="one weight per vector"):
+        merge([np.zeros(2)], [1.0, 2.0])
+    with pytest.raises(ValueError, match="same shape"):
+        merge([np.zeros(2), np.zeros(3)], [1.0, 1.0])
+    with pytest.raises(ValueError, match="non-finite"):
+        merge([np.array([np.nan])], [1.0])
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        merge([np.zeros(2)], [-1.0])
