@@ -106,7 +106,9 @@ class CheckpointClient:
         """The subset of `digests` the store holds."""
         request = checkpoint_pb2.StatBlobsRequest(digests=list(digests))
         seconds = (timeout or self._timeout).total_seconds()
-        response = await self._call("StatBlobs", lambda: self._stub.StatBlobs(request, timeout=seconds))
+        response = await self._call(
+            "StatBlobs", lambda: self._stub.StatBlobs(request, timeout=seconds)
+        )
         return set(response.present)
 
     async def put_blob(self, data: bytes, *, timeout: datetime.timedelta | None = None) -> str:
@@ -122,8 +124,9 @@ class CheckpointClient:
                 header=checkpoint_pb2.BlobHeader(digest=digest, size_bytes=len(data))
             )
             for seq, offset in enumerate(range(0, len(data), chunk)):
+                piece = bytes(view[offset : offset + chunk])
                 yield checkpoint_pb2.PutBlobRequest(
-                    chunk=checkpoint_pb2.BlobChunk(seq=seq, data=bytes(view[offset : offset + chunk]))
+                    chunk=checkpoint_pb2.BlobChunk(seq=seq, data=piece)
                 )
 
         seconds = (timeout or self._blob_timeout).total_seconds()

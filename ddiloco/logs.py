@@ -46,3 +46,5 @@ def setup_logging(level: str = "INFO", *, json_lines: bool = False, component: s
     root.setLevel(level.upper())
     if component:
         logging.getLogger(component).setLevel(level.upper())
+    # JAX logs its backend probing (no TPU/GPU here) at INFO; that is noise for operators.
+    logging.getLogger("jax").setLevel(max(logging.WARNING, root.level))

@@ -58,7 +58,7 @@ def async_retrying(
     return tenacity.AsyncRetrying(
         retry=tenacity.retry_if_exception(lambda e: is_transient(e, idempotent=idempotent)),
         wait=tenacity.wait_exponential_jitter(
-            initial=wait_initial.total_seconds(), max=wait_max.total_seconds()
+            multiplier=wait_initial.total_seconds(), max=wait_max.total_seconds()
         ),
         stop=tenacity.stop_after_delay(timeout.total_seconds()),
         before_sleep=tenacity.before_sleep_log(_LOG, logging.DEBUG),

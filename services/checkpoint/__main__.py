@@ -39,11 +39,10 @@ async def serve(cfg: config_lib.CheckpointConfig) -> int:
     if cfg.failpoints:
         _LOG.warning("failpoints armed: %s", dict(cfg.failpoints))
     servicer = servicer_lib.CheckpointStoreServicer(store, chunk_size_bytes=cfg.chunk_size_bytes)
-    handle = await server_lib.start_server(
-        cfg.bind,
-        [SERVICE_NAME],
-        [lambda server: checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(servicer, server)],
-    )
+    def add_servicer(server) -> None:
+        checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(servicer, server)
+
+    handle = await server_lib.start_server(cfg.bind, [SERVICE_NAME], [add_servicer])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -35,7 +35,9 @@ def _env(field: str) -> str:
 
 
 def _invalid(field: str, value: object, fix: str) -> ValueError:
-    return ValueError(f"{field}={value!r} is invalid: {fix} (flag {_flag(field)}, env {_env(field)})")
+    return ValueError(
+        f"{field}={value!r} is invalid: {fix} (flag {_flag(field)}, env {_env(field)})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,9 @@ class CheckpointConfig:
         try:
             store_lib.validate_failpoints(self.failpoints)
         except ValueError as exc:
-            raise ValueError(f"failpoints: {exc} (flag --failpoints, env {FAILPOINTS_ENV})") from None
+            raise ValueError(
+                f"failpoints: {exc} (flag --failpoints, env {FAILPOINTS_ENV})"
+            ) from None
 
 
 def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointConfig:

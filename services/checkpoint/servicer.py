@@ -28,7 +28,9 @@ def _manifest_from_proto(m: checkpoint_pb2.Manifest) -> dict[str, Any]:
         "run_id": m.run_id,
         "step": m.step,
         "created_unix_s": m.created_unix_s,
-        "blobs": [{"name": b.name, "digest": b.digest, "size_bytes": b.size_bytes} for b in m.blobs],
+        "blobs": [
+            {"name": b.name, "digest": b.digest, "size_bytes": b.size_bytes} for b in m.blobs
+        ],
         "metadata": dict(m.metadata),
     }
 
@@ -85,9 +87,11 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
                 raise errors.InvalidArgument("PutBlob stream ended before the header")
             existed = await asyncio.to_thread(writer.commit)
         except errors.ServiceError as exc:
+            if writer is not None:  # before the status goes out: a failed put leaves nothing
+                await asyncio.to_thread(writer.abort)
             await _abort(context, "PutBlob", exc)
         finally:
-            # Client cancellation and every error path end here: the temp file goes.
+            # Client cancellation ends here too; a no-op after commit or abort.
             if writer is not None:
                 await asyncio.to_thread(writer.abort)
         _LOG.info(
@@ -126,7 +130,9 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
             present = await asyncio.to_thread(self._store.stat, request.digests)
         except errors.ServiceError as exc:
             await _abort(context, "StatBlobs", exc)
-        return checkpoint_pb2.StatBlobsResponse(present=[d for d in request.digests if d in present])
+        return checkpoint_pb2.StatBlobsResponse(
+            present=[d for d in request.digests if d in present]
+        )
 
     async def CommitManifest(self, request, context):
         try:

@@ -46,7 +46,12 @@ from ddiloco.rpc import errors
 _LOG = logging.getLogger(__name__)
 
 FAILPOINTS: frozenset[str] = frozenset(
-    {"store.write", "store.after_tmp_write", "store.before_rename", "store.after_rename_before_dirsync"}
+    {
+        "store.write",
+        "store.after_tmp_write",
+        "store.before_rename",
+        "store.after_rename_before_dirsync",
+    }
 )
 FAILPOINT_ACTIONS: frozenset[str] = frozenset({"crash", "enospc"})
 # The exit status of a process killed by SIGKILL, so a crash failpoint looks like one.
@@ -58,6 +63,7 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MANIFEST_RE = re.compile(r"(\d{20})\.json")
 _TMP_RE = re.compile(r".+\.tmp-[0-9a-f]+")
+# Written into every manifest so a future layout change can be recognized.
 _MANIFEST_FORMAT_VERSION = 1
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -187,8 +193,10 @@ class BlobWriter:
 
     The bytes go to a temp file and become visible only in `commit()`, after their size and
     sha256 match the header. Any failure (or `abort()`, or leaving the `with` block without
-    committing) removes the temp file. When the store already holds the digest, the data is
-    hashed and checked but not written (`already_existed`).
+    committing) removes the temp file. If the store already holds the digest at commit time,
+    the verified temp copy is discarded and the stored blob is touched instead (a no-op for
+    readers). Re-uploads still write a temp copy: rare (clients stat first), and it means a
+    blob garbage-collected during the upload is simply stored again.
 
     NOTE: methods take a lock, so the servicer may call `abort()` from a cleanup path while a
     `write()` is still running in a worker thread.
@@ -197,20 +205,17 @@ class BlobWriter:
     def __init__(self, store: BlobStore, digest: str, size_bytes: int, target: pathlib.Path):
         self.digest = digest
         self.size_bytes = size_bytes
-        self.already_existed = target.exists()
         self.written_bytes = 0
         self._store = store
         self._target = target
+        self._tmp = _tmp_path(target)
         self._hash = hashlib.sha256()
         self._lock = threading.Lock()
         self._done = False
-        self._tmp: pathlib.Path | None = None
         self._file = None
-        if not self.already_existed:
-            with self._failing_aborts("creating a temp file"):
-                _ensure_dir(target.parent)
-                self._tmp = _tmp_path(target)
-                self._file = open(self._tmp, "xb")
+        with self._failing_aborts("creating a temp file"):
+            _ensure_dir(target.parent)
+            self._file = open(self._tmp, "xb")
 
     def __enter__(self) -> BlobWriter:
         return self
@@ -229,16 +234,15 @@ class BlobWriter:
                 )
             self._hash.update(data)
             self.written_bytes += len(data)
-            if self._file is not None:
-                with self._failing_aborts("writing"):
-                    self._store._failpoint("store.write")
-                    self._file.write(data)
+            with self._failing_aborts("writing"):
+                self._store._failpoint("store.write")
+                self._file.write(data)
 
     def commit(self) -> bool:
         """Verifies size and sha256, then makes the blob visible atomically.
 
         Returns:
-          True if the store already held the blob (nothing was written).
+          True if the store already held the blob (the upload changed nothing).
 
         Raises:
           InvalidArgument: size or digest mismatch (the temp file is removed).
@@ -258,11 +262,9 @@ class BlobWriter:
                 raise errors.InvalidArgument(
                     f"blob {self.digest}: the data hashes to {actual}; nothing was stored"
                 )
-            if self.already_existed:
-                self._done = True
-                self._store._touch(self._target)
+            if self._store._touch(self._target):
+                self._abort_locked()
                 return True
-            assert self._file is not None and self._tmp is not None
             with self._failing_aborts("committing"):
                 self._file.flush()
                 os.fsync(self._file.fileno())
@@ -287,8 +289,7 @@ class BlobWriter:
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()
-        if self._tmp is not None:
-            _unlink_quietly(self._tmp)
+        _unlink_quietly(self._tmp)
 
     @contextlib.contextmanager
     def _failing_aborts(self, what: str) -> Iterator[None]:
@@ -556,9 +557,10 @@ class BlobStore:
         except FileNotFoundError:
             return False
 
-    def _touch(self, path: pathlib.Path) -> None:
+    def _touch(self, path: pathlib.Path) -> bool:
+        """Marks a blob fresh for GC; False if it does not exist."""
         with self._lock:
-            self._touch_locked(path)
+            return self._touch_locked(path)
 
     def _remove_tmp_files(self) -> int:
         removed = 0
@@ -615,7 +617,8 @@ class BlobStore:
             raise errors.NotFound(f"run {run_id}: manifest for step {step} is gone") from None
         except ValueError as exc:
             raise errors.DataLoss(f"run {run_id}: manifest {path.name} is unreadable: {exc}")
-        if record.pop("format_version", None) != _MANIFEST_FORMAT_VERSION:
+        version = record.pop("format_version", None) if isinstance(record, dict) else None
+        if version != _MANIFEST_FORMAT_VERSION:
             raise errors.DataLoss(f"run {run_id}: manifest {path.name} has an unknown format")
         return record
 
@@ -639,7 +642,8 @@ class BlobStore:
             for run_dir in self._manifests.iterdir():
                 if run_dir.is_dir() and _RUN_ID_RE.fullmatch(run_dir.name):
                     for step in self._steps(run_dir.name):
-                        referenced.update(b["digest"] for b in self._load(run_dir.name, step)["blobs"])
+                        manifest = self._load(run_dir.name, step)
+                        referenced.update(b["digest"] for b in manifest["blobs"])
         except errors.ServiceError as exc:
             _LOG.error("blob GC skipped: %s", exc)
             return 0

@@ -226,6 +226,8 @@ class SyncClient:
                     self._joined.set()
                     _LOG.error(str(cause))
                     return
+                if self._closing:
+                    return
                 failures += 1
                 detail = cause.code().name if isinstance(cause, grpc.RpcError) else repr(cause)
                 _LOG.warning(f"session with the syncer broke ({detail}); re-joining")

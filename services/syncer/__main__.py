@@ -80,13 +80,8 @@ class _Checkpointer:
 
 async def _restore(client, cfg: config_lib.SyncerConfig) -> dict | None:
     """The latest committed snapshot of this run, None for a new run; raises if the store is down."""
-    async for attempt in retry_lib.async_retrying(
-        what="restore from the checkpoint store",
-        timeout=datetime.timedelta(seconds=cfg.restore_timeout_s),
-        idempotent=True,
-    ):
-        with attempt:
-            manifest = await client.latest_manifest(cfg.run_id)
+    # The client retries transient failures for at most restore_timeout_s (see serve()).
+    manifest = await client.latest_manifest(cfg.run_id)
     if manifest is None:
         return None
     blobs = {}
@@ -109,7 +104,11 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     )
     client = None
     if cfg.checkpoint_target:
-        client = checkpoint_client_lib.CheckpointClient(channel_lib.aio_channel(cfg.checkpoint_target))
+        client = checkpoint_client_lib.CheckpointClient(
+            channel_lib.aio_channel(cfg.checkpoint_target),
+            timeout=datetime.timedelta(seconds=10),
+            retry_timeout=datetime.timedelta(seconds=cfg.restore_timeout_s),
+        )
     core = core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
@@ -126,6 +125,11 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
             return 3
         if state is not None:
             core.restore(state)
+    # Captured before serving, so the ready file shows exactly what was restored.
+    initial_state = {
+        "restored": core.restored_from_checkpoint, "outer_steps": core.outer_steps,
+        "fragments": {s.fragment.fragment_id: {"version": s.version, "sha256": s.params_sha256} for s in core.slots},
+    }
     servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=cfg.max_concurrent_uploads)
     handle = await server_lib.start_server(
         cfg.bind,
@@ -139,7 +143,9 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
                           "outer_step": core.outer_steps}},
     )
     if cfg.ready_file:
-        server_lib.write_ready_file(cfg.ready_file, address=handle.address, service="syncer", instance=core.instance)
+        server_lib.write_ready_file(
+            cfg.ready_file, address=handle.address, service="syncer", instance=core.instance, **initial_state
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -291,6 +291,17 @@ class SyncerCore:
                 f"fragment_id {header.fragment_id} out of range (P = {len(self.slots)})", reason="fragment_id"
             )
         slot = self.slots[header.fragment_id]
+        key = (header.fragment_id, header.base_version)
+        seen = member.accepted_keys.get(key)
+        if seen is not None:
+            if seen == header.payload.checksum:
+                return UploadTicket(header=header, codec="", duplicate=True)
+            member.uploads_rejected += 1
+            raise errors.AlreadyExists(
+                f"upload (learner {header.learner_id}, incarnation {header.incarnation}, fragment "
+                f"{header.fragment_id}, base {header.base_version}) was already accepted with another payload",
+                reason="replay_mismatch",
+            )
         if header.base_version not in slot.history:
             raise errors.FailedPrecondition(
                 f"base version {header.base_version} of fragment {header.fragment_id} is too stale or "
@@ -327,17 +338,6 @@ class SyncerCore:
             raise errors.InvalidArgument("checksum must be a 32-byte sha256 digest", reason="checksum")
         if header.steps < 1:
             raise errors.InvalidArgument("steps must be >= 1 for a contribution", reason="steps")
-        key = (header.fragment_id, header.base_version)
-        seen = member.accepted_keys.get(key)
-        if seen is not None:
-            if seen == info.checksum:
-                return UploadTicket(header=header, codec=codec, duplicate=True)
-            member.uploads_rejected += 1
-            raise errors.AlreadyExists(
-                f"upload (learner {header.learner_id}, incarnation {header.incarnation}, fragment "
-                f"{header.fragment_id}, base {header.base_version}) was already accepted with another payload",
-                reason="replay_mismatch",
-            )
         if slot.round is not None and header.learner_id in slot.round.learners:
             raise errors.FailedPrecondition(
                 f"learner {header.learner_id} already has a contribution in fragment "
@@ -540,7 +540,7 @@ class SyncerCore:
         if slot.encoded is None:
             version, params = slot.version, slot.params
             encoded = await asyncio.to_thread(
-                codec_lib.encode, params, self.config.download_codec,
+                codec_lib.encode, params, serde.codec_from_proto(self.config.download_codec),
                 block_size=self.config.upload_block_size, zstd_level=self.config.zstd_level,
             )
             if slot.version == version:
@@ -719,6 +719,9 @@ class SyncerCore:
             self._sync_time.update(state["sync_time_s"])
         self.restored_from_checkpoint = True
         self.last_checkpoint_outer_step = self.outer_steps
+        _LOG.info("restored", extra={"fields": {"outer_step": self.outer_steps,
+                                                "versions": self.versions(),
+                                                "sha256": [s.params_sha256[:12] for s in self.slots]}})
 
 
 def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, model_config_json: str, fingerprint: str) -> syncer_pb2.RunConfig:

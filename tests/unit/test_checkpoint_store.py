@@ -3,6 +3,7 @@ plus the service's config parsing."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -56,6 +57,15 @@ def test_existing_blob_is_a_no_op(store: store_lib.BlobStore) -> None:
     assert store.put_blob(b"abc") == (_sha(b"abc"), False)
     assert store.put_blob(b"abc") == (_sha(b"abc"), True)
     assert _blob_files(store.root) == {_sha(b"abc")}
+
+
+def test_blob_deleted_during_a_reupload_is_stored_again(store: store_lib.BlobStore) -> None:
+    digest, _ = store.put_blob(b"abc")
+    with store.begin_blob(digest, 3) as writer:
+        writer.write(b"abc")
+        (store.root / "blobs" / digest[:2] / digest).unlink()  # e.g. garbage-collected meanwhile
+        assert writer.commit() is False
+    assert b"".join(store.read_blob(digest)) == b"abc"
 
 
 def test_empty_blob(store: store_lib.BlobStore) -> None:
@@ -177,7 +187,8 @@ def test_manifest_requires_its_blobs(store: store_lib.BlobStore) -> None:
 
 def test_manifest_blob_size_must_match(store: store_lib.BlobStore) -> None:
     digest, _ = store.put_blob(b"four")
-    manifest = {"run_id": "run", "step": 1, "blobs": [{"name": "a", "digest": digest, "size_bytes": 5}]}
+    ref = {"name": "a", "digest": digest, "size_bytes": 5}
+    manifest = {"run_id": "run", "step": 1, "blobs": [ref]}
     with pytest.raises(errors.InvalidArgument):
         store.commit_manifest(manifest)
 
@@ -233,22 +244,22 @@ def test_latest_n_rejects_zero() -> None:
 
 def test_retention_and_gc_remove_only_unreferenced_old_blobs(tmp_path: pathlib.Path) -> None:
     store = store_lib.BlobStore(tmp_path, retention=store_lib.LatestN(2), gc_grace_s=60)
-    blobs = {name: store.put_blob(name.encode())[0] for name in ["s1", "s2", "s3", "shared", "wip", "other"]}
-    old_s = time.time() - 3600
-    for digest in blobs.values():  # everything is past the grace period...
-        os.utime(store.root / "blobs" / digest[:2] / digest, (old_s, old_s))
+    names = ["s1", "s2", "s3", "shared", "orphan", "other", "wip"]
+    blobs = {name: store.put_blob(name.encode())[0] for name in names}
     store.commit_manifest(_manifest("other-run", 1, {"p": b"other"}))
-
     store.commit_manifest(_manifest("run", 1, {"p": b"s1", "q": b"shared"}))
     store.commit_manifest(_manifest("run", 2, {"p": b"s2", "q": b"shared"}))
-    # ...except a blob of a checkpoint still being uploaded, which was (re)written just now.
-    store.put_blob(b"wip")
-    os.utime(store.root / "blobs" / blobs["wip"][:2] / blobs["wip"])
+    assert _blob_files(tmp_path) == set(blobs.values())  # all young: GC removed nothing
+    old_s = time.time() - 3600
+    for name in names[:-1]:  # everything ages past the grace period except "wip", a blob of a
+        path = store.root / "blobs" / blobs[name][:2] / blobs[name]  # checkpoint in progress
+        os.utime(path, (old_s, old_s))
+
     _, pruned = store.commit_manifest(_manifest("run", 3, {"p": b"s3", "q": b"shared"}))
 
     assert pruned == 1
     assert [m["step"] for m in store.list_manifests("run")] == [2, 3]
-    assert _blob_files(tmp_path) == {blobs[n] for n in ["s2", "s3", "shared", "wip", "other"]}
+    assert _blob_files(tmp_path) == {blobs[n] for n in ["s2", "s3", "shared", "other", "wip"]}
     assert [m["step"] for m in store.list_manifests("other-run")] == [1]
 
 
@@ -342,6 +353,6 @@ def test_config_help_mentions_every_env_var(capsys) -> None:
     with pytest.raises(SystemExit):
         config_lib.parse_config(["--help"], {})
     out = " ".join(capsys.readouterr().out.split())
-    for field in [f.name for f in config_lib.dataclasses.fields(config_lib.CheckpointConfig)]:
-        env = "DDILOCO_FAILPOINTS" if field == "failpoints" else "DDILOCO_CHECKPOINT_" + field.upper()
+    for field in [f.name for f in dataclasses.fields(config_lib.CheckpointConfig)]:
+        env = config_lib.FAILPOINTS_ENV if field == "failpoints" else config_lib._env(field)
         assert env in out
