@@ -132,8 +132,9 @@ class MergeAccumulator:
         self._radial_sums = np.zeros(len(self._segments), dtype=np.float64)
         self._count = 0
         self._total_weight = 0.0
-        # Sum of the weights actually folded into the sums: equals total_weight, or the
-        # number of contributions while every weight so far is 0 (equal-weight fallback).
+        # Weights are folded into the sums as weight / _weight_unit (the first positive
+        # weight), or as 1 while every weight so far is 0 (equal-weight fallback).
+        self._weight_unit = 1.0
         self._folded_weight = 0.0
 
     @property
@@ -171,13 +172,20 @@ class MergeAccumulator:
                 "reject the contribution"
             )
 
-        if weight > 0 and self._total_weight == 0.0 and self._count:
-            # Earlier contributions all had weight 0 and were folded in with equal weights
-            # as the fallback; now that a positive weight exists they must count for nothing.
-            self._sums[:] = 0.0
-            self._radial_sums[:] = 0.0
-            self._folded_weight = 0.0
-        fold = weight if weight > 0 or self._total_weight > 0 else 1.0
+        if weight > 0 and self._total_weight == 0.0:
+            # Only weight ratios matter: folding weights relative to the first positive one
+            # keeps tiny or huge weights from underflowing or overflowing the sums.
+            self._weight_unit = float(weight)
+            if self._count:
+                # Earlier contributions all had weight 0 and were folded in with equal
+                # weights as the fallback; now they must count for nothing.
+                self._sums[:] = 0.0
+                self._radial_sums[:] = 0.0
+                self._folded_weight = 0.0
+        if weight > 0 or self._total_weight > 0:
+            fold = weight / self._weight_unit
+        else:
+            fold = 1.0
         self._count += 1
         self._total_weight += float(weight)
         if fold == 0:
@@ -232,8 +240,8 @@ def _unit(vector: np.ndarray) -> np.ndarray:
 def _check_batch(
     vectors: Sequence[np.ndarray], weights: Sequence[float]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Validates a batch merge's inputs; returns them stacked as float64 and the weights,
-    replaced by equal weights when they are all 0."""
+    """Validates a batch merge's inputs; returns them stacked as float64 and the weights
+    scaled to a maximum of 1 (equal weights when they are all 0)."""
     if len(vectors) == 0:
         raise ValueError("vectors is empty: a merge needs at least one vector")
     if len(weights) != len(vectors):
@@ -250,4 +258,5 @@ def _check_batch(
     w = np.asarray(weights, dtype=np.float64)
     if not np.isfinite(w).all() or (w < 0).any():
         raise ValueError(f"weights={list(weights)} are invalid: each must be finite and >= 0")
-    return stacked, (w if w.sum() > 0 else np.ones_like(w))
+    # Only ratios matter: scaling by the largest weight avoids underflow and overflow.
+    return stacked, (w / w.max() if w.max() > 0 else np.ones_like(w))

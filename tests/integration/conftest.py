@@ -1,0 +1,86 @@
+"""Fixtures for tests that run the services as real processes on 127.0.0.1.
+
+The `cluster` fixture is the same LocalCluster that `ddiloco up` uses; it stops (and if needed
+SIGKILLs) only the processes it started, by PID, whatever the test outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from ddiloco import checkpoint_client
+from ddiloco.cli import cluster as cluster_lib
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+
+# A small, fast configuration: the tiny transformer, 4 fragments due every 4 steps, learners
+# paced at ~30 ms per step so that 2 cores can host a store, a syncer and several learners.
+TINY = ["--model-config", json.dumps({"preset": "tiny"}), "--num-fragments", "4", "--sync-period-steps", "4"]
+LEARNER_PACE = ["--step-delay-s", "0.03", "--log-every-steps", "50"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = cluster_lib.LocalCluster(tmp_path / "cluster")
+    try:
+        yield c
+    finally:
+        c.stop_all(timeout_s=10.0)
+
+
+def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str, interval_s: float = 0.2):
+    """Polls until predicate() is truthy; returns its value or fails with `what`."""
+    deadline = time.monotonic() + timeout_s
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except grpc.RpcError as exc:  # a restarting service: keep polling until the deadline
+            last_exc = exc
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last_exc})")
+
+
+class SyncerProbe:
+    """A blocking client for reading a syncer's training state in tests."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = channel_lib.sync_channel(address)
+        self.stub = syncer_pb2_grpc.SyncerStub(self.channel)
+
+    def state(self, merges: int = 256) -> syncer_pb2.TrainingState:
+        return self.stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=merges), timeout=5).state
+
+    def member(self, learner_id: str) -> syncer_pb2.MemberState | None:
+        for m in self.state(0).members:
+            if m.learner_id == learner_id:
+                return m
+        return None
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def store_call(address: str, fn):
+    """Runs `await fn(client)` against the checkpoint store at `address` (a fresh event loop)."""
+
+    async def _run():
+        channel = channel_lib.aio_channel(address)
+        try:
+            client = checkpoint_client.CheckpointClient(
+                channel, timeout=datetime.timedelta(seconds=5), retry_timeout=datetime.timedelta(seconds=10)
+            )
+            return await fn(client)
+        finally:
+            await channel.close()
+
+    return asyncio.run(_run())
