@@ -96,9 +96,7 @@ class FragmentPlan:
 
     def __post_init__(self) -> None:
         if self.sync_period_steps < 1:
-            raise ValueError(
-                f"sync_period_steps={self.sync_period_steps} is invalid: must be >= 1"
-            )
+            raise ValueError(f"sync_period_steps={self.sync_period_steps} is invalid: must be >= 1")
         for index, fragment in enumerate(self.fragments):
             if fragment.fragment_id != index:
                 raise ValueError(
@@ -264,5 +262,5 @@ def unflatten_fragment(flat: np.ndarray, fragment: Fragment) -> dict[str, np.nda
         )
     return {
         spec.name: flat[where].reshape(spec.shape)
-        for spec, where in zip(fragment.tensors, fragment.slices().values())
+        for spec, where in zip(fragment.tensors, fragment.slices().values(), strict=True)
     }

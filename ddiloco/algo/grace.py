@@ -7,7 +7,7 @@ Must not: read the clock, sleep, or hold state about rounds; the caller passes `
 
 Eq. 3: the syncer may wait for more learners only as long as the wait stays hidden behind
 the τ inner steps a fragment's communication overlaps, so no learner ever blocks:
-    ξ_grace = γ · max(0, τ·ξ_step − ξ_quorum − ξ_sync),  γ in [0, 1].
+    ξ_grace = γ · max(0, τ·ξ_step - ξ_quorum - ξ_sync),  γ in [0, 1].
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class MergeAccumulator:
         self._fragment = fragment
         self._segments = [
             (where, embedding_rule if spec.is_embedding else rule)
-            for spec, where in zip(fragment.tensors, fragment.slices().values())
+            for spec, where in zip(fragment.tensors, fragment.slices().values(), strict=True)
         ]
         self._sums = np.zeros(fragment.numel, dtype=np.float64)
         self._radial_sums = np.zeros(len(self._segments), dtype=np.float64)
@@ -182,10 +182,7 @@ class MergeAccumulator:
                 self._sums[:] = 0.0
                 self._radial_sums[:] = 0.0
                 self._folded_weight = 0.0
-        if weight > 0 or self._total_weight > 0:
-            fold = weight / self._weight_unit
-        else:
-            fold = 1.0
+        fold = weight / self._weight_unit if weight > 0 or self._total_weight > 0 else 1.0
         self._count += 1
         self._total_weight += float(weight)
         if fold == 0:

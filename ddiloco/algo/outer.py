@@ -4,9 +4,9 @@ Owns: ``make_outer_optimizer`` and ``OuterStepper``, which runs the optimizer on
 float32 fragment vectors and keeps its state as plain numpy arrays (checkpointable).
 Must not: merge contributions, hold state for more than the call, or do I/O.
 
-The outer gradient is Δ = Θ − θ (the syncer's global fragment minus a learner's, merged
+The outer gradient is Δ = Θ - θ (the syncer's global fragment minus a learner's, merged
 over learners), so a step moves Θ towards the learners:
-    buf ← μ·buf + Δ;    Θ ← Θ − η·(Δ + μ·buf)
+    buf ← μ·buf + Δ;    Θ ← Θ - η·(Δ + μ·buf)
 (optax ``sgd(nesterov=True)``). DiLoCo's defaults are η = 0.7, μ = 0.9; the Decoupled
 DiLoCo paper publishes no values of its own.
 """
@@ -122,7 +122,7 @@ class OuterStepper:
                 f"{len(leaf_specs)}: pass the list returned by init() or step()"
             )
         leaves = [np.asarray(leaf) for leaf in state]
-        for index, (leaf, spec) in enumerate(zip(leaves, leaf_specs)):
+        for index, (leaf, spec) in enumerate(zip(leaves, leaf_specs, strict=True)):
             if leaf.shape != spec.shape or leaf.dtype != spec.dtype:
                 raise ValueError(
                     f"state[{index}] is {leaf.dtype}{list(leaf.shape)} but the optimizer "
@@ -149,7 +149,5 @@ class OuterStepper:
 def _check_vector(field: str, value: np.ndarray) -> np.ndarray:
     array = np.asarray(value)
     if array.ndim != 1 or array.dtype != np.float32:
-        raise ValueError(
-            f"{field} is {array.dtype}{list(array.shape)}: pass a 1-D float32 vector"
-        )
+        raise ValueError(f"{field} is {array.dtype}{list(array.shape)}: pass a 1-D float32 vector")
     return array

@@ -68,6 +68,8 @@ def parse_dataclass(
     parser = EnvArgumentParser(prog=prog, description=description, environ=environ)
     for field in dataclasses.fields(cls):
         kind = {"bool": parse_bool, "int": int, "float": float}.get(str(field.type), str)
+        # Booleans work as plain switches (`--once`) and with a value (`--json-logs false`).
+        extra = {"nargs": "?", "const": True} if kind is parse_bool else {}
         parser.add_env_argument(
             "--" + field.name.replace("_", "-"),
             env=env_prefix + field.name.upper(),
@@ -75,6 +77,7 @@ def parse_dataclass(
             default=field.default,
             dest=field.name,
             help=helps[field.name],
+            **extra,
         )
     args = parser.parse_args(list(argv))
     try:

@@ -113,6 +113,7 @@ class Transformer:
         self.cfg = cfg or PRESETS[DEFAULT_PRESET]
         self.config: dict[str, Any] = dataclasses.asdict(self.cfg)
         self._layout = self._build_layout()
+        self._init_jit = jax.jit(self._init)
 
     @property
     def vocab_size(self) -> int:
@@ -167,8 +168,14 @@ class Transformer:
             rng: a JAX PRNG key.
 
         Returns:
-            Flat float32 params, keyed by ``TensorSpec.name``.
+            Flat float32 params keyed by ``TensorSpec.name``, in spec order.
         """
+        params = self._init_jit(rng)
+        return {spec.name: params[spec.name] for spec, _ in self._layout}
+
+    def _init(self, rng: jax.Array) -> Params:
+        # Always run under jit (see __init__): eager and jitted normal sampling
+        # differ in the last ulp, and every process must build identical params.
         std = self.cfg.init_std
         stds = {"normal": std, "residual": std / math.sqrt(2 * self.cfg.n_layers)}
         keys = jax.random.split(rng, len(self._layout))

@@ -9,7 +9,7 @@ Codecs (raw layout before zstd, all little-endian):
   * ``bf16``: bfloat16 values, rounded to nearest even (values beyond bfloat16's range are
     clipped to its maximum first, so no finite input becomes inf).
   * ``int8`` / ``int4``: ``[float32 scale × n_blocks][levels]``, one absmax scale per block of
-    ``block_size`` values, symmetric levels −127..127 (int8, one byte each) or −7..7 (int4,
+    ``block_size`` values, symmetric levels -127..127 (int8, one byte each) or -7..7 (int4,
     stored as level + 8, two per byte, low nibble first, an odd length padded with level 0).
     A block of zeros has scale 0 and decodes to zeros.
 The raw bytes travel as one zstd frame with its content size in the header, so a receiver
@@ -31,7 +31,7 @@ import zstandard
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
 DEFAULT_BLOCK_SIZE = 128
 
-# Largest level of each quantized codec (levels are symmetric: −qmax..qmax).
+# Largest level of each quantized codec (levels are symmetric: -qmax..qmax).
 _QMAX = {"int8": 127, "int4": 7}
 _SCALE_BYTES = 4
 _BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
@@ -49,7 +49,7 @@ class CodecError(ValueError):
 
 
 class NonFiniteError(CodecError):
-    """Values (or quantization scales) are NaN, infinite or negative scales."""
+    """Values are NaN or infinite, or a quantization scale is non-finite or negative."""
 
 
 class SizeError(CodecError):
@@ -156,9 +156,7 @@ def encode(
         )
     values = np.asarray(values)
     if values.ndim != 1 or values.dtype != np.float32:
-        raise CodecError(
-            f"values is {values.dtype}{list(values.shape)}: pass a 1-D float32 vector"
-        )
+        raise CodecError(f"values is {values.dtype}{list(values.shape)}: pass a 1-D float32 vector")
     bad = ~np.isfinite(values)
     if bad.any():
         raise NonFiniteError(
@@ -294,7 +292,7 @@ def chunk_payload(payload: bytes, chunk_size_bytes: int) -> list[bytes]:
 
 
 def max_abs_error_bound(codec: str, block_absmax: float) -> float:
-    """Returns the largest |x − decode(encode(x))| for any value in a block.
+    """Returns the largest |x - decode(encode(x))| for any value in a block.
 
     * fp32: 0 (bit-exact).
     * bf16: ``absmax · 2**-8`` (round to nearest even keeps 8 significant bits, so the
@@ -398,7 +396,8 @@ def _deserialize(raw: bytes, codec: str, numel: int, block_size: int) -> np.ndar
         nibbles[0::2] = body & 0x0F
         nibbles[1::2] = body >> 4
         levels = nibbles[:numel].astype(np.int8) - 8
-    if levels.size and np.abs(levels.astype(np.int16)).max() > qmax:
+    # Only one level below the range can be represented: -128 (int8) or nibble 0 (int4).
+    if levels.size and levels.min() < -qmax:
         raise CorruptPayloadError(
             f"payload holds levels outside [-{qmax}, {qmax}] for codec={codec!r}: "
             "the sender encoded invalid data"

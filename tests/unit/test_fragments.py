@@ -18,11 +18,9 @@ TensorSpec = fragments_lib.TensorSpec
 def _specs(draw, max_tensors: int = 12, max_dim: int = 40) -> list[TensorSpec]:
     """Uniquely named tensors of 0-3 dims (sizes collide often, to exercise tie-breaking)."""
     n = draw(st.integers(1, max_tensors))
-    shapes = draw(
-        st.lists(st.lists(st.integers(1, max_dim), max_size=3), min_size=n, max_size=n)
-    )
+    shapes = draw(st.lists(st.lists(st.integers(1, max_dim), max_size=3), min_size=n, max_size=n))
     names = draw(st.permutations([f"t{i:02d}" for i in range(n)]))
-    return [TensorSpec(name, tuple(shape)) for name, shape in zip(names, shapes)]
+    return [TensorSpec(name, tuple(shape)) for name, shape in zip(names, shapes, strict=True)]
 
 
 @st.composite
@@ -168,7 +166,9 @@ def test_flatten_unflatten_round_trip(inputs, seed):
         for name, value in restored.items():
             np.testing.assert_array_equal(value, params[name])
         for spec in fragment.tensors:
-            np.testing.assert_array_equal(flat[fragment.slices()[spec.name]], params[spec.name].ravel())
+            np.testing.assert_array_equal(
+                flat[fragment.slices()[spec.name]], params[spec.name].ravel()
+            )
 
 
 def test_flatten_returns_a_fresh_array():
@@ -224,7 +224,9 @@ def test_flatten_and_unflatten_reject_mismatches():
 
 
 def test_plan_rejects_inconsistent_fragments():
-    fragment = fragments_lib.Fragment(fragment_id=1, tensors=(TensorSpec("a", (1,)),), offset_steps=0)
+    fragment = fragments_lib.Fragment(
+        fragment_id=1, tensors=(TensorSpec("a", (1,)),), offset_steps=0
+    )
     with pytest.raises(ValueError, match="must equal their index"):
         fragments_lib.FragmentPlan(fragments=(fragment,), sync_period_steps=2)
     late = fragments_lib.Fragment(fragment_id=0, tensors=(TensorSpec("a", (1,)),), offset_steps=2)

@@ -28,7 +28,10 @@ def _contributions(draw):
     sizes = draw(st.lists(st.integers(2, 20), min_size=1, max_size=3))
     embeddings = draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
     fragment = _fragment(
-        *(TensorSpec(f"t{i}", (n,), is_embedding=e) for i, (n, e) in enumerate(zip(sizes, embeddings)))
+        *(
+            TensorSpec(f"t{i}", (n,), is_embedding=e)
+            for i, (n, e) in enumerate(zip(sizes, embeddings, strict=True))
+        )
     )
     count = draw(st.integers(1, 5))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -45,7 +48,7 @@ def _contributions(draw):
 
 def _accumulate(fragment, deltas, weights, **rules) -> merge_lib.MergeAccumulator:
     acc = merge_lib.MergeAccumulator(fragment, **rules)
-    for delta, weight in zip(deltas, weights):
+    for delta, weight in zip(deltas, weights, strict=True):
         acc.add(delta, weight)
     return acc
 
@@ -127,10 +130,12 @@ def test_rda_keeps_the_norm_of_nearly_orthogonal_inputs_where_mean_shrinks_it():
 def test_accumulator_equals_the_batch_rules_per_tensor(contributions, rule, embedding_rule):
     fragment, deltas, weights = contributions
 
-    merged = _accumulate(fragment, deltas, weights, rule=rule, embedding_rule=embedding_rule).result()
+    merged = _accumulate(
+        fragment, deltas, weights, rule=rule, embedding_rule=embedding_rule
+    ).result()
 
     assert merged.dtype == np.float32 and merged.shape == (fragment.numel,)
-    for spec, where in zip(fragment.tensors, fragment.slices().values()):
+    for spec, where in zip(fragment.tensors, fragment.slices().values(), strict=True):
         batch = _BATCH_RULES[embedding_rule if spec.is_embedding else rule]
         expected = batch([d[where] for d in deltas], weights)
         np.testing.assert_allclose(merged[where], expected, rtol=1e-5, atol=1e-6)
@@ -144,7 +149,9 @@ def test_accumulator_is_permutation_invariant(contributions, random):
     random.shuffle(order)
 
     merged = _accumulate(fragment, deltas, weights).result()
-    shuffled = _accumulate(fragment, [deltas[i] for i in order], [weights[i] for i in order]).result()
+    shuffled = _accumulate(
+        fragment, [deltas[i] for i in order], [weights[i] for i in order]
+    ).result()
 
     np.testing.assert_allclose(shuffled, merged, rtol=1e-6, atol=1e-7)
 
@@ -171,7 +178,10 @@ def test_mean_rule_with_equal_weights_is_plain_averaging():
 
 def test_embedding_tensors_use_the_embedding_rule():
     fragment = _fragment(TensorSpec("embed", (2,), is_embedding=True), TensorSpec("w", (2,)))
-    deltas = [np.array([3.0, 0.0, 3.0, 0.0], np.float32), np.array([0.0, 3.0, 0.0, 3.0], np.float32)]
+    deltas = [
+        np.array([3.0, 0.0, 3.0, 0.0], np.float32),
+        np.array([0.0, 3.0, 0.0, 3.0], np.float32),
+    ]
 
     merged = _accumulate(fragment, deltas, [1.0, 1.0]).result()
     swapped = _accumulate(fragment, deltas, [1.0, 1.0], rule="mean", embedding_rule="rda").result()

@@ -52,7 +52,9 @@ def test_heavy_ball_and_plain_sgd():
     np.testing.assert_allclose(
         heavy_params, params - 0.5 * (grads[0] + 0.9 * grads[0] + grads[1]), rtol=1e-5, atol=1e-6
     )
-    np.testing.assert_allclose(plain_params, params - 0.5 * (grads[0] + grads[1]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        plain_params, params - 0.5 * (grads[0] + grads[1]), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_same_inputs_give_bit_identical_outputs():
@@ -111,8 +113,12 @@ def test_outputs_are_fresh_writable_arrays():
 
 @pytest.mark.parametrize(
     ("learning_rate", "momentum", "match"),
-    [(0.0, 0.9, "learning_rate=0.0"), (float("nan"), 0.9, "learning_rate=nan"), (0.7, 1.0, "momentum=1.0"),
-     (0.7, -0.1, "momentum=-0.1")],
+    [
+        (0.0, 0.9, "learning_rate=0.0"),
+        (float("nan"), 0.9, "learning_rate=nan"),
+        (0.7, 1.0, "momentum=1.0"),
+        (0.7, -0.1, "momentum=-0.1"),
+    ],
 )
 def test_make_outer_optimizer_rejects_bad_hyperparameters(learning_rate, momentum, match):
     with pytest.raises(ValueError, match=match):

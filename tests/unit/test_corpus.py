@@ -1,0 +1,146 @@
+"""Corpus loading, deterministic split, batch sampling and held-out batches."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from ddiloco.data import (
+    DOCUMENT_SEPARATOR,
+    BatchSampler,
+    heldout_batches,
+    is_heldout,
+    load_stdlib_documents,
+    load_text_directory,
+    split_corpus,
+)
+
+
+def _documents(count=200):
+    # Each document's bytes are unique to it, so its position can be checked in a shard.
+    return [(f"pkg/mod{i:03d}.py", f"# module {i}\n".encode() * (1 + i % 7)) for i in range(count)]
+
+
+def _joined(documents):
+    return b"".join(data + DOCUMENT_SEPARATOR for _, data in documents)
+
+
+def test_split_is_deterministic():
+    first, second = split_corpus(_documents(), 4), split_corpus(_documents(), 4)
+    assert first.source == second.source
+    assert np.array_equal(first.heldout, second.heldout)
+    assert all(np.array_equal(a, b) for a, b in zip(first.shards, second.shards))
+
+
+def test_heldout_documents_never_reach_shards():
+    documents = _documents()
+    split = split_corpus(documents, num_shards=3, heldout_fraction=0.1)
+    heldout = [doc for doc in documents if is_heldout(doc[0], 0.1)]
+    train = [doc for doc in documents if not is_heldout(doc[0], 0.1)]
+    assert 0 < len(heldout) < len(documents) // 2
+    # Shards are exactly the training documents, in order, minus a short tail.
+    shards = b"".join(shard.tobytes() for shard in split.shards)
+    assert _joined(train).startswith(shards)
+    assert len(_joined(train)) - len(shards) < 3
+    assert split.heldout.tobytes() == _joined(heldout)
+    assert "200 files" in split.source
+
+
+def test_assignment_depends_only_on_the_path():
+    documents = _documents()
+    subset = random.Random(0).sample(documents, 50)
+    full = {path for path, _ in documents if is_heldout(path, 0.2)}
+    assert {path for path, _ in subset if is_heldout(path, 0.2)} == full & {p for p, _ in subset}
+
+
+def test_shards_are_equal_read_only_uint8():
+    split = split_corpus(_documents(), num_shards=4)
+    assert len(split.shards) == 4
+    assert len({len(shard) for shard in split.shards}) == 1
+    for array in (*split.shards, split.heldout):
+        assert array.dtype == np.uint8 and not array.flags.writeable
+
+
+@pytest.mark.parametrize(
+    "documents, kwargs, match",
+    [
+        ([], {"num_shards": 2}, "empty"),
+        ([("a.py", b"")], {"num_shards": 2}, "empty"),
+        (_documents(), {"num_shards": 0}, "num_shards"),
+        (_documents(), {"num_shards": 2, "heldout_fraction": 1.0}, "heldout_fraction"),
+        (_documents(2), {"num_shards": 2, "heldout_fraction": 1e-9}, "heldout_fraction"),
+        ([("a.py", b"x")], {"num_shards": 5, "heldout_fraction": 0.0}, "num_shards"),
+    ],
+)
+def test_split_rejects_bad_input(documents, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        split_corpus(documents, **kwargs)
+
+
+def test_sampler_is_deterministic_per_seed():
+    tokens = np.arange(200, dtype=np.uint8)
+    first = [BatchSampler(tokens, 8, 16, seed=3).next() for _ in range(2)]
+    sampler = BatchSampler(tokens, 8, 16, seed=3)
+    assert np.array_equal(first[0], first[1])
+    assert not np.array_equal(sampler.next(), sampler.next())
+    assert not np.array_equal(first[0], BatchSampler(tokens, 8, 16, seed=4).next())
+
+
+def test_sampler_windows_are_contiguous_and_cover_the_range():
+    tokens = np.arange(200, dtype=np.uint8)  # token value == position
+    sampler = BatchSampler(tokens, batch_size=8, seq_len=16, seed=0)
+    assert sampler.tokens_per_batch == 8 * 16
+    starts = []
+    for _ in range(200):
+        batch = sampler.next()
+        assert batch.shape == (8, 17) and batch.dtype == np.int32
+        np.testing.assert_array_equal(batch - batch[:, :1], np.broadcast_to(np.arange(17), (8, 17)))
+        starts.extend(batch[:, 0])
+    assert min(starts) == 0 and max(starts) == 200 - 17
+
+
+def test_too_little_data_says_how_much_is_needed():
+    with pytest.raises(ValueError, match="seq_len\\+1=33"):
+        BatchSampler(np.zeros(20, np.uint8), batch_size=2, seq_len=32, seed=0)
+    with pytest.raises(ValueError, match="seq_len\\+1=33"):
+        heldout_batches(np.zeros(20, np.uint8), batch_size=2, seq_len=32, num_batches=1)
+
+
+def test_heldout_batches_are_evenly_spaced_and_deterministic():
+    tokens = np.arange(250, dtype=np.uint8)
+    batches = heldout_batches(tokens, batch_size=4, seq_len=16, num_batches=3)
+    assert len(batches) == 3 and all(b.shape == (4, 17) and b.dtype == np.int32 for b in batches)
+    starts = np.concatenate([b[:, 0] for b in batches])
+    assert starts[0] == 0 and starts[-1] == 250 - 17
+    assert np.all(np.diff(starts) > 0)
+    again = heldout_batches(tokens, batch_size=4, seq_len=16, num_batches=3)
+    assert all(np.array_equal(a, b) for a, b in zip(batches, again))
+
+
+def test_text_directory_loads_regular_files_sorted_and_capped(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "two.txt").write_bytes(b"22")
+    (tmp_path / "a.txt").write_bytes(b"1")
+    (tmp_path / "c.txt").write_bytes(b"333")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    os.symlink(tmp_path / "a.txt", tmp_path / "link.txt")
+    assert load_text_directory(tmp_path) == [("a.txt", b"1"), ("b/two.txt", b"22"), ("c.txt", b"333")]
+    assert load_text_directory(tmp_path, max_bytes=4) == [("a.txt", b"1"), ("b/two.txt", b"22"), ("c.txt", b"3")]
+
+
+def test_text_directory_errors(tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        load_text_directory(tmp_path / "missing")
+    with pytest.raises(ValueError, match="no non-empty files"):
+        load_text_directory(tmp_path)
+
+
+def test_stdlib_documents_are_sorted_filtered_and_capped():
+    documents = load_stdlib_documents(max_bytes=300_000)
+    paths = [path for path, _ in documents]
+    assert paths == sorted(paths) and all(p.endswith(".py") for p in paths)
+    excluded = {"site-packages", "test", "tests", "idlelib", "lib2to3"}
+    assert not any(excluded & set(p.split("/")) for p in paths)
+    assert sum(len(data) for _, data in documents) == 300_000
+    assert documents == load_stdlib_documents(max_bytes=300_000)
