@@ -26,8 +26,8 @@ class InnerOptConfig:
     # Peak LR. A 0.8M-param byte model tolerates a high LR; in 300-step sweeps
     # 3e-3 fell fastest and stayed stable (1e-3 was slower, 1e-2 noisier).
     learning_rate: float = 3e-3
-    # Linear ramp from 0: Adam's first updates use poorly estimated second
-    # moments, and a short ramp avoids the resulting loss spike.
+    # Linear ramp to the peak LR: Adam's first updates use poorly estimated
+    # second moments, and a short ramp avoids the resulting loss spike.
     warmup_steps: int = 20
     # Decoupled decay on matrices only (see make_inner_optimizer); 0.1 is the
     # DiLoCo-lineage value.
@@ -61,9 +61,11 @@ def _decay_mask(params: Params) -> dict[str, bool]:
 def make_inner_optimizer(cfg: InnerOptConfig) -> optax.GradientTransformation:
     """AdamW with global-norm clipping, linear warmup then a constant LR.
 
-    The LR stays constant after warmup (no cosine decay) because a learner in
-    Decoupled DiLoCo runs open-ended: it joins, leaves and rejoins, so there is
-    no fixed total step count to decay against.
+    The LR at step ``s`` is ``learning_rate * min(1, (s + 1) / (warmup_steps + 1))``:
+    the first step already moves (no batch is wasted) and the peak is reached at
+    step ``warmup_steps``. It stays constant after (no cosine decay) because a
+    learner in Decoupled DiLoCo runs open-ended: it joins, leaves and rejoins, so
+    there is no fixed total step count to decay against.
 
     Args:
         cfg: hyperparameters.
@@ -71,7 +73,10 @@ def make_inner_optimizer(cfg: InnerOptConfig) -> optax.GradientTransformation:
     Returns:
         The optax transformation; its state counts steps for the warmup.
     """
-    schedule = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+
+    def schedule(step: jax.Array) -> jax.Array:
+        return cfg.learning_rate * jnp.minimum(1.0, (step + 1) / (cfg.warmup_steps + 1))
+
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip_norm),
         optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=_decay_mask),

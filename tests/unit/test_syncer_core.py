@@ -1,0 +1,199 @@
+"""SyncerCore without gRPC: quorum, adaptive grace window, staleness correction, fencing, restore.
+
+The clock is a fake that the tests advance; `tick()` re-evaluates rounds, so no test sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.rpc import errors
+from ddiloco.v1 import syncer_pb2
+from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import serde
+from services.syncer import checkpointing
+from services.syncer import config as config_lib
+from services.syncer import core as core_lib
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+SPECS = [fragments_lib.TensorSpec("a", (8, 4)), fragments_lib.TensorSpec("b", (16,)),
+         fragments_lib.TensorSpec("emb", (4, 4), is_embedding=True)]
+
+
+def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamma: float = 0.5) -> core_lib.SyncerCore:
+    plan = fragments_lib.plan_fragments(SPECS, 2, 2)
+    cfg = config_lib.SyncerConfig(min_quorum=min_quorum, max_staleness_versions=staleness, num_fragments=2,
+                                  sync_period_steps=2, upload_codec="fp32")
+    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name="test", model_config_json="{}", fingerprint="f" * 64)
+    rng = np.random.default_rng(0)
+    initial = {f.fragment_id: rng.normal(size=f.numel).astype(np.float32) for f in plan.fragments}
+    return core_lib.SyncerCore(
+        run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
+        grace_gamma=gamma, max_grace_s=10.0, liveness_timeout_s=30.0, merge_history=16, clock=clock, wall_clock=clock,
+    )
+
+
+def join(core, learner_id: str, incarnation: int = 1):
+    return core.join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id,
+                                            incarnation=incarnation))
+
+
+def progress(core, learner_id: str, step_time_s: float, incarnation: int = 1) -> None:
+    core.report_progress(syncer_pb2.ReportProgressRequest(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, local_step=1,
+        step_time_s=step_time_s), wire_bytes=0)
+
+
+async def upload(core, learner_id: str, fid: int, base: int, delta: np.ndarray, *, steps: int = 2, incarnation: int = 1):
+    enc = codec_lib.encode(delta.astype(np.float32), "fp32")
+    header = syncer_pb2.UploadHeader(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, fragment_id=fid,
+        base_version=base, syncer_instance=core.instance, steps=steps, tokens=steps * 100,
+        payload=serde.payload_info_to_proto(enc),
+    )
+    ticket = core.validate_upload_header(header)
+    return await core.accept_upload(ticket, enc.payload, wire_bytes=len(enc.payload))
+
+
+async def settle() -> None:
+    for _ in range(20):  # let merge tasks (which hop to worker threads) finish
+        await asyncio.sleep(0.01)
+
+
+def test_grace_window_waits_for_stragglers_then_merges_everyone():
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock, min_quorum=1, gamma=0.5)
+        for lid in ("l1", "l2", "l3"):
+            join(core, lid)
+            progress(core, lid, step_time_s=2.0)  # grace = 0.5 * (tau=2 * 2 s) = 2 s
+        assert core.grace_window_s() == pytest.approx(2.0)
+        n = core.plan.fragments[0].numel
+        await upload(core, "l1", 0, 0, np.full(n, 0.01))
+        await settle()
+        assert core.slots[0].version == 0  # quorum (K=1) reached, waiting for the grace window
+        clock.now_s += 1.0
+        await upload(core, "l2", 0, 0, np.full(n, 0.02))
+        core.tick()
+        await settle()
+        assert core.slots[0].version == 0
+        clock.now_s += 1.5  # past quorum + grace: merge without l3
+        core.tick()
+        await settle()
+        assert core.slots[0].version == 1
+        record = core.merges[-1]
+        assert {c.learner_id for c in record.contributors} == {"l1", "l2"}
+        assert record.reason == "grace_expired" and record.grace_used_s == pytest.approx(2.5)
+
+    asyncio.run(run())
+
+
+def test_merge_is_immediate_when_every_live_member_contributed_and_respects_quorum():
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock, min_quorum=2, gamma=0.5)
+        for lid in ("l1", "l2"):
+            join(core, lid)
+            progress(core, lid, step_time_s=5.0)
+        n = core.plan.fragments[1].numel
+        await upload(core, "l1", 1, 0, np.full(n, 0.01))
+        clock.now_s += 100.0  # below quorum K=2: no merge however long we wait
+        core.tick()
+        await settle()
+        assert core.slots[1].version == 0
+        await upload(core, "l2", 1, 0, np.full(n, 0.03))
+        await settle()
+        assert core.slots[1].version == 1 and core.merges[-1].reason == "all_contributed"
+
+    asyncio.run(run())
+
+
+def test_stale_contribution_is_corrected_to_the_current_version():
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock, min_quorum=2, staleness=2)
+        for lid in ("l1", "l2", "l3"):
+            join(core, lid)
+        slot = core.slots[0]
+        v0 = slot.params.copy()
+        n = slot.fragment.numel
+        await upload(core, "l1", 0, 0, np.full(n, 0.1))
+        await upload(core, "l3", 0, 0, np.full(n, -0.05))
+        clock.now_s += 100
+        core.tick()
+        await settle()
+        assert slot.version == 1
+        v1 = slot.params.copy()
+        # l2 is one version behind: its local fragment is v0 - delta, so against v1 its outer
+        # gradient is v1 - (v0 - delta). With one contribution (below K=2) the round stays open.
+        delta = np.linspace(-0.1, 0.1, n).astype(np.float32)
+        await upload(core, "l2", 0, 0, delta)
+        await settle()
+        assert slot.version == 1 and slot.round is not None
+        np.testing.assert_allclose(slot.round.accumulator.result(), v1 - (v0 - delta), rtol=1e-5, atol=1e-6)
+
+    asyncio.run(run())
+
+
+def test_staleness_bound_fencing_and_duplicates():
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock, staleness=0)
+        join(core, "l1", incarnation=5)
+        n = core.plan.fragments[0].numel
+        first = await upload(core, "l1", 0, 0, np.full(n, 0.1), incarnation=5)
+        assert first.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+        await settle()
+        assert core.slots[0].version == 1
+        again = await upload(core, "l1", 0, 0, np.full(n, 0.1), incarnation=5)
+        assert again.result == syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE
+        with pytest.raises(errors.AlreadyExists):
+            await upload(core, "l1", 0, 0, np.full(n, 0.2), incarnation=5)
+        join(core, "l2")
+        with pytest.raises(errors.FailedPrecondition, match="stale"):
+            await upload(core, "l2", 0, 0, np.full(n, 0.1))
+        with pytest.raises(errors.FailedPrecondition, match="older"):
+            join(core, "l1", incarnation=4)
+        join(core, "l1", incarnation=6)
+        with pytest.raises(errors.FailedPrecondition, match="fenced"):
+            await upload(core, "l1", 1, 0, np.full(core.plan.fragments[1].numel, 0.1), incarnation=5)
+        assert core.slots[0].version == 1  # the duplicate was never applied
+
+    asyncio.run(run())
+
+
+def test_snapshot_round_trips_bit_exactly_through_checkpoint_blobs():
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock)
+        join(core, "l1")
+        for fid in (0, 1):
+            await upload(core, "l1", fid, 0, np.full(core.plan.fragments[fid].numel, 0.05))
+        await settle()
+        blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
+        restored = make_core(FakeClock())
+        restored.restore(checkpointing.decode_snapshot(blobs))
+        for a, b in zip(core.slots, restored.slots):
+            assert a.version == b.version and a.params.tobytes() == b.params.tobytes()
+            assert all(np.array_equal(x, y) for x, y in zip(a.opt_state, b.opt_state))
+        assert restored.outer_steps == core.outer_steps == 2
+        # The next outer step from the restored state equals the one from the original.
+        for c in (core, restored):
+            join(c, "l1", incarnation=2)
+            await upload(c, "l1", 0, c.slots[0].version, np.full(c.plan.fragments[0].numel, 0.02), incarnation=2)
+        await settle()
+        assert core.slots[0].params.tobytes() == restored.slots[0].params.tobytes()
+
+    asyncio.run(run())
