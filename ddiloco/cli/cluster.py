@@ -60,6 +60,14 @@ class ServiceProcess:
         )
         log.close()
         self.starts += 1
+        self._record_pid()
+
+    def _record_pid(self) -> None:
+        # Every PID ever started, so tools and tests can check that nothing was left behind.
+        path = self.workdir / "pids.json"
+        pids = json.loads(path.read_text()) if path.exists() else {}
+        pids.setdefault(self.name, []).append(self.proc.pid)
+        path.write_text(json.dumps(pids))
 
     def wait_ready(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s

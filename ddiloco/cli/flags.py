@@ -26,7 +26,8 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
     def add_env_argument(self, flag: str, *, env: str, type: Callable[[str], Any] = str, **kwargs: Any):
         """Adds `flag`, defaulting to the value of `env` when it is set (parsed with `type`)."""
-        help_text = kwargs.pop("help", "")
+        # argparse %-formats help strings (for %(default)s); a literal % must be doubled.
+        help_text = kwargs.pop("help", "").replace("%", "%%")
         kwargs["help"] = f"{help_text} [env: {env}]"
         if env in self._environ:
             raw = self._environ[env]

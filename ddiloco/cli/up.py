@@ -66,10 +66,15 @@ def run(args: argparse.Namespace) -> int:
     cluster = cluster_lib.LocalCluster(workdir)
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
     interrupted = False
+    in_main_loop = False
 
     def _interrupt(*_):
+        # Ctrl-C while starting aborts the start; during training it ends the loop, and the
+        # summary is printed before everything is shut down.
         nonlocal interrupted
         interrupted = True
+        if not in_main_loop:
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
@@ -91,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 "--steps", str(args.steps), "--num-shards", str(args.learners), "--batch-size", str(args.batch_size),
             ])
         stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address))
+        in_main_loop = True
         live = None if args.no_live else Live(console=console, refresh_per_second=2)
         if live:
             live.start()
@@ -125,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
     except cluster_lib.ServiceStartError as exc:
         console.print(f"[red]{exc}[/]")
         return 2
+    except KeyboardInterrupt:
+        console.print("interrupted while starting; shutting down")
+        return 130
     finally:
         cluster.stop_all()
 

@@ -33,7 +33,7 @@ class TransformerConfig:
     vocab_size: int = 256  # byte-level: one token per byte value
     seq_len: int = 128  # context length T; the position table has this many rows
     d_model: int = 128  # residual stream width
-    n_layers: int = 4  # transformer blocks
+    n_layers: int = 2  # transformer blocks
     n_heads: int = 4  # attention heads; must divide d_model
     d_ff: int = 512  # MLP hidden width (4 * d_model, the GPT-2 ratio)
     init_std: float = 0.02  # std of the normal init of weights and embeddings (GPT-2)

@@ -1,0 +1,118 @@
+"""The `ddiloco` command as a user runs it: up (to the end, and interrupted), status, --help."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.conftest import TINY, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+_DDILOCO = [sys.executable, "-m", "ddiloco.cli.main"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is not running.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_trains_and_prints_a_summary(tmp_path):
+    workdir = tmp_path / "run"
+    result = subprocess.run(
+        [*_DDILOCO, "up", "--preset", "tiny", "--learners", "2", "--steps", "60", "--sync-period-steps", "4",
+         "--no-live", "--eval-interval-s", "3", "--workdir", str(workdir), "--summary-json", str(tmp_path / "s.json")],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "syncer listening on 127.0.0.1:" in result.stdout
+    assert "held-out loss of the global model" in result.stdout
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["heldout_loss_end"] < summary["heldout_loss_start"] - 0.5, summary
+    assert summary["merges"] > 0 and summary["tokens_merged"] > 0 and summary["bytes_in"] > 0
+    assert [ls["steps"] for ls in summary["learners"]] == [60, 60]
+    pids = json.loads((workdir / "pids.json").read_text())
+    assert set(pids) == {"checkpoint", "syncer", "evaluator", "learner-0", "learner-1"}
+    assert not [p for ps in pids.values() for p in ps if _pid_alive(p)], "up left processes behind"
+
+
+def test_up_interrupted_shuts_everything_down(tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*_DDILOCO, "up", "--preset", "tiny", "--learners", "2", "--steps", "100000", "--no-live",
+         "--workdir", str(workdir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        # Interrupt once the learners are training.
+        wait_until(lambda: (workdir / "logs" / "learner-1.log").exists()
+                   and "training" in (workdir / "logs" / "learner-1.log").read_text(), timeout_s=180, what="training")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert "summary (interrupted)" in out, out[-3000:]
+    assert "Traceback" not in out
+    pids = json.loads((workdir / "pids.json").read_text())
+    assert not [p for ps in pids.values() for p in ps if _pid_alive(p)], "up left processes behind"
+    # The syncer wrote a final checkpoint on the way down (SIGTERM path).
+    assert "checkpoint committed" in (workdir / "logs" / "syncer.log").read_text()
+
+
+def test_status_json_human_watch_and_unreachable(cluster):
+    syncer = cluster.start_syncer(run_id="cli-status", extra=TINY)
+    target = ["--target", syncer.address]
+    one = subprocess.run([*_DDILOCO, "status", "--json", *target], capture_output=True, text=True, timeout=60)
+    assert one.returncode == 0, one.stderr
+    state = json.loads(one.stdout)
+    assert state["run_id"] == "cli-status" and len(state["fragments"]) == 4
+    human = subprocess.run([*_DDILOCO, "status", *target], capture_output=True, text=True, timeout=60)
+    assert human.returncode == 0 and "fragments" in human.stdout and "cli-status" in human.stdout
+    watch = subprocess.Popen([*_DDILOCO, "status", "--watch", "--json", "--interval-s", "0.2", *target],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [watch.stdout.readline() for _ in range(3)]
+    finally:
+        watch.kill()
+        watch.wait(10)
+    assert all(json.loads(line)["run_id"] == "cli-status" for line in lines)
+    syncer.stop()
+    down = subprocess.run([*_DDILOCO, "status", *target, "--timeout-s", "2"], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 2 and "unavailable" in down.stdout and "Traceback" not in down.stdout + down.stderr
+
+
+@pytest.mark.parametrize("service, env_var", [
+    ("syncer", "DDILOCO_SYNCER_MIN_QUORUM"),
+    ("learner", "DDILOCO_LEARNER_SYNCER"),
+    ("checkpoint", "DDILOCO_CHECKPOINT_ROOT"),
+    ("evaluate", "DDILOCO_EVAL_INTERVAL_S"),
+])
+def test_every_service_explains_its_options(service, env_var):
+    result = subprocess.run([*_DDILOCO, service, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert env_var in result.stdout
+
+
+def test_bad_configuration_is_a_clear_usage_error():
+    result = subprocess.run([*_DDILOCO, "syncer", "--min-quorum", "0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "min_quorum" in result.stderr and "Traceback" not in result.stderr
+    env = {**os.environ, "DDILOCO_SYNCER_UPLOAD_CODEC": "int3"}
+    result = subprocess.run([*_DDILOCO, "syncer"], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2 and "upload_codec" in result.stderr
+
