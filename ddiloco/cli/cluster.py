@@ -122,6 +122,10 @@ class LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         base_env = dict(os.environ if env is None else env)
         base_env["PYTHONUNBUFFERED"] = "1"
+        # Several JAX processes share the machine: one compute thread each. XLA's default thread
+        # pool per process oversubscribes the cores; with 4 learners on 2 cores this took a
+        # learner step from 1.33 s to 0.59 s. A user-set XLA_FLAGS is left alone.
+        base_env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
         # The services are imported from the project root (python -m services.<name>).
         root = str(pathlib.Path(__file__).resolve().parents[2])
         base_env["PYTHONPATH"] = root + (os.pathsep + base_env["PYTHONPATH"] if base_env.get("PYTHONPATH") else "")

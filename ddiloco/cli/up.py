@@ -28,7 +28,7 @@ from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learners", type=int, default=4, help="number of learner processes")
-    parser.add_argument("--steps", type=int, default=240, help="inner steps per learner")
+    parser.add_argument("--steps", type=int, default=160, help="inner steps per learner")
     parser.add_argument("--preset", default="small", help="transformer preset (small, tiny)")
     parser.add_argument("--num-fragments", type=int, default=4, help="P")
     parser.add_argument("--sync-period-steps", type=int, default=8, help="H")
