@@ -57,9 +57,9 @@ def test_up_interrupted_shuts_everything_down(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        # Interrupt once the learners are training.
-        wait_until(lambda: (workdir / "logs" / "learner-1.log").exists()
-                   and "training" in (workdir / "logs" / "learner-1.log").read_text(), timeout_s=180, what="training")
+        # Interrupt once the learners are training and the syncer has merged something.
+        syncer_log = workdir / "logs" / "syncer.log"
+        wait_until(lambda: syncer_log.exists() and "merged" in syncer_log.read_text(), timeout_s=180, what="a merge")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=90)
     finally:
