@@ -616,7 +616,7 @@ class BlobStore:
             # Pruned between listing and reading.
             raise errors.NotFound(f"run {run_id}: manifest for step {step} is gone") from None
         except ValueError as exc:
-            raise errors.DataLoss(f"run {run_id}: manifest {path.name} is unreadable: {exc}")
+            raise errors.DataLoss(f"run {run_id}: manifest {path.name} is unreadable: {exc}") from None
         version = record.pop("format_version", None) if isinstance(record, dict) else None
         if version != _MANIFEST_FORMAT_VERSION:
             raise errors.DataLoss(f"run {run_id}: manifest {path.name} has an unknown format")

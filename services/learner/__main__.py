@@ -20,7 +20,6 @@ import jax
 import numpy as np
 
 from ddiloco import logs, models
-from ddiloco.algo import fragments as fragments_lib
 from ddiloco.data import corpus
 from ddiloco.wire import serde
 from services.learner import client as client_lib
