@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test test-fast protos check-protos clean
+.PHONY: install up test test-fast lint protos check-protos clean
 
 install: $(STAMP)
 
@@ -19,9 +19,12 @@ $(STAMP): pyproject.toml
 up: install
 	$(BIN)/ddiloco up $(ARGS)
 
-# The whole test suite (CI runs exactly this): generated code fresh, then every test.
-test: install check-protos
+# The whole test suite (CI runs exactly this): generated code fresh, lint clean, every test.
+test: install check-protos lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
 
 # Unit and service tests only (seconds), for quick iterations.
 test-fast: install
