@@ -23,10 +23,10 @@ import numpy as np
 # ~24 MiB bounds memory and load time (well under a second from page cache);
 # the stdlib's own sources are ~10 MiB, so by default the cap does not bite.
 DEFAULT_MAX_BYTES = 24 * 2**20
-# Appended after every document. 0x00 never occurs in Python source or text,
-# so the model can learn it as an unambiguous "end of document" token.
+# Appended after every document. 0x00 never occurs in Python source or plain
+# text, so the model can learn it as an unambiguous "end of document" token.
 DOCUMENT_SEPARATOR = b"\x00"
-# Vendored, generated or test-only code that would skew the corpus.
+# Third-party, test-suite and legacy-tool code that would skew the corpus.
 _EXCLUDED_STDLIB_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 )
@@ -42,9 +42,7 @@ class CorpusSplit:
     source: str  # e.g. "python3.11 stdlib: 601 files, 10.6 MiB (571 train, 30 held out)"
 
 
-def _read_capped(
-    root: str | os.PathLike, rel_paths: Iterable[str], max_bytes: int
-) -> list[tuple[str, bytes]]:
+def _read_capped(root: str | os.PathLike, rel_paths: Iterable[str], max_bytes: int) -> list[tuple[str, bytes]]:
     """Reads files in the given order until ``max_bytes``, truncating the last."""
     if max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes}: use a positive byte count")
@@ -93,9 +91,7 @@ def load_stdlib_documents(max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str,
     return _read_capped(root, rel_paths, max_bytes)
 
 
-def load_text_directory(
-    path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES
-) -> list[tuple[str, bytes]]:
+def load_text_directory(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[str, bytes]]:
     """Loads every regular file under ``path`` as a document (bytes, any content).
 
     Args:
@@ -181,15 +177,10 @@ def split_corpus(
     train_tokens = _concat(train)
     shard_bytes = len(train_tokens) // num_shards
     if shard_bytes == 0:
-        raise ValueError(
-            f"{len(train_tokens)} training bytes cannot fill num_shards={num_shards}: add data"
-        )
+        raise ValueError(f"{len(train_tokens)} training bytes cannot fill num_shards={num_shards}: add data")
     shards = tuple(train_tokens[i * shard_bytes : (i + 1) * shard_bytes] for i in range(num_shards))
     total_mib = sum(len(data) for _, data in documents) / 2**20
-    source = (
-        f"{source_name}: {len(documents)} files, {total_mib:.1f} MiB "
-        f"({len(train)} train, {len(heldout)} held out)"
-    )
+    source = f"{source_name}: {len(documents)} files, {total_mib:.1f} MiB ({len(train)} train, {len(heldout)} held out)"
     return CorpusSplit(shards=shards, heldout=_concat(heldout), source=source)
 
 
@@ -240,9 +231,7 @@ class BatchSampler:
         return self._batch_size * (len(self._offsets) - 1)
 
 
-def heldout_batches(
-    tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int
-) -> list[np.ndarray]:
+def heldout_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int) -> list[np.ndarray]:
     """Deterministic evaluation batches of evenly spaced windows across ``tokens``.
 
     Args:

@@ -74,10 +74,7 @@ def model_fingerprint(model: Model) -> str:
     identity = {
         "name": model.name,
         "config": dict(model.config),
-        "tensors": [
-            [spec.name, list(spec.shape), jnp.dtype(PARAM_DTYPE).name]
-            for spec in model.tensor_specs()
-        ],
+        "tensors": [[spec.name, list(spec.shape), jnp.dtype(PARAM_DTYPE).name] for spec in model.tensor_specs()],
     }
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

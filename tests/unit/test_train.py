@@ -27,8 +27,14 @@ def train_step(tiny):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("learning_rate", 0.0), ("warmup_steps", -1), ("weight_decay", -0.1),
-     ("b1", 1.0), ("b2", -0.5), ("grad_clip_norm", 0.0)],  # fmt: skip
+    [
+        ("learning_rate", 0.0),
+        ("warmup_steps", -1),
+        ("weight_decay", -0.1),
+        ("b1", 1.0),
+        ("b2", -0.5),
+        ("grad_clip_norm", 0.0),
+    ],
 )
 def test_inner_opt_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
@@ -37,9 +43,7 @@ def test_inner_opt_config_rejects_bad_values(field, value):
 
 def test_weight_decay_applies_to_matrices_only(tiny):
     params = tiny.init(jax.random.key(0))
-    optimizer = make_inner_optimizer(
-        InnerOptConfig(learning_rate=0.1, warmup_steps=0, weight_decay=0.5)
-    )
+    optimizer = make_inner_optimizer(InnerOptConfig(learning_rate=0.1, warmup_steps=0, weight_decay=0.5))
     zero_grads = jax.tree.map(jnp.zeros_like, params)
     updates, _ = jax.jit(optimizer.update)(zero_grads, optimizer.init(params), params)
     for name, update in updates.items():
@@ -49,9 +53,7 @@ def test_weight_decay_applies_to_matrices_only(tiny):
 
 def test_learning_rate_warms_up_linearly_then_stays_constant(tiny):
     params = tiny.init(jax.random.key(0))
-    optimizer = make_inner_optimizer(
-        InnerOptConfig(learning_rate=0.01, warmup_steps=3, weight_decay=0.0)
-    )
+    optimizer = make_inner_optimizer(InnerOptConfig(learning_rate=0.01, warmup_steps=3, weight_decay=0.0))
     state = optimizer.init(params)
     # With constant gradients Adam's normalized step is exactly 1, so |update| == LR.
     grads = jax.tree.map(jnp.ones_like, params)
