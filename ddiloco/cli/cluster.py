@@ -140,14 +140,15 @@ class LocalCluster:
     def start_store(self, *, extra: Sequence[str] = (), timeout_s: float = 60.0) -> ServiceProcess:
         svc = self.add("checkpoint", "services.checkpoint", [
             "--bind", "127.0.0.1:0", "--root", str(self.workdir / "store"),
-            "--ready-file", str(self.workdir / "checkpoint.ready.json"), *extra,
+            "--ready-file", str(self.workdir / "checkpoint.ready.json"), "--metrics-bind", "127.0.0.1:0", *extra,
         ])
         svc.start()
         svc.wait_ready(timeout_s)
         return svc
 
     def start_syncer(self, *, run_id: str, extra: Sequence[str] = (), timeout_s: float = 120.0) -> ServiceProcess:
-        args = ["--bind", "127.0.0.1:0", "--run-id", run_id, "--ready-file", str(self.workdir / "syncer.ready.json")]
+        args = ["--bind", "127.0.0.1:0", "--run-id", run_id, "--ready-file", str(self.workdir / "syncer.ready.json"),
+                "--metrics-bind", "127.0.0.1:0"]
         if "checkpoint" in self.services:
             args += ["--checkpoint-target", self.services["checkpoint"].address]
         svc = self.add("syncer", "services.syncer", [*args, *extra])

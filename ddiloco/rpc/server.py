@@ -56,6 +56,7 @@ async def start_server(
     *,
     maximum_concurrent_rpcs: int | None = None,
     reflection_enabled: bool = True,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> ServerHandle:
     """Creates, configures and starts a grpc.aio server.
 
@@ -65,11 +66,14 @@ async def start_server(
       add_servicers: callables `f(server)` that register the servicers.
       maximum_concurrent_rpcs: refuse RPCs above this many in flight (RESOURCE_EXHAUSTED).
       reflection_enabled: register server reflection (for grpcurl and friends).
+      interceptors: server interceptors (e.g. rpc.interceptors.MetricsInterceptor).
 
     Returns:
       The started server with its health servicer (every service SERVING) and bound port.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS, maximum_concurrent_rpcs=maximum_concurrent_rpcs, interceptors=list(interceptors)
+    )
     for add in add_servicers:
         add(server)
     health_servicer = health.aio.HealthServicer()

@@ -14,10 +14,13 @@ import sys
 from collections.abc import Sequence
 
 from ddiloco import logs
+from ddiloco import metrics as metrics_lib
+from ddiloco.rpc import interceptors as rpc_interceptors
 from ddiloco.rpc import server as server_lib
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from services.checkpoint import config as config_lib
 from services.checkpoint import servicer as servicer_lib
+from services.checkpoint import metrics as store_metrics
 from services.checkpoint import store as store_lib
 
 SERVICE_NAME = checkpoint_pb2.DESCRIPTOR.services_by_name["CheckpointStore"].full_name
@@ -42,13 +45,18 @@ async def serve(cfg: config_lib.CheckpointConfig) -> int:
     def add_servicer(server) -> None:
         checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(servicer, server)
 
-    handle = await server_lib.start_server(cfg.bind, [SERVICE_NAME], [add_servicer])
+    registry = metrics_lib.new_registry("checkpoint")
+    registry.register(store_metrics.StoreCollector(store))
+    interceptors = [rpc_interceptors.MetricsInterceptor(registry)]
+    handle = await server_lib.start_server(cfg.bind, [SERVICE_NAME], [add_servicer], interceptors=interceptors)
+    metrics_address = metrics_lib.serve(cfg.metrics_bind, registry).address if cfg.metrics_bind else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if cfg.ready_file is not None:
-        server_lib.write_ready_file(cfg.ready_file, address=handle.address, service="checkpoint")
+        server_lib.write_ready_file(cfg.ready_file, address=handle.address, service="checkpoint",
+                                    metrics_address=metrics_address)
     _LOG.info("checkpoint store serving on %s root=%s", handle.address, cfg.root)
     await stop.wait()
     _LOG.info("signal received; stopping (grace %.1f s)", cfg.grace_s)

@@ -64,6 +64,8 @@ class CheckpointConfig:
     ready_file: pathlib.Path | None = None
     # On SIGTERM/SIGINT, in-flight RPCs get this long to finish.
     grace_s: float = 10.0
+    # host:port for Prometheus /metrics (port 0: any free port); empty disables it.
+    metrics_bind: str = ""
     # Fault injection for tests: point -> "crash" | "enospc" (see store.py). Empty in production.
     failpoints: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -124,6 +126,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointC
         metavar="BOOL")
     add("ready_file", "write {address, pid, service} here once serving", type=pathlib.Path)
     add("grace_s", "seconds in-flight RPCs may finish after SIGTERM", type=float)
+    add("metrics_bind", "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9092); empty: off")
     parser.add_env_argument(
         "--failpoints",
         env=FAILPOINTS_ENV,

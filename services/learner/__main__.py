@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -20,11 +21,13 @@ import jax
 import numpy as np
 
 from ddiloco import logs, models
+from ddiloco import metrics as metrics_lib
 from ddiloco.data import corpus
 from ddiloco.wire import serde
 from services.learner import client as client_lib
 from services.learner import config as config_lib
 from services.learner import loop as loop_lib
+from services.learner import metrics as learner_metrics
 from services.learner import train as train_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
@@ -51,6 +54,12 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             progress_interval_s=cfg.progress_interval_s,
         )
     )
+    collector = learner_metrics.LearnerCollector(cfg.learner_id, cfg.region, client)
+    if cfg.metrics_bind:
+        registry = metrics_lib.new_registry("learner")
+        registry.register(collector)
+        metrics_server = metrics_lib.serve(cfg.metrics_bind, registry)
+        _LOG.info(f"metrics on http://{metrics_server.address}/metrics")
     try:
         run_config = client.start(cfg.join_timeout_s)
     except client_lib.FencedError as exc:
@@ -86,6 +95,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         plan=plan, params=params, train_step=train_lib.TrainStep(model, optimizer), sampler=sampler, client=client,
         learner_id=cfg.learner_id, incarnation=incarnation, mixing_alpha=run_config.mixing_alpha, step_delay_s=delay,
     )
+    collector.loop = loop
     loop.apply_updates()
     _LOG.info(
         f"learner {cfg.learner_id} training",
@@ -123,7 +133,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = config_lib.parse_learner_config(sys.argv[1:] if argv is None else argv, os.environ)
+    cfg = config_lib.parse_learner_config(sys.argv[1:] if argv is None else argv, os.environ, socket.gethostname())
     logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
     return run(cfg)
 

@@ -7,13 +7,18 @@ from collections.abc import Mapping, Sequence
 
 from ddiloco.cli import flags
 
+# `--learner-id auto` (or an empty value): `<region>-<hostname>`, resolved in parse_learner_config.
+# In a container the hostname is the container id, so every replica of a scaled compose service
+# gets its own identity, and keeps it when the same container restarts.
+AUTO_LEARNER_ID = "auto"
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
     """Each field is a flag and a DDILOCO_LEARNER_* environment variable."""
 
     syncer: str = "127.0.0.1:50051"  # syncer host:port
-    learner_id: str = "learner-0"  # stable identity; a restarted learner keeps it
+    learner_id: str = "learner-0"  # stable identity; a restarted learner keeps it; "auto": <region>-<hostname>
     incarnation: int = 0  # 0: the start time in ns (grows with each life)
     region: str = "local"
     steps: int = 0  # inner steps to run; 0 runs until SIGTERM
@@ -35,6 +40,7 @@ class LearnerConfig:
     step_jitter: float = 0.0  # relative jitter of step_delay_s
     log_every_steps: int = 25
     summary_file: str = ""  # write a JSON summary here at exit
+    metrics_bind: str = ""  # host:port for Prometheus /metrics; empty disables
     log_level: str = "INFO"
     json_logs: bool = False
 
@@ -82,7 +88,7 @@ class EvaluatorConfig:
 
 _HELP = {
     "syncer": "syncer host:port",
-    "learner_id": "stable learner identity (keep it across restarts)",
+    "learner_id": "stable learner identity (keep it across restarts); 'auto' or empty: <region>-<hostname>",
     "incarnation": "life counter; 0 uses the start time in ns",
     "region": "region label shown in the training state",
     "steps": "inner steps to run; 0 runs until SIGTERM",
@@ -104,6 +110,7 @@ _HELP = {
     "step_jitter": "relative jitter of step_delay_s (0.1 = +-10%)",
     "log_every_steps": "log a progress line every this many steps",
     "summary_file": "write a JSON summary of the run here at exit",
+    "metrics_bind": "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9093); empty: no metrics endpoint",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "json_logs": "log one JSON object per line",
     "evaluator_id": "name shown with the reported losses",
@@ -114,12 +121,33 @@ _HELP = {
 }
 
 
-def parse_learner_config(argv: Sequence[str], environ: Mapping[str, str]) -> LearnerConfig:
-    return flags.parse_dataclass(
+def auto_learner_id(region: str, hostname: str) -> str:
+    """The identity of `--learner-id auto`: `<region>-<hostname>` (hostname up to its first dot)."""
+    host = hostname.split(".", 1)[0].strip()
+    if not host:
+        raise ValueError("--learner-id auto needs a hostname; set --learner-id explicitly")
+    return f"{region}-{host}"
+
+
+def parse_learner_config(argv: Sequence[str], environ: Mapping[str, str], hostname: str = "") -> LearnerConfig:
+    """Parses flags and DDILOCO_LEARNER_* variables; `hostname` resolves `--learner-id auto` (or empty)."""
+    # An empty id (flag or variable) means auto; rewritten before parsing, as the dataclass
+    # refuses empty ids.
+    environ = dict(environ)
+    if environ.get("DDILOCO_LEARNER_LEARNER_ID") == "":
+        environ["DDILOCO_LEARNER_LEARNER_ID"] = AUTO_LEARNER_ID
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--learner-id=" or (arg == "" and i > 0 and argv[i - 1] == "--learner-id"):
+            argv[i] = arg + AUTO_LEARNER_ID
+    cfg = flags.parse_dataclass(
         LearnerConfig, prog="ddiloco learner",
         description="A Decoupled DiLoCo learner: inner AdamW steps on its data shard, fragments synced in the background.",
         env_prefix="DDILOCO_LEARNER_", helps=_HELP, argv=argv, environ=environ,
     )
+    if cfg.learner_id == AUTO_LEARNER_ID:
+        cfg = dataclasses.replace(cfg, learner_id=auto_learner_id(cfg.region, hostname))
+    return cfg
 
 
 def parse_evaluator_config(argv: Sequence[str], environ: Mapping[str, str]) -> EvaluatorConfig:

@@ -20,14 +20,17 @@ import numpy as np
 
 from ddiloco import checkpoint_client as checkpoint_client_lib
 from ddiloco import logs, models
+from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.rpc import channel as channel_lib
+from ddiloco.rpc import interceptors as rpc_interceptors
 from ddiloco.rpc import retry as retry_lib
 from ddiloco.rpc import server as server_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from services.syncer import checkpointing
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
+from services.syncer import metrics as syncer_metrics
 from services.syncer import servicer as servicer_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
@@ -36,8 +39,9 @@ _LOG = logging.getLogger("ddiloco.syncer")
 class _Checkpointer:
     """Writes checkpoints in the background; one at a time; a failure never stops training."""
 
-    def __init__(self, core: core_lib.SyncerCore, client, cfg: config_lib.SyncerConfig) -> None:
+    def __init__(self, core: core_lib.SyncerCore, client, cfg: config_lib.SyncerConfig, metrics=None) -> None:
         self._core = core
+        self._metrics = metrics
         self._client = client
         self._cfg = cfg
         self._merges_since = 0
@@ -60,7 +64,11 @@ class _Checkpointer:
             await asyncio.wait_for(self._write(snapshot["outer_steps"], blobs, metadata), self._cfg.checkpoint_timeout_s)
         except Exception as exc:  # the store being down must not stop training; we retry next time
             _LOG.warning(f"checkpoint at outer step {snapshot['outer_steps']} failed: {exc!r}")
+            if self._metrics is not None:
+                self._metrics.checkpoint_failures.inc()
             return False
+        if self._metrics is not None:
+            self._metrics.checkpoint_write.observe(time.monotonic() - started)
         core.last_checkpoint_outer_step = snapshot["outer_steps"]
         core.last_checkpoint_unix_s = time.time()
         _LOG.info("checkpoint committed", extra={"fields": {"outer_step": snapshot["outer_steps"], "seconds": round(time.monotonic() - started, 3)}})
@@ -115,9 +123,12 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
         clock=time.monotonic, wall_clock=time.time,
     )
-    checkpointer = _Checkpointer(core, client, cfg)
+    registry = metrics_lib.new_registry("syncer")
+    metrics = syncer_metrics.SyncerMetrics(core, registry)
+    checkpointer = _Checkpointer(core, client, cfg, metrics)
     core.on_merge = checkpointer.on_merge
     if client is not None:
+        restore_started = time.monotonic()
         try:
             state = await _restore(client, cfg)
         except retry_lib.RetriesExhausted as exc:
@@ -125,6 +136,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
             return 3
         if state is not None:
             core.restore(state)
+            metrics.restore_seconds.set(time.monotonic() - restore_started)
     # Captured before serving, so the ready file shows exactly what was restored.
     initial_state = {
         "restored": core.restored_from_checkpoint, "outer_steps": core.outer_steps,
@@ -135,6 +147,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         cfg.bind,
         [syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].full_name],
         [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
+        interceptors=[rpc_interceptors.MetricsInterceptor(registry)],
     )
     _LOG.info(
         f"syncer serving on {handle.address}",
@@ -142,6 +155,9 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
                           "params": sum(f.numel for f in plan.fragments), "restored": core.restored_from_checkpoint,
                           "outer_step": core.outer_steps}},
     )
+    metrics_server = metrics_lib.serve(cfg.metrics_bind, registry) if cfg.metrics_bind else None
+    if metrics_server is not None:
+        initial_state["metrics_address"] = metrics_server.address
     if cfg.ready_file:
         server_lib.write_ready_file(
             cfg.ready_file, address=handle.address, service="syncer", instance=core.instance, **initial_state

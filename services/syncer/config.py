@@ -47,6 +47,7 @@ class SyncerConfig:
     max_concurrent_uploads: int = 64
     merge_history: int = 256  # merge records kept for the training state
     grace_s: float = 5.0  # shutdown: in-flight RPCs get this long to finish
+    metrics_bind: str = ""  # host:port for Prometheus /metrics (port 0: any free port); empty disables
     log_level: str = "INFO"
     json_logs: bool = False
 
@@ -120,6 +121,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "max_concurrent_uploads": "uploads in flight at once, over all learners (RESOURCE_EXHAUSTED above)",
         "merge_history": "merge records kept for the training state",
         "grace_s": "on shutdown, in-flight RPCs get this many seconds to finish",
+        "metrics_bind": "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9091); empty: no metrics endpoint",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
         "json_logs": "log one JSON object per line",
     }

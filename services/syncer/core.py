@@ -132,6 +132,9 @@ class SyncerCore:
         self._max_grace_s = max_grace_s
         self._liveness_s = liveness_timeout_s
         self.on_merge = on_merge
+        # Passive observers (metrics): objects with optional methods merged(record),
+        # upload_accepted(header) and rejoined(learner_id, gap_s). They must not mutate state.
+        self.observers: list = []
         self._stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(outer_lr, outer_momentum))
         self.slots: list[_Slot] = []
         for frag in plan.fragments:
@@ -193,6 +196,8 @@ class SyncerCore:
                 reason="fenced",
             )
         if member is None or req.incarnation > member.incarnation:
+            if member is not None and math.isfinite(member.last_seen_s):
+                self._emit("rejoined", req.learner_id, now - member.last_seen_s)
             joins = member.joins + 1 if member else 1
             member = Member(
                 learner_id=req.learner_id,
@@ -411,6 +416,7 @@ class SyncerCore:
                 member.accepted_keys.popitem(last=False)
             member.uploads_accepted += 1
             self.uploads["accepted"] += 1
+            self._emit("upload_accepted", header)
             if rnd.quorum_reached_at_s is None and len(rnd.contributions) >= self.config.min_quorum:
                 rnd.quorum_reached_at_s = self._clock()
                 self._quorum_time.update(rnd.quorum_reached_at_s - rnd.opened_at_s)
@@ -529,6 +535,7 @@ class SyncerCore:
             )
             await self.encoded_payload(slot)
             self._sync_time.update(self._clock() - started)
+            self._emit("merged", self.merges[-1])
             _LOG.info(
                 "merged",
                 extra={"fields": {"fragment": slot.fragment.fragment_id, "version": slot.version,
@@ -547,6 +554,12 @@ class SyncerCore:
                 slot.encoded = encoded
             return version, encoded
         return slot.version, slot.encoded
+
+    def _emit(self, event: str, *args) -> None:
+        for observer in self.observers:
+            handler = getattr(observer, event, None)
+            if handler is not None:
+                handler(*args)
 
     # ------------------------------------------------------------------------------ watchers
 

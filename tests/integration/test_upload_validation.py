@@ -8,6 +8,7 @@ INVALID_ARGUMENT; and the global model stays finite throughout.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 import grpc
@@ -19,6 +20,7 @@ from ddiloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from tests.integration.conftest import TINY, SyncerProbe, wait_until
+from tests.integration.test_metrics import scrape, value
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -153,5 +155,11 @@ def test_duplicates_stale_bases_and_malformed_fragments(cluster):
         assert sum(rejected.values()) >= 8, rejected
         for fid, values in _global_fragments(probe.stub, len(a.config.fragments)).items():
             assert np.all(np.isfinite(values)), fid
+        # Every refusal is counted by status code (the metrics interceptor) and by reason.
+        metrics = scrape(json.loads(syncer.ready_file.read_text())["metrics_address"])
+        assert value(metrics, "ddiloco_grpc_server_handled_total", method="UploadFragment",
+                     code="INVALID_ARGUMENT") >= 6
+        assert value(metrics, "ddiloco_grpc_server_handled_total", method="UploadFragment", code="ALREADY_EXISTS") == 1
+        assert value(metrics, "ddiloco_syncer_uploads_total", result="rejected_nonfinite") >= 2
     finally:
         probe.close()

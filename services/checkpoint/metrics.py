@@ -1,0 +1,41 @@
+"""The checkpoint store's Prometheus metrics, read from disk at scrape time.
+
+RPC counts and latencies (puts, gets, commits, errors by status code) come from the shared
+MetricsInterceptor; this collector adds what is stored: blobs and bytes, and per run the number
+of retained checkpoints and the latest committed step.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client.core import GaugeMetricFamily
+
+
+class StoreCollector:
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def collect(self):
+        blobs, size = 0, 0
+        for dirpath, _dirs, files in os.walk(self._store.root / "blobs"):
+            for name in files:
+                if ".tmp-" in name:
+                    continue
+                blobs += 1
+                size += os.stat(os.path.join(dirpath, name)).st_size
+        yield GaugeMetricFamily("ddiloco_checkpoint_blobs", "Blobs stored", value=blobs)
+        yield GaugeMetricFamily("ddiloco_checkpoint_blob_bytes", "Bytes of stored blobs", value=size)
+        retained = GaugeMetricFamily("ddiloco_checkpoint_manifests", "Committed checkpoints retained, by run",
+                                     labels=["run"])
+        latest = GaugeMetricFamily("ddiloco_checkpoint_latest_step", "Latest committed step, by run", labels=["run"])
+        manifests_root = self._store.root / "manifests"
+        for run in sorted(p.name for p in manifests_root.iterdir()) if manifests_root.exists() else []:
+            steps = sorted(int(p.stem) for p in (manifests_root / run).glob("*.json") if p.stem.isdigit())
+            retained.add_metric([run], len(steps))
+            if steps:
+                latest.add_metric([run], steps[-1])
+        yield retained
+        yield latest
+
+

@@ -1,0 +1,163 @@
+"""The syncer's Prometheus metrics.
+
+Two sources: a collector that reads SyncerCore's state at scrape time (versions, members,
+counters; nothing to keep in sync), and an observer that records per-event distributions
+(quorum size, grace used vs window, staleness, compression ratio, rejoin times) as they happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ddiloco import metrics as metrics_lib
+from ddiloco.v1 import syncer_pb2
+from ddiloco.wire import serde
+
+_STATUS = {
+    syncer_pb2.MemberState.STATUS_ACTIVE: "active",
+    syncer_pb2.MemberState.STATUS_SILENT: "silent",
+    syncer_pb2.MemberState.STATUS_LEFT: "left",
+}
+
+
+class SyncerMetrics:
+    """Registers the syncer's metrics on `registry` and observes `core` (core.observers)."""
+
+    def __init__(self, core, registry: prometheus_client.CollectorRegistry) -> None:
+        self._core = core
+        buckets = metrics_lib.SECONDS_BUCKETS
+        self.merges = prometheus_client.Counter(
+            "ddiloco_syncer_merges", "Merges (outer steps) by fragment", ["fragment"], registry=registry)
+        self.quorum_size = prometheus_client.Histogram(
+            "ddiloco_syncer_merge_contributors", "Contributions per merge", registry=registry,
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
+        self.quorum_wait = prometheus_client.Histogram(
+            "ddiloco_syncer_quorum_wait_seconds", "From a round's first contribution to quorum", registry=registry,
+            buckets=buckets)
+        self.grace_used = prometheus_client.Histogram(
+            "ddiloco_syncer_grace_used_seconds", "Time waited after quorum before merging", registry=registry,
+            buckets=buckets)
+        self.grace_window = prometheus_client.Histogram(
+            "ddiloco_syncer_grace_window_seconds", "Adaptive grace window granted (gamma x slack)", registry=registry,
+            buckets=buckets)
+        self.staleness = prometheus_client.Histogram(
+            "ddiloco_syncer_contribution_staleness_versions",
+            "Versions between a contribution's base and the version it was merged into, minus one",
+            registry=registry, buckets=(0, 1, 2, 3, 4, 8, 16))
+        self.compression = prometheus_client.Histogram(
+            "ddiloco_syncer_upload_compression_ratio", "fp32 bytes / payload bytes of accepted uploads",
+            ["codec"], registry=registry, buckets=(1, 2, 4, 6, 7, 8, 10, 16, 32))
+        self.rejoin = prometheus_client.Histogram(
+            "ddiloco_syncer_rejoin_seconds", "From a learner's last sign of life to its next incarnation joining",
+            registry=registry, buckets=buckets)
+        self.checkpoint_write = prometheus_client.Histogram(
+            "ddiloco_syncer_checkpoint_write_seconds", "Checkpoint snapshot + upload + commit", registry=registry,
+            buckets=buckets)
+        self.checkpoint_failures = prometheus_client.Counter(
+            "ddiloco_syncer_checkpoint_failures", "Checkpoint attempts that failed", registry=registry)
+        self.restore_seconds = prometheus_client.Gauge(
+            "ddiloco_syncer_restore_seconds", "Time the last restore from the checkpoint store took",
+            registry=registry)
+        registry.register(_StateCollector(core, asyncio.get_running_loop()))
+        core.observers.append(self)
+
+    # Observer interface (called by SyncerCore on its event loop).
+    def merged(self, record: syncer_pb2.MergeRecord) -> None:
+        self.merges.labels(fragment=str(record.fragment_id)).inc()
+        self.quorum_size.observe(len(record.contributors))
+        self.quorum_wait.observe(record.quorum_wait_s)
+        self.grace_used.observe(record.grace_used_s)
+        self.grace_window.observe(record.grace_window_s)
+        for c in record.contributors:
+            self.staleness.observe(max(0, record.version - c.base_version - 1))
+
+    def upload_accepted(self, header: syncer_pb2.UploadHeader) -> None:
+        info = header.payload
+        if info.payload_size_bytes:
+            self.compression.labels(codec=serde.codec_from_proto(info.codec)).observe(
+                info.numel * 4 / info.payload_size_bytes)
+
+    def rejoined(self, learner_id: str, gap_s: float) -> None:
+        self.rejoin.observe(gap_s)
+
+
+class _StateCollector:
+    """Reads gauges and monotonic counters from the core at scrape time.
+
+    Scrapes arrive on the HTTP server's thread; the state is read on the core's event loop (the
+    only thread that mutates it), bounded by a timeout.
+    """
+
+    def __init__(self, core, loop: asyncio.AbstractEventLoop) -> None:
+        self._core = core
+        self._loop = loop
+
+    def collect(self):
+        async def snapshot():
+            return self._core.training_state(0)
+
+        state = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=5.0)
+        yield GaugeMetricFamily("ddiloco_syncer_outer_steps", "Merges since the run began (restored included)",
+                                value=state.outer_steps)
+        versions = GaugeMetricFamily("ddiloco_syncer_fragment_version", "Global version of each fragment",
+                                     labels=["fragment"])
+        pending = GaugeMetricFamily("ddiloco_syncer_fragment_pending_contributions",
+                                    "Contributions in each fragment's open round", labels=["fragment"])
+        for f in state.fragments:
+            versions.add_metric([str(f.fragment_id)], f.version)
+            pending.add_metric([str(f.fragment_id)], f.pending_contributions)
+        yield versions
+        yield pending
+        yield CounterMetricFamily("ddiloco_syncer_tokens_merged", "Tokens of all merged contributions",
+                                  value=state.tokens_merged)
+        wire = CounterMetricFamily("ddiloco_wire_bytes", "Serialized gRPC payload bytes at the syncer",
+                                   labels=["direction", "codec"])
+        wire.add_metric(["in", serde.codec_from_proto(state.config.upload_codec)], state.bytes_in)
+        wire.add_metric(["out", serde.codec_from_proto(state.config.download_codec)], state.bytes_out)
+        yield wire
+        uploads = CounterMetricFamily("ddiloco_syncer_uploads", "Uploads by result (accepted, duplicate, rejected_<reason>)",
+                                      labels=["result"])
+        for result, count in sorted(state.uploads.items()):
+            uploads.add_metric([result], count)
+        yield uploads
+        grace = GaugeMetricFamily("ddiloco_syncer_grace", "Current adaptive grace window and its inputs (seconds)",
+                                  labels=["quantity"])
+        for name, value in (("window", state.grace_window_s), ("step_time", state.step_time_s),
+                            ("quorum_time", state.quorum_time_s), ("sync_time", state.sync_time_s)):
+            grace.add_metric([name], value)
+        yield grace
+        members = GaugeMetricFamily("ddiloco_learners", "Learners by status", labels=["status"])
+        counts = {name: 0 for name in _STATUS.values()}
+        steps = GaugeMetricFamily("ddiloco_learner_steps", "Inner steps reported by each learner (this life)",
+                                  labels=["learner", "region"])
+        tokens = GaugeMetricFamily("ddiloco_learner_tokens", "Tokens processed by each learner (this life)",
+                                   labels=["learner", "region"])
+        loss = GaugeMetricFamily("ddiloco_learner_inner_loss", "Smoothed inner training loss (nats/token)",
+                                 labels=["learner", "region"])
+        last_seen = GaugeMetricFamily("ddiloco_learner_last_seen_age_seconds", "Seconds since a learner was heard from",
+                                      labels=["learner", "region"])
+        processed = 0
+        for m in state.members:
+            counts[_STATUS.get(m.status, "active")] += 1
+            labels = [m.learner_id, m.region]
+            steps.add_metric(labels, m.local_step)
+            tokens.add_metric(labels, m.tokens_total)
+            loss.add_metric(labels, m.inner_loss)
+            last_seen.add_metric(labels, max(0.0, time.time() - m.last_seen_unix_s) if m.last_seen_unix_s else 0.0)
+            processed += m.tokens_total
+        for status, count in counts.items():
+            members.add_metric([status], count)
+        yield from (members, steps, tokens, loss, last_seen)
+        if state.evals:
+            yield GaugeMetricFamily("ddiloco_heldout_loss", "Held-out loss of the global parameters (nats/token)",
+                                    value=state.evals[-1].heldout_loss)
+        # Goodput as in the paper: the share of processed tokens that made it into a merge.
+        if processed:
+            yield GaugeMetricFamily("ddiloco_goodput_ratio", "Tokens merged / tokens processed by current learners",
+                                    value=min(1.0, state.tokens_merged / processed))
+        yield GaugeMetricFamily("ddiloco_syncer_last_checkpoint_outer_step", "Outer step of the last committed checkpoint",
+                                value=state.last_checkpoint_outer_step)
