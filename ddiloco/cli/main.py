@@ -1,4 +1,4 @@
-"""The `ddiloco` console script: dispatches to `up`, `status` and the services.
+"""The `ddiloco` console script: dispatches to `up`, `status`, `dashboard` and the services.
 
 `ddiloco syncer|learner|checkpoint|evaluate ARGS` runs the same code as
 `python -m services.<name> ARGS` (each service parses its own flags; `--help` explains them).
@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _SERVICES:
         return importlib.import_module(_SERVICES[argv[0]]).main(argv[1:])
-    from ddiloco.cli import status, up  # imported here: rich and grpc only when needed
+    from ddiloco.cli import report, status, up  # imported here: rich and grpc only when needed
+    from ddiloco.dashboard import cli as dashboard
 
     parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo as gRPC services.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,11 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     status.add_arguments(sub.add_parser("status", help="show a syncer's training state",
                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter),
                          default_target=os.environ.get("DDILOCO_TARGET", "127.0.0.1:50051"))
+    report.add_arguments(sub.add_parser("report", help="plot a `ddiloco up` run (loss, bytes, versions, goodput)"))
+    dashboard.add_arguments(sub.add_parser("dashboard", help="serve a live web dashboard of a syncer",
+                                           formatter_class=argparse.ArgumentDefaultsHelpFormatter),
+                            default_target=os.environ.get("DDILOCO_TARGET", "127.0.0.1:50051"))
     for name in _SERVICES:
         sub.add_parser(name, help=f"run the {name} service (see `ddiloco {name} --help`)", add_help=False)
     args = parser.parse_args(argv)
     if args.command == "up":
         return up.run(args)
+    if args.command == "dashboard":
+        return dashboard.run(args)
+    if args.command == "report":
+        return report.run(args)
     return status.run(args)
 
 

@@ -22,6 +22,7 @@ from rich.live import Live
 
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.cli import render
+from ddiloco.cli import report as report_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--summary-json", default="", help="also write the summary here")
     parser.add_argument("--no-live", action="store_true", help="print one status line every few seconds instead")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
+    parser.add_argument("--dashboard", action="store_true", help="also serve the live web dashboard (prints its URL)")
+    parser.add_argument("--dashboard-bind", default="127.0.0.1:8080",
+                        help="HOST:PORT of the dashboard (a free port is used if this one is taken)")
 
 
 def _state(stub, timeout_s: float = 5.0) -> syncer_pb2.TrainingState | None:
@@ -60,6 +64,30 @@ def _final_eval(cluster: cluster_lib.LocalCluster, args) -> float | None:
         return None
 
 
+def _start_dashboard(console: Console, target: str, bind: str):
+    """The web dashboard in background threads of this process; None if it cannot start."""
+    import logging
+
+    from ddiloco.dashboard import Dashboard
+
+    # The page shows the syncer's availability; warnings on stderr would garble the live table.
+    logging.getLogger("ddiloco.dashboard").setLevel(logging.ERROR)
+    try:
+        dashboard = Dashboard(target, bind=bind)
+        try:
+            url = dashboard.start()
+        except OSError as exc:
+            host = bind.rpartition(":")[0] or "127.0.0.1"
+            console.print(f"[yellow]dashboard: cannot bind {bind} ({exc.strerror or exc}); using a free port[/]")
+            dashboard = Dashboard(target, bind=f"{host}:0")
+            url = dashboard.start()
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]dashboard not started: {exc}[/]")
+        return None
+    console.print(f"dashboard on [bold]{url}[/]")
+    return dashboard
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     workdir = pathlib.Path(args.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
@@ -67,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
     interrupted = False
     in_main_loop = False
+    dashboard = None
 
     def _interrupt(*_):
         # Ctrl-C while starting aborts the start; during training it ends the loop, and the
@@ -90,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         ])
         console.print(f"syncer listening on [bold]{syncer.address}[/]  "
                       f"(watch it from another terminal: ddiloco status --watch --target {syncer.address})")
+        if args.dashboard:
+            dashboard = _start_dashboard(console, syncer.address, args.dashboard_bind)
         cluster.start_evaluator(extra=["--interval-s", str(args.eval_interval_s), "--num-shards", str(args.learners)])
         for i in range(args.learners):
             cluster.start_learner(i, region="region-a" if i % 2 == 0 else "region-b", extra=[
@@ -97,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
             ])
         stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address))
         in_main_loop = True
-        live = None if args.no_live else Live(console=console, refresh_per_second=2)
+        # Live table on a terminal; plain progress lines otherwise (CI logs, pipes).
+        live = None if args.no_live or not console.is_terminal else Live(console=console, refresh_per_second=2)
+        history = open(workdir / "state.jsonl", "a")
         if live:
             live.start()
         last_line = 0.0
@@ -108,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
                     interrupted = True
                     break
                 state = _state(stub)
+                if state is not None:
+                    history.write(json.dumps(report_lib.snapshot_record(state)) + "\n")
+                    history.flush()
                 if state is not None and live:
                     live.update(render.state_renderable(state, target=syncer.address))
                 elif state is not None and time.monotonic() - last_line > 5:
@@ -117,16 +153,20 @@ def run(args: argparse.Namespace) -> int:
                                   f"held-out {state.evals[-1].heldout_loss if state.evals else float('nan'):.4f}")
                 time.sleep(0.5)
         finally:
+            history.close()
             if live:
                 live.stop()
         failed = [s.name for s in cluster.learners() if s.proc.returncode not in (0, None)]
         final_loss = None if interrupted else _final_eval(cluster, args)
         state = _state(stub)
+        if state is not None:
+            (workdir / "final_state.json").write_text(render.to_json(state))
         summary = _summary(state, final_loss, cluster, time.monotonic() - started)
         _print_summary(console, summary, interrupted, failed)
         if args.summary_json:
             pathlib.Path(args.summary_json).write_text(json.dumps(summary, indent=2))
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        console.print(f"plots: ddiloco report {workdir}")
         return 1 if failed or interrupted else 0
     except cluster_lib.ServiceStartError as exc:
         console.print(f"[red]{exc}[/]")
@@ -135,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         console.print("interrupted while starting; shutting down")
         return 130
     finally:
+        if dashboard is not None:
+            dashboard.stop()
         cluster.stop_all()
 
 

@@ -47,6 +47,14 @@ def test_up_trains_and_prints_a_summary(tmp_path):
     pids = json.loads((workdir / "pids.json").read_text())
     assert set(pids) == {"checkpoint", "syncer", "evaluator", "learner-0", "learner-1"}
     assert not [p for ps in pids.values() for p in ps if _pid_alive(p)], "up left processes behind"
+    # The recorded run turns into plots.
+    report = subprocess.run([*_DDILOCO, "report", str(workdir)], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stdout + report.stderr
+    for name in ("loss.png", "bytes.png", "versions.png", "goodput.png"):
+        data = (workdir / "report" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    missing = subprocess.run([*_DDILOCO, "report", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "not found" in missing.stdout
 
 
 def test_up_interrupted_shuts_everything_down(tmp_path):
