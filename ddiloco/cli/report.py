@@ -103,16 +103,18 @@ def make_plots(run_dir: pathlib.Path, out_dir: pathlib.Path | None = None) -> li
     ax.legend(fontsize=7)
     save(fig, "versions.png")
 
-    # 4. Goodput: the share of processed tokens that made it into a merge.
+    # 4. Goodput: the share of the learners' work merged into the global model. Each of the P
+    # fragments' contributions counts the tokens since that fragment was last received, so
+    # fully merged work sums to P x tokens processed.
     fig, ax = plt.subplots(figsize=(7, 4))
     goodput = []
     for r in records:
-        processed = sum(m["tokens"] for m in r["members"])
+        processed = sum(m["tokens"] for m in r["members"]) * max(1, len(r["versions"]))
         goodput.append(min(1.0, r["tokens_merged"] / processed) if processed else 0.0)
     ax.plot(times, goodput)
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("seconds")
-    ax.set_ylabel("tokens merged / tokens processed")
+    ax.set_ylabel("tokens merged / (P x tokens processed)")
     ax.set_title("Goodput")
     save(fig, "goodput.png")
 

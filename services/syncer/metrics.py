@@ -155,9 +155,13 @@ class _StateCollector:
         if state.evals:
             yield GaugeMetricFamily("ddiloco_heldout_loss", "Held-out loss of the global parameters (nats/token)",
                                     value=state.evals[-1].heldout_loss)
-        # Goodput as in the paper: the share of processed tokens that made it into a merge.
+        # Goodput as in the paper: the share of the learners' work that made it into a merge. Each
+        # of the P fragments' contributions carries the tokens since that fragment was last
+        # received, so fully merged work sums to P x tokens processed.
         if processed:
-            yield GaugeMetricFamily("ddiloco_goodput_ratio", "Tokens merged / tokens processed by current learners",
-                                    value=min(1.0, state.tokens_merged / processed))
+            fragments = max(1, len(state.fragments))
+            yield GaugeMetricFamily("ddiloco_goodput_ratio",
+                                    "Tokens merged / (fragments x tokens processed by current learners)",
+                                    value=min(1.0, state.tokens_merged / (fragments * processed)))
         yield GaugeMetricFamily("ddiloco_syncer_last_checkpoint_outer_step", "Outer step of the last committed checkpoint",
                                 value=state.last_checkpoint_outer_step)
