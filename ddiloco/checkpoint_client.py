@@ -70,7 +70,9 @@ class CheckpointClient:
     """Wraps a `CheckpointStoreStub` with deadlines, retries and client-side verification.
 
     Args:
-      channel: from `ddiloco.rpc.channel.aio_channel(target)`; the caller owns and closes it.
+      channel: from `ddiloco.rpc.channel.aio_channel(target, security)`; the caller owns and
+        closes it. Under mutual TLS it must carry the `syncer` identity to write (a `reader`
+        identity may only read); see ddiloco.rpc.security.
       timeout: deadline of each small call (stat, commit, manifests).
       blob_timeout: deadline of each PutBlob/GetBlob stream (blobs can be hundreds of MiB).
       retry_timeout: overall bound on retrying one operation after transient failures.

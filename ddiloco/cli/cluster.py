@@ -3,6 +3,11 @@
 Each service binds port 0 the first time and announces its address in a ready file; a restarted
 service re-binds the same port so that clients reconnect to the address they know. Only
 processes started here are ever signalled, by PID.
+
+Transport: plaintext by default, asked for explicitly (DDILOCO_INSECURE=1 in the services'
+environment: a local run on loopback). With `tls=True` the cluster writes a development PKI
+(`ddiloco certs`) under <workdir>/certs and every service and client uses mutual TLS with its own
+certificate; `client_security()` gives tools (probes, `ddiloco status`) the read-only credential.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+
+from ddiloco.rpc import security as security_lib
 
 
 class ServiceStartError(RuntimeError):
@@ -117,7 +124,7 @@ class ServiceProcess:
 class LocalCluster:
     """A checkpoint store, a syncer, learners and an evaluator as processes on 127.0.0.1."""
 
-    def __init__(self, workdir: str | os.PathLike, *, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, workdir: str | os.PathLike, *, env: Mapping[str, str] | None = None, tls: bool = False) -> None:
         self.workdir = pathlib.Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         base_env = dict(os.environ if env is None else env)
@@ -125,12 +132,38 @@ class LocalCluster:
         # Several JAX processes share the machine: one compute thread each. XLA's default thread
         # pool per process oversubscribes the cores; with 4 learners on 2 cores this took a
         # learner step from 1.33 s to 0.59 s. A user-set XLA_FLAGS is left alone.
-        base_env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+        base_env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
         # The services are imported from the project root (python -m services.<name>).
         root = str(pathlib.Path(__file__).resolve().parents[2])
         base_env["PYTHONPATH"] = root + (os.pathsep + base_env["PYTHONPATH"] if base_env.get("PYTHONPATH") else "")
+        self.tls_dir = self.workdir / "certs" if tls else None
+        if self.tls_dir is None:
+            base_env[security_lib.SHARED_INSECURE_ENV] = "1"  # plaintext on loopback, explicitly
+        else:
+            base_env.pop(security_lib.SHARED_INSECURE_ENV, None)
+            from ddiloco.cli import certs as certs_lib  # cryptography only when TLS is asked for
+
+            certs_lib.write_dev_certs(self.tls_dir, services=("syncer", "checkpoint", "evaluator", "operator"))
         self.env = base_env
         self.services: dict[str, ServiceProcess] = {}
+
+    def tls_args(self, name: str) -> list[str]:
+        """`--tls-*` flags for the process holding identity `name` (its certificate is made on demand)."""
+        if self.tls_dir is None:
+            return []
+        cert, key = self.tls_dir / f"{name}.pem", self.tls_dir / f"{name}.key"
+        if not cert.exists():
+            from ddiloco.cli import certs as certs_lib
+
+            certs_lib.write_dev_certs(self.tls_dir, learners=[name], services=())
+        return ["--tls-ca", str(self.tls_dir / "ca.pem"), "--tls-cert", str(cert), "--tls-key", str(key)]
+
+    def client_security(self, name: str = "operator") -> security_lib.ClientSecurity:
+        """Credentials for an in-process client (the read-only `operator` by default)."""
+        if self.tls_dir is None:
+            return security_lib.ClientSecurity(insecure=True)
+        return security_lib.ClientSecurity(tls_ca=str(self.tls_dir / "ca.pem"), tls_cert=str(self.tls_dir / f"{name}.pem"),
+                                           tls_key=str(self.tls_dir / f"{name}.key"))
 
     def add(self, name: str, module: str, args: Sequence[str]) -> ServiceProcess:
         svc = ServiceProcess(name=name, module=module, args=list(args), workdir=self.workdir, env=self.env)
@@ -140,7 +173,8 @@ class LocalCluster:
     def start_store(self, *, extra: Sequence[str] = (), timeout_s: float = 60.0) -> ServiceProcess:
         svc = self.add("checkpoint", "services.checkpoint", [
             "--bind", "127.0.0.1:0", "--root", str(self.workdir / "store"),
-            "--ready-file", str(self.workdir / "checkpoint.ready.json"), "--metrics-bind", "127.0.0.1:0", *extra,
+            "--ready-file", str(self.workdir / "checkpoint.ready.json"), "--metrics-bind", "127.0.0.1:0",
+            *self.tls_args("checkpoint"), *extra,
         ])
         svc.start()
         svc.wait_ready(timeout_s)
@@ -151,7 +185,7 @@ class LocalCluster:
                 "--metrics-bind", "127.0.0.1:0"]
         if "checkpoint" in self.services:
             args += ["--checkpoint-target", self.services["checkpoint"].address]
-        svc = self.add("syncer", "services.syncer", [*args, *extra])
+        svc = self.add("syncer", "services.syncer", [*args, *self.tls_args("syncer"), *extra])
         svc.start()
         svc.wait_ready(timeout_s)
         return svc
@@ -160,14 +194,14 @@ class LocalCluster:
         name = f"learner-{index}"
         svc = self.add(name, "services.learner", [
             "--syncer", self.services["syncer"].address, "--learner-id", name, "--region", region,
-            "--summary-file", str(self.workdir / f"{name}.summary.json"), *extra,
+            "--summary-file", str(self.workdir / f"{name}.summary.json"), *self.tls_args(name), *extra,
         ])
         svc.start()
         return svc
 
     def start_evaluator(self, *, extra: Sequence[str] = ()) -> ServiceProcess:
         svc = self.add("evaluator", "services.learner.evaluator", [
-            "--syncer", self.services["syncer"].address, *extra,
+            "--syncer", self.services["syncer"].address, *self.tls_args("evaluator"), *extra,
         ])
         svc.start()
         return svc

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _SERVICES:
         return importlib.import_module(_SERVICES[argv[0]]).main(argv[1:])
-    from ddiloco.cli import report, status, up  # imported here: rich and grpc only when needed
+    from ddiloco.cli import certs, report, status, up  # imported here: rich and grpc only when needed
     from ddiloco.dashboard import cli as dashboard
 
     parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo as gRPC services.")
@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     dashboard.add_arguments(sub.add_parser("dashboard", help="serve a live web dashboard of a syncer",
                                            formatter_class=argparse.ArgumentDefaultsHelpFormatter),
                             default_target=os.environ.get("DDILOCO_TARGET", "127.0.0.1:50051"))
+    certs.add_arguments(sub.add_parser("certs", help="write a development CA plus per-service and per-learner "
+                                       "certificates (mutual TLS)", formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     for name in _SERVICES:
         sub.add_parser(name, help=f"run the {name} service (see `ddiloco {name} --help`)", add_help=False)
     args = parser.parse_args(argv)
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return dashboard.run(args)
     if args.command == "report":
         return report.run(args)
+    if args.command == "certs":
+        return certs.run(args)
     return status.run(args)
 
 

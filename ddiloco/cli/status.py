@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import grpc
@@ -11,6 +12,7 @@ from rich.live import Live
 
 from ddiloco.cli import render
 from ddiloco.rpc import channel as channel_lib
+from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
 
@@ -21,11 +23,41 @@ def add_arguments(parser: argparse.ArgumentParser, default_target: str) -> None:
     parser.add_argument("--interval-s", type=float, default=1.0, help="seconds between snapshots with --watch")
     parser.add_argument("--merges", type=int, default=8, help="recent merges to include")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="deadline of each call")
+    add_security_arguments(parser)
+
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """TLS and token flags of the read-only tools (plaintext when no CA is given)."""
+    env = os.environ
+    parser.add_argument("--tls-ca", default=env.get("DDILOCO_TLS_CA", ""),
+                        help="TLS: CA bundle to verify the syncer (empty: plaintext) [env: DDILOCO_TLS_CA]")
+    parser.add_argument("--tls-cert", default=env.get("DDILOCO_TLS_CERT", ""),
+                        help="mutual TLS: a read-only (reader) certificate, e.g. certs/operator.pem "
+                             "[env: DDILOCO_TLS_CERT]")
+    parser.add_argument("--tls-key", default=env.get("DDILOCO_TLS_KEY", ""), help="its key [env: DDILOCO_TLS_KEY]")
+    parser.add_argument("--tls-server-name", default=env.get("DDILOCO_TLS_SERVER_NAME", ""),
+                        help="name expected in the syncer's certificate [env: DDILOCO_TLS_SERVER_NAME]")
+    parser.add_argument("--auth-token-file", default=env.get("DDILOCO_AUTH_TOKEN_FILE", ""),
+                        help="file holding a bearer token [env: DDILOCO_AUTH_TOKEN_FILE]")
+
+
+def client_security(args: argparse.Namespace) -> security_lib.ClientSecurity:
+    """TLS when --tls-ca is given; otherwise plaintext (a local tool reading a local syncer)."""
+    return security_lib.ClientSecurity(
+        tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_server_name=args.tls_server_name,
+        insecure=not args.tls_ca, auth_token_file=args.auth_token_file,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
-    stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(args.target))
+    try:
+        security = client_security(args)
+        security.check_files()
+    except ValueError as exc:
+        console.print(f"[red]ddiloco status: {exc}[/]")
+        return 2
+    stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(args.target, security))
     if not args.watch:
         try:
             state = stub.GetTrainingState(

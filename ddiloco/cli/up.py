@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--summary-json", default="", help="also write the summary here")
     parser.add_argument("--no-live", action="store_true", help="print one status line every few seconds instead")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS everywhere: a development CA and certificates under <workdir>/certs")
     parser.add_argument("--dashboard", action="store_true", help="also serve the live web dashboard (prints its URL)")
     parser.add_argument("--dashboard-bind", default="127.0.0.1:8080",
                         help="HOST:PORT of the dashboard (a free port is used if this one is taken)")
@@ -56,7 +58,8 @@ def _state(stub, timeout_s: float = 5.0) -> syncer_pb2.TrainingState | None:
 def _final_eval(cluster: cluster_lib.LocalCluster, args) -> float | None:
     """Evaluates the final global parameters once (a separate evaluator process, bounded)."""
     cmd = [sys.executable, "-m", "services.learner.evaluator", "--once", "--syncer",
-           cluster.services["syncer"].address, "--num-shards", str(args.learners), "--log-level", "WARNING"]
+           cluster.services["syncer"].address, "--num-shards", str(args.learners), "--log-level", "WARNING",
+           *cluster.tls_args("evaluator")]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cluster.env, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])["heldout_loss"]
@@ -91,7 +94,7 @@ def _start_dashboard(console: Console, target: str, bind: str):
 def run(args: argparse.Namespace) -> int:
     console = Console()
     workdir = pathlib.Path(args.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    cluster = cluster_lib.LocalCluster(workdir)
+    cluster = cluster_lib.LocalCluster(workdir, tls=getattr(args, "tls", False))
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
     interrupted = False
     in_main_loop = False
@@ -117,8 +120,12 @@ def run(args: argparse.Namespace) -> int:
             "--sync-period-steps", str(args.sync_period_steps), "--min-quorum", str(args.min_quorum),
             "--upload-codec", args.upload_codec,
         ])
-        console.print(f"syncer listening on [bold]{syncer.address}[/]  "
-                      f"(watch it from another terminal: ddiloco status --watch --target {syncer.address})")
+        tls_hint = ""
+        if cluster.tls_dir is not None:
+            certs = cluster.tls_dir
+            tls_hint = f" --tls-ca {certs}/ca.pem --tls-cert {certs}/operator.pem --tls-key {certs}/operator.key"
+        console.print(f"syncer listening on [bold]{syncer.address}[/]{' (mutual TLS)' if tls_hint else ''}  "
+                      f"(watch it from another terminal: ddiloco status --watch --target {syncer.address}{tls_hint})")
         if args.dashboard:
             dashboard = _start_dashboard(console, syncer.address, args.dashboard_bind)
         cluster.start_evaluator(extra=["--interval-s", str(args.eval_interval_s), "--num-shards", str(args.learners)])
@@ -126,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             cluster.start_learner(i, region="region-a" if i % 2 == 0 else "region-b", extra=[
                 "--steps", str(args.steps), "--num-shards", str(args.learners), "--batch-size", str(args.batch_size),
             ])
-        stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address))
+        stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address, cluster.client_security()))
         in_main_loop = True
         # Live table on a terminal; plain progress lines otherwise (CI logs, pipes).
         live = None if args.no_live or not console.is_terminal else Live(console=console, refresh_per_second=2)

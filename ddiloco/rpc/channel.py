@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from ddiloco.rpc import security as security_lib
 from ddiloco.rpc import server as server_lib
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -22,12 +23,33 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.enable_retries", 0),
 )
 
-
-def aio_channel(target: str) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel to `target` (host:port) with the project's options."""
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+_PLAINTEXT = security_lib.ClientSecurity(insecure=True)
 
 
-def sync_channel(target: str) -> grpc.Channel:
-    """A blocking channel with the same options, for CLIs and tests."""
-    return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+def aio_channel(target: str, security: security_lib.ClientSecurity | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to `target` (host:port) with the project's options.
+
+    `security` None means plaintext without credentials (tests, local tools); otherwise TLS (mutual
+    when it has a cert and key) and/or a bearer token on every call, as configured.
+    """
+    security = security or _PLAINTEXT
+    token = security.token()
+    interceptors = security_lib.aio_token_interceptors(token) if token else None
+    credentials = security.credentials()
+    options = CHANNEL_OPTIONS + security.channel_options()
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
+
+
+def sync_channel(target: str, security: security_lib.ClientSecurity | None = None) -> grpc.Channel:
+    """A blocking channel with the same options and security choices, for CLIs and tests."""
+    security = security or _PLAINTEXT
+    credentials = security.credentials()
+    options = CHANNEL_OPTIONS + security.channel_options()
+    if credentials is None:
+        channel = grpc.insecure_channel(target, options=options)
+    else:
+        channel = grpc.secure_channel(target, credentials, options=options)
+    token = security.token()
+    return grpc.intercept_channel(channel, security_lib.SyncTokenInterceptor(token)) if token else channel

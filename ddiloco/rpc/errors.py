@@ -37,6 +37,19 @@ class AlreadyExists(ServiceError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class Unauthenticated(ServiceError):
+    """No credential, or one that is invalid or revoked."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServiceError):
+    """An authenticated caller acting beyond its identity (another learner, a read-only
+    credential writing) or a quarantined learner."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class NotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
 

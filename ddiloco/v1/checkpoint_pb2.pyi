@@ -4,6 +4,10 @@ isort:skip_file
 The checkpoint store: durable, content-addressed blobs plus manifests that commit a set of
 blobs atomically. A checkpoint exists once its manifest is committed; a manifest only
 references blobs the store already holds, so a committed checkpoint is always readable.
+
+Authentication (mutual TLS or bearer tokens, when configured): only the `syncer` identity may
+write (PutBlob, CommitManifest); `syncer` and `reader` identities may read; anyone else gets
+PERMISSION_DENIED, and no or an invalid credential UNAUTHENTICATED.
 """
 
 from collections import abc as _abc

@@ -10,6 +10,13 @@ Fencing: a learner is (learner_id, incarnation). A Join with a higher incarnatio
 previous life of the same learner; calls from an older incarnation get FAILED_PRECONDITION.
 A restarted syncer has a new `syncer_instance`; uploads based on another instance's versions get
 FAILED_PRECONDITION and the learner re-syncs from the watch stream.
+
+Authentication (when the syncer runs with mutual TLS or a token file): every call carries an
+identity (client certificate URI SAN spiffe://ddiloco/<kind>/<name>, or a bearer token); no or
+an invalid credential is UNAUTHENTICATED. Join, ReportProgress, UploadFragment, Leave and a
+learner's WatchFragments need kind `learner` and the caller's own learner_id; observer
+WatchFragments, GetTrainingState and WatchTrainingState need kind `evaluator` or `reader`;
+ReportEval needs `evaluator`. Anything else is PERMISSION_DENIED.
 """
 
 from collections import abc as _abc
@@ -694,6 +701,26 @@ class MemberState(_message.Message):
     STATUS_LEFT: MemberState.Status.ValueType  # 3
     """left on purpose"""
 
+    @_typing.final
+    class RejectionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     LEARNER_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     REGION_FIELD_NUMBER: _builtins.int
@@ -708,6 +735,11 @@ class MemberState(_message.Message):
     JOINS_FIELD_NUMBER: _builtins.int
     BYTES_IN_FIELD_NUMBER: _builtins.int
     BYTES_OUT_FIELD_NUMBER: _builtins.int
+    QUARANTINED_FIELD_NUMBER: _builtins.int
+    FLAGS_FIELD_NUMBER: _builtins.int
+    REJECTIONS_FIELD_NUMBER: _builtins.int
+    QUARANTINED_UNTIL_UNIX_S_FIELD_NUMBER: _builtins.int
+    DIRECTION_AGREEMENT_FIELD_NUMBER: _builtins.int
     learner_id: _builtins.str
     incarnation: _builtins.int
     region: _builtins.str
@@ -722,6 +754,32 @@ class MemberState(_message.Message):
     joins: _builtins.int
     bytes_in: _builtins.int
     bytes_out: _builtins.int
+    quarantined: _builtins.bool
+    """Security. A quarantined learner's uploads are refused (PERMISSION_DENIED, "quarantined")
+    until quarantined_until_unix_s (0: not quarantined; +inf: until the syncer restarts); it no
+    longer counts towards a round's expected size. Finite quarantines survive syncer restarts.
+    """
+    flags: _builtins.int
+    """Bitmask of suspicious events seen from this learner (never cleared): 1 replayed upload key
+    with another payload (ALREADY_EXISTS), 2 malformed upload (sizes, checksum, corrupt frame,
+    non-finite values), 4 beyond the norm bound (rejected or clipped), 8 tried to act as another
+    learner, 16 quarantined at least once.
+    """
+    quarantined_until_unix_s: _builtins.float
+    direction_agreement: _builtins.float
+    """Mean cosine between this learner's accepted contributions and the last merged outer gradient
+    of their fragment (0 until known). Honest learners agree with the merged direction
+    on average (-0.1 to +0.7 in our runs); a learner sending sign-flipped updates, which the norm
+    bound cannot see, sits lower (-0.2 to -0.6). Observability only: nothing acts on it.
+    """
+    @_builtins.property
+    def rejections(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Refused uploads by reason (the same reasons as TrainingState.uploads "rejected_<reason>"),
+        plus "clipped_norm_bound" (accepted after clipping to the norm bound) and auth refusals.
+        "norm_bound" / "clipped_norm_bound": at least twice the bound (counts towards quarantine);
+        "..._marginal": between the bound and twice it (does not).
+        """
+
     def __init__(
         self,
         *,
@@ -739,10 +797,15 @@ class MemberState(_message.Message):
         joins: _builtins.int = ...,
         bytes_in: _builtins.int = ...,
         bytes_out: _builtins.int = ...,
+        quarantined: _builtins.bool = ...,
+        flags: _builtins.int = ...,
+        rejections: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        quarantined_until_unix_s: _builtins.float = ...,
+        direction_agreement: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "incarnation", b"incarnation", "inner_loss", b"inner_loss", "joins", b"joins", "last_seen_unix_s", b"last_seen_unix_s", "learner_id", b"learner_id", "local_step", b"local_step", "region", b"region", "status", b"status", "step_time_s", b"step_time_s", "tokens_total", b"tokens_total", "uploads_accepted", b"uploads_accepted", "uploads_rejected", b"uploads_rejected"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "direction_agreement", b"direction_agreement", "flags", b"flags", "incarnation", b"incarnation", "inner_loss", b"inner_loss", "joins", b"joins", "last_seen_unix_s", b"last_seen_unix_s", "learner_id", b"learner_id", "local_step", b"local_step", "quarantined", b"quarantined", "quarantined_until_unix_s", b"quarantined_until_unix_s", "region", b"region", "rejections", b"rejections", "status", b"status", "step_time_s", b"step_time_s", "tokens_total", b"tokens_total", "uploads_accepted", b"uploads_accepted", "uploads_rejected", b"uploads_rejected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -916,6 +979,26 @@ class TrainingState(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class AuthFailuresEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     RUN_ID_FIELD_NUMBER: _builtins.int
     SYNCER_INSTANCE_FIELD_NUMBER: _builtins.int
     STARTED_AT_UNIX_S_FIELD_NUMBER: _builtins.int
@@ -937,6 +1020,8 @@ class TrainingState(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _builtins.int
     QUORUM_TIME_S_FIELD_NUMBER: _builtins.int
     SYNC_TIME_S_FIELD_NUMBER: _builtins.int
+    AUTH_FAILURES_FIELD_NUMBER: _builtins.int
+    QUARANTINES_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     syncer_instance: _builtins.str
     started_at_unix_s: _builtins.float
@@ -957,6 +1042,8 @@ class TrainingState(_message.Message):
     step_time_s: _builtins.float
     quorum_time_s: _builtins.float
     sync_time_s: _builtins.float
+    quarantines: _builtins.int
+    """Learners quarantined since this syncer started (restored quarantines included)."""
     @_builtins.property
     def fragments(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentState]: ...
     @_builtins.property
@@ -972,6 +1059,13 @@ class TrainingState(_message.Message):
     @_builtins.property
     def uploads(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Uploads by result: accepted, duplicate, and rejected by reason."""
+
+    @_builtins.property
+    def auth_failures(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Calls refused before reaching the service (UNAUTHENTICATED, PERMISSION_DENIED), by reason:
+        no_credentials, invalid_token, revoked_token, no_identity, wrong_role, wrong_learner.
+        (TLS handshake failures never reach the application and are not counted here.)
+        """
 
     def __init__(
         self,
@@ -997,10 +1091,12 @@ class TrainingState(_message.Message):
         step_time_s: _builtins.float = ...,
         quorum_time_s: _builtins.float = ...,
         sync_time_s: _builtins.float = ...,
+        auth_failures: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        quarantines: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "tokens_merged", b"tokens_merged", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "tokens_merged", b"tokens_merged", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -103,7 +103,10 @@ class SyncerServicer:
         key with another payload gets ALREADY_EXISTS. Errors: INVALID_ARGUMENT (malformed header,
         sizes, checksum, non-finite values, chunk order), FAILED_PRECONDITION (protocol version,
         fenced incarnation, base version too stale or from another syncer instance),
-        RESOURCE_EXHAUSTED (too many concurrent uploads).
+        RESOURCE_EXHAUSTED (too many concurrent uploads, in total or from this learner),
+        PERMISSION_DENIED (the caller's identity is not this learner, or the learner is quarantined),
+        UNAUTHENTICATED (no valid credential). A contribution beyond the norm bound is
+        INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -10,6 +10,13 @@ Fencing: a learner is (learner_id, incarnation). A Join with a higher incarnatio
 previous life of the same learner; calls from an older incarnation get FAILED_PRECONDITION.
 A restarted syncer has a new `syncer_instance`; uploads based on another instance's versions get
 FAILED_PRECONDITION and the learner re-syncs from the watch stream.
+
+Authentication (when the syncer runs with mutual TLS or a token file): every call carries an
+identity (client certificate URI SAN spiffe://ddiloco/<kind>/<name>, or a bearer token); no or
+an invalid credential is UNAUTHENTICATED. Join, ReportProgress, UploadFragment, Leave and a
+learner's WatchFragments need kind `learner` and the caller's own learner_id; observer
+WatchFragments, GetTrainingState and WatchTrainingState need kind `evaluator` or `reader`;
+ReportEval needs `evaluator`. Anything else is PERMISSION_DENIED.
 """
 
 from collections import abc as _abc
@@ -56,7 +63,10 @@ class SyncerStub:
     key with another payload gets ALREADY_EXISTS. Errors: INVALID_ARGUMENT (malformed header,
     sizes, checksum, non-finite values, chunk order), FAILED_PRECONDITION (protocol version,
     fenced incarnation, base version too stale or from another syncer instance),
-    RESOURCE_EXHAUSTED (too many concurrent uploads).
+    RESOURCE_EXHAUSTED (too many concurrent uploads, in total or from this learner),
+    PERMISSION_DENIED (the caller's identity is not this learner, or the learner is quarantined),
+    UNAUTHENTICATED (no valid credential). A contribution beyond the norm bound is
+    INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured.
     """
     WatchFragments: _grpc.UnaryStreamMultiCallable[_syncer_pb2.WatchFragmentsRequest, _syncer_pb2.WatchFragmentsResponse]
     """Streams new global fragment versions. The stream first sends, for every fragment, the current
@@ -93,7 +103,10 @@ class SyncerAsyncStub(SyncerStub):
     key with another payload gets ALREADY_EXISTS. Errors: INVALID_ARGUMENT (malformed header,
     sizes, checksum, non-finite values, chunk order), FAILED_PRECONDITION (protocol version,
     fenced incarnation, base version too stale or from another syncer instance),
-    RESOURCE_EXHAUSTED (too many concurrent uploads).
+    RESOURCE_EXHAUSTED (too many concurrent uploads, in total or from this learner),
+    PERMISSION_DENIED (the caller's identity is not this learner, or the learner is quarantined),
+    UNAUTHENTICATED (no valid credential). A contribution beyond the norm bound is
+    INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured.
     """
     WatchFragments: _aio.UnaryStreamMultiCallable[_syncer_pb2.WatchFragmentsRequest, _syncer_pb2.WatchFragmentsResponse]  # type: ignore[assignment]
     """Streams new global fragment versions. The stream first sends, for every fragment, the current
@@ -145,7 +158,10 @@ class SyncerServicer(metaclass=_abc_1.ABCMeta):
         key with another payload gets ALREADY_EXISTS. Errors: INVALID_ARGUMENT (malformed header,
         sizes, checksum, non-finite values, chunk order), FAILED_PRECONDITION (protocol version,
         fenced incarnation, base version too stale or from another syncer instance),
-        RESOURCE_EXHAUSTED (too many concurrent uploads).
+        RESOURCE_EXHAUSTED (too many concurrent uploads, in total or from this learner),
+        PERMISSION_DENIED (the caller's identity is not this learner, or the learner is quarantined),
+        UNAUTHENTICATED (no valid credential). A contribution beyond the norm bound is
+        INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured.
         """
 
     @_abc_1.abstractmethod

@@ -61,14 +61,16 @@ def payload_chunks(payload: bytes, chunk_size_bytes: int) -> Iterator[common_pb2
 class ChunkAssembler:
     """Reassembles PayloadChunk messages, enforcing order and the declared total size.
 
-    Raises ValueError on a gap, a repeat, data past the declared size, or chunks after `last`.
-    Never holds more than the declared size.
+    Raises ValueError on a gap, a repeat, data past the declared size, a chunk larger than
+    `max_chunk_bytes` (when given), an empty chunk that is not the last, or chunks after `last`.
+    Never holds more than the declared size (one growing buffer), and the number of chunks is
+    bounded by the declared size.
     """
 
-    def __init__(self, declared_size_bytes: int) -> None:
+    def __init__(self, declared_size_bytes: int, *, max_chunk_bytes: int | None = None) -> None:
         self._declared = declared_size_bytes
-        self._parts: list[bytes] = []
-        self._size = 0
+        self._max_chunk = max_chunk_bytes
+        self._buffer = bytearray()
         self._next_seq = 0
         self.done = False
 
@@ -77,19 +79,23 @@ class ChunkAssembler:
             raise ValueError(f"chunk seq {chunk.seq} arrived after the last chunk")
         if chunk.seq != self._next_seq:
             raise ValueError(f"chunk out of order: expected seq {self._next_seq}, got {chunk.seq}")
-        self._size += len(chunk.data)
-        if self._size > self._declared:
+        size = len(chunk.data)
+        if self._max_chunk is not None and size > self._max_chunk:
+            raise ValueError(f"chunk seq {chunk.seq} has {size} bytes, more than the run's chunk size {self._max_chunk}")
+        if size == 0 and not chunk.last:
+            raise ValueError(f"chunk seq {chunk.seq} is empty but not the last one")
+        if len(self._buffer) + size > self._declared:
             raise ValueError(f"payload exceeds its declared size of {self._declared} bytes")
-        self._parts.append(chunk.data)
+        self._buffer += chunk.data
         self._next_seq += 1
         self.done = chunk.last
 
     def payload(self) -> bytes:
         if not self.done:
             raise ValueError(f"stream ended before the last chunk (got {self._next_seq} chunks)")
-        if self._size != self._declared:
-            raise ValueError(f"payload has {self._size} bytes, header declared {self._declared}")
-        return b"".join(self._parts)
+        if len(self._buffer) != self._declared:
+            raise ValueError(f"payload has {len(self._buffer)} bytes, header declared {self._declared}")
+        return bytes(self._buffer)
 
 
 def plan_to_proto(plan: fragments_lib.FragmentPlan) -> list[common_pb2.FragmentInfo]:

@@ -12,6 +12,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 
 from ddiloco.cli import flags
+from ddiloco.rpc import security
 from ddiloco.rpc import server as server_lib
 from services.checkpoint import store as store_lib
 
@@ -66,6 +67,16 @@ class CheckpointConfig:
     grace_s: float = 10.0
     # host:port for Prometheus /metrics (port 0: any free port); empty disables it.
     metrics_bind: str = ""
+    # Mutual TLS (PEM file paths), or explicit plaintext; see ddiloco.rpc.security. Under mTLS only
+    # the syncer's identity may write; readers (operators) may read.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    insecure: bool = False
+    # Bearer tokens -> identities, with revocations (for TLS terminated elsewhere).
+    auth_tokens_file: str = ""
+    # Also serve the health service alone, in plaintext, on this host:port (probes).
+    health_bind: str = ""
     # Fault injection for tests: point -> "crash" | "enospc" (see store.py). Empty in production.
     failpoints: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -91,6 +102,8 @@ class CheckpointConfig:
             raise _invalid("grace_s", self.grace_s, "use 0 or more seconds")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise _invalid("log_level", self.log_level, "use DEBUG, INFO, WARNING or ERROR")
+        if self.health_bind and ":" not in self.health_bind:
+            raise _invalid("health_bind", self.health_bind, "use host:port, e.g. 127.0.0.1:8082")
         try:
             store_lib.validate_failpoints(self.failpoints)
         except ValueError as exc:
@@ -98,9 +111,15 @@ class CheckpointConfig:
                 f"failpoints: {exc} (flag --failpoints, env {FAILPOINTS_ENV})"
             ) from None
 
+    def server_security(self) -> security.ServerSecurity:
+        """ValueError unless mutual TLS is fully configured or plaintext was asked for."""
+        return security.ServerSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                                       insecure=self.insecure, auth_tokens_file=self.auth_tokens_file)
+
 
 def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointConfig:
     """Builds the config from `argv` (flags win) and `environ`; exits with usage on bad input."""
+    environ = security.with_shared_insecure(environ, ENV_PREFIX)
     parser = flags.EnvArgumentParser(
         prog="python -m services.checkpoint",
         description="The ddiloco checkpoint store: content-addressed blobs plus per-run "
@@ -127,6 +146,13 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointC
     add("ready_file", "write {address, pid, service} here once serving", type=pathlib.Path)
     add("grace_s", "seconds in-flight RPCs may finish after SIGTERM", type=float)
     add("metrics_bind", "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9092); empty: off")
+    add("tls_ca", "mutual TLS: CA bundle (PEM) that client certificates must chain to")
+    add("tls_cert", "mutual TLS: this store's certificate chain (PEM)")
+    add("tls_key", "mutual TLS: this store's private key (PEM)")
+    add("insecure", "serve plaintext without client certificates (local runs only; DDILOCO_INSECURE=1 "
+        "sets it too)", type=flags.parse_bool, nargs="?", const=True, metavar="BOOL")
+    add("auth_tokens_file", "JSON {tokens: {token: kind/name}, revoked: [...]}: accept bearer tokens")
+    add("health_bind", "also serve gRPC health alone, in plaintext, on host:port (probes without certificates)")
     parser.add_env_argument(
         "--failpoints",
         env=FAILPOINTS_ENV,

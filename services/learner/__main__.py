@@ -23,9 +23,11 @@ import numpy as np
 from ddiloco import logs, models
 from ddiloco import metrics as metrics_lib
 from ddiloco.data import corpus
+from ddiloco.rpc import security as security_lib
 from ddiloco.wire import serde
 from services.learner import client as client_lib
 from services.learner import config as config_lib
+from services.learner import distributed as distributed_lib
 from services.learner import loop as loop_lib
 from services.learner import metrics as learner_metrics
 from services.learner import train as train_lib
@@ -43,17 +45,25 @@ def load_split(data_dir: str, max_bytes: int, num_shards: int, heldout_fraction:
 
 
 def run(cfg: config_lib.LearnerConfig) -> int:
-    incarnation = cfg.incarnation or time.time_ns()
+    # The unit's devices and mesh (and jax.distributed for a multi-host unit), before any JAX use.
+    try:
+        unit = distributed_lib.init_unit_from_config(cfg)
+    except ValueError as exc:
+        _LOG.error(str(exc))
+        return 2
+    incarnation = unit.agree_int(cfg.incarnation or time.time_ns())  # one identity per unit
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    client = client_lib.SyncClient(
+    # In a multi-host unit only process 0 talks to the syncer; the wrapper keeps the others in step.
+    client = unit.wrap_client(client_lib.SyncClient(
         client_lib.ClientConfig(
             target=cfg.syncer, learner_id=cfg.learner_id, incarnation=incarnation, region=cfg.region,
             tokens_per_step=0, call_timeout_s=cfg.call_timeout_s, retry_bound_s=cfg.retry_bound_s,
-            progress_interval_s=cfg.progress_interval_s,
+            progress_interval_s=cfg.progress_interval_s, security=cfg.client_security(),
+            hostile_factor=config_lib.parse_hostile(cfg.hostile),
         )
-    )
+    ), stop)
     collector = learner_metrics.LearnerCollector(cfg.learner_id, cfg.region, client)
     if cfg.metrics_bind:
         registry = metrics_lib.new_registry("learner")
@@ -92,7 +102,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
     if cfg.step_delay_s:
         delay = lambda: cfg.step_delay_s * (1.0 + cfg.step_jitter * rng.uniform(-1.0, 1.0))  # noqa: E731
     loop = loop_lib.LearnerLoop(
-        plan=plan, params=params, train_step=train_lib.TrainStep(model, optimizer), sampler=sampler, client=client,
+        plan=plan, params=params, train_step=train_lib.TrainStep(model, optimizer, unit.mesh), sampler=sampler, client=client,
         learner_id=cfg.learner_id, incarnation=incarnation, mixing_alpha=run_config.mixing_alpha, step_delay_s=delay,
     )
     collector.loop = loop
@@ -100,10 +110,10 @@ def run(cfg: config_lib.LearnerConfig) -> int:
     _LOG.info(
         f"learner {cfg.learner_id} training",
         extra={"fields": {"incarnation": incarnation, "shard": shard, "data": split.source, "syncer": cfg.syncer,
-                          "fragments": plan.num_fragments, "H": plan.sync_period_steps}},
+                          "fragments": plan.num_fragments, "H": plan.sync_period_steps, **unit.describe()}},
     )
     started = time.monotonic()
-    while not stop.is_set() and (cfg.steps == 0 or loop.stats.steps < cfg.steps):
+    while not unit.should_stop(client, stop) and (cfg.steps == 0 or loop.stats.steps < cfg.steps):
         if client.fenced:
             _LOG.error(str(client.fenced))
             client.close(leave=False)
@@ -124,6 +134,8 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         "tokens": loop.stats.tokens, "first_loss": loop.stats.first_loss, "last_loss_ema": loop.stats.loss_ema.value,
         "wall_s": round(time.monotonic() - started, 3), "uploads_queued": loop.stats.uploads_queued,
         "fragments_applied": loop.stats.fragments_applied, "client": vars(client.stats),
+        "tokens_per_step": sampler.tokens_per_batch, "params_sha256": distributed_lib.params_sha256(loop.params),
+        **unit.describe(),
     }
     _LOG.info("done", extra={"fields": summary})
     if cfg.summary_file:
@@ -134,6 +146,8 @@ def run(cfg: config_lib.LearnerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config_lib.parse_learner_config(sys.argv[1:] if argv is None else argv, os.environ, socket.gethostname())
+    # Plaintext must be asked for: refuse to start with neither a CA nor --insecure.
+    security_lib.require_choice("ddiloco learner", cfg.client_security)
     logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
     return run(cfg)
 

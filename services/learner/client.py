@@ -28,6 +28,7 @@ import numpy as np
 
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import retry as retry_lib
+from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
@@ -49,6 +50,9 @@ class ClientConfig:
     watch_stream_max_s: float = 600.0  # deadline of one watch stream; it is then resumed
     progress_interval_s: float = 0.25
     reconnect_max_backoff_s: float = 5.0
+    security: security_lib.ClientSecurity | None = None  # None: plaintext, no credentials
+    # TESTS AND CHAOS ONLY (--hostile): multiply every pseudo-gradient by this before upload.
+    hostile_factor: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +204,7 @@ class SyncClient:
 
     async def _supervise(self) -> None:
         self._upload_wakeup = asyncio.Event()
-        self._channel = channel_lib.aio_channel(self.cfg.target)
+        self._channel = channel_lib.aio_channel(self.cfg.target, self.cfg.security)
         self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
         failures = 0
         while not self._closing:
@@ -251,8 +255,10 @@ class SyncClient:
                 try:
                     response = await self._stub.Join(request, timeout=self.cfg.call_timeout_s)
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        raise FencedError(f"the syncer refused this learner: {exc.details()}") from None
+                    if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
+                                      grpc.StatusCode.UNAUTHENTICATED):
+                        # Fenced, or credentials that do not allow this learner id: retrying is futile.
+                        raise FencedError(f"the syncer refused this learner ({exc.code().name}): {exc.details()}") from None
                     raise
         self.stats.bytes_sent += request.ByteSize()
         self.stats.bytes_received += response.ByteSize()
@@ -343,9 +349,12 @@ class SyncClient:
             self.stats.uploads_refused += 1
             return  # based on another syncer life: worthless
         codec = serde.codec_from_proto(cfg.upload_codec)
+        delta = job.delta
+        if self.cfg.hostile_factor is not None:  # chaos knob for tests: a hostile learner
+            delta = (delta * np.float32(self.cfg.hostile_factor)).astype(np.float32)
         try:
             encoded = await asyncio.to_thread(
-                codec_lib.encode, job.delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
+                codec_lib.encode, delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
             )
         except codec_lib.NonFiniteError as exc:
             self.stats.uploads_refused += 1

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from ddiloco.cli import flags
+from ddiloco.rpc import security
 
 # `--learner-id auto` (or an empty value): `<region>-<hostname>`, resolved in parse_learner_config.
 # In a container the hostname is the container id, so every replica of a scaled compose service
@@ -38,13 +39,37 @@ class LearnerConfig:
     progress_interval_s: float = 0.25
     step_delay_s: float = 0.0  # extra seconds per step: simulates slower hardware
     step_jitter: float = 0.0  # relative jitter of step_delay_s
+    # A learner unit of many devices / hosts (services/learner/distributed.py, docs/gpu.md).
+    num_devices: int = 0  # devices of each process to train on; 0: all visible
+    mesh_shape: str = ""  # "DATAxFSDP" over the unit's devices; empty: all on the data axis
+    fsdp: bool = False  # shard params and optimizer state over the unit's devices
+    coordinator_address: str = ""  # jax.distributed coordinator host:port (process 0's), for num_processes > 1
+    num_processes: int = 1  # processes (hosts) of this learner unit
+    process_id: int = 0  # this process's index in the unit; only 0 talks to the syncer
     log_every_steps: int = 25
     summary_file: str = ""  # write a JSON summary here at exit
     metrics_bind: str = ""  # host:port for Prometheus /metrics; empty disables
+    # Transport security towards the syncer (ddiloco.rpc.security): TLS, or explicit plaintext.
+    tls_ca: str = ""  # CA bundle that signed the syncer's certificate
+    tls_cert: str = ""  # this learner's certificate (identity spiffe://ddiloco/learner/<learner_id>)
+    tls_key: str = ""
+    tls_server_name: str = ""  # expected name in the syncer's certificate, if not the --syncer host
+    insecure: bool = False  # plaintext: local runs only
+    auth_token_file: str = ""  # bearer token bound to this learner id (TLS terminated elsewhere)
+    # TESTS AND CHAOS ONLY: make this learner hostile ("scale:1e4" multiplies, "signflip" negates
+    # every pseudo-gradient before upload). Never set it in a real run.
+    hostile: str = ""
     log_level: str = "INFO"
     json_logs: bool = False
 
+    def client_security(self) -> security.ClientSecurity:
+        """ValueError unless TLS (a CA, optionally a cert/key pair) or plaintext was asked for."""
+        return security.ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                                       tls_server_name=self.tls_server_name, insecure=self.insecure,
+                                       auth_token_file=self.auth_token_file)
+
     def __post_init__(self) -> None:
+        parse_hostile(self.hostile)
         for name in ("batch_size", "num_shards", "log_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LearnerConfig.{name}={getattr(self, name)!r}: must be >= 1")
@@ -53,6 +78,19 @@ class LearnerConfig:
                 raise ValueError(f"LearnerConfig.{name}={getattr(self, name)!r}: must be >= 0")
         if not self.learner_id:
             raise ValueError("LearnerConfig.learner_id must not be empty")
+        if self.num_devices < 0:
+            raise ValueError(f"LearnerConfig.num_devices={self.num_devices}: must be >= 0 (0: all)")
+        if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(
+                f"LearnerConfig.process_id={self.process_id}, num_processes={self.num_processes}: "
+                "need num_processes >= 1 and 0 <= process_id < num_processes"
+            )
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("LearnerConfig.coordinator_address is required when num_processes > 1")
+        if self.mesh_shape:
+            parts = self.mesh_shape.lower().split("x")
+            if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+                raise ValueError(f"LearnerConfig.mesh_shape={self.mesh_shape!r}: use DATAxFSDP, e.g. '4x1' or '2x2'")
 
     @property
     def resolved_shard_index(self) -> int:
@@ -82,8 +120,39 @@ class EvaluatorConfig:
     heldout_fraction: float = 0.05
     timeout_s: float = 120.0  # bound on waiting for the syncer / the global parameters
     call_timeout_s: float = 10.0
+    # Transport security (see LearnerConfig); the evaluator's identity is kind `evaluator`.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
+    insecure: bool = False
+    auth_token_file: str = ""
     log_level: str = "INFO"
     json_logs: bool = False
+
+    def client_security(self) -> security.ClientSecurity:
+        return security.ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                                       tls_server_name=self.tls_server_name, insecure=self.insecure,
+                                       auth_token_file=self.auth_token_file)
+
+
+def parse_hostile(spec: str) -> float | None:
+    """The factor a hostile (test-only) learner multiplies its pseudo-gradients by; None if honest.
+
+    "" -> None, "signflip" -> -1.0, "scale:<x>" -> x (finite, nonzero).
+    """
+    if not spec:
+        return None
+    if spec == "signflip":
+        return -1.0
+    kind, _, value = spec.partition(":")
+    try:
+        factor = float(value) if kind == "scale" else float("nan")
+    except ValueError:
+        factor = float("nan")
+    if not (factor == factor and abs(factor) not in (0.0, float("inf"))):
+        raise ValueError(f"hostile={spec!r}: use 'signflip' or 'scale:<nonzero number>' (tests only)")
+    return factor
 
 
 _HELP = {
@@ -92,7 +161,7 @@ _HELP = {
     "incarnation": "life counter; 0 uses the start time in ns",
     "region": "region label shown in the training state",
     "steps": "inner steps to run; 0 runs until SIGTERM",
-    "batch_size": "sequences per inner step",
+    "batch_size": "sequences per inner step: the unit's global batch, split across its devices",
     "seed": "data-order seed (combined with the shard index and incarnation)",
     "data_dir": "directory of text files to train on; empty uses the Python standard library sources",
     "max_corpus_bytes": "read at most this many bytes of corpus",
@@ -108,9 +177,23 @@ _HELP = {
     "progress_interval_s": "how often progress metadata is sent (coalesced)",
     "step_delay_s": "extra seconds per inner step, to simulate slower hardware",
     "step_jitter": "relative jitter of step_delay_s (0.1 = +-10%)",
+    "num_devices": "devices of each process this learner trains on (data-parallel inside the unit); 0: all visible",
+    "mesh_shape": "DATAxFSDP mesh over all the unit's devices, e.g. 2x4; empty: all devices on the data axis "
+                  "(replicated parameters), or on the fsdp axis with --fsdp",
+    "fsdp": "shard parameters and optimizer state across the unit's devices (FSDP) instead of replicating them",
+    "coordinator_address": "host:port of process 0 of a multi-host learner unit (jax.distributed coordinator)",
+    "num_processes": "processes (hosts) in this learner unit; all run the same flags except --process-id",
+    "process_id": "this process's index in the unit, 0..num_processes-1; only process 0 talks to the syncer",
     "log_every_steps": "log a progress line every this many steps",
     "summary_file": "write a JSON summary of the run here at exit",
     "metrics_bind": "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9093); empty: no metrics endpoint",
+    "tls_ca": "TLS: CA bundle (PEM) to verify the syncer's certificate",
+    "tls_cert": "mutual TLS: this process's certificate (PEM), whose identity must match its id",
+    "tls_key": "mutual TLS: this process's private key (PEM)",
+    "tls_server_name": "TLS: the name expected in the syncer's certificate (default: the host of --syncer)",
+    "insecure": "talk plaintext to the syncer (local runs only; DDILOCO_INSECURE=1 sets it too)",
+    "auth_token_file": "file with a bearer token bound to this identity (when TLS is terminated elsewhere)",
+    "hostile": "TESTS/CHAOS ONLY: 'scale:1e4' or 'signflip' corrupts every pseudo-gradient before upload",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "json_logs": "log one JSON object per line",
     "evaluator_id": "name shown with the reported losses",
@@ -140,6 +223,7 @@ def parse_learner_config(argv: Sequence[str], environ: Mapping[str, str], hostna
     for i, arg in enumerate(argv):
         if arg == "--learner-id=" or (arg == "" and i > 0 and argv[i - 1] == "--learner-id"):
             argv[i] = arg + AUTO_LEARNER_ID
+    environ = security.with_shared_insecure(environ, "DDILOCO_LEARNER_")
     cfg = flags.parse_dataclass(
         LearnerConfig, prog="ddiloco learner",
         description="A Decoupled DiLoCo learner: inner AdamW steps on its data shard, fragments synced in the background.",
@@ -151,8 +235,10 @@ def parse_learner_config(argv: Sequence[str], environ: Mapping[str, str], hostna
 
 
 def parse_evaluator_config(argv: Sequence[str], environ: Mapping[str, str]) -> EvaluatorConfig:
-    return flags.parse_dataclass(
+    environ = security.with_shared_insecure(environ, "DDILOCO_EVAL_")
+    cfg = flags.parse_dataclass(
         EvaluatorConfig, prog="ddiloco evaluate",
         description="Evaluates the syncer's global parameters on the held-out split and reports the loss.",
         env_prefix="DDILOCO_EVAL_", helps=_HELP, argv=argv, environ=environ,
     )
+    return cfg

@@ -23,6 +23,7 @@ from ddiloco import logs, models
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.data import corpus
 from ddiloco.rpc import channel as channel_lib
+from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
 from services.learner import config as config_lib
@@ -65,7 +66,7 @@ class GlobalModelWatcher:
 
 
 async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) -> dict | None:
-    channel = channel_lib.aio_channel(cfg.syncer)
+    channel = channel_lib.aio_channel(cfg.syncer, cfg.client_security())
     stub = syncer_pb2_grpc.SyncerStub(channel)
     deadline = time.monotonic() + cfg.timeout_s
     state = None
@@ -136,6 +137,8 @@ async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) ->
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config_lib.parse_evaluator_config(sys.argv[1:] if argv is None else argv, os.environ)
+    # Plaintext must be asked for: refuse to start with neither a CA nor --insecure.
+    security_lib.require_choice("ddiloco evaluate", cfg.client_security)
     logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
 
     async def _main() -> dict | None:

@@ -4,6 +4,12 @@ Per step (paper Alg. 1, learner side): fold in any global fragments that arrived
 alpha-mix), take one inner step, advance the per-fragment step and token counters, and for each
 fragment due at this step queue its pseudo-gradient (global fragment last received minus the
 local fragment) for upload. Nothing here waits on the network: the SyncClient does that.
+
+The parameters live wherever the train step keeps them (one device, or sharded over a learner
+unit's mesh). Fragments move between host and devices one tensor at a time through the train
+step's `to_host` / `place`: extracting or folding in a fragment never holds more than that
+fragment on the host, whatever the model size. In a multi-process unit every process runs this
+same loop in lockstep (see distributed.py); only the leader's client uploads.
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import jax.numpy as jnp
 import numpy as np
 
 from ddiloco.algo import fragments as fragments_lib
@@ -54,8 +59,8 @@ class LearnerLoop:
         step_delay_s: Callable[[], float] | None = None,
     ) -> None:
         self.plan = plan
-        self.params = params
-        self.opt_state = train_step.init_opt_state(params)
+        self.params = train_step.place_params(params)
+        self.opt_state = train_step.init_opt_state(self.params)
         self._train_step = train_step
         self._sampler = sampler
         self._client = client
@@ -83,7 +88,7 @@ class LearnerLoop:
             else:
                 values_to_set = values
             for name, arr in fragments_lib.unflatten_fragment(values_to_set.astype(np.float32), frag).items():
-                self.params[name] = jnp.asarray(arr)
+                self.params[name] = self._train_step.place(name, arr)
             self.global_copy[update.fragment_id] = values
             self.held[update.fragment_id] = (update.syncer_instance, update.version)
             self.c_steps[update.fragment_id] = 0
@@ -92,7 +97,7 @@ class LearnerLoop:
         return len(updates)
 
     def _host_params(self, frag: fragments_lib.Fragment) -> dict[str, np.ndarray]:
-        return {t.name: np.asarray(self.params[t.name]) for t in frag.tensors}
+        return {t.name: self._train_step.to_host(self.params[t.name]) for t in frag.tensors}
 
     def step(self) -> float:
         """One inner step plus the fragment schedule. Returns the step's training loss."""
@@ -129,7 +134,7 @@ class LearnerLoop:
             # Diverged locally: never send it; start this fragment again from the global copy.
             _LOG.error("non-finite local fragment; resetting it to the global copy", extra={"fields": {"fragment": fid}})
             for name, arr in fragments_lib.unflatten_fragment(self.global_copy[fid], frag).items():
-                self.params[name] = jnp.asarray(arr)
+                self.params[name] = self._train_step.place(name, arr)
             self.stats.resets_nonfinite += 1
             return
         self._client.submit_upload(

@@ -25,6 +25,7 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import interceptors as rpc_interceptors
 from ddiloco.rpc import retry as retry_lib
+from ddiloco.rpc import security as security_lib
 from ddiloco.rpc import server as server_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from services.syncer import checkpointing
@@ -101,6 +102,16 @@ async def _restore(client, cfg: config_lib.SyncerConfig) -> dict | None:
 
 
 async def serve(cfg: config_lib.SyncerConfig) -> int:
+    # Transport security first: unreadable certificates or token files stop the start (status 2).
+    try:
+        server_security = cfg.server_security()
+        server_credentials = server_security.credentials()
+        authenticator = server_security.authenticator()
+        store_security = cfg.checkpoint_security()
+        store_security.token()
+    except ValueError as exc:
+        _LOG.error(f"security configuration: {exc}")
+        return 2
     model = models.get_model(cfg.model, cfg.model_overrides)
     fingerprint = models.model_fingerprint(model)
     plan = fragments_lib.plan_fragments(model.tensor_specs(), cfg.num_fragments, cfg.sync_period_steps)
@@ -113,7 +124,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     client = None
     if cfg.checkpoint_target:
         client = checkpoint_client_lib.CheckpointClient(
-            channel_lib.aio_channel(cfg.checkpoint_target),
+            channel_lib.aio_channel(cfg.checkpoint_target, store_security),
             timeout=datetime.timedelta(seconds=10),
             retry_timeout=datetime.timedelta(seconds=cfg.restore_timeout_s),
         )
@@ -121,7 +132,9 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
         liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
-        clock=time.monotonic, wall_clock=time.time,
+        clock=time.monotonic, wall_clock=time.time, norm_bound=cfg.norm_bound,
+        quarantine_after=cfg.quarantine_after, quarantine_window_s=cfg.quarantine_window_s,
+        quarantine_s=cfg.quarantine_s,
     )
     registry = metrics_lib.new_registry("syncer")
     metrics = syncer_metrics.SyncerMetrics(core, registry)
@@ -142,22 +155,32 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         "restored": core.restored_from_checkpoint, "outer_steps": core.outer_steps,
         "fragments": {s.fragment.fragment_id: {"version": s.version, "sha256": s.params_sha256} for s in core.slots},
     }
-    servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=cfg.max_concurrent_uploads)
+    servicer = servicer_lib.SyncerServicer(
+        core, max_concurrent_uploads=cfg.max_concurrent_uploads, upload_idle_timeout_s=cfg.upload_idle_timeout_s,
+        max_concurrent_uploads_per_learner=cfg.max_concurrent_uploads_per_learner,
+    )
+    auth = security_lib.AuthInterceptor(authenticator, security_lib.SYNCER_POLICY,
+                                        on_reject=servicer.record_interceptor_refusal)
     handle = await server_lib.start_server(
         cfg.bind,
         [syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].full_name],
         [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
-        interceptors=[rpc_interceptors.MetricsInterceptor(registry)],
+        interceptors=[rpc_interceptors.MetricsInterceptor(registry), auth],
+        credentials=server_credentials,
+        health_bind=cfg.health_bind,
     )
     _LOG.info(
         f"syncer serving on {handle.address}",
         extra={"fields": {"run": cfg.run_id, "model": model.name, "fragments": plan.num_fragments,
                           "params": sum(f.numel for f in plan.fragments), "restored": core.restored_from_checkpoint,
-                          "outer_step": core.outer_steps}},
+                          "outer_step": core.outer_steps, "transport": "mtls" if server_security.tls else "plaintext",
+                          "tokens": bool(cfg.auth_tokens_file), "health": handle.health_address or handle.address}},
     )
     metrics_server = metrics_lib.serve(cfg.metrics_bind, registry) if cfg.metrics_bind else None
     if metrics_server is not None:
         initial_state["metrics_address"] = metrics_server.address
+    if handle.health_address:
+        initial_state["health_address"] = handle.health_address
     if cfg.ready_file:
         server_lib.write_ready_file(
             cfg.ready_file, address=handle.address, service="syncer", instance=core.instance, **initial_state
@@ -171,12 +194,14 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     await handle.health.enter_graceful_shutdown()
     await checkpointer.drain()
     await checkpointer.save()
-    await handle.server.stop(cfg.grace_s)
+    await handle.close(cfg.grace_s)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config_lib.parse_config(sys.argv[1:] if argv is None else argv, os.environ)
+    # Plaintext must be asked for: refuse to start with neither certificates nor --insecure.
+    security_lib.require_choice("ddiloco syncer", cfg.server_security)
     logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
     return asyncio.run(serve(cfg))
 

@@ -6,7 +6,9 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 
+from ddiloco.algo import robust as robust_lib
 from ddiloco.cli import flags
+from ddiloco.rpc import security
 from ddiloco.wire import codec as codec_lib
 
 _RULES = ("rda", "mean")
@@ -48,6 +50,23 @@ class SyncerConfig:
     merge_history: int = 256  # merge records kept for the training state
     grace_s: float = 5.0  # shutdown: in-flight RPCs get this long to finish
     metrics_bind: str = ""  # host:port for Prometheus /metrics (port 0: any free port); empty disables
+    # Transport security and identity (ddiloco.rpc.security): mutual TLS, or explicit plaintext.
+    tls_ca: str = ""  # CA bundle that signed every client certificate
+    tls_cert: str = ""  # this syncer's certificate (also its client certificate towards the store)
+    tls_key: str = ""
+    insecure: bool = False  # plaintext, no client certificates: local runs and trusted networks only
+    auth_tokens_file: str = ""  # bearer tokens -> identities, with revocations (TLS terminated elsewhere)
+    checkpoint_auth_token_file: str = ""  # bearer token presented to the checkpoint store
+    health_bind: str = ""  # also serve the health service alone, in plaintext, here (probes)
+    # Bad input and hostile learners.
+    max_concurrent_uploads_per_learner: int = 4
+    upload_idle_timeout_s: float = 60.0  # an upload stream silent this long is refused
+    norm_bound_factor: float = 20.0  # k: contribution norm <= k x median of other learners'; 0 disables
+    norm_bound_action: str = "reject"  # reject or clip contributions beyond the bound
+    norm_bound_min_history: int = 3  # other learners' contributions needed before per-tensor bounds
+    quarantine_after: int = 3  # suspicious uploads within the window that quarantine a learner; 0 never
+    quarantine_window_s: float = 600.0
+    quarantine_s: float = 3600.0  # how long a quarantine lasts; 0 until restart
     log_level: str = "INFO"
     json_logs: bool = False
 
@@ -81,6 +100,34 @@ class SyncerConfig:
             raise bad("model_config", "must be a JSON object")
         if ":" not in self.bind:
             raise bad("bind", "must be host:port")
+        for name in ("max_concurrent_uploads_per_learner", "norm_bound_min_history"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        for name in ("norm_bound_factor", "quarantine_after", "quarantine_window_s", "quarantine_s"):
+            if getattr(self, name) < 0:
+                raise bad(name, "must be >= 0")
+        if self.upload_idle_timeout_s <= 0:
+            raise bad("upload_idle_timeout_s", "must be > 0")
+        if self.norm_bound_action not in robust_lib.ACTIONS:
+            raise bad("norm_bound_action", f"must be one of {robust_lib.ACTIONS}")
+        if self.health_bind and ":" not in self.health_bind:
+            raise bad("health_bind", "must be host:port")
+
+    def server_security(self) -> security.ServerSecurity:
+        """ValueError unless mutual TLS is fully configured or plaintext was asked for."""
+        return security.ServerSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                                       insecure=self.insecure, auth_tokens_file=self.auth_tokens_file)
+
+    def checkpoint_security(self) -> security.ClientSecurity:
+        """How the syncer reaches the store: its own certificate as the client certificate."""
+        return security.ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                                       insecure=self.insecure, auth_token_file=self.checkpoint_auth_token_file)
+
+    @property
+    def norm_bound(self) -> robust_lib.NormBoundPolicy:
+        return robust_lib.NormBoundPolicy(factor=self.norm_bound_factor, action=self.norm_bound_action,
+                                          min_history=self.norm_bound_min_history,
+                                          history=max(16, self.norm_bound_min_history))
 
     @property
     def model_overrides(self) -> dict:
@@ -122,10 +169,30 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "merge_history": "merge records kept for the training state",
         "grace_s": "on shutdown, in-flight RPCs get this many seconds to finish",
         "metrics_bind": "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9091); empty: no metrics endpoint",
+        "tls_ca": "mutual TLS: CA bundle (PEM) that client certificates must chain to",
+        "tls_cert": "mutual TLS: this syncer's certificate chain (PEM); also its client certificate for the store",
+        "tls_key": "mutual TLS: this syncer's private key (PEM)",
+        "insecure": "serve plaintext without client certificates (local runs only; DDILOCO_INSECURE=1 sets it too)",
+        "auth_tokens_file": "JSON {tokens: {token: kind/name}, revoked: [...]}: accept bearer tokens (re-read on change)",
+        "checkpoint_auth_token_file": "file with the bearer token to present to the checkpoint store",
+        "health_bind": "also serve gRPC health alone, in plaintext, on host:port (probes without certificates)",
+        "max_concurrent_uploads_per_learner": "uploads in flight at once from one learner (RESOURCE_EXHAUSTED above)",
+        "upload_idle_timeout_s": "refuse an upload stream that sends nothing for this long",
+        "norm_bound_factor": "k: refuse/clip a contribution whose per-step norms (whole fragment, and each tensor of "
+                             ">= 1024 values) exceed k x the median of other learners' recent ones (until there is "
+                             "history: its norm exceeds the global fragment's); also caps merge weights at k x "
+                             "the median; 0 disables",
+        "norm_bound_action": "what to do beyond the norm bound: reject (INVALID_ARGUMENT) or clip",
+        "norm_bound_min_history": "other learners' contributions to a fragment needed before per-tensor bounds apply",
+        "quarantine_after": "suspicious uploads (malformed, replayed, beyond the norm bound) within "
+                            "--quarantine-window-s that quarantine a learner; 0 never quarantines",
+        "quarantine_window_s": "window for counting suspicious uploads",
+        "quarantine_s": "how long a quarantined learner's uploads are refused; 0 until restart",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
         "json_logs": "log one JSON object per line",
     }
-    return flags.parse_dataclass(
+    environ = security.with_shared_insecure(environ, "DDILOCO_SYNCER_")
+    cfg = flags.parse_dataclass(
         SyncerConfig,
         prog="ddiloco syncer",
         description="The Decoupled DiLoCo syncer: merges pseudo-gradient fragments from learners "
@@ -135,3 +202,4 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         argv=argv,
         environ=environ,
     )
+    return cfg

@@ -30,6 +30,7 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import grace as grace_lib
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import outer as outer_lib
+from ddiloco.algo import robust as robust_lib
 from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
@@ -40,6 +41,28 @@ _LOG = logging.getLogger("ddiloco.syncer")
 # Idempotency records kept per learner: enough to recognise retries of recent uploads.
 _IDEMPOTENCY_KEYS_PER_LEARNER = 64
 _EVAL_HISTORY = 512
+_MAX_ID_CHARS = 128
+
+# MemberState.flags bits (syncer.proto): suspicious events seen from a learner, never cleared.
+FLAG_REPLAY_MISMATCH = 1 << 0  # same idempotency key with another payload (ALREADY_EXISTS)
+FLAG_MALFORMED = 1 << 1  # sizes, checksum, corrupt frame or non-finite values
+FLAG_NORM_BOUND = 1 << 2  # a contribution beyond the norm bound (rejected or clipped)
+FLAG_IMPERSONATION = 1 << 3  # tried to act as another learner
+FLAG_QUARANTINED = 1 << 4  # quarantined at least once
+_FLAG_BY_REASON = {
+    "replay_mismatch": FLAG_REPLAY_MISMATCH,
+    "size": FLAG_MALFORMED, "checksum": FLAG_MALFORMED, "corrupt": FLAG_MALFORMED, "nonfinite": FLAG_MALFORMED,
+    "codec": FLAG_MALFORMED, "chunks": FLAG_MALFORMED,
+    "norm_bound": FLAG_NORM_BOUND, "clipped_norm_bound": FLAG_NORM_BOUND,
+    "norm_bound_marginal": FLAG_NORM_BOUND, "clipped_norm_bound_marginal": FLAG_NORM_BOUND,
+    "wrong_learner": FLAG_IMPERSONATION,
+}
+# Reasons that count towards quarantine: things an honest learner never sends. Network trouble,
+# staleness, fencing and busy refusals do not count, nor do "marginal" norm-bound violations (less
+# than NORM_STRIKE_RATIO times the bound), which honest learners with unusual data can produce.
+STRIKE_REASONS = frozenset({"replay_mismatch", "size", "checksum", "corrupt", "nonfinite", "norm_bound",
+                            "clipped_norm_bound", "wrong_learner"})
+NORM_STRIKE_RATIO = 2.0
 
 
 def params_sha256(params: np.ndarray) -> str:
@@ -67,6 +90,17 @@ class Member:
     bytes_out: int = 0
     # (fragment_id, base_version) -> payload checksum of accepted uploads, oldest first.
     accepted_keys: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
+    # Security record, kept across incarnations (see SyncerCore.record_rejection).
+    flags: int = 0
+    rejections: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    strikes: collections.deque = dataclasses.field(default_factory=collections.deque)  # clock() of each
+    quarantined_until_s: float = -math.inf  # clock()
+    quarantined_until_unix_s: float = 0.0
+    # Mean of cos(contribution, the fragment's last merged outer gradient) over the learner's
+    # accepted contributions: honest learners agree with the merged direction on average; a
+    # sign-flipping learner does not (observability only).
+    direction_sum: float = 0.0
+    direction_count: int = 0
 
 
 @dataclasses.dataclass
@@ -93,6 +127,8 @@ class _Slot:
     encoded: codec_lib.EncodedPayload | None = None  # current version in the download codec
     timer: asyncio.TimerHandle | None = None
     merging: bool = False  # a merge task is scheduled or running
+    norms: robust_lib.NormHistory | None = None  # recent accepted contributions (norm bound)
+    last_outer_grad: np.ndarray | None = None  # the last merged outer gradient (direction agreement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +158,13 @@ class SyncerCore:
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
         on_merge: Callable[[], None] | None = None,
+        norm_bound: robust_lib.NormBoundPolicy | None = None,
+        quarantine_after: int = 3,
+        quarantine_window_s: float = 600.0,
+        quarantine_s: float = 3600.0,
     ) -> None:
+        """See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
+        `quarantine_s` 0 quarantines until restart."""
         self.config = run_config
         self.plan = plan
         self.instance = uuid.uuid4().hex
@@ -132,6 +174,10 @@ class SyncerCore:
         self._max_grace_s = max_grace_s
         self._liveness_s = liveness_timeout_s
         self.on_merge = on_merge
+        self.norm_bound = norm_bound or robust_lib.NormBoundPolicy()
+        self._quarantine_after = quarantine_after
+        self._quarantine_window_s = quarantine_window_s
+        self._quarantine_s = quarantine_s
         # Passive observers (metrics): objects with optional methods merged(record),
         # upload_accepted(header) and rejoined(learner_id, gap_s). They must not mutate state.
         self.observers: list = []
@@ -147,6 +193,7 @@ class SyncerCore:
                     opt_state=self._stepper.init(params),
                     history=collections.OrderedDict({0: params}),
                     params_sha256=params_sha256(params),
+                    norms=robust_lib.NormHistory(self.norm_bound, frag),
                 )
             )
         self.members: dict[str, Member] = {}
@@ -157,6 +204,8 @@ class SyncerCore:
         self.bytes_in = 0
         self.bytes_out = 0
         self.uploads: collections.Counter = collections.Counter()
+        self.auth_failures: collections.Counter = collections.Counter()
+        self.quarantines = 0
         self.started_at_unix_s = wall_clock()
         self.restored_from_checkpoint = False
         self.last_checkpoint_outer_step = 0
@@ -179,8 +228,11 @@ class SyncerCore:
     def join(self, req: syncer_pb2.JoinRequest) -> syncer_pb2.JoinResponse:
         """Registers a learner; a higher incarnation replaces (fences off) the previous life."""
         self.check_protocol(req.protocol_version)
-        if not req.learner_id:
-            raise errors.InvalidArgument("learner_id must not be empty", reason="learner_id")
+        if not req.learner_id or len(req.learner_id) > _MAX_ID_CHARS or len(req.region) > _MAX_ID_CHARS:
+            raise errors.InvalidArgument(
+                f"learner_id must be 1-{_MAX_ID_CHARS} characters and region at most {_MAX_ID_CHARS}",
+                reason="learner_id",
+            )
         if req.model_fingerprint and req.model_fingerprint != self.config.model_fingerprint:
             raise errors.FailedPrecondition(
                 f"model fingerprint {req.model_fingerprint[:12]}... does not match the run's "
@@ -199,6 +251,7 @@ class SyncerCore:
             if member is not None and math.isfinite(member.last_seen_s):
                 self._emit("rejoined", req.learner_id, now - member.last_seen_s)
             joins = member.joins + 1 if member else 1
+            previous = member
             member = Member(
                 learner_id=req.learner_id,
                 incarnation=req.incarnation,
@@ -210,6 +263,11 @@ class SyncerCore:
                 bytes_in=member.bytes_in if member else 0,
                 bytes_out=member.bytes_out if member else 0,
             )
+            if previous is not None:  # a new life does not wipe the security record
+                member.flags, member.rejections, member.strikes = previous.flags, previous.rejections, previous.strikes
+                member.quarantined_until_s = previous.quarantined_until_s
+                member.quarantined_until_unix_s = previous.quarantined_until_unix_s
+                member.direction_sum, member.direction_count = previous.direction_sum, previous.direction_count
             self.members[req.learner_id] = member
             _LOG.info("learner joined", extra={"fields": {"learner": req.learner_id, "incarnation": req.incarnation, "region": req.region}})
         else:  # same incarnation re-joining after a broken connection
@@ -273,8 +331,69 @@ class SyncerCore:
             member.bytes_out += outbound
 
     def _live_members(self) -> int:
+        """Members a round waits for: live, not left, not quarantined."""
         now = self._clock()
-        return sum(1 for m in self.members.values() if not m.left and now - m.last_seen_s <= self._liveness_s)
+        return sum(1 for m in self.members.values()
+                   if not m.left and now - m.last_seen_s <= self._liveness_s and now >= m.quarantined_until_s)
+
+    # ------------------------------------------------------------------------------ security
+
+    def is_quarantined(self, member: Member) -> bool:
+        return self._clock() < member.quarantined_until_s
+
+    def record_rejection(self, reason: str, learner_id: str = "", exc: BaseException | None = None) -> None:
+        """Counts one refused upload (or impersonation attempt) by reason, on the learner too.
+
+        Every refusal path ends here exactly once (`exc` is marked as recorded). Reasons in
+        STRIKE_REASONS count towards quarantining the learner.
+        """
+        if exc is not None:
+            if getattr(exc, "recorded", False):
+                return
+            exc.recorded = True
+        self.uploads[f"rejected_{reason}"] += 1
+        member = self.members.get(learner_id) if learner_id else None
+        if member is None:
+            return
+        member.uploads_rejected += 1
+        member.rejections[reason] += 1
+        self._flag(member, reason)
+
+    def record_auth_failure(self, reason: str, *, caller: str = "", method: str = "") -> None:
+        """Counts a call refused as UNAUTHENTICATED or PERMISSION_DENIED; flags the calling learner
+        (by its authenticated identity, never by the id it claimed)."""
+        self.auth_failures[reason] += 1
+        if method == "UploadFragment":
+            self.uploads[f"rejected_{reason}"] += 1
+        member = self.members.get(caller) if caller else None
+        if member is not None:
+            member.rejections[reason] += 1
+            self._flag(member, reason)
+
+    def _flag(self, member: Member, reason: str) -> None:
+        member.flags |= _FLAG_BY_REASON.get(reason, 0)
+        if reason not in STRIKE_REASONS or self._quarantine_after <= 0:
+            return
+        now = self._clock()
+        member.strikes.append(now)
+        while member.strikes and now - member.strikes[0] > self._quarantine_window_s:
+            member.strikes.popleft()
+        if len(member.strikes) >= self._quarantine_after and not self.is_quarantined(member):
+            self.quarantine(member, reason=f"{len(member.strikes)} suspicious uploads, last {reason}")
+
+    def quarantine(self, member: Member, *, reason: str, duration_s: float | None = None) -> None:
+        """Refuses the learner's uploads for `duration_s` (default quarantine_s; 0 or inf: until restart)."""
+        duration_s = self._quarantine_s if duration_s is None else duration_s
+        if duration_s <= 0:
+            duration_s = math.inf
+        member.quarantined_until_s = self._clock() + duration_s
+        member.quarantined_until_unix_s = self._wall() + duration_s
+        member.flags |= FLAG_QUARANTINED
+        member.strikes.clear()
+        self.quarantines += 1
+        _LOG.warning("learner quarantined", extra={"fields": {"learner": member.learner_id, "reason": reason,
+                                                              "seconds": duration_s}})
+        self._notify()
 
     # -------------------------------------------------------------------------------- uploads
 
@@ -282,9 +401,23 @@ class SyncerCore:
         return {s.fragment.fragment_id: s.version for s in self.slots}
 
     def validate_upload_header(self, header: syncer_pb2.UploadHeader) -> UploadTicket:
-        """All checks that need no payload, cheapest first. Raises ServiceError."""
+        """All checks that need no payload, cheapest first. Raises ServiceError (counted)."""
+        try:
+            return self._validate_upload_header(header)
+        except errors.ServiceError as exc:
+            self.record_rejection(exc.reason, header.learner_id, exc)
+            raise
+
+    def _validate_upload_header(self, header: syncer_pb2.UploadHeader) -> UploadTicket:
         self.check_protocol(header.protocol_version)
         member = self.require_member(header.learner_id, header.incarnation)
+        if self.is_quarantined(member):
+            until = ("until the syncer restarts" if math.isinf(member.quarantined_until_s)
+                     else f"for another {member.quarantined_until_s - self._clock():.0f} s")
+            raise errors.PermissionDenied(
+                f"learner {header.learner_id!r} is quarantined {until} after repeated suspicious uploads",
+                reason="quarantined",
+            )
         if header.syncer_instance != self.instance:
             raise errors.FailedPrecondition(
                 f"base version comes from syncer instance {header.syncer_instance[:8] or '(none)'}, "
@@ -301,7 +434,6 @@ class SyncerCore:
         if seen is not None:
             if seen == header.payload.checksum:
                 return UploadTicket(header=header, codec="", duplicate=True)
-            member.uploads_rejected += 1
             raise errors.AlreadyExists(
                 f"upload (learner {header.learner_id}, incarnation {header.incarnation}, fragment "
                 f"{header.fragment_id}, base {header.base_version}) was already accepted with another payload",
@@ -352,7 +484,15 @@ class SyncerCore:
         return UploadTicket(header=header, codec=codec, duplicate=False)
 
     async def accept_upload(self, ticket: UploadTicket, payload: bytes, wire_bytes: int) -> syncer_pb2.UploadFragmentResponse:
-        """Decodes, corrects to the current version and folds one contribution into its round."""
+        """Decodes, bounds, corrects to the current version and folds one contribution into its
+        round. Raises ServiceError (counted, on the learner too)."""
+        try:
+            return await self._accept_upload(ticket, payload, wire_bytes)
+        except errors.ServiceError as exc:
+            self.record_rejection(exc.reason, ticket.header.learner_id, exc)
+            raise
+
+    async def _accept_upload(self, ticket: UploadTicket, payload: bytes, wire_bytes: int) -> syncer_pb2.UploadFragmentResponse:
         header = ticket.header
         member = self.require_member(header.learner_id, header.incarnation)
         self.count_bytes(member, inbound=wire_bytes)
@@ -364,11 +504,17 @@ class SyncerCore:
                 result=syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE, current_version=slot.version, weight=weight
             )
         info = header.payload
+
+        def decode() -> tuple[np.ndarray, np.ndarray, float | None]:
+            values = serde.decode_payload(info, payload)
+            last = slot.last_outer_grad  # read once: a merge may replace it meanwhile
+            return values, robust_lib.tensor_norms(values, slot.fragment), robust_lib.cosine(values, last)
+
         try:
-            delta = await asyncio.to_thread(serde.decode_payload, info, payload)
+            delta, norms, direction = await asyncio.to_thread(decode)
         except codec_lib.CodecError as exc:
-            member.uploads_rejected += 1
-            reason = {codec_lib.NonFiniteError: "nonfinite", codec_lib.ChecksumError: "checksum"}.get(type(exc), "size")
+            reason = {codec_lib.NonFiniteError: "nonfinite", codec_lib.ChecksumError: "checksum",
+                      codec_lib.CorruptPayloadError: "corrupt"}.get(type(exc), "size")
             raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=reason) from None
         async with slot.lock:
             # Re-check under the lock: the round or history may have moved while decoding.
@@ -379,6 +525,34 @@ class SyncerCore:
                     result=syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE, current_version=slot.version, weight=weight
                 )
             base = slot.history[header.base_version]
+            params_norm = await asyncio.to_thread(lambda: float(np.linalg.norm(slot.params.astype(np.float64))))
+            verdict = slot.norms.check(header.learner_id, norms, header.steps, params_norm)
+            _LOG.debug("norm bound", extra={"fields": {"learner": header.learner_id, "fragment": header.fragment_id,
+                                                       "steps": header.steps, "basis": verdict.basis,
+                                                       "ratio": round(verdict.ratio, 4)}})
+            if not verdict.within:
+                basis = (f"{self.norm_bound.factor:g} x other learners' median" if verdict.basis == "others"
+                         else f"{self.norm_bound.params_factor:g} x the global fragment's norm")
+                where = (f"tensor {slot.fragment.tensors[verdict.tensor].name} norm "
+                         f"{norms[verdict.tensor]:.4g} > limit {verdict.limit:.4g}" if verdict.tensor >= 0
+                         else f"limit {verdict.limit:.4g}")
+                detail = (f"fragment {header.fragment_id}: contribution norm {verdict.norm:.4g} over {header.steps} "
+                          f"steps exceeds the norm bound ({basis}; {where})")
+                gross = verdict.ratio >= NORM_STRIKE_RATIO
+                if self.norm_bound.action == "reject":
+                    raise errors.InvalidArgument(detail, reason="norm_bound" if gross else "norm_bound_marginal")
+                _LOG.warning(f"{detail}: clipped", extra={"fields": {"learner": header.learner_id}})
+                # Accepted, but clipped: counted (not as a refusal) and a strike towards quarantine.
+                reason = "clipped_norm_bound" if gross else "clipped_norm_bound_marginal"
+                self.uploads[reason] += 1
+                member.rejections[reason] += 1
+                self._flag(member, reason)
+                delta = await asyncio.to_thread(robust_lib.scale_tensors, delta, slot.fragment, verdict.scales)
+                norms = norms * verdict.scales
+            cap = slot.norms.weight_cap(header.learner_id)
+            if weight > cap:
+                self.uploads["capped_weight"] += 1
+                weight = cap
             if slot.round is None:
                 slot.round = _Round(
                     accumulator=merge_lib.MergeAccumulator(
@@ -398,8 +572,11 @@ class SyncerCore:
             try:
                 await asyncio.to_thread(fold)
             except ValueError as exc:
-                member.uploads_rejected += 1
                 raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason="nonfinite") from None
+            slot.norms.add(header.learner_id, norms, header.steps, weight)
+            if direction is not None:
+                member.direction_sum += direction
+                member.direction_count += 1
             rnd.learners.add(header.learner_id)
             rnd.contributions.append(
                 syncer_pb2.Contribution(
@@ -425,9 +602,6 @@ class SyncerCore:
         return syncer_pb2.UploadFragmentResponse(
             result=syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED, current_version=version_at_accept, weight=weight
         )
-
-    def record_rejection(self, reason: str) -> None:
-        self.uploads[f"rejected_{reason}"] += 1
 
     # ------------------------------------------------------------------------------- merging
 
@@ -502,6 +676,7 @@ class SyncerCore:
                 slot.timer.cancel()
                 slot.timer = None
             outer_grad = await asyncio.to_thread(rnd.accumulator.result)
+            slot.last_outer_grad = np.asarray(outer_grad, dtype=np.float32)
             new_params, new_state = await asyncio.to_thread(self._stepper.step, slot.params, slot.opt_state, outer_grad)
             if not np.all(np.isfinite(new_params)):
                 # Never publish a non-finite global fragment; drop the round instead.
@@ -625,6 +800,9 @@ class SyncerCore:
                     last_seen_unix_s=m.last_seen_unix_s, local_step=m.local_step, tokens_total=m.tokens_total,
                     step_time_s=m.step_time_s, inner_loss=m.inner_loss, uploads_accepted=m.uploads_accepted,
                     uploads_rejected=m.uploads_rejected, joins=m.joins, bytes_in=m.bytes_in, bytes_out=m.bytes_out,
+                    quarantined=now < m.quarantined_until_s, flags=m.flags, rejections=dict(m.rejections),
+                    quarantined_until_unix_s=m.quarantined_until_unix_s if now < m.quarantined_until_s else 0.0,
+                    direction_agreement=m.direction_sum / m.direction_count if m.direction_count else 0.0,
                 )
             )
         merges = list(self.merges)[-recent_merges:] if recent_merges else []
@@ -657,6 +835,8 @@ class SyncerCore:
             step_time_s=self.step_time_s(),
             quorum_time_s=self._quorum_time.value or 0.0,
             sync_time_s=self._sync_time.value or 0.0,
+            auth_failures=dict(self.auth_failures),
+            quarantines=self.quarantines,
         )
 
     # -------------------------------------------------------------------------- checkpoints
@@ -682,7 +862,10 @@ class SyncerCore:
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "uploads": dict(self.uploads),
-            "members": {m.learner_id: {"incarnation": m.incarnation, "region": m.region, "joins": m.joins}
+            "members": {m.learner_id: {"incarnation": m.incarnation, "region": m.region, "joins": m.joins,
+                                       "flags": m.flags, "rejections": dict(m.rejections),
+                                       # the time left, so a restart keeps it ("until restart" ones end)
+                                       "quarantine_remaining_s": _remaining(m.quarantined_until_s - self._clock())}
                         for m in self.members.values()},
             "evals": [
                 {"at_unix_s": e.at_unix_s, "heldout_loss": e.heldout_loss, "tokens_merged": e.tokens_merged,
@@ -720,10 +903,17 @@ class SyncerCore:
         self.uploads = collections.Counter(state.get("uploads", {}))
         # Fencing survives restarts: a learner must come back with an incarnation at least as new.
         for learner_id, m in state.get("members", {}).items():
-            self.members[learner_id] = Member(
+            member = self.members[learner_id] = Member(
                 learner_id=learner_id, incarnation=int(m["incarnation"]), region=m.get("region", ""),
                 tokens_per_step=0, last_seen_s=-math.inf, last_seen_unix_s=0.0, joins=int(m.get("joins", 1)),
+                flags=int(m.get("flags", 0)), rejections=collections.Counter(m.get("rejections", {})),
             )
+            # Quarantine survives restarts too.
+            remaining_s = float(m.get("quarantine_remaining_s", 0.0))
+            if remaining_s > 0:
+                member.quarantined_until_s = self._clock() + remaining_s
+                member.quarantined_until_unix_s = self._wall() + remaining_s
+                self.quarantines += 1
         for e in state.get("evals", []):
             self.evals.append(syncer_pb2.EvalRecord(**e))
         if state.get("quorum_time_s") is not None:
@@ -735,6 +925,10 @@ class SyncerCore:
         _LOG.info("restored", extra={"fields": {"outer_step": self.outer_steps,
                                                 "versions": self.versions(),
                                                 "sha256": [s.params_sha256[:12] for s in self.slots]}})
+
+
+def _remaining(seconds: float) -> float:
+    return seconds if 0 < seconds < math.inf else 0.0
 
 
 def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, model_config_json: str, fingerprint: str) -> syncer_pb2.RunConfig:

@@ -1,7 +1,14 @@
 """The Syncer gRPC servicer: decode -> SyncerCore -> encode. No state and no policy here.
 
 Every `ServiceError` from the core becomes `context.abort(error.code, message)`; log lines carry
-the `[Syncer.<Rpc>]` prefix.
+the `[Syncer.<Rpc>]` prefix. Authentication and the per-method role check happen before any
+handler runs (security.AuthInterceptor); handlers check that a learner acts only as itself
+(`security.require_learner`) before touching the core.
+
+Upload order, cheapest first: identity (interceptor), total concurrency, header, learner id ==
+identity, per-learner concurrency, then the core's header checks (protocol, fencing, quarantine,
+idempotency key, staleness, sizes against the fragment plan), chunks (order, sizes, count, total),
+then the core's payload checks (checksum, zstd frame size before decompressing, values, norm bound).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import logging
 import grpc
 
 from ddiloco.rpc import errors
+from ddiloco.rpc import security
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
 from services.syncer import core as core_lib
@@ -22,19 +30,44 @@ _LOG = logging.getLogger("ddiloco.syncer")
 _WATCH_POLL_S = 2.0
 
 
+class _UploadScope:
+    """What one upload stream has claimed so far: its learner id once read, and an in-flight slot."""
+
+    learner_id = ""
+    counted = False
+
+
 class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
-    def __init__(self, core: core_lib.SyncerCore, *, max_concurrent_uploads: int, upload_idle_timeout_s: float = 60.0) -> None:
+    def __init__(self, core: core_lib.SyncerCore, *, max_concurrent_uploads: int, upload_idle_timeout_s: float = 60.0,
+                 max_concurrent_uploads_per_learner: int = 4) -> None:
         self._core = core
         self._upload_slots = asyncio.Semaphore(max_concurrent_uploads)
         self._max_uploads = max_concurrent_uploads
+        self._max_per_learner = max_concurrent_uploads_per_learner
+        self._in_flight: dict[str, int] = {}
         self._upload_idle_timeout_s = upload_idle_timeout_s
 
     async def _abort(self, context: grpc.aio.ServicerContext, rpc: str, exc: errors.ServiceError) -> None:
         _LOG.info(f"[Syncer.{rpc}] {exc.code.name}: {exc}")
+        if isinstance(exc, (errors.PermissionDenied, errors.Unauthenticated)) and exc.reason != "quarantined":
+            self._record_auth_failure(rpc, exc)
         await context.abort(exc.code, str(exc))
+
+    def _record_auth_failure(self, rpc: str, exc: errors.ServiceError) -> None:
+        if getattr(exc, "recorded", False):
+            return
+        exc.recorded = True
+        caller = security.current_identity()
+        self._core.record_auth_failure(exc.reason, caller=caller.name if caller.kind == security.KIND_LEARNER else "",
+                                       method=rpc)
+
+    def record_interceptor_refusal(self, method: str, reason: str) -> None:
+        """AuthInterceptor's on_reject: counts calls refused before reaching a handler."""
+        self._core.record_auth_failure(reason, method=method.rsplit("/", 1)[-1])
 
     async def Join(self, request, context):
         try:
+            security.require_learner(request.learner_id)
             response = self._core.join(request)
         except errors.ServiceError as exc:
             await self._abort(context, "Join", exc)
@@ -44,12 +77,14 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
 
     async def ReportProgress(self, request, context):
         try:
+            security.require_learner(request.learner_id)
             return self._core.report_progress(request, wire_bytes=request.ByteSize())
         except errors.ServiceError as exc:
             await self._abort(context, "ReportProgress", exc)
 
     async def UploadFragment(self, request_iterator, context):
-        # Bound memory: at most max_concurrent_uploads payloads are buffered at once.
+        # Bound memory: at most max_concurrent_uploads payloads are buffered at once, and at most
+        # max_concurrent_uploads_per_learner of them from one learner.
         if self._upload_slots.locked():
             self._core.record_rejection("busy")
             await context.abort(
@@ -57,13 +92,26 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 f"{self._max_uploads} uploads already in flight; retry with backoff",
             )
         async with self._upload_slots:
+            scope = _UploadScope()
             try:
-                return await self._upload(request_iterator)
+                return await self._upload(request_iterator, scope)
             except errors.ServiceError as exc:
-                self._core.record_rejection(exc.reason)
+                if isinstance(exc, (errors.PermissionDenied, errors.Unauthenticated)) and exc.reason != "quarantined":
+                    self._record_auth_failure("UploadFragment", exc)
+                else:
+                    self._core.record_rejection(exc.reason, scope.learner_id, exc)
                 await self._abort(context, "UploadFragment", exc)
+            except Exception as exc:  # a bug, not bad input: still one status and one counter
+                _LOG.exception("[Syncer.UploadFragment] internal error")
+                self._core.record_rejection("internal", scope.learner_id, exc)
+                await context.abort(grpc.StatusCode.INTERNAL, "internal error while handling the upload")
+            finally:
+                if scope.counted:
+                    self._in_flight[scope.learner_id] -= 1
+                    if not self._in_flight[scope.learner_id]:
+                        del self._in_flight[scope.learner_id]
 
-    async def _upload(self, request_iterator) -> syncer_pb2.UploadFragmentResponse:
+    async def _upload(self, request_iterator, scope: _UploadScope) -> syncer_pb2.UploadFragmentResponse:
         iterator = request_iterator.__aiter__()
         try:
             first = await asyncio.wait_for(iterator.__anext__(), self._upload_idle_timeout_s)
@@ -74,9 +122,18 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         if first.WhichOneof("kind") != "header":
             raise errors.InvalidArgument("the first message of an upload must be the header", reason="header")
         header = first.header
+        security.require_learner(header.learner_id)
+        scope.learner_id = header.learner_id
+        if self._in_flight.get(header.learner_id, 0) >= self._max_per_learner:
+            raise errors.ResourceExhausted(
+                f"learner {header.learner_id!r} already has {self._max_per_learner} uploads in flight; "
+                "retry with backoff", reason="busy_learner")
+        self._in_flight[header.learner_id] = self._in_flight.get(header.learner_id, 0) + 1
+        scope.counted = True
         ticket = self._core.validate_upload_header(header)
         wire_bytes = first.ByteSize()
-        assembler = serde.ChunkAssembler(header.payload.payload_size_bytes)
+        assembler = serde.ChunkAssembler(header.payload.payload_size_bytes,
+                                         max_chunk_bytes=self._core.config.chunk_size_bytes)
         while not assembler.done:
             try:
                 msg = await asyncio.wait_for(iterator.__anext__(), self._upload_idle_timeout_s)
@@ -95,12 +152,26 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             payload = assembler.payload()
         except ValueError as exc:
             raise errors.InvalidArgument(str(exc), reason="chunks") from None
+        # The stream must end with the last chunk: anything after it is refused, not ignored.
+        try:
+            extra = await asyncio.wait_for(iterator.__anext__(), self._upload_idle_timeout_s)
+        except StopAsyncIteration:
+            extra = None
+        except asyncio.TimeoutError:
+            raise errors.InvalidArgument("upload stalled: the stream did not end after its last chunk",
+                                         reason="chunks") from None
+        if extra is not None:
+            raise errors.InvalidArgument("a message arrived after the last chunk", reason="chunks")
         return await self._core.accept_upload(ticket, payload, wire_bytes)
 
     async def WatchFragments(self, request, context):
         core = self._core
         observer = not request.learner_id  # evaluators and tools watch without joining
         try:
+            if observer:
+                security.require_kind(security.KIND_EVALUATOR, security.KIND_READER)
+            else:
+                security.require_learner(request.learner_id)
             core.check_protocol(request.protocol_version)
             if not observer:
                 core.require_member(request.learner_id, request.incarnation)
@@ -146,6 +217,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
 
     async def Leave(self, request, context):
         try:
+            security.require_learner(request.learner_id)
             self._core.leave(request)
         except errors.ServiceError as exc:
             await self._abort(context, "Leave", exc)

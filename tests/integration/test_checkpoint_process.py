@@ -39,7 +39,7 @@ def _checkpoint_process(tmp_path: pathlib.Path, root: pathlib.Path, *, failpoint
     log_path = tmp_path / f"checkpoint-{time.monotonic_ns()}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.checkpoint", "--bind", "127.0.0.1:0",
+            [sys.executable, "-m", "services.checkpoint", "--bind", "127.0.0.1:0", "--insecure",
              "--root", str(root), "--ready-file", str(ready)],
             cwd=_REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )

@@ -1,0 +1,218 @@
+"""`ddiloco certs`: a development CA plus per-service and per-learner certificates (and tokens).
+
+    ddiloco certs --out certs --learners learner-0,learner-1 --services syncer,checkpoint,evaluator,operator
+
+writes `ca.pem` and `ca.key`, and `<name>.pem` / `<name>.key` for every learner and service. An
+existing `ca.pem` + `ca.key` in `--out` is reused, so certificates added later (a new learner) are
+signed by the same CA. With `--tokens` it also writes `tokens.json` (the syncer's token file: token
+-> identity, plus an empty revocation list) and one `<name>.token` per identity, for deployments
+that terminate TLS elsewhere.
+
+Identity lives in a URI SAN, `spiffe://ddiloco/<kind>/<name>` (`ddiloco.rpc.security`):
+learners are kind `learner`; the services `syncer`, `checkpoint` and `evaluator` are their own
+kind; any other service name (`operator`, ...) gets the read-only kind `reader`. Every certificate
+also carries DNS SANs `localhost`, its own name and `--dns-names`, and the IP SAN 127.0.0.1, and is
+valid for both server and client authentication (ECDSA P-256, SHA-256).
+
+These are development credentials: keys are written unencrypted (mode 0600). For production use
+your own PKI (cert-manager, Vault, ...) with the same SAN scheme.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import json
+import os
+import pathlib
+import secrets
+from collections.abc import Iterable, Sequence
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from ddiloco.rpc import security
+
+_CA_NAME = "ddiloco development CA"
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def make_ca(common_name: str = _CA_NAME, *, days: int = 3650) -> tuple[bytes, bytes]:
+    """A self-signed CA certificate and its key, both PEM: (cert_pem, key_pem)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def issue_cert(
+    ca_cert_pem: bytes,
+    ca_key_pem: bytes,
+    identity: security.Identity,
+    *,
+    dns_names: Iterable[str] = (),
+    days: int = 825,
+    not_before: datetime.datetime | None = None,
+    not_after: datetime.datetime | None = None,
+) -> tuple[bytes, bytes]:
+    """A leaf certificate for `identity`, signed by the CA: (cert_pem, key_pem).
+
+    SANs: the identity URI, DNS localhost + `identity.name` + `dns_names`, IP 127.0.0.1.
+    `not_before`/`not_after` override the validity window (tests use them for expired certs).
+    """
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    start = not_before or now - datetime.timedelta(minutes=5)
+    end = not_after or now + datetime.timedelta(days=days)
+    dns = list(dict.fromkeys(["localhost", identity.name, *dns_names]))
+    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri)]
+    sans += [x509.DNSName(d) for d in dns if d]
+    sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([
+            x509.NameAttribute(NameOID.COMMON_NAME, identity.name),
+            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, identity.kind),
+        ]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_cert_sign=False,
+                                     crl_sign=False, content_commitment=False, data_encipherment=False,
+                                     key_agreement=True, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                       critical=False)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def service_identity(name: str) -> security.Identity:
+    """The identity of a service certificate: syncer/checkpoint/evaluator keep their kind, others are readers."""
+    kind = name if name in (security.KIND_SYNCER, security.KIND_CHECKPOINT, security.KIND_EVALUATOR) \
+        else security.KIND_READER
+    return security.Identity(kind, name)
+
+
+def _write(path: pathlib.Path, data: bytes, *, secret: bool) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if secret else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_dev_certs(
+    out: str | os.PathLike,
+    *,
+    learners: Sequence[str] = (),
+    services: Sequence[str] = ("syncer", "checkpoint", "evaluator", "operator"),
+    dns_names: Sequence[str] = (),
+    days: int = 825,
+    tokens: bool = False,
+) -> dict[str, security.Identity]:
+    """Writes (or extends) a development PKI in `out`; returns {file stem: identity}.
+
+    Reuses `out/ca.pem` + `out/ca.key` when both exist. Names must be unique across learners and
+    services (they name the files).
+    """
+    root = pathlib.Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    ca_pem_path, ca_key_path = root / "ca.pem", root / "ca.key"
+    if ca_pem_path.exists() and ca_key_path.exists():
+        ca_pem, ca_key = ca_pem_path.read_bytes(), ca_key_path.read_bytes()
+    else:
+        ca_pem, ca_key = make_ca()
+        _write(ca_key_path, ca_key, secret=True)
+        _write(ca_pem_path, ca_pem, secret=False)
+    identities: dict[str, security.Identity] = {}
+    for name in learners:
+        identities[name] = security.Identity(security.KIND_LEARNER, name)
+    for name in services:
+        if name in identities:
+            raise ValueError(f"{name!r} is both a learner and a service: names must be unique")
+        identities[name] = service_identity(name)
+    for stem, identity in identities.items():
+        security.Identity.parse(str(identity))  # validates the name
+        cert, key = issue_cert(ca_pem, ca_key, identity, dns_names=dns_names if identity.kind != "learner" else (),
+                               days=days)
+        _write(root / f"{stem}.key", key, secret=True)
+        _write(root / f"{stem}.pem", cert, secret=False)
+    if tokens:
+        token_path = root / "tokens.json"
+        table = json.loads(token_path.read_text()) if token_path.exists() else {"tokens": {}, "revoked": []}
+        for stem, identity in identities.items():
+            token = secrets.token_urlsafe(32)
+            table["tokens"][token] = str(identity)
+            _write(root / f"{stem}.token", (token + "\n").encode(), secret=True)
+        _write(token_path, (json.dumps(table, indent=2, sort_keys=True) + "\n").encode(), secret=True)
+    return identities
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="certs", help="directory to write ca.pem, <name>.pem and <name>.key into")
+    parser.add_argument("--learners", default="learner-0,learner-1,learner-2,learner-3",
+                        help="comma-separated learner ids (one certificate each, kind learner)")
+    parser.add_argument("--services", default="syncer,checkpoint,evaluator,operator",
+                        help="comma-separated service names; syncer, checkpoint and evaluator are their own kind, "
+                             "any other name (operator) is a read-only credential")
+    parser.add_argument("--dns-names", default="",
+                        help="extra DNS SANs for the service certificates, e.g. syncer.ddiloco.svc.cluster.local")
+    parser.add_argument("--days", type=int, default=825, help="validity of the leaf certificates")
+    parser.add_argument("--tokens", action="store_true",
+                        help="also write tokens.json (the syncer's --auth-tokens-file) and <name>.token files")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        identities = write_dev_certs(
+            args.out, learners=_names(args.learners), services=_names(args.services),
+            dns_names=_names(args.dns_names), days=args.days, tokens=args.tokens,
+        )
+    except ValueError as exc:
+        print(f"ddiloco certs: {exc}")
+        return 2
+    out = pathlib.Path(args.out)
+    print(f"CA: {out / 'ca.pem'} (key {out / 'ca.key'}: keep it private)")
+    for stem, identity in identities.items():
+        print(f"  {identity.uri:<44} {out / (stem + '.pem')}  {out / (stem + '.key')}")
+    if args.tokens:
+        print(f"tokens: {out / 'tokens.json'} (syncer --auth-tokens-file) and <name>.token")
+    return 0

@@ -1,0 +1,581 @@
+"""Transport security and caller identity, shared by every service and client.
+
+What this module decides (the README's "Security model" section explains why):
+
+* **Transport.** A server either serves mutual TLS (`--tls-ca`, `--tls-cert`, `--tls-key`: file
+  paths, so Kubernetes secret mounts and compose volumes work) or plaintext, and plaintext only
+  when `--insecure` is given explicitly; with neither a service refuses to start. Under mTLS every
+  client must present a certificate signed by the CA, or the TLS handshake fails before any RPC.
+* **Identity.** `Identity(kind, name)`, carried by a certificate as the URI SAN
+  `spiffe://ddiloco/<kind>/<name>` (written by `ddiloco certs`), or by a bearer token listed in a
+  token file (`{"tokens": {token: "kind/name"}, "revoked": [token, ...]}`, tokens may be given as
+  `sha256:<hex>`; the file is re-read when it changes, so revoking takes effect without a
+  restart). Kinds: `learner`, `evaluator`, `reader` (read-only), `syncer` (the store's only
+  writer), `checkpoint`. With neither mTLS nor a token file, every caller is `ANONYMOUS`, which may
+  do anything (local runs).
+* **Authorization.** `AuthInterceptor` authenticates each ddiloco.v1 call before its handler
+  runs (no credential or an invalid/revoked one: UNAUTHENTICATED) and checks the method against a
+  per-service policy of allowed kinds (PERMISSION_DENIED). Handlers then check request fields
+  against `current_identity()`: a learner may only act as itself (`require_learner`). Health and
+  reflection are not intercepted; with TLS on they are also served on a separate plaintext port
+  for probes (`ddiloco.rpc.server.start_server(health_bind=...)`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+
+from ddiloco.rpc import errors
+
+_LOG = logging.getLogger("ddiloco.security")
+
+KIND_LEARNER = "learner"
+KIND_EVALUATOR = "evaluator"
+KIND_READER = "reader"
+KIND_SYNCER = "syncer"
+KIND_CHECKPOINT = "checkpoint"
+KINDS = (KIND_LEARNER, KIND_EVALUATOR, KIND_READER, KIND_SYNCER, KIND_CHECKPOINT)
+
+URI_PREFIX = "spiffe://ddiloco/"
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Shared switch for every service of a local run (LocalCluster sets it); a service's own
+# DDILOCO_<SERVICE>_INSECURE or --insecure takes precedence.
+SHARED_INSECURE_ENV = "DDILOCO_INSECURE"
+AUTHORIZATION_HEADER = "authorization"
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Who a caller is: a kind (what it may do) and a name (which learner, which service)."""
+
+    kind: str
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.kind != "anonymous" and self.kind not in KINDS:
+            raise ValueError(f"identity kind {self.kind!r} is not one of {KINDS}")
+        if self.kind != "anonymous" and not _NAME_RE.fullmatch(self.name):
+            raise ValueError(f"identity name {self.name!r} must match {_NAME_RE.pattern}")
+
+    @property
+    def anonymous(self) -> bool:
+        return self.kind == "anonymous"
+
+    @property
+    def uri(self) -> str:
+        return f"{URI_PREFIX}{self.kind}/{self.name}"
+
+    def __str__(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    @classmethod
+    def parse(cls, text: str) -> Identity:
+        """`kind/name` or `spiffe://ddiloco/kind/name`; ValueError otherwise."""
+        body = text[len(URI_PREFIX):] if text.startswith(URI_PREFIX) else text
+        kind, sep, name = body.partition("/")
+        if not sep:
+            raise ValueError(f"identity {text!r} is not kind/name")
+        return cls(kind, name)
+
+
+ANONYMOUS = Identity("anonymous", "")
+
+# ------------------------------------------------------------------------------------ config
+
+
+def check_server_choice(*, tls_ca: str, tls_cert: str, tls_key: str, insecure: bool) -> None:
+    """A server must be configured for mutual TLS (all three paths) or be explicitly insecure."""
+    paths = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
+    given = [k for k, v in paths.items() if v]
+    if insecure and given:
+        raise ValueError(f"insecure=True contradicts {', '.join(given)}: choose mutual TLS or plaintext")
+    if insecure:
+        return
+    if not given:
+        raise ValueError(
+            "no transport security configured: pass --tls-ca, --tls-cert and --tls-key for mutual TLS "
+            "(`ddiloco certs` makes development certificates), or --insecure for plaintext on a trusted "
+            f"network (local runs; {SHARED_INSECURE_ENV}=1 sets it for every service)"
+        )
+    missing = [k for k, v in paths.items() if not v]
+    if missing:
+        raise ValueError(f"mutual TLS needs tls_ca, tls_cert and tls_key; missing {', '.join(missing)}")
+
+
+def check_client_choice(*, tls_ca: str, tls_cert: str, tls_key: str, insecure: bool) -> None:
+    """A client needs a CA to verify the server (plus an optional cert/key pair), or --insecure."""
+    given = [k for k, v in {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}.items() if v]
+    if insecure and given:
+        raise ValueError(f"insecure=True contradicts {', '.join(given)}: choose TLS or plaintext")
+    if insecure:
+        return
+    if not tls_ca:
+        raise ValueError(
+            "no transport security configured: pass --tls-ca (and --tls-cert/--tls-key for mutual TLS) "
+            f"or --insecure for plaintext (local runs; {SHARED_INSECURE_ENV}=1 sets it for every service)"
+        )
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together: give both (mutual TLS) or neither (token auth)")
+
+
+def with_shared_insecure(environ: Mapping[str, str], env_prefix: str) -> dict[str, str]:
+    """`environ` with `<env_prefix>INSECURE` defaulted from DDILOCO_INSECURE when only that is set."""
+    env = dict(environ)
+    if SHARED_INSECURE_ENV in env and env_prefix + "INSECURE" not in env:
+        env[env_prefix + "INSECURE"] = env[SHARED_INSECURE_ENV]
+    return env
+
+
+def require_choice(prog: str, build: Callable[[], ServerSecurity | ClientSecurity]) -> None:
+    """Builds a config's security settings and reads every file they name; on ValueError (no
+    explicit choice, missing or unreadable files) prints it and exits 2, like a usage error."""
+    try:
+        build().check_files()
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return open(path, "rb").read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSecurity:
+    """A server's transport and authentication settings (paths are read at start)."""
+
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    insecure: bool = False
+    auth_tokens_file: str = ""  # token -> identity table; enables bearer tokens
+
+    def __post_init__(self) -> None:
+        check_server_choice(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, insecure=self.insecure)
+
+    @property
+    def tls(self) -> bool:
+        return not self.insecure
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        """mTLS server credentials (client certificates required and verified), or None for plaintext."""
+        if self.insecure:
+            return None
+        return grpc.ssl_server_credentials(
+            [(_read(self.tls_key, "TLS key"), _read(self.tls_cert, "TLS certificate"))],
+            root_certificates=_read(self.tls_ca, "CA bundle"),
+            require_client_auth=True,
+        )
+
+    def authenticator(self) -> Authenticator:
+        tokens = TokenTable(self.auth_tokens_file) if self.auth_tokens_file else None
+        return Authenticator(mtls=self.tls, tokens=tokens)
+
+    def check_files(self) -> None:
+        """Reads every configured file once (ValueError naming the first problem)."""
+        self.credentials()
+        self.authenticator()
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSecurity:
+    """A client's transport and credential settings."""
+
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""  # expected server name when it differs from the target's host
+    insecure: bool = False
+    auth_token_file: str = ""  # file holding a bearer token (sent as `authorization: Bearer ...`)
+
+    def __post_init__(self) -> None:
+        check_client_choice(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, insecure=self.insecure)
+
+    @classmethod
+    def plaintext(cls) -> ClientSecurity:
+        return cls(insecure=True)
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if self.insecure:
+            return None
+        key = _read(self.tls_key, "TLS key") if self.tls_key else None
+        chain = _read(self.tls_cert, "TLS certificate") if self.tls_cert else None
+        return grpc.ssl_channel_credentials(_read(self.tls_ca, "CA bundle"), key, chain)
+
+    def channel_options(self) -> tuple[tuple[str, Any], ...]:
+        return (("grpc.ssl_target_name_override", self.tls_server_name),) if self.tls_server_name else ()
+
+    def check_files(self) -> None:
+        """Reads every configured file once (ValueError naming the first problem)."""
+        self.credentials()
+        self.token()
+
+    def token(self) -> str | None:
+        if not self.auth_token_file:
+            return None
+        token = _read(self.auth_token_file, "token file").decode().strip()
+        if not token:
+            raise ValueError(f"token file {self.auth_token_file!r} is empty")
+        return token
+
+
+# ------------------------------------------------------------------------------------ tokens
+
+
+def _token_key(token: str) -> str:
+    if token.startswith("sha256:"):
+        return token[len("sha256:"):].lower()
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class TokenTable:
+    """Bearer tokens -> identities, with a revocation list; re-read when the file changes.
+
+    File: `{"tokens": {"<token or sha256:hex>": "learner/learner-0", ...}, "revoked": [...]}`.
+    Only sha256 digests of tokens are kept in memory. A file that fails to parse on re-read is
+    reported and the previous table stays in force (so a half-written file never opens the door).
+    """
+
+    def __init__(self, path: str, *, reload_interval_s: float = 1.0) -> None:
+        self.path = path
+        self._interval_s = reload_interval_s
+        self._lock = threading.Lock()
+        self._checked_at = 0.0
+        self._mtime_ns = -1
+        self._tokens: dict[str, Identity] = {}
+        self._revoked: set[str] = set()
+        self._load(initial=True)
+
+    def _load(self, *, initial: bool) -> None:
+        try:
+            mtime_ns = os.stat(self.path).st_mtime_ns
+            if mtime_ns == self._mtime_ns:
+                return
+            data = json.loads(_read(self.path, "token file"))
+            tokens = {_token_key(t): Identity.parse(i) for t, i in dict(data.get("tokens", {})).items()}
+            revoked = {_token_key(t) for t in data.get("revoked", [])}
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            if initial:
+                raise ValueError(f"token file {self.path!r}: {exc}") from None
+            _LOG.error(f"token file {self.path!r} not reloaded, keeping the previous table: {exc}")
+            return
+        self._tokens, self._revoked, self._mtime_ns = tokens, revoked, mtime_ns
+        if not initial:
+            _LOG.info(f"token file reloaded: {len(tokens)} tokens, {len(revoked)} revoked")
+
+    def lookup(self, token: str) -> Identity:
+        """The identity of `token`; Unauthenticated if unknown or revoked."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._checked_at >= self._interval_s:
+                self._checked_at = now
+                self._load(initial=False)
+            key = _token_key(token)
+            if key in self._revoked:
+                raise errors.Unauthenticated("bearer token has been revoked", reason="revoked_token")
+            identity = self._tokens.get(key)
+        if identity is None:
+            raise errors.Unauthenticated("bearer token is not valid", reason="invalid_token")
+        return identity
+
+
+# ---------------------------------------------------------------------------- authentication
+
+
+def _auth_values(auth_context: Mapping[str, Any], key: str) -> list[str]:
+    out = []
+    for value in auth_context.get(key, ()) or ():
+        out.append(value.decode(errors="replace") if isinstance(value, bytes) else str(value))
+    return out
+
+
+def identity_from_auth_context(auth_context: Mapping[str, Any]) -> Identity | None:
+    """The ddiloco identity in a verified peer certificate's URI SANs, if any."""
+    candidates = _auth_values(auth_context, "x509_subject_alternative_name")
+    candidates += _auth_values(auth_context, "x509_uri_subject_alternative_name")
+    for value in candidates:
+        if value.startswith(URI_PREFIX):
+            try:
+                return Identity.parse(value)
+            except ValueError:
+                continue
+    return None
+
+
+def bearer_token(metadata) -> str | None:
+    for key, value in metadata or ():
+        if key.lower() == AUTHORIZATION_HEADER:
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            return ""
+    return None
+
+
+class Authenticator:
+    """Turns a call's transport context and metadata into an Identity (or Unauthenticated)."""
+
+    def __init__(self, *, mtls: bool, tokens: TokenTable | None) -> None:
+        self.mtls = mtls
+        self.tokens = tokens
+
+    @property
+    def enabled(self) -> bool:
+        return self.mtls or self.tokens is not None
+
+    def authenticate(self, context: grpc.aio.ServicerContext) -> Identity:
+        if not self.enabled:
+            return ANONYMOUS
+        if self.mtls:
+            identity = identity_from_auth_context(context.auth_context() or {})
+            if identity is not None:
+                return identity
+        if self.tokens is not None:
+            token = bearer_token(context.invocation_metadata())
+            if token is None:
+                raise errors.Unauthenticated("no credentials: present a client certificate or a bearer token",
+                                             reason="no_credentials")
+            if not token:
+                raise errors.Unauthenticated("authorization metadata must be `Bearer <token>`",
+                                             reason="invalid_token")
+            return self.tokens.lookup(token)
+        raise errors.Unauthenticated(
+            f"the client certificate carries no ddiloco identity (a URI SAN {URI_PREFIX}<kind>/<name>)",
+            reason="no_identity",
+        )
+
+
+_CURRENT: contextvars.ContextVar[Identity] = contextvars.ContextVar("ddiloco_identity", default=ANONYMOUS)
+
+
+def current_identity() -> Identity:
+    """The identity of the RPC being handled (ANONYMOUS when authentication is off)."""
+    return _CURRENT.get()
+
+
+def require_learner(learner_id: str) -> None:
+    """PermissionDenied unless the caller is learner `learner_id` (or authentication is off)."""
+    identity = _CURRENT.get()
+    if identity.anonymous:
+        return
+    if identity.kind != KIND_LEARNER or identity.name != learner_id:
+        raise errors.PermissionDenied(
+            f"{identity} may not act as learner {learner_id!r}: a learner can only act as itself",
+            reason="wrong_learner",
+        )
+
+
+def require_kind(*kinds: str) -> None:
+    identity = _CURRENT.get()
+    if not identity.anonymous and identity.kind not in kinds:
+        raise errors.PermissionDenied(f"{identity} may not do this (needs {' or '.join(kinds)})", reason="wrong_role")
+
+
+# ----------------------------------------------------------------------------- authorization
+
+_LEARNER = frozenset({KIND_LEARNER})
+_READ = frozenset({KIND_EVALUATOR, KIND_READER})
+
+# Method -> kinds allowed to call it. Methods of a guarded service that are missing here are
+# refused (default deny). Request-level checks (a learner acting as itself) are in the servicers.
+SYNCER_POLICY: Mapping[str, frozenset[str]] = {
+    "/ddiloco.v1.Syncer/Join": _LEARNER,
+    "/ddiloco.v1.Syncer/ReportProgress": _LEARNER,
+    "/ddiloco.v1.Syncer/UploadFragment": _LEARNER,
+    "/ddiloco.v1.Syncer/Leave": _LEARNER,
+    # Learners watch as themselves; evaluators and readers as observers (empty learner_id).
+    "/ddiloco.v1.Syncer/WatchFragments": _LEARNER | _READ,
+    "/ddiloco.v1.Syncer/ReportEval": frozenset({KIND_EVALUATOR}),
+    "/ddiloco.v1.Syncer/GetTrainingState": _READ,
+    "/ddiloco.v1.Syncer/WatchTrainingState": _READ,
+}
+
+_STORE_READ = frozenset({KIND_SYNCER, KIND_READER})
+CHECKPOINT_POLICY: Mapping[str, frozenset[str]] = {
+    "/ddiloco.v1.CheckpointStore/PutBlob": frozenset({KIND_SYNCER}),
+    "/ddiloco.v1.CheckpointStore/CommitManifest": frozenset({KIND_SYNCER}),
+    "/ddiloco.v1.CheckpointStore/GetBlob": _STORE_READ,
+    "/ddiloco.v1.CheckpointStore/StatBlobs": _STORE_READ,
+    "/ddiloco.v1.CheckpointStore/GetLatestManifest": _STORE_READ,
+    "/ddiloco.v1.CheckpointStore/ListManifests": _STORE_READ,
+}
+
+GUARDED_PREFIX = "/ddiloco.v1."
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates and authorizes every ddiloco.v1 call before its handler reads a message.
+
+    The caller's identity is available to the handler as `current_identity()`. Refusals are
+    reported to `on_reject(method, reason)` (counters) before the call is aborted.
+    """
+
+    def __init__(
+        self,
+        authenticator: Authenticator,
+        policy: Mapping[str, frozenset[str]],
+        *,
+        on_reject: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._authn = authenticator
+        self._policy = dict(policy)
+        self.on_reject = on_reject
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(GUARDED_PREFIX):
+            return handler
+        return _wrap_handler(handler, lambda context: self._admit(method, context))
+
+    async def _admit(self, method: str, context: grpc.aio.ServicerContext) -> Identity:
+        try:
+            identity = self._authn.authenticate(context)
+            allowed = self._policy.get(method, frozenset())
+            if not identity.anonymous and identity.kind not in allowed:
+                raise errors.PermissionDenied(
+                    f"{identity} may not call {method.rsplit('/', 1)[-1]}", reason="wrong_role"
+                )
+        except errors.ServiceError as exc:
+            if self.on_reject is not None:
+                self.on_reject(method, exc.reason)
+            _LOG.info(f"[{method.rsplit('/', 1)[-1]}] {exc.code.name}: {exc} (peer {context.peer()})")
+            await context.abort(exc.code, str(exc))
+            raise AssertionError("unreachable: context.abort raises") from None
+        return identity
+
+
+def _wrap_handler(handler: grpc.RpcMethodHandler, admit) -> grpc.RpcMethodHandler:
+    """The same handler, with `admit(context)` run (and the identity bound) before the behavior."""
+
+    def wrap(behavior):
+        if inspect.isasyncgenfunction(behavior):
+            async def stream_behavior(request, context):
+                token = _CURRENT.set(await admit(context))
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                finally:
+                    _CURRENT.reset(token)
+
+            return stream_behavior
+
+        async def behavior_wrapper(request, context):
+            token = _CURRENT.set(await admit(context))
+            try:
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+            finally:
+                _CURRENT.reset(token)
+
+        return behavior_wrapper
+
+    common = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), **common)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), **common)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), **common)
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), **common)
+
+
+# ------------------------------------------------------------------------- client tokens
+
+
+def _with_token(details, token: str):
+    metadata = [(k, v) for k, v in (details.metadata or ())]
+    metadata.append((AUTHORIZATION_HEADER, f"Bearer {token}"))
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, grpc.aio.Metadata(*metadata),
+                                      details.credentials, details.wait_for_ready)
+
+
+class _TokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(_with_token(client_call_details, self._token), request)
+
+
+class _TokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_with_token(client_call_details, self._token), request)
+
+
+class _TokenStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_token(client_call_details, self._token), request_iterator)
+
+
+class _TokenStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_token(client_call_details, self._token), request_iterator)
+
+
+def aio_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors adding `authorization: Bearer <token>` to every call (one per RPC kind:
+    grpc.aio files each interceptor under the first kind it implements)."""
+    return [_TokenUnaryUnary(token), _TokenUnaryStream(token), _TokenStreamUnary(token), _TokenStreamStream(token)]
+
+
+class _SyncDetails(grpc.ClientCallDetails):
+    def __init__(self, base, metadata) -> None:
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+class SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                           grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """The blocking-channel counterpart of `aio_token_interceptors`."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _details(self, details):
+        metadata = list(details.metadata or ()) + [(AUTHORIZATION_HEADER, f"Bearer {self._token}")]
+        return _SyncDetails(details, metadata)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)

@@ -1,0 +1,298 @@
+{{/*
+Chart name, truncated to 63 characters (the limit of a DNS label).
+*/}}
+{{- define "ddiloco.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name prefix of every resource: <release>-<chart>, or the release name when it already
+contains the chart name. Truncated so that "<fullname>-evaluator" still fits in 63 characters.
+*/}}
+{{- define "ddiloco.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "ddiloco.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels on every resource.
+*/}}
+{{- define "ddiloco.labels" -}}
+helm.sh/chart: {{ include "ddiloco.chart" . }}
+{{ include "ddiloco.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: ddiloco
+{{- end }}
+
+{{- define "ddiloco.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ddiloco.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Labels and selector labels of one component: (dict "ctx" $ "component" "syncer").
+*/}}
+{{- define "ddiloco.componentLabels" -}}
+{{ include "ddiloco.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "ddiloco.componentSelectorLabels" -}}
+{{ include "ddiloco.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "ddiloco.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{- define "ddiloco.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "ddiloco.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+host:port of the syncer as this release's learners and evaluator reach it: hub.syncerAddress, or
+the in-cluster Service of this release's syncer.
+*/}}
+{{- define "ddiloco.syncerAddress" -}}
+{{- if .Values.hub.syncerAddress }}
+{{- .Values.hub.syncerAddress }}
+{{- else if .Values.syncer.enabled }}
+{{- printf "%s-syncer:%d" (include "ddiloco.fullname" .) (int .Values.syncer.port) }}
+{{- else }}
+{{- fail "hub.syncerAddress is empty and syncer.enabled is false: set hub.syncerAddress to the hub syncer's host:port (e.g. syncer.hub.example.com:50051)" }}
+{{- end }}
+{{- end }}
+
+{{/*
+host:port of the checkpoint store as the syncer reaches it: the stable DNS name of the store's
+only pod behind its headless Service, or syncer.checkpointTarget.
+*/}}
+{{- define "ddiloco.checkpointTarget" -}}
+{{- if .Values.syncer.checkpointTarget }}
+{{- .Values.syncer.checkpointTarget }}
+{{- else if .Values.store.enabled }}
+{{- $store := printf "%s-store" (include "ddiloco.fullname" .) }}
+{{- printf "%s-0.%s:%d" $store $store (int .Values.store.port) }}
+{{- else }}
+{{- fail "the syncer needs a checkpoint store: set store.enabled=true or syncer.checkpointTarget" }}
+{{- end }}
+{{- end }}
+
+{{/*
+An environment value from values: whole numbers are printed as integers (Helm reads every YAML
+number as a float, which would print 25165824 as 2.5165824e+07), booleans as true/false.
+*/}}
+{{- define "ddiloco.envValue" -}}
+{{- if kindIs "float64" . }}
+{{- if eq (floor .) . }}{{ int64 . }}{{ else }}{{ . }}{{ end }}
+{{- else }}
+{{- . }}
+{{- end }}
+{{- end }}
+
+{{/*
+ConfigMap data from a settings map: (dict "prefix" "DDILOCO_SYNCER_" "settings" .Values.syncer.settings).
+camelCase keys become the service's environment variables (checkpointEveryMerges ->
+DDILOCO_SYNCER_CHECKPOINT_EVERY_MERGES).
+*/}}
+{{- define "ddiloco.settingsData" -}}
+{{- $prefix := .prefix }}
+{{- range $key := keys .settings | sortAlpha }}
+{{ printf "%s%s" $prefix ($key | snakecase | upper) }}: {{ include "ddiloco.envValue" (get $.settings $key) | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+Transport security. The services refuse plaintext unless it is asked for explicitly; until the
+chart wires their mutual TLS (--tls-ca/--tls-cert/--tls-key, and a plaintext health port for the
+probes), it asks for plaintext. Protect cross-region traffic with a private interconnect or a
+TLS-terminating load balancer meanwhile.
+*/}}
+{{- define "ddiloco.transport" -}}
+{{ .prefix }}INSECURE: "true"
+{{- end }}
+
+{{/* Data of each component's ConfigMap (also hashed into its pods' checksum/config). */}}
+{{- define "ddiloco.store.configData" -}}
+{{ include "ddiloco.transport" (dict "prefix" "DDILOCO_CHECKPOINT_") }}
+DDILOCO_CHECKPOINT_LOG_LEVEL: {{ .Values.run.logLevel | quote }}
+DDILOCO_CHECKPOINT_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
+{{- include "ddiloco.settingsData" (dict "prefix" "DDILOCO_CHECKPOINT_" "settings" .Values.store.settings) }}
+{{- end }}
+
+{{- define "ddiloco.syncer.configData" -}}
+{{ include "ddiloco.transport" (dict "prefix" "DDILOCO_SYNCER_") }}
+DDILOCO_SYNCER_LOG_LEVEL: {{ .Values.run.logLevel | quote }}
+DDILOCO_SYNCER_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
+{{- include "ddiloco.settingsData" (dict "prefix" "DDILOCO_SYNCER_" "settings" .Values.syncer.settings) }}
+{{- end }}
+
+{{- define "ddiloco.learner.configData" -}}
+{{ include "ddiloco.transport" (dict "prefix" "DDILOCO_LEARNER_") }}
+DDILOCO_LEARNER_LOG_LEVEL: {{ .Values.run.logLevel | quote }}
+DDILOCO_LEARNER_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
+DDILOCO_LEARNER_NUM_SHARDS: {{ include "ddiloco.envValue" .Values.data.numShards | quote }}
+DDILOCO_LEARNER_HELDOUT_FRACTION: {{ include "ddiloco.envValue" .Values.data.heldoutFraction | quote }}
+DDILOCO_LEARNER_DATA_DIR: {{ .Values.data.dataDir | quote }}
+DDILOCO_LEARNER_MAX_CORPUS_BYTES: {{ include "ddiloco.envValue" .Values.data.maxCorpusBytes | quote }}
+{{- include "ddiloco.settingsData" (dict "prefix" "DDILOCO_LEARNER_" "settings" .Values.learners.settings) }}
+{{- end }}
+
+{{- define "ddiloco.evaluator.configData" -}}
+{{ include "ddiloco.transport" (dict "prefix" "DDILOCO_EVAL_") }}
+DDILOCO_EVAL_LOG_LEVEL: {{ .Values.run.logLevel | quote }}
+DDILOCO_EVAL_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
+DDILOCO_EVAL_NUM_SHARDS: {{ include "ddiloco.envValue" .Values.data.numShards | quote }}
+DDILOCO_EVAL_HELDOUT_FRACTION: {{ include "ddiloco.envValue" .Values.data.heldoutFraction | quote }}
+DDILOCO_EVAL_DATA_DIR: {{ .Values.data.dataDir | quote }}
+DDILOCO_EVAL_MAX_CORPUS_BYTES: {{ include "ddiloco.envValue" .Values.data.maxCorpusBytes | quote }}
+{{- include "ddiloco.settingsData" (dict "prefix" "DDILOCO_EVAL_" "settings" .Values.evaluator.settings) }}
+{{- end }}
+
+{{/*
+Syncer's termination grace: explicit, or graceS + 2 * checkpointTimeoutS + 15 (a checkpoint
+already running is drained, the final one written, then the server stopped).
+*/}}
+{{- define "ddiloco.syncer.terminationGrace" -}}
+{{- $s := .Values.syncer.settings }}
+{{- $need := add (int (ceil (default 5 $s.graceS))) (mul 2 (int (ceil (default 30 $s.checkpointTimeoutS)))) }}
+{{- $explicit := int .Values.syncer.terminationGracePeriodSeconds }}
+{{- if eq $explicit 0 }}
+{{- add $need 15 }}
+{{- else if le $explicit (int $need) }}
+{{- fail (printf "syncer.terminationGracePeriodSeconds=%d is too short: the syncer needs graceS + 2 * checkpointTimeoutS = %d s to write its final checkpoint; use 0 (computed) or more" $explicit (int $need)) }}
+{{- else }}
+{{- $explicit }}
+{{- end }}
+{{- end }}
+
+{{/*
+Pod-level parts shared by every workload: (dict "ctx" $ "component" .Values.syncer).
+*/}}
+{{- define "ddiloco.podCommon" -}}
+{{- $ := .ctx -}}
+serviceAccountName: {{ include "ddiloco.serviceAccountName" $ }}
+automountServiceAccountToken: false
+enableServiceLinks: false
+{{- with $.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml $.Values.podSecurityContext | nindent 2 }}
+{{- with .component.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .component.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .component.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .component.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes every pod has: a writable /tmp, and the credentials when configured. */}}
+{{- define "ddiloco.commonVolumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 1Gi
+{{- if or .Values.credentials.create .Values.credentials.existingSecret }}
+- name: credentials
+  secret:
+    secretName: {{ include "ddiloco.credentialsSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "ddiloco.commonVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if or .Values.credentials.create .Values.credentials.existingSecret }}
+- name: credentials
+  mountPath: {{ .Values.credentials.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "ddiloco.credentialsSecretName" -}}
+{{- default (printf "%s-credentials" (include "ddiloco.fullname" .)) .Values.credentials.existingSecret }}
+{{- end }}
+
+{{/* Environment common to every container. */}}
+{{- define "ddiloco.commonEnv" -}}
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+- name: HOME
+  value: /tmp
+{{- end }}
+
+{{/* NetworkPolicy egress rule to the DNS servers. */}}
+{{- define "ddiloco.dnsEgress" -}}
+- to:
+    {{- toYaml .Values.networkPolicy.dns | nindent 4 }}
+  ports:
+    - protocol: UDP
+      port: 53
+    - protocol: TCP
+      port: 53
+{{- end }}
+
+{{/* The port part of a host:port address, as an integer. */}}
+{{- define "ddiloco.addressPort" -}}
+{{- $parts := splitList ":" . }}
+{{- int (last $parts) }}
+{{- end }}
+
+{{/*
+Metrics wiring of one component (callers check metrics.enabled):
+(dict "ctx" $ "component" "syncer" "prefix" "DDILOCO_SYNCER_").
+*/}}
+{{- define "ddiloco.metricsEnv" -}}
+- name: {{ .prefix }}METRICS_BIND
+  value: "0.0.0.0:{{ get .ctx.Values.metrics.ports .component }}"
+{{- end }}
+
+{{- define "ddiloco.metricsContainerPort" -}}
+- name: metrics
+  containerPort: {{ get .ctx.Values.metrics.ports .component }}
+  protocol: TCP
+{{- end }}
+
+{{- define "ddiloco.metricsAnnotations" -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: "{{ get .ctx.Values.metrics.ports .component }}"
+prometheus.io/path: /metrics
+{{- end }}
+
+{{/* NetworkPolicy ingress rule admitting the scrapers on a component's metrics port. */}}
+{{- define "ddiloco.metricsIngress" -}}
+- from:
+    {{- toYaml .ctx.Values.metrics.from | nindent 4 }}
+  ports:
+    - protocol: TCP
+      port: {{ get .ctx.Values.metrics.ports .component }}
+{{- end }}

@@ -1,0 +1,1 @@
+"""Container tier: the compose stack on a private Docker engine."""

@@ -1,0 +1,147 @@
+"""Learner units of several devices and processes, against a real syncer (CPU virtual devices).
+
+1. A two-process learner unit on this machine (`jax.distributed`, 2 virtual devices per process,
+   4 devices in all) trains and syncs: the syncer sees ONE member, only process 0 talks to it, merges
+   happen; SIGTERM to process 1 alone stops both at the same step, with bit-identical parameters.
+2. A 4-device learner with a 4x global batch beside a 1-device learner: each contribution's merge
+   weight is tokens^2/steps from its own fields, tokens per step follow the global batch, and with
+   equal steps the big unit weighs 16x the small one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import socket
+
+import pytest
+
+from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+SEQ_LEN = 32  # the tiny preset
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_learner(cluster, name: str, *, learner_id: str, devices: int, extra: list[str]):
+    """A learner process seeing `devices` virtual CPU devices (its own XLA_FLAGS)."""
+    svc = cluster.add(name, "services.learner", [
+        "--syncer", cluster.services["syncer"].address, "--learner-id", learner_id, "--region", "r",
+        "--summary-file", str(cluster.workdir / f"{name}.summary.json"), *extra,
+    ])
+    # First: XLA stops reading XLA_FLAGS at a token that is not a flag (the cluster's default ends
+    # with one), so a device count appended after it would be ignored.
+    flags = f"--xla_force_host_platform_device_count={devices} {cluster.env.get('XLA_FLAGS', '')}".strip()
+    svc.env = {**cluster.env, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    svc.start()
+    return svc
+
+
+def _no_weight_cap() -> list[str]:
+    """Syncer flags letting a legitimately big unit weigh what its tokens say.
+
+    The syncer may cap a contribution's weight at k x the median weight of the other learners
+    (against hostile learners inflating their token counts); a unit with a 4x global batch weighs
+    16x, above the default k, so this test raises k well beyond it.
+    """
+    from services.syncer import config as syncer_config
+
+    fields = {f.name for f in dataclasses.fields(syncer_config.SyncerConfig)}
+    return ["--norm-bound-factor", "100"] if "norm_bound_factor" in fields else []
+
+
+def _summary(cluster, name: str) -> dict:
+    return json.loads((cluster.workdir / f"{name}.summary.json").read_text())
+
+
+def test_two_process_unit_trains_syncs_and_stays_identical(cluster):
+    syncer = cluster.start_syncer(run_id="unit-2proc", extra=TINY)
+    port = _free_port()
+    batch = 8
+    procs = [
+        _start_learner(cluster, f"learner-unit-p{i}", learner_id="unit-0", devices=2, extra=[
+            "--num-processes", "2", "--process-id", str(i), "--coordinator-address", f"127.0.0.1:{port}",
+            "--batch-size", str(batch), "--num-shards", "1", *LEARNER_PACE,
+        ])
+        for i in range(2)
+    ]
+    probe = SyncerProbe(syncer.address)
+    try:
+        wait_until(lambda: probe.state(0).outer_steps >= 16, timeout_s=300, what="merges from the unit",
+                   interval_s=0.5)
+        # SIGTERM to the follower only: the unit agrees to stop at the same step, on both processes.
+        procs[1].signal(signal.SIGTERM)
+        for svc in procs:
+            assert svc.wait(120) == 0, svc.log_tail()
+        state = probe.state()
+    finally:
+        probe.close()
+    leader, follower = (_summary(cluster, f"learner-unit-p{i}") for i in range(2))
+    # One learner unit: one member, joined once, contributing; merges happened.
+    assert [m.learner_id for m in state.members] == ["unit-0"], state.members
+    assert state.members[0].joins == 1 and state.members[0].uploads_accepted > 0
+    assert state.outer_steps >= 16 and state.recent_merges
+    # Only process 0 talked to the syncer.
+    assert leader["process_index"] == 0 and follower["process_index"] == 1
+    assert leader["client"]["uploads_accepted"] > 0 and leader["client"]["sessions"] >= 1
+    assert follower["client"]["sessions"] == 0 and follower["client"]["bytes_sent"] == 0
+    assert follower["client"]["uploads_accepted"] == 0
+    # Both processes ran the same steps, folded in the same fragments, and end bit-identical.
+    for key in ("steps", "tokens", "fragments_applied", "uploads_queued", "incarnation"):
+        assert leader[key] == follower[key], key
+    assert leader["params_sha256"] == follower["params_sha256"]
+    assert leader["fragments_applied"] > 4  # the initial 4 plus merged versions
+    assert leader["devices"] == 4 and leader["processes"] == 2 and leader["mesh"] == "4x1"
+    # Tokens count the unit's global batch.
+    assert leader["steps"] > 0 and leader["tokens"] == leader["steps"] * batch * SEQ_LEN
+    for record in state.recent_merges:
+        for c in record.contributors:
+            assert c.learner_id == "unit-0" and c.tokens == c.steps * batch * SEQ_LEN
+
+
+def test_big_and_small_units_merge_in_proportion_to_tokens(cluster):
+    syncer = cluster.start_syncer(run_id="unit-mixed", extra=[*TINY, "--min-quorum", "2", *_no_weight_cap()])
+    steps = 48
+    big = _start_learner(cluster, "learner-0", learner_id="learner-0", devices=4,
+                         extra=["--steps", str(steps), "--batch-size", "16", "--num-shards", "2", *LEARNER_PACE])
+    small = _start_learner(cluster, "learner-1", learner_id="learner-1", devices=1,
+                           extra=["--steps", str(steps), "--batch-size", "4", "--num-shards", "2", *LEARNER_PACE])
+    probe = SyncerProbe(syncer.address)
+    try:
+        for svc in (big, small):
+            assert svc.wait(420) == 0, svc.log_tail()
+        state = probe.state()
+    finally:
+        probe.close()
+    assert _summary(cluster, "learner-0")["devices"] == 4
+    assert _summary(cluster, "learner-1")["devices"] == 1
+    per_step = {"learner-0": 16 * SEQ_LEN, "learner-1": 4 * SEQ_LEN}
+    # Progress reports count the whole global batch per step (the last report may precede the
+    # last step: reports are coalesced).
+    for m in state.members:
+        assert m.local_step > 0 and m.tokens_total == m.local_step * per_step[m.learner_id], m
+    for name in per_step:
+        assert _summary(cluster, name)["tokens"] == steps * per_step[name]
+    both, equal_steps_ratios = 0, []
+    for record in state.recent_merges:
+        by_learner = {}
+        for c in record.contributors:
+            assert c.tokens == c.steps * per_step[c.learner_id], c
+            assert c.weight == pytest.approx(c.tokens**2 / c.steps, rel=1e-9), c
+            by_learner[c.learner_id] = c
+        if len(by_learner) == 2:
+            both += 1
+            a, b = by_learner["learner-0"], by_learner["learner-1"]
+            assert a.weight / b.weight == pytest.approx((a.tokens**2 / a.steps) / (b.tokens**2 / b.steps), rel=1e-9)
+            if a.steps == b.steps:
+                equal_steps_ratios.append(a.weight / b.weight)
+    assert both >= 4, [list(r.contributors) for r in state.recent_merges]
+    assert equal_steps_ratios, "no merge where both contributed the same number of steps"
+    assert all(r == pytest.approx(16.0) for r in equal_steps_ratios), equal_steps_ratios

@@ -1,0 +1,618 @@
+"""The Helm chart and the kustomize tree, checked offline with real helm and kubectl binaries.
+
+Lint and render every values file; validate every manifest strictly against the Kubernetes
+schemas (1.30 and the newest kubernetes-validate ships); build every kustomize overlay and check it
+equals the chart's render; then semantic checks that catch real deployment mistakes: a region's
+learners pointing elsewhere than the hub, probes on the wrong port, a store without a persistent
+volume, NetworkPolicies admitting more (or less) than the intended paths, a values schema that
+drifted from the services' flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import sys
+
+import pytest
+
+from tests.k8s.conftest import (
+    CHART,
+    K8S,
+    NAMESPACE,
+    OVERLAYS,
+    ROOT,
+    VALUES,
+    load_docs,
+    load_values,
+    validate_strictly,
+)
+
+ALL_VALUES = list(VALUES)
+SERVERS = {"syncer": "DDILOCO_SYNCER_BIND", "store": "DDILOCO_CHECKPOINT_BIND"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers over rendered manifests
+
+
+def find(docs, kind: str, name: str | None = None, component: str | None = None) -> list[dict]:
+    out = []
+    for doc in docs:
+        if doc["kind"] != kind:
+            continue
+        if name is not None and doc["metadata"]["name"] != name:
+            continue
+        if component is not None and doc["metadata"]["labels"].get("app.kubernetes.io/component") != component:
+            continue
+        out.append(doc)
+    return out
+
+
+def one(docs, kind: str, component: str) -> dict:
+    found = find(docs, kind, component=component)
+    assert len(found) == 1, f"expected one {kind} of component {component}, found {len(found)}"
+    return found[0]
+
+
+def workloads(docs) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def pod_specs(docs) -> list[tuple[str, dict, dict]]:
+    """(name, pod metadata, pod spec) of every workload's pod template and of bare pods."""
+    out = [(d["metadata"]["name"], d["spec"]["template"]["metadata"], d["spec"]["template"]["spec"])
+           for d in workloads(docs)]
+    out += [(d["metadata"]["name"], d["metadata"], d["spec"]) for d in docs if d["kind"] == "Pod"]
+    return out
+
+
+def container_env(docs, workload: dict, container: dict, pod_name: str) -> dict[str, str]:
+    """The environment a container gets: envFrom ConfigMaps, then env (fieldRef metadata.name resolved)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        (cm,) = find(docs, "ConfigMap", source["configMapRef"]["name"])
+        env.update(cm.get("data", {}))
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        else:
+            assert var["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}, var
+            env[var["name"]] = pod_name
+    return env
+
+
+def first_pod_name(workload: dict) -> str:
+    start = workload["spec"].get("ordinals", {}).get("start", 0) if workload["kind"] == "StatefulSet" else 0
+    return f"{workload['metadata']['name']}-{start}"
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        present, value = expr["key"] in labels, labels.get(expr["key"])
+        op = expr["operator"]
+        if (op == "In" and value not in expr["values"]) or (op == "NotIn" and value in expr["values"]):
+            return False
+        if (op == "Exists" and not present) or (op == "DoesNotExist" and present):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# helm lint, helm template, strict schema validation, kustomize
+
+
+@pytest.mark.parametrize("name", ALL_VALUES)
+def test_helm_lint_strict(tools, name):
+    args = ["lint", "--strict", str(CHART)]
+    if VALUES[name] is not None:
+        args += ["--values", str(VALUES[name])]
+    out = tools.helm_run(*args).stdout
+    assert "0 chart(s) failed" in out, out
+
+
+@pytest.mark.parametrize("name", ALL_VALUES)
+def test_rendered_manifests_validate_strictly(render, k8s_versions, name):
+    docs = render(name)
+    assert docs, f"helm template rendered nothing for {name}"
+    assert "1.30.0" in k8s_versions and len(k8s_versions) >= 2
+    problems = validate_strictly(docs, k8s_versions)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_kustomize_builds_validate_and_equal_the_chart(tools, render, k8s_versions, overlay):
+    path = K8S / "kustomize" / ("base" if overlay == "base" else f"overlays/{overlay}")
+    built = load_docs(tools.kubectl_run("kustomize", str(path)).stdout)
+    problems = validate_strictly(built, k8s_versions)
+    assert not problems, "\n".join(problems)
+
+    def keyed(docs):
+        return {(d["apiVersion"], d["kind"], d["metadata"]["name"]): d for d in docs}
+
+    chart = keyed(render("default" if overlay == "base" else overlay, tests=False))
+    kustomized = keyed(built)
+    assert kustomized.keys() == chart.keys(), f"kubectl kustomize {path} and helm template differ in resources"
+    for key in chart:
+        assert kustomized[key] == chart[key], f"{key} differs between kustomize and helm: run `make k8s-render`"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["networkPolicy.enabled=false", "serviceAccount.create=false", "evaluator.enabled=false"],
+        ["store.enabled=false", "syncer.checkpointTarget=store.example.com:50052",
+         "syncer.networkPolicy.extraTo[0].ipBlock.cidr=192.0.2.0/24", "syncer.service.type=NodePort"],
+        ["metrics.enabled=true", "learners.replicas=0", "fullnameOverride=train",
+         "store.persistence.storageClassName=ssd", "imagePullSecrets[0].name=regcred"],
+    ],
+    ids=["minimal", "external-store", "metrics-no-learners"],
+)
+def test_other_value_combinations_render_valid_manifests(render, k8s_versions, settings):
+    extra = tuple(arg for setting in settings for arg in ("--set", setting))
+    docs = render("default", *extra)
+    problems = validate_strictly(docs, k8s_versions)
+    assert not problems, "\n".join(problems)
+
+
+def test_kustomize_tree_is_fresh(tools):
+    proc = tools.run(sys.executable, str(ROOT / "scripts" / "render_k8s.py"), "--check", "--helm", tools.helm,
+                     check=False)
+    assert proc.returncode == 0, proc.stderr or "k8s/kustomize is stale: run `make k8s-render`"
+
+
+def test_helm_install_dry_run_notes_tell_how_to_watch(tools):
+    out = tools.helm_run("install", "ddiloco", str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+                         "--values", str(VALUES["hub"])).stdout
+    notes = out.split("NOTES:", 1)[1]
+    assert "ddiloco status --watch --target 127.0.0.1:50051" in notes
+    assert "kubectl -n ddiloco port-forward svc/ddiloco-syncer 50051:50051" in notes
+    region = tools.helm_run("install", "ddiloco", str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+                            "--values", str(VALUES["region-a"])).stdout
+    assert "syncing with syncer.hub.example.com:50051" in region.split("NOTES:", 1)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The values schema
+
+
+@pytest.mark.parametrize(
+    "values, complaint",
+    [
+        ({"learners": {"replicas": "two"}}, "/learners/replicas"),
+        ({"leaners": {"replicas": 2}}, "leaners"),  # a typo is an error, not a silently ignored key
+        ({"syncer": {"settings": {"bind": "0.0.0.0:1"}}}, "bind"),  # wired by the chart
+        ({"syncer": {"settings": {"uploadCodec": "int3"}}}, "uploadCodec"),
+        ({"hub": {"syncerAddress": "https://hub:50051"}}, "syncerAddress"),
+        ({"store": {"port": 70000}}, "/store/port"),
+    ],
+)
+def test_schema_rejects_bad_values(tools, tmp_path, values, complaint):
+    bad = tmp_path / "bad-values.yaml"
+    bad.write_text(json.dumps(values))
+    for command in (["lint", "--strict"], ["template", "ddiloco"]):
+        proc = tools.helm_run(*command, str(CHART), "--values", str(bad), check=False)
+        assert proc.returncode != 0, f"helm {command[0]} accepted {values}"
+        assert complaint in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "values, complaint",
+    [
+        ({"syncer": {"enabled": False}}, "hub.syncerAddress is empty"),
+        ({"learners": {"ordinalStart": 1}}, "exceeds data.numShards"),
+        ({"store": {"enabled": False}}, "the syncer needs a checkpoint store"),
+        ({"syncer": {"terminationGracePeriodSeconds": 20}}, "too short"),
+        ({"syncer": {"startupProbe": {"failureThreshold": 2}}}, "startupProbe"),
+    ],
+)
+def test_template_refuses_inconsistent_values(tools, tmp_path, values, complaint):
+    bad = tmp_path / "inconsistent-values.yaml"
+    bad.write_text(json.dumps(values))
+    proc = tools.helm_run("template", "ddiloco", str(CHART), "--values", str(bad), check=False)
+    assert proc.returncode != 0 and complaint in proc.stderr, proc.stderr
+
+
+def _render_script():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import render_k8s
+    finally:
+        sys.path.pop(0)
+    return render_k8s
+
+
+def test_settings_cover_every_flag_and_wired_flags_are_wired(render):
+    """Every flag of a service is either a `settings` key (schema), wired by the chart, or unsupported;
+    and the flags said to be wired really are set in the rendered containers."""
+    render_k8s = _render_script()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    docs = render("hub")
+    prefixes = {"syncer": "DDILOCO_SYNCER_", "store": "DDILOCO_CHECKPOINT_", "learners": "DDILOCO_LEARNER_",
+                "evaluator": "DDILOCO_EVAL_"}
+    for component, cls in render_k8s.service_configs().items():
+        wired, unsupported = set(render_k8s.WIRED[component]), render_k8s.UNSUPPORTED[component]
+        assert not wired & unsupported
+        fields = {f.name for f in dataclasses.fields(cls)}
+        settings = set(schema["properties"][component]["properties"]["settings"]["properties"])
+        expected = {render_k8s.camel(f) for f in fields - wired - unsupported}
+        assert settings == expected, f"{component}.settings drifted from {cls.__name__}: run `make k8s-render`"
+        workload = one(docs, "StatefulSet" if component in ("store", "learners") else "Deployment",
+                       component.rstrip("s"))
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        env = container_env(docs, workload, container, first_pod_name(workload))
+        for name in wired & fields:
+            assert prefixes[component] + name.upper() in env, f"{component}: the chart does not set {name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Semantics of the rendered output
+
+
+@pytest.mark.parametrize("name", ["region-a", "region-b"])
+def test_region_learners_point_at_the_hub_and_carry_the_region(render, name):
+    values = load_values(name)
+    docs = render(name)
+    hub_port = load_values("hub")["syncer"]["port"]
+    assert values["hub"]["syncerAddress"].rsplit(":", 1)[1] == str(hub_port)
+    # A region release is a learner pool only: no syncer, store or evaluator of its own.
+    assert not [d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component")
+                in ("syncer", "store", "evaluator")]
+    sts = one(docs, "StatefulSet", "learner")
+    assert sts["spec"]["replicas"] == values["learners"]["replicas"]
+    assert sts["spec"]["ordinals"]["start"] == values["learners"]["ordinalStart"]
+    assert sts["metadata"]["labels"]["ddiloco/region"] == values["region"]
+    assert sts["spec"]["template"]["metadata"]["labels"]["ddiloco/region"] == values["region"]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["learner"]
+    env = container_env(docs, sts, container, first_pod_name(sts))
+    assert env["DDILOCO_LEARNER_SYNCER"] == values["hub"]["syncerAddress"]
+    assert env["DDILOCO_LEARNER_REGION"] == values["region"]
+    # Learner id = pod name (downward API), hence stable across restarts and unique across regions.
+    (id_var,) = [v for v in container["env"] if v["name"] == "DDILOCO_LEARNER_LEARNER_ID"]
+    assert id_var["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    spread = sts["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert {c["topologyKey"] for c in spread} >= {"topology.kubernetes.io/zone"}
+    assert all(selects(c["labelSelector"], sts["spec"]["template"]["metadata"]["labels"]) for c in spread)
+
+
+def test_hub_learners_use_the_in_cluster_syncer_service(render):
+    docs = render("hub")
+    sts = one(docs, "StatefulSet", "learner")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    host, port = container_env(docs, sts, container, first_pod_name(sts))["DDILOCO_LEARNER_SYNCER"].rsplit(":", 1)
+    (service,) = find(docs, "Service", host)
+    (deployment,) = find(docs, "Deployment", component="syncer")
+    assert selects({"matchLabels": service["spec"]["selector"]}, deployment["spec"]["template"]["metadata"]["labels"])
+    assert [p["port"] for p in service["spec"]["ports"]] == [int(port)]
+    assert service["spec"]["type"] == "LoadBalancer"  # the other regions come in through it
+
+
+def test_learner_ids_and_shards_are_unique_across_regions():
+    """Disjoint ordinal ranges (learner ids and data shards) and one numShards for the whole run."""
+    names = ["hub", "region-a", "region-b"]
+    values = {n: load_values(n) for n in names}
+    shards = {v["data"]["numShards"] for v in values.values()}
+    assert len(shards) == 1, f"data.numShards differs between regions: {shards}"
+    taken: dict[int, str] = {}
+    for n, v in values.items():
+        start, count = v["learners"]["ordinalStart"], v["learners"]["replicas"] if v["learners"]["enabled"] else 0
+        for ordinal in range(start, start + count):
+            assert ordinal not in taken, f"learner ordinal {ordinal} is in both {taken[ordinal]} and {n}"
+            assert ordinal < shards.copy().pop(), f"{n}: ordinal {ordinal} >= data.numShards"
+            taken[ordinal] = n
+    assert len({v["region"] for v in values.values()}) == len(names), "two releases claim the same region"
+
+
+@pytest.mark.parametrize("name", ALL_VALUES)
+def test_probes_target_the_health_port_the_server_binds(render, name):
+    docs = render(name)
+    checked = 0
+    for workload in workloads(docs):
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            if component not in SERVERS:
+                # Learners and the evaluator serve nothing: a probe would be meaningless.
+                assert not {"startupProbe", "readinessProbe", "livenessProbe"} & container.keys()
+                continue
+            env = container_env(docs, workload, container, first_pod_name(workload))
+            bind_port = int(env[SERVERS[component]].rsplit(":", 1)[1])
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            assert ports["grpc"] == bind_port
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                # Native gRPC probe on the standard health service, whole server (no service name).
+                assert container[probe]["grpc"] == {"port": bind_port}, (component, probe)
+            services = [s for s in find(docs, "Service", component=component)]
+            assert services, f"no Service for {component}"
+            for service in services:
+                assert [p["targetPort"] for p in service["spec"]["ports"]] == ["grpc"]
+            checked += 1
+    expected = int(load_values(name)["syncer"]["enabled"]) + int(load_values(name)["store"]["enabled"])
+    assert checked == expected
+
+
+def test_syncer_restore_and_shutdown_budgets(render):
+    docs = render("hub")
+    values = load_values("hub")["syncer"]
+    deployment = one(docs, "Deployment", "syncer")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = container_env(docs, deployment, container, first_pod_name(deployment))
+    grace, ckpt = float(env["DDILOCO_SYNCER_GRACE_S"]), float(env["DDILOCO_SYNCER_CHECKPOINT_TIMEOUT_S"])
+    assert pod["terminationGracePeriodSeconds"] > grace + 2 * ckpt
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] > float(env["DDILOCO_SYNCER_RESTORE_TIMEOUT_S"])
+    # The syncer restores from this release's store (its stable pod name behind the headless Service).
+    store_sts = one(docs, "StatefulSet", "store")
+    store_host = f"{store_sts['metadata']['name']}-0.{store_sts['spec']['serviceName']}"
+    assert env["DDILOCO_SYNCER_CHECKPOINT_TARGET"] == f"{store_host}:{load_values('hub')['store']['port']}"
+    assert env["DDILOCO_SYNCER_RUN_ID"] == load_values("hub")["run"]["id"]
+    pdb = one(docs, "PodDisruptionBudget", "syncer")
+    assert selects(pdb["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])
+    assert pdb["spec"]["maxUnavailable"] == values["podDisruptionBudget"]["maxUnavailable"]
+
+
+def test_store_volume_is_persistent(render):
+    docs = render("hub")
+    values = load_values("hub")["store"]
+    sts = one(docs, "StatefulSet", "store")
+    assert sts["spec"]["replicas"] == 1
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == values["persistence"]["size"]
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
+    pod = sts["spec"]["template"]["spec"]
+    assert claim["metadata"]["name"] not in {v["name"] for v in pod.get("volumes", [])}, "claim shadowed by a volume"
+    (container,) = pod["containers"]
+    env = container_env(docs, sts, container, first_pod_name(sts))
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == env["DDILOCO_CHECKPOINT_ROOT"] == values["root"]
+    (headless,) = find(docs, "Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert selects({"matchLabels": headless["spec"]["selector"]}, sts["spec"]["template"]["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("name", ALL_VALUES)
+def test_rendered_env_is_accepted_by_the_services(render, name):
+    """Each container's environment parses with the service's own configuration parser."""
+    from services.checkpoint import config as checkpoint_config
+    from services.learner import config as learner_config
+    from services.syncer import config as syncer_config
+
+    parsers = {
+        "syncer": syncer_config.parse_config,
+        "learner": learner_config.parse_learner_config,
+        "evaluate": learner_config.parse_evaluator_config,
+        "checkpoint": checkpoint_config.parse_config,
+    }
+    docs = render(name)
+    seen = set()
+    for workload in workloads(docs):
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            (command,) = container["args"]
+            env = container_env(docs, workload, container, first_pod_name(workload))
+            cfg = parsers[command]([], env)  # exits (SystemExit) on any invalid variable
+            for choice in ("server_security", "client_security"):
+                if hasattr(cfg, choice):  # the transport must be chosen (TLS or explicit plaintext)
+                    getattr(cfg, choice)()
+            seen.add(command)
+            if command == "learner":
+                assert cfg.learner_id == first_pod_name(workload)
+                assert cfg.resolved_shard_index == workload["spec"]["ordinals"]["start"]
+    values = load_values(name)
+    assert ("learner" in seen) == values["learners"]["enabled"]
+    assert ("syncer" in seen) == values["syncer"]["enabled"]
+
+
+@pytest.mark.parametrize("name", ALL_VALUES)
+def test_pods_run_non_root_with_read_only_root_filesystems(render, name):
+    for pod_name, _meta, pod in pod_specs(render(name)):
+        assert pod["securityContext"]["runAsNonRoot"] is True, pod_name
+        assert pod["automountServiceAccountToken"] is False, pod_name
+        tmp_volumes = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        for container in pod["containers"]:
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, pod_name
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert any(m["mountPath"] == "/tmp" and m["name"] in tmp_volumes for m in container["volumeMounts"])
+            assert "requests" in container["resources"], pod_name
+
+
+@pytest.mark.parametrize("name", ALL_VALUES)
+def test_every_resource_carries_the_recommended_labels(render, name):
+    for doc in render(name):
+        labels = doc["metadata"]["labels"]
+        for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+                    "app.kubernetes.io/managed-by", "app.kubernetes.io/part-of", "helm.sh/chart"):
+            assert key in labels, f"{doc['kind']}/{doc['metadata']['name']} lacks {key}"
+        if doc["kind"] in ("Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "Pod"):
+            assert "app.kubernetes.io/component" in labels
+
+
+def test_credentials_secret_or_existing_secret_is_mounted_read_only(render, k8s_versions):
+    created = render("default", "--set", "credentials.create=true", "--set-string", "credentials.stringData.ca\\.crt=x")
+    existing = render("default", "--set", "credentials.existingSecret=my-tls")
+    assert not validate_strictly(created, k8s_versions)
+    (secret,) = find(created, "Secret")
+    assert secret["stringData"] == {"ca.crt": "x"}
+    assert not find(existing, "Secret")
+    for docs, secret_name in ((created, secret["metadata"]["name"]), (existing, "my-tls")):
+        for pod_name, _meta, pod in pod_specs(docs):
+            if pod_name.endswith("test-connection"):
+                continue
+            (volume,) = [v for v in pod["volumes"] if v["name"] == "credentials"]
+            assert volume["secret"]["secretName"] == secret_name
+            for container in pod["containers"]:
+                (mount,) = [m for m in container["volumeMounts"] if m["name"] == "credentials"]
+                assert mount["readOnly"] is True and mount["mountPath"] == "/etc/ddiloco/credentials"
+    assert not find(render("default"), "Secret"), "no Secret unless asked for"
+
+
+# ---------------------------------------------------------------------------------------------
+# NetworkPolicies: evaluate them, as a CNI would, over every pair of endpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    name: str
+    labels: dict = dataclasses.field(default_factory=dict)
+    namespace: str | None = NAMESPACE  # None: outside the cluster
+    ip: str = "10.0.0.1"
+
+
+KUBE_DNS = Endpoint("kube-dns", {"k8s-app": "kube-dns"}, "kube-system", "10.96.0.10")
+STRANGER = Endpoint("stranger", {"app": "something-else"})  # any other pod of the namespace
+INTERNET = Endpoint("internet", namespace=None, ip="8.8.8.8")
+SCRAPER = Endpoint("prometheus", {"app.kubernetes.io/name": "prometheus"}, "monitoring", "10.0.9.9")
+
+
+def _peer_matches(peer: dict, policy_ns: str, other: Endpoint) -> bool:
+    if "ipBlock" in peer:
+        addr = ipaddress.ip_address(other.ip)
+        block = peer["ipBlock"]
+        return addr in ipaddress.ip_network(block["cidr"]) and not any(
+            addr in ipaddress.ip_network(c) for c in block.get("except", []))
+    if other.namespace is None:
+        return False
+    if "namespaceSelector" in peer:
+        ns_ok = selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": other.namespace})
+    else:
+        ns_ok = other.namespace == policy_ns
+    return ns_ok and selects(peer.get("podSelector", {}), other.labels)
+
+
+def _rule_admits(rule: dict, direction: str, policy_ns: str, other: Endpoint, port: int, protocol: str) -> bool:
+    peers = rule.get("from" if direction == "ingress" else "to")
+    if peers and not any(_peer_matches(p, policy_ns, other) for p in peers):
+        return False
+    ports = rule.get("ports")
+    return not ports or any(p.get("protocol", "TCP") == protocol and p.get("port") == port for p in ports)
+
+
+def _side_allows(policies, me: Endpoint, direction: str, other: Endpoint, port: int, protocol: str) -> bool:
+    if me.namespace is None:
+        return True  # not in this cluster: its policies are not ours
+    kind = "Ingress" if direction == "ingress" else "Egress"
+    applying = [p for p in policies if p["metadata"]["namespace"] == me.namespace and kind in p["spec"]["policyTypes"]
+                and selects(p["spec"]["podSelector"], me.labels)]
+    if not applying:
+        return True
+    return any(_rule_admits(rule, direction, p["metadata"]["namespace"], other, port, protocol)
+               for p in applying for rule in p["spec"].get(direction) or [])
+
+
+def allowed(policies, src: Endpoint, dst: Endpoint, port: int, protocol: str = "TCP") -> bool:
+    return (_side_allows(policies, src, "egress", dst, port, protocol)
+            and _side_allows(policies, dst, "ingress", src, port, protocol))
+
+
+def _endpoints(docs) -> dict[str, Endpoint]:
+    out = {}
+    for workload in workloads(docs):
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        out[component] = Endpoint(component, workload["spec"]["template"]["metadata"]["labels"])
+    return out
+
+
+def test_network_policies_of_the_hub_allow_exactly_the_intended_paths(render):
+    docs = render("hub")
+    values = load_values("hub")
+    policies = find(docs, "NetworkPolicy")
+    assert all(set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"} for p in policies)
+    pods = _endpoints(docs)
+    assert set(pods) == {"store", "syncer", "learner", "evaluator"}
+    store_port, syncer_port = values["store"]["port"], values["syncer"]["port"]
+    everyone = [*pods.values(), STRANGER, KUBE_DNS, INTERNET, SCRAPER]
+    region_a = Endpoint("region-a-learner", namespace=None, ip="198.51.100.7")
+
+    # Only the syncer reaches the store, and only on its port; the store reaches nothing.
+    for src in everyone:
+        assert allowed(policies, src, pods["store"], store_port) == (src.name == "syncer"), src.name
+    assert not allowed(policies, pods["syncer"], pods["store"], 22)
+    for dst in everyone:
+        assert not allowed(policies, pods["store"], dst, 53, "UDP") and not allowed(policies, pods["store"], dst, 443)
+
+    # The syncer admits its clients (this region's learners and evaluator, other regions through
+    # the allowed CIDRs) on its port, nothing else; it dials only the store and DNS.
+    for src in [*everyone, region_a]:
+        expected = src.name in ("learner", "evaluator", "region-a-learner")
+        assert allowed(policies, src, pods["syncer"], syncer_port) == expected, src.name
+    assert not allowed(policies, pods["learner"], pods["syncer"], 8080)
+    assert allowed(policies, pods["syncer"], KUBE_DNS, 53, "UDP")
+    assert not allowed(policies, pods["syncer"], INTERNET, 443)
+    assert not allowed(policies, pods["syncer"], pods["learner"], syncer_port)
+
+    # Learners and the evaluator accept nothing, and reach only the syncer (and DNS): not the store.
+    for client in ("learner", "evaluator"):
+        for src in everyone:
+            assert not allowed(policies, src, pods[client], 8080), (src.name, client)
+            assert not allowed(policies, src, pods[client], syncer_port), (src.name, client)
+        for dst in everyone:
+            for port, protocol in ((store_port, "TCP"), (syncer_port, "TCP"), (53, "UDP"), (443, "TCP")):
+                expected = (dst.name == "syncer" and port == syncer_port) or (dst is KUBE_DNS and port == 53)
+                assert allowed(policies, pods[client], dst, port, protocol) == expected, (client, dst.name, port)
+
+
+    # Prometheus (metrics.from: the monitoring namespace) scrapes the metrics ports, nothing else.
+    metrics = values["metrics"]["ports"]
+    assert values["metrics"]["enabled"]
+    for component, port in (("syncer", metrics["syncer"]), ("store", metrics["store"]), ("learner", metrics["learner"])):
+        assert allowed(policies, SCRAPER, pods[component], port), component
+        for src in everyone:
+            if src is not SCRAPER:
+                assert not allowed(policies, src, pods[component], port), (src.name, component)
+    assert not allowed(policies, SCRAPER, pods["evaluator"], metrics["learner"])
+
+
+def test_metrics_ports_are_wired_consistently(render):
+    docs = render("hub")
+    checked = set()
+    for workload in workloads(docs):
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        template = workload["spec"]["template"]
+        (container,) = template["spec"]["containers"]
+        env = container_env(docs, workload, container, first_pod_name(workload))
+        binds = [v for k, v in env.items() if k.endswith("_METRICS_BIND")]
+        if component == "evaluator":
+            assert not binds and "prometheus.io/port" not in template["metadata"]["annotations"]
+            continue
+        (bind,) = binds
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        port = int(bind.rsplit(":", 1)[1])
+        assert ports["metrics"] == port == int(template["metadata"]["annotations"]["prometheus.io/port"])
+        assert port != ports.get("grpc")
+        checked.add(component)
+    assert checked == {"syncer", "store", "learner"}
+    # Off by default: no metrics port, variable or scrape annotation anywhere.
+    for workload in workloads(render("default")):
+        template = workload["spec"]["template"]
+        assert "prometheus.io/scrape" not in template["metadata"]["annotations"]
+        for container in template["spec"]["containers"]:
+            assert "metrics" not in {p["name"] for p in container.get("ports", [])}
+            assert not [v for v in container["env"] if v["name"].endswith("_METRICS_BIND")]
+
+
+@pytest.mark.parametrize("name", ["region-a", "region-b"])
+def test_network_policies_of_a_region_allow_only_the_hub_syncer(render, name):
+    docs = render(name)
+    values = load_values(name)
+    policies = find(docs, "NetworkPolicy")
+    pods = _endpoints(docs)
+    assert set(pods) == {"learner"}
+    port = int(values["hub"]["syncerAddress"].rsplit(":", 1)[1])
+    hub = Endpoint("hub-syncer", namespace=None, ip=str(ipaddress.ip_network(
+        values["learners"]["networkPolicy"]["syncerCIDRs"][0])[0]))
+    learner = pods["learner"]
+    assert allowed(policies, learner, hub, port)
+    assert not allowed(policies, learner, hub, 443)
+    assert not allowed(policies, learner, INTERNET, port)
+    assert allowed(policies, learner, KUBE_DNS, 53, "UDP") and allowed(policies, learner, KUBE_DNS, 53, "TCP")
+    assert not allowed(policies, learner, STRANGER, port)
+    for src in (STRANGER, KUBE_DNS, INTERNET, hub):
+        assert not allowed(policies, src, learner, 8080)
+        assert not allowed(policies, src, learner, values["metrics"]["ports"]["learner"])
+    assert allowed(policies, SCRAPER, learner, values["metrics"]["ports"]["learner"])
+    assert not allowed(policies, SCRAPER, learner, 8080)

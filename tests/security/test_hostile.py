@@ -1,0 +1,280 @@
+"""Fault-matrix row 21 (reliability.md §5), in the syncer: malicious but well-formed updates.
+
+A norm bound relative to the other contributors (reject or clip), a cap on inflated merge
+weights, and quarantine after repeated suspicious uploads, visible in the training state and
+kept across the learner's restarts and the syncer's checkpoints. The end-to-end hostile-learner
+run (held-out loss against an honest run) is tests/security/test_hostile_run.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import numpy as np
+import pytest
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import robust as robust_lib
+from ddiloco.rpc import errors
+from ddiloco.v1 import syncer_pb2
+from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import serde
+from services.syncer import checkpointing
+from services.syncer import config as config_lib
+from services.syncer import core as core_lib
+from tests.security.conftest import SPECS, Harness, Learner, code_of, encoded, honest_delta
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def make_core(clock, *, action: str = "reject", factor: float = 20.0, quarantine_after: int = 3,
+              quarantine_s: float = 600.0, min_quorum: int = 1) -> core_lib.SyncerCore:
+    plan = fragments_lib.plan_fragments(SPECS, 2, 2)
+    cfg = config_lib.SyncerConfig(min_quorum=min_quorum, max_staleness_versions=4, num_fragments=2,
+                                  sync_period_steps=2, upload_codec="fp32", insecure=True)
+    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name="t", model_config_json="{}", fingerprint="f" * 64)
+    rng = np.random.default_rng(0)
+    initial = {f.fragment_id: (0.02 * rng.standard_normal(f.numel)).astype(np.float32) for f in plan.fragments}
+    return core_lib.SyncerCore(
+        run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.5,
+        max_grace_s=10.0, liveness_timeout_s=1e9, merge_history=64, clock=clock, wall_clock=clock,
+        norm_bound=robust_lib.NormBoundPolicy(factor=factor, action=action), quarantine_after=quarantine_after,
+        quarantine_window_s=300.0, quarantine_s=quarantine_s,
+    )
+
+
+def join(core, learner_id: str, incarnation: int = 1) -> None:
+    core.join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id,
+                                     incarnation=incarnation))
+
+
+async def upload(core, learner_id: str, fid: int, delta: np.ndarray, *, base: int | None = None, tokens: int = 1024,
+                 steps: int = 2, incarnation: int = 1):
+    enc = codec_lib.encode(np.asarray(delta, dtype=np.float32), "fp32")
+    header = syncer_pb2.UploadHeader(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, fragment_id=fid,
+        base_version=core.slots[fid].version if base is None else base, syncer_instance=core.instance,
+        steps=steps, tokens=tokens, payload=serde.payload_info_to_proto(enc))
+    return await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=len(enc.payload))
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+
+
+async def rounds_of_honest_history(core, learners=("h1", "h2", "h3"), fid: int = 0, rounds: int = 2) -> None:
+    """Honest contributions (each merged at once: K=1, everyone contributed) build the norm history."""
+    n = core.plan.fragments[fid].numel
+    for r in range(rounds):
+        for i, lid in enumerate(learners):
+            await upload(core, lid, fid, honest_delta(n, 100 * r + i))
+        await settle()
+
+
+def member(core, learner_id: str) -> syncer_pb2.MemberState:
+    return next(m for m in core.training_state(0).members if m.learner_id == learner_id)
+
+
+def test_norm_bound_rejects_a_huge_update_from_the_first_round():
+    async def run():
+        core = make_core(FakeClock())
+        join(core, "hostile")
+        before = core.slots[0].params_sha256
+        # No history yet: the bound is k x the norm of the global fragment itself.
+        with pytest.raises(errors.InvalidArgument, match="norm bound"):
+            await upload(core, "hostile", 0, 1e4 * honest_delta(core.plan.fragments[0].numel, 1))
+        assert core.slots[0].params_sha256 == before and core.slots[0].round is None
+        assert core.uploads["rejected_norm_bound"] == 1
+        m = member(core, "hostile")
+        assert m.rejections["norm_bound"] == 1 and m.flags & core_lib.FLAG_NORM_BOUND and not m.quarantined
+
+    asyncio.run(run())
+
+
+def test_norm_bound_is_relative_to_other_learners_per_tensor():
+    async def run():
+        core = make_core(FakeClock())
+        for lid in ("h1", "h2", "h3", "x"):
+            join(core, lid)
+        await rounds_of_honest_history(core, learners=("h1", "h2", "h3", "x"))
+        n = core.plan.fragments[1].numel
+        await rounds_of_honest_history(core, learners=("h1", "h2", "h3", "x"), fid=1)
+        # Twice the usual norm passes; 30 times is refused (k = 20, relative to the others' median).
+        assert (await upload(core, "x", 0, 2 * honest_delta(core.plan.fragments[0].numel, 7))).result == \
+            syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+        await settle()
+        with pytest.raises(errors.InvalidArgument, match="norm bound"):
+            await upload(core, "x", 0, 30 * honest_delta(core.plan.fragments[0].numel, 8))
+        # Small tensors (the 256-value bias) differ a lot between honest learners' data: they are
+        # bounded through the whole fragment only, so a bias 60x the others' passes.
+        biased = honest_delta(n, 10)
+        biased[core.plan.fragments[1].slices()["b"]] *= 60
+        assert (await upload(core, "x", 1, biased)).result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+        await settle()
+        # Inflating one tensor only (the 32x64 matrix "v" of fragment 1) is caught per tensor,
+        # although the fragment's total norm grows by less than the factor.
+        delta = honest_delta(n, 9)
+        where = core.plan.fragments[1].slices()["v"]
+        delta[where] *= 25
+        total_growth = np.linalg.norm(delta) / np.linalg.norm(honest_delta(n, 9))
+        assert total_growth < 20
+        with pytest.raises(errors.InvalidArgument, match="norm bound"):
+            await upload(core, "x", 1, delta)
+        # Both were less than twice the bound: refused, but "marginal", so no strikes towards quarantine.
+        assert core.uploads["rejected_norm_bound_marginal"] == 2 and core.uploads["rejected_norm_bound"] == 0
+        m = member(core, "x")
+        assert m.flags & core_lib.FLAG_NORM_BOUND and not m.quarantined
+        with pytest.raises(errors.InvalidArgument, match="norm bound"):  # a gross one is a strike
+            await upload(core, "x", 1, 1e3 * honest_delta(n, 11))
+        assert core.uploads["rejected_norm_bound"] == 1
+
+    asyncio.run(run())
+
+
+def test_an_honest_learner_contributing_many_steps_at_once_passes_but_claimed_steps_are_capped():
+    async def run():
+        core = make_core(FakeClock())
+        for lid in ("h1", "h2", "h3", "x"):
+            join(core, lid)
+        await rounds_of_honest_history(core)  # 2 steps per contribution
+        n = core.plan.fragments[0].numel
+        # A learner whose fragment waited for a new version: 16 steps, a norm ~8x the others'.
+        response = await upload(core, "x", 0, 8 * honest_delta(n, 40), steps=16, tokens=16 * 512)
+        assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+        await settle()
+        # Claiming 10 000 steps does not buy a x1000 update: credited steps are capped at 4 x 2, so
+        # at most 20 x 8 / 2 = 80 times the others' per-contribution norm passes.
+        with pytest.raises(errors.InvalidArgument, match="norm bound"):
+            await upload(core, "x", 0, 1000 * honest_delta(n, 41), steps=10_000, tokens=10_000 * 512)
+
+    asyncio.run(run())
+
+
+def test_clip_mode_scales_the_update_down_to_the_bound():
+    async def run():
+        core = make_core(FakeClock(), action="clip", min_quorum=2)
+        for lid in ("h1", "h2", "h3", "x"):
+            join(core, lid)
+        core._quarantine_after = 0  # this test looks at clipping alone
+        n = core.plan.fragments[0].numel
+        for r in range(2):
+            for i, lid in enumerate(("h1", "h2", "h3")):
+                await upload(core, lid, 0, honest_delta(n, 10 * r + i))
+            core._clock.now_s += 100  # past the grace window: the round (K=2) merges without x
+            core.tick()
+            await settle()
+        reference = np.median([np.linalg.norm(honest_delta(n, s)) for s in (10, 11, 12, 0, 1, 2)])
+        response = await upload(core, "x", 0, 1e4 * honest_delta(n, 50))
+        assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+        accumulated = core.slots[0].round.accumulator.result()  # only x's clipped contribution so far
+        assert np.linalg.norm(accumulated) <= 20 * reference * 1.01
+        assert core.uploads["clipped_norm_bound"] == 1
+        assert member(core, "x").rejections["clipped_norm_bound"] == 1
+
+    asyncio.run(run())
+
+
+def test_inflated_token_counts_are_capped():
+    async def run():
+        core = make_core(FakeClock())
+        for lid in ("h1", "h2", "h3", "x"):
+            join(core, lid)
+        await rounds_of_honest_history(core)
+        response = await upload(core, "x", 0, honest_delta(core.plan.fragments[0].numel, 3), tokens=10**9)
+        honest_weight = 1024**2 / 2
+        assert response.weight == pytest.approx(20 * honest_weight)  # k x the median of the others' weights
+        assert core.uploads["capped_weight"] == 1
+
+    asyncio.run(run())
+
+
+def test_quarantine_after_repeated_rejections_is_visible_and_sticky():
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock, quarantine_s=600.0, min_quorum=1)
+        for lid in ("h1", "x"):
+            join(core, lid)
+        n = core.plan.fragments[0].numel
+        for i in range(3):
+            with pytest.raises(errors.InvalidArgument):
+                await upload(core, "x", 0, 1e4 * honest_delta(n, i))
+        m = member(core, "x")
+        assert m.quarantined and m.flags & core_lib.FLAG_QUARANTINED and m.rejections["norm_bound"] == 3
+        assert m.quarantined_until_unix_s == pytest.approx(clock.now_s + 600)
+        assert core.training_state(0).quarantines == 1
+        # Refused before any payload check, even a perfectly honest one; and no longer waited for:
+        # h1 alone completes rounds (x would otherwise hold them for the grace window).
+        with pytest.raises(errors.PermissionDenied, match="quarantined"):
+            await upload(core, "x", 1, honest_delta(core.plan.fragments[1].numel, 1))
+        assert core._live_members() == 1
+        await upload(core, "h1", 1, honest_delta(core.plan.fragments[1].numel, 2))
+        await settle()
+        assert core.slots[1].version == 1
+        # A restart (new incarnation) does not lift it; neither does a syncer restart.
+        join(core, "x", incarnation=2)
+        with pytest.raises(errors.PermissionDenied):
+            await upload(core, "x", 1, honest_delta(core.plan.fragments[1].numel, 3), incarnation=2)
+        blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
+        restored = make_core(FakeClock())
+        restored._clock.now_s = clock.now_s
+        restored.restore(checkpointing.decode_snapshot(blobs))
+        rm = member(restored, "x")
+        assert rm.quarantined and rm.flags & core_lib.FLAG_QUARANTINED and rm.rejections["norm_bound"] == 3
+        # It ends after quarantine_s.
+        clock.now_s += 601
+        assert not member(core, "x").quarantined
+        response = await upload(core, "x", 0, honest_delta(n, 9), incarnation=2)
+        assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+        assert core.uploads["rejected_quarantined"] == 2
+
+    asyncio.run(run())
+
+
+def test_honest_refusals_never_quarantine():
+    async def run():
+        core = make_core(FakeClock(), quarantine_after=2)
+        join(core, "h1")
+        n = core.plan.fragments[0].numel
+        await upload(core, "h1", 0, honest_delta(n, 1))
+        await settle()
+        for _ in range(5):  # stale bases and unknown syncer lives are network trouble, not hostility
+            with pytest.raises(errors.FailedPrecondition):
+                await upload(core, "h1", 0, honest_delta(n, 2), base=7)
+        m = member(core, "h1")
+        assert not m.quarantined and m.flags == 0 and m.rejections["stale"] == 5
+
+    asyncio.run(run())
+
+
+def test_hostile_learner_over_grpc_is_refused_then_quarantined(tmp_path):
+    with Harness(tmp_path) as h:
+        honest = Learner(h.address, "learner-0")
+        hostile = Learner(h.address, "learner-1")
+        payload, info = encoded(honest_delta(h.numel(0), 0))
+        honest.upload(0, 0, payload, info)
+        before = h.model()
+        for i in range(3):
+            bad, bad_info = encoded(1e4 * honest_delta(h.numel(1), i))
+            assert code_of(lambda b=bad, bi=bad_info: hostile.upload(1, 0, b, bi)) == grpc.StatusCode.INVALID_ARGUMENT
+        good, good_info = encoded(honest_delta(h.numel(1), 5))
+        error = code_of(lambda: hostile.upload(1, 0, good, good_info))
+        assert error == grpc.StatusCode.PERMISSION_DENIED
+        state = h.state()
+        m = next(m for m in state.members if m.learner_id == "learner-1")
+        assert m.quarantined and m.rejections["norm_bound"] == 3 and m.rejections["quarantined"] == 1
+        assert state.uploads["rejected_norm_bound"] == 3 and state.uploads["rejected_quarantined"] == 1
+        assert math.isfinite(m.quarantined_until_unix_s) and state.quarantines == 1
+        assert h.model()[1] == before[1]  # fragment 1 untouched
+        honest.close()
+        hostile.close()
