@@ -616,3 +616,33 @@ def test_network_policies_of_a_region_allow_only_the_hub_syncer(render, name):
         assert not allowed(policies, src, learner, values["metrics"]["ports"]["learner"])
     assert allowed(policies, SCRAPER, learner, values["metrics"]["ports"]["learner"])
     assert not allowed(policies, SCRAPER, learner, 8080)
+
+
+def test_optional_service_monitor_scrapes_every_metrics_port(render, k8s_versions):
+    docs = render("hub", "--set", "metrics.serviceMonitor.enabled=true",
+                  "--set", "metrics.serviceMonitor.labels.release=prom", tests=False)
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert len(monitors) == 1
+    monitor = monitors[0]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    services = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-metrics")]
+    assert len(services) == 1
+    service = services[0]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    # The Service selects every pod that names a container port "metrics" (syncer, store, learners).
+    pods = [d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    with_metrics = [
+        t for t in pods
+        if any(p.get("name") == "metrics" for c in t["spec"]["containers"] for p in c.get("ports", []))
+    ]
+    assert len(with_metrics) >= 3
+    for template in with_metrics:
+        assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    # Everything except the CRD-typed ServiceMonitor validates against the Kubernetes schemas.
+    assert not validate_strictly([d for d in docs if d["kind"] != "ServiceMonitor"], k8s_versions)
+    # Off unless asked for.
+    assert not [d for d in render("hub", tests=False) if d["kind"] == "ServiceMonitor"]
