@@ -1,4 +1,4 @@
-"""The `ddiloco` console script: dispatches to `up`, `status`, `dashboard` and the services.
+"""The `ddiloco` console script: dispatches to `up`, `status`, `dashboard`, `bench`, `simulate` and the services.
 
 `ddiloco syncer|learner|checkpoint|evaluate ARGS` runs the same code as
 `python -m services.<name> ARGS` (each service parses its own flags; `--help` explains them).
@@ -18,12 +18,19 @@ _SERVICES = {
     "checkpoint": "services.checkpoint.__main__",
     "evaluate": "services.learner.evaluator",
 }
+# Sub-commands with their own argument parsers (imported lazily): benchmarks and the simulator.
+_TOOLS = {
+    "bench": ("ddiloco.bench.cli", "run a benchmark: quality, perf or goodput (`ddiloco bench --help`)"),
+    "simulate": ("ddiloco.sim.cli", "the paper's chaos-engineering goodput simulation (`ddiloco simulate --help`)"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _SERVICES:
         return importlib.import_module(_SERVICES[argv[0]]).main(argv[1:])
+    if argv and argv[0] in _TOOLS:
+        return importlib.import_module(_TOOLS[argv[0]][0]).main(argv[1:])
     from ddiloco.cli import certs, report, status, up  # imported here: rich and grpc only when needed
     from ddiloco.dashboard import cli as dashboard
 
@@ -42,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "certificates (mutual TLS)", formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     for name in _SERVICES:
         sub.add_parser(name, help=f"run the {name} service (see `ddiloco {name} --help`)", add_help=False)
+    for name, (_, help_text) in _TOOLS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
     if args.command == "up":
         return up.run(args)
