@@ -155,7 +155,7 @@ class FragmentPlan:
 
 
 def plan_fragments(
-    specs: Sequence[TensorSpec], num_fragments: int, sync_period_steps: int
+    specs: Sequence[TensorSpec], num_fragments: int, sync_period_steps: int, *, staggered: bool = True
 ) -> FragmentPlan:
     """Bin-packs whole tensors into balanced fragments with staggered sync offsets.
 
@@ -169,6 +169,8 @@ def plan_fragments(
         specs: every tensor of the model, in any order.
         num_fragments: P, at least 1 and at most ``len(specs)`` (no empty fragments).
         sync_period_steps: H, at least 1.
+        staggered: stagger the offsets (Streaming / Decoupled DiLoCo); False puts every
+            fragment at offset 0, so all are due at the same steps (synchronous DiLoCo).
 
     Returns:
         The plan; deterministic for a given set of specs, whatever their input order.
@@ -201,7 +203,7 @@ def plan_fragments(
         Fragment(
             fragment_id=index,
             tensors=tuple(sorted(members, key=lambda s: s.name)),
-            offset_steps=(index * sync_period_steps) // num_fragments,
+            offset_steps=(index * sync_period_steps) // num_fragments if staggered else 0,
         )
         for index, members in enumerate(bins)
     )

@@ -14,6 +14,7 @@ DiLoCo paper publishes no values of its own.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,18 +57,43 @@ class OuterStepper:
     restored bit-exactly; the same inputs always give bit-identical outputs.
     """
 
-    def __init__(self, optimizer: optax.GradientTransformation) -> None:
+    def __init__(
+        self,
+        optimizer: optax.GradientTransformation,
+        tensors: Sequence[tuple[str, tuple[int, ...]]] | None = None,
+    ) -> None:
         """Wraps an optimizer.
 
         Args:
             optimizer: usually ``make_outer_optimizer()``.
+            tensors: ``(name, shape)`` of the fragment's tensors in flattening order, for an
+                optimizer that needs the tensor structure (AdamW's per-tensor weight-decay
+                mask and global-norm clipping in the data-parallel baseline). The stepper
+                then serves only fragments of that layout. ``None``: the optimizer sees the
+                flat vector (element-wise optimizers such as Nesterov SGD).
         """
         self._optimizer = optimizer
+        self._tensors = None if tensors is None else [(name, tuple(shape)) for name, shape in tensors]
+        sizes = None if tensors is None else [math.prod(shape) for _, shape in self._tensors]
+        self._tree_numel = None if sizes is None else sum(sizes)
+
+        def to_tree(flat):
+            if self._tensors is None:
+                return flat
+            parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist()) if len(sizes) > 1 else [flat]
+            return {name: part.reshape(shape) for (name, shape), part in zip(self._tensors, parts, strict=True)}
+
+        def to_flat(tree):
+            if self._tensors is None:
+                return tree
+            return jnp.concatenate([tree[name].reshape(-1) for name, _ in self._tensors])
 
         def step(params, state, grad):
-            updates, state = optimizer.update(grad, state, params)
-            return optax.apply_updates(params, updates), state
+            params_tree, grad_tree = to_tree(params), to_tree(grad)
+            updates, state = optimizer.update(grad_tree, state, params_tree)
+            return to_flat(optax.apply_updates(params_tree, updates)), state
 
+        self._to_tree = to_tree
         self._step = jax.jit(step)
         # numel -> state structure; computed once per fragment size.
         self._structures: dict[int, _Structure] = {}
@@ -85,7 +111,8 @@ class OuterStepper:
             ValueError: if ``params_flat`` is not a 1-D float32 array.
         """
         params = _check_vector("params_flat", params_flat)
-        leaves = jax.tree_util.tree_leaves(self._optimizer.init(jnp.asarray(params)))
+        self._check_layout(params.size)
+        leaves = jax.tree_util.tree_leaves(self._optimizer.init(self._to_tree(jnp.asarray(params))))
         return [np.array(leaf) for leaf in leaves]
 
     def step(
@@ -115,6 +142,7 @@ class OuterStepper:
                 f"outer_grad_flat has {grad.size} values but params_flat has {params.size}: "
                 "both must cover the same fragment"
             )
+        self._check_layout(params.size)
         leaf_specs, treedef = self._structure(params.size)
         if len(state) != len(leaf_specs):
             raise ValueError(
@@ -134,11 +162,21 @@ class OuterStepper:
         # np.array copies, so callers never hold buffers owned by JAX.
         return np.array(new_params), [np.array(x) for x in jax.tree_util.tree_leaves(new_state)]
 
+    def _check_layout(self, numel: int) -> None:
+        if self._tree_numel is not None and numel != self._tree_numel:
+            raise ValueError(
+                f"this stepper serves a fragment of {self._tree_numel} values, got {numel}: "
+                "use one stepper per fragment layout"
+            )
+
     def _structure(self, numel: int) -> _Structure:
         """Returns the state's leaf specs and treedef for a fragment size, derived from the
         optimizer itself so that a state restored from disk can be checked without init()."""
         if numel not in self._structures:
-            spec = jax.ShapeDtypeStruct((numel,), np.float32)
+            if self._tensors is None:
+                spec = jax.ShapeDtypeStruct((numel,), np.float32)
+            else:
+                spec = {name: jax.ShapeDtypeStruct(shape, np.float32) for name, shape in self._tensors}
             # eval_shape traces init without computing or allocating anything.
             self._structures[numel] = jax.tree_util.tree_flatten(
                 jax.eval_shape(self._optimizer.init, spec)

@@ -61,6 +61,7 @@ class RunConfig(_message.Message):
     MERGE_RULE_FIELD_NUMBER: _builtins.int
     EMBEDDING_MERGE_RULE_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
+    SYNC_MODE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     model_name: _builtins.str
     """Model registry name and its complete JSON configuration."""
@@ -93,6 +94,13 @@ class RunConfig(_message.Message):
     """Merge rule for non-embedding tensors ("rda" or "mean") and for embeddings."""
     embedding_merge_rule: _builtins.str
     protocol_version: _builtins.int
+    sync_mode: _builtins.str
+    """How learners synchronize: "decoupled" (the default: staggered fragments, learners never
+    wait), "diloco" (synchronous DiLoCo: every fragment at the same step, and a learner waits
+    for the merge of what it sent before stepping on) or "dp" (data-parallel through the
+    syncer: every step a learner sends its gradient and waits for the new parameters; the
+    syncer applies AdamW). Empty means "decoupled".
+    """
     @_builtins.property
     def fragments(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FragmentInfo]:
         """The fragment plan (balanced tensor fragmentation)."""
@@ -119,10 +127,11 @@ class RunConfig(_message.Message):
         merge_rule: _builtins.str = ...,
         embedding_merge_rule: _builtins.str = ...,
         protocol_version: _builtins.int = ...,
+        sync_mode: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size_bytes", b"chunk_size_bytes", "download_codec", b"download_codec", "embedding_merge_rule", b"embedding_merge_rule", "fragments", b"fragments", "max_staleness_versions", b"max_staleness_versions", "merge_rule", b"merge_rule", "min_quorum", b"min_quorum", "mixing_alpha", b"mixing_alpha", "model_config_json", b"model_config_json", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "num_fragments", b"num_fragments", "overlap_steps", b"overlap_steps", "protocol_version", b"protocol_version", "run_id", b"run_id", "sync_period_steps", b"sync_period_steps", "upload_block_size", b"upload_block_size", "upload_codec", b"upload_codec", "zstd_level", b"zstd_level"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size_bytes", b"chunk_size_bytes", "download_codec", b"download_codec", "embedding_merge_rule", b"embedding_merge_rule", "fragments", b"fragments", "max_staleness_versions", b"max_staleness_versions", "merge_rule", b"merge_rule", "min_quorum", b"min_quorum", "mixing_alpha", b"mixing_alpha", "model_config_json", b"model_config_json", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "num_fragments", b"num_fragments", "overlap_steps", b"overlap_steps", "protocol_version", b"protocol_version", "run_id", b"run_id", "sync_mode", b"sync_mode", "sync_period_steps", b"sync_period_steps", "upload_block_size", b"upload_block_size", "upload_codec", b"upload_codec", "zstd_level", b"zstd_level"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -416,11 +425,18 @@ class WatchFragmentsRequest(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     SYNCER_INSTANCE_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
+    ACCEPT_DELTA_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     learner_id: _builtins.str
     incarnation: _builtins.int
     syncer_instance: _builtins.str
     """The syncer instance the held versions came from; another instance's versions are ignored."""
+    accept_delta: _builtins.bool
+    """The client can apply deltas (GlobalFragmentHeader.delta). When the run's download codec is
+    lossy, a client holding version v - 1 of a fragment then receives version v as the
+    quantized difference; anyone else (and every client without this flag) receives the exact
+    float32 values.
+    """
     @_builtins.property
     def held(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FragmentVersion]: ...
     def __init__(
@@ -431,10 +447,11 @@ class WatchFragmentsRequest(_message.Message):
         incarnation: _builtins.int = ...,
         syncer_instance: _builtins.str = ...,
         held: _abc.Iterable[_common_pb2.FragmentVersion] | None = ...,
+        accept_delta: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "incarnation", b"incarnation", "learner_id", b"learner_id", "protocol_version", b"protocol_version", "syncer_instance", b"syncer_instance"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_delta", b"accept_delta", "held", b"held", "incarnation", b"incarnation", "learner_id", b"learner_id", "protocol_version", b"protocol_version", "syncer_instance", b"syncer_instance"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -450,9 +467,17 @@ class GlobalFragmentHeader(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     SYNCER_INSTANCE_FIELD_NUMBER: _builtins.int
     PAYLOAD_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    DELTA_BASE_VERSION_FIELD_NUMBER: _builtins.int
     fragment_id: _builtins.int
     version: _builtins.int
     syncer_instance: _builtins.str
+    delta: _builtins.bool
+    """The payload is the difference from version delta_base_version (= version - 1), which the
+    client holds: new values = held values + decoded payload, in float32, exactly as the
+    syncer computed them (the syncer carries the quantization error into the next delta).
+    """
+    delta_base_version: _builtins.int
     @_builtins.property
     def payload(self) -> _common_pb2.PayloadInfo: ...
     def __init__(
@@ -462,10 +487,12 @@ class GlobalFragmentHeader(_message.Message):
         version: _builtins.int = ...,
         syncer_instance: _builtins.str = ...,
         payload: _common_pb2.PayloadInfo | None = ...,
+        delta: _builtins.bool = ...,
+        delta_base_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragment_id", b"fragment_id", "payload", b"payload", "syncer_instance", b"syncer_instance", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "delta_base_version", b"delta_base_version", "fragment_id", b"fragment_id", "payload", b"payload", "syncer_instance", b"syncer_instance", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -820,6 +847,7 @@ class FragmentState(_message.Message):
     NUMEL_FIELD_NUMBER: _builtins.int
     PENDING_CONTRIBUTIONS_FIELD_NUMBER: _builtins.int
     PARAMS_SHA256_FIELD_NUMBER: _builtins.int
+    PUBLISHED_SHA256_FIELD_NUMBER: _builtins.int
     fragment_id: _builtins.int
     version: _builtins.int
     numel: _builtins.int
@@ -827,6 +855,11 @@ class FragmentState(_message.Message):
     """Contributions waiting in the open merge round."""
     params_sha256: _builtins.str
     """sha256 of the fragment's float32 parameters (little-endian), hex."""
+    published_sha256: _builtins.str
+    """sha256 of the values learners hold for this version: equal to params_sha256 unless the
+    download codec is lossy, in which case learners hold the syncer's error-fed reconstruction
+    (see GlobalFragmentHeader.delta) and this is its hash.
+    """
     def __init__(
         self,
         *,
@@ -835,10 +868,11 @@ class FragmentState(_message.Message):
         numel: _builtins.int = ...,
         pending_contributions: _builtins.int = ...,
         params_sha256: _builtins.str = ...,
+        published_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragment_id", b"fragment_id", "numel", b"numel", "params_sha256", b"params_sha256", "pending_contributions", b"pending_contributions", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragment_id", b"fragment_id", "numel", b"numel", "params_sha256", b"params_sha256", "pending_contributions", b"pending_contributions", "published_sha256", b"published_sha256", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

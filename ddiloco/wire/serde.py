@@ -149,3 +149,9 @@ def decode_payload(info: common_pb2.PayloadInfo, payload: bytes) -> np.ndarray:
         checksum=bytes(info.checksum),
         block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
     )
+
+
+def apply_delta(held: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """held + step in float32: how the syncer and every learner compute a delta-encoded global
+    version (GlobalFragmentHeader.delta), so that both get bit-identical values."""
+    return np.add(held, step, dtype=np.float32)

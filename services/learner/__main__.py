@@ -7,6 +7,7 @@ the background. Exit status: 0 done, 3 could not join, 4 fenced off by a newer l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -42,6 +43,11 @@ def load_split(data_dir: str, max_bytes: int, num_shards: int, heldout_fraction:
         return corpus.split_corpus(docs, num_shards, heldout_fraction, source_name=data_dir)
     docs = corpus.load_stdlib_documents(max_bytes=max_bytes)
     return corpus.split_corpus(docs, num_shards, heldout_fraction, source_name=corpus.STDLIB_SOURCE_NAME)
+
+
+def core_hash(values: np.ndarray) -> str:
+    """sha256 of a float32 vector's little-endian bytes (the syncer's params_sha256 convention)."""
+    return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").tobytes()).hexdigest()
 
 
 def run(cfg: config_lib.LearnerConfig) -> int:
@@ -85,6 +91,11 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         _LOG.error("this learner builds a different model than the syncer's (fingerprint mismatch)")
         client.close(leave=False)
         return 4
+    sync_mode = run_config.sync_mode or "decoupled"
+    if sync_mode != "decoupled" and cfg.num_processes > 1:
+        _LOG.error(f"sync mode {sync_mode!r} (a baseline) is not supported by multi-process learner units")
+        client.close(leave=False)
+        return 2
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
     split = load_split(cfg.data_dir, cfg.max_corpus_bytes, cfg.num_shards, cfg.heldout_fraction)
     shard = cfg.resolved_shard_index
@@ -104,6 +115,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
     loop = loop_lib.LearnerLoop(
         plan=plan, params=params, train_step=train_lib.TrainStep(model, optimizer, unit.mesh), sampler=sampler, client=client,
         learner_id=cfg.learner_id, incarnation=incarnation, mixing_alpha=run_config.mixing_alpha, step_delay_s=delay,
+        sync_mode=sync_mode, should_stop=stop.is_set,
     )
     collector.loop = loop
     loop.apply_updates()
@@ -134,7 +146,12 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         "tokens": loop.stats.tokens, "first_loss": loop.stats.first_loss, "last_loss_ema": loop.stats.loss_ema.value,
         "wall_s": round(time.monotonic() - started, 3), "uploads_queued": loop.stats.uploads_queued,
         "fragments_applied": loop.stats.fragments_applied, "client": vars(client.stats),
+        "sync_mode": sync_mode, "wait_s": round(loop.stats.wait_s, 3), "compute_s": round(loop.stats.compute_s, 3),
+        "barrier_resends": loop.stats.barrier_resends,
         "tokens_per_step": sampler.tokens_per_batch, "params_sha256": distributed_lib.params_sha256(loop.params),
+        # The global values this learner holds, per fragment: compare with the syncer's published_sha256.
+        "held": {str(f): {"version": v, "sha256": core_hash(loop.global_copy[f])}
+                 for f, (_, v) in sorted(loop.held.items())},
         **unit.describe(),
     }
     _LOG.info("done", extra={"fields": summary})

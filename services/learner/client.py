@@ -22,6 +22,7 @@ import datetime
 import logging
 import random
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -80,6 +81,7 @@ class ClientStats:
     uploads_failed: int = 0
     uploads_refused: int = 0
     fragments_received: int = 0
+    delta_fragments_received: int = 0  # of which sent as deltas (lossy download codec)
     sessions: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -104,6 +106,9 @@ class SyncClient:
         self._lock = threading.Lock()
         self._inbox: dict[int, GlobalFragment] = {}
         self._held: dict[int, int] = {}  # versions received (of self.instance)
+        self._values: dict[int, np.ndarray] = {}  # the values of those versions (deltas apply to them)
+        self._arrivals: dict[int, int] = {}  # fragment -> versions received so far (any instance)
+        self._arrived = threading.Condition(self._lock)
         self._uploads: dict[int, UploadJob] = {}
         self._progress: syncer_pb2.ReportProgressRequest | None = None
         self._progress_sent: syncer_pb2.ReportProgressRequest | None = None
@@ -156,6 +161,23 @@ class SyncClient:
             out = list(self._inbox.values())
             self._inbox.clear()
         return out
+
+    def arrivals(self) -> dict[int, int]:
+        """How many versions of each fragment have arrived so far (for `wait_for_arrivals`)."""
+        with self._lock:
+            return dict(self._arrivals)
+
+    def wait_for_arrivals(self, after: dict[int, int], timeout_s: float) -> bool:
+        """Blocks until every fragment in `after` received a version beyond the count given there
+        (a synchronous mode's barrier); False on timeout or when the client is fenced or closing."""
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while not all(self._arrivals.get(f, 0) > n for f, n in after.items()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.fenced or self._closing:
+                    return False
+                self._arrived.wait(min(remaining, 0.5))
+            return True
 
     def flush(self, timeout_s: float) -> bool:
         """Waits (bounded) until queued uploads are sent or abandoned; True if the queue drained."""
@@ -278,6 +300,7 @@ class SyncClient:
         request = syncer_pb2.WatchFragmentsRequest(
             protocol_version=serde.PROTOCOL_VERSION, learner_id=self.cfg.learner_id,
             incarnation=self.cfg.incarnation, syncer_instance=self.instance, held=serde.versions_to_proto(held),
+            accept_delta=True,
         )
         call = self._stub.WatchFragments(request, timeout=self.cfg.watch_stream_max_s)
         header = None
@@ -303,12 +326,27 @@ class SyncClient:
 
     async def _receive(self, header: syncer_pb2.GlobalFragmentHeader, payload: bytes) -> None:
         values = await asyncio.to_thread(serde.decode_payload, header.payload, payload)
-        update = GlobalFragment(header.fragment_id, header.version, header.syncer_instance, values)
-        with self._lock:
+        fid = header.fragment_id
+        if header.delta:
+            with self._lock:
+                held = self._held.get(fid) if header.syncer_instance == self.instance else None
+                base = self._values.get(fid)
+            if held != header.delta_base_version or base is None or base.size != values.size:
+                # Cannot happen with a correct syncer (it sends a delta only against the version
+                # this stream declared or received); re-watching gets exact values.
+                raise _SessionBroken(f"delta for fragment {fid} against version {header.delta_base_version}, "
+                                     f"but this learner holds {held}")
+            values = serde.apply_delta(base, values)
+            self.stats.delta_fragments_received += 1
+        update = GlobalFragment(fid, header.version, header.syncer_instance, values)
+        with self._arrived:
             if header.syncer_instance != self.instance:
                 return
-            self._inbox[header.fragment_id] = update
-            self._held[header.fragment_id] = header.version
+            self._inbox[fid] = update
+            self._held[fid] = header.version
+            self._values[fid] = values
+            self._arrivals[fid] = self._arrivals.get(fid, 0) + 1
+            self._arrived.notify_all()
         self.stats.fragments_received += 1
 
     async def _report_progress(self) -> None:

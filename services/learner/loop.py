@@ -10,6 +10,14 @@ unit's mesh). Fragments move between host and devices one tensor at a time throu
 step's `to_host` / `place`: extracting or folding in a fragment never holds more than that
 fragment on the host, whatever the model size. In a multi-process unit every process runs this
 same loop in lockstep (see distributed.py); only the leader's client uploads.
+
+The syncer's RunConfig.sync_mode picks the behaviour (the baselines exist for comparisons):
+  * ``decoupled``: as above; the learner never waits.
+  * ``diloco``: synchronous DiLoCo. Every fragment is due at the same step; after queueing its
+    pseudo-gradients the learner blocks until the merge of each arrives (a barrier).
+  * ``dp``: data-parallel through the syncer. No inner optimizer step: every step the learner
+    sends its gradient (P = H = 1) and blocks until the syncer's AdamW step comes back.
+Time spent blocked is counted in ``LoopStats.wait_s`` (the learner's communication wait).
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from services.learner import client as client_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
 
+SYNC_MODES = ("decoupled", "diloco", "dp")
+
 
 @dataclasses.dataclass
 class LoopStats:
@@ -37,6 +47,9 @@ class LoopStats:
     uploads_queued: int = 0
     fragments_applied: int = 0
     resets_nonfinite: int = 0
+    wait_s: float = 0.0  # blocked on the syncer (synchronous modes only)
+    compute_s: float = 0.0  # everything else inside step()
+    barrier_resends: int = 0
     first_loss: float | None = None
     loss_ema: grace_lib.Ema = dataclasses.field(default_factory=lambda: grace_lib.Ema(0.1))
     step_time_ema: grace_lib.Ema = dataclasses.field(default_factory=lambda: grace_lib.Ema(0.2))
@@ -57,7 +70,16 @@ class LearnerLoop:
         incarnation: int,
         mixing_alpha: float = 0.0,
         step_delay_s: Callable[[], float] | None = None,
+        sync_mode: str = "decoupled",
+        should_stop: Callable[[], bool] = lambda: False,
+        barrier_resend_s: float = 15.0,
     ) -> None:
+        """`sync_mode` comes from the syncer's RunConfig (see the module docstring). In the
+        synchronous modes `should_stop` ends a barrier wait (SIGTERM), and an upload whose merge
+        has not come back within `barrier_resend_s` is sent again (idempotent on the syncer), so
+        a lost upload cannot deadlock a quorum that needs every learner."""
+        if sync_mode not in SYNC_MODES:
+            raise ValueError(f"sync_mode={sync_mode!r}: this learner knows {SYNC_MODES}; upgrade it")
         self.plan = plan
         self.params = train_step.place_params(params)
         self.opt_state = train_step.init_opt_state(self.params)
@@ -75,6 +97,11 @@ class LearnerLoop:
         self.c_tokens = np.zeros(num, dtype=np.int64)
         self._last_upload_base: dict[int, tuple[str, int]] = {}
         self.stats = LoopStats()
+        self.sync_mode = sync_mode
+        self._barrier = sync_mode in ("diloco", "dp")
+        self._gradient_mode = sync_mode == "dp"
+        self._should_stop = should_stop
+        self._barrier_resend_s = barrier_resend_s
 
     def apply_updates(self) -> int:
         """Folds in every global fragment that arrived; returns how many."""
@@ -104,7 +131,11 @@ class LearnerLoop:
         started = time.monotonic()
         self.apply_updates()
         batch = self._sampler.next()
-        self.params, self.opt_state, loss = self._train_step(self.params, self.opt_state, batch)
+        grads = None
+        if self._gradient_mode:
+            grads, loss = self._train_step.gradients(self.params, batch)
+        else:
+            self.params, self.opt_state, loss = self._train_step(self.params, self.opt_state, batch)
         if self._step_delay_s is not None:
             time.sleep(self._step_delay_s())  # simulated slower hardware (benchmarks, tests)
         tokens = self._sampler.tokens_per_batch
@@ -115,36 +146,64 @@ class LearnerLoop:
         if self.stats.first_loss is None:
             self.stats.first_loss = loss
         self.stats.loss_ema.update(loss)
-        for fid in self.plan.due(self.stats.steps):
-            self._queue_upload(fid)
-        self.stats.step_time_ema.update(time.monotonic() - started)
+        due = self.plan.due(self.stats.steps)
+        arrivals = self._client.arrivals() if self._barrier and due else {}
+        jobs = [job for job in (self._queue_upload(fid, grads) for fid in due) if job is not None]
+        compute_s = time.monotonic() - started
+        self.stats.compute_s += compute_s
+        self.stats.step_time_ema.update(compute_s)
         self._client.set_progress(self.progress_request())
+        if jobs:
+            self._wait_for_merges(jobs, arrivals)
         return loss
 
-    def _queue_upload(self, fid: int) -> None:
+    def _wait_for_merges(self, jobs: list, arrivals: dict[int, int]) -> None:
+        """The synchronous modes' barrier: block until a new version of every uploaded fragment
+        arrived, then fold them in."""
+        started = time.monotonic()
+        after = {job.fragment_id: arrivals.get(job.fragment_id, 0) for job in jobs}
+        last_send = started
+        while not self._client.wait_for_arrivals(after, timeout_s=1.0):
+            if self._should_stop() or getattr(self._client, "fenced", None):
+                break
+            if time.monotonic() - last_send >= self._barrier_resend_s:
+                # The merge has not come back: the upload may have been lost (a syncer restart,
+                # a refused retry). Sending it again is idempotent on the syncer.
+                for job in jobs:
+                    self._client.submit_upload(job)
+                self.stats.barrier_resends += 1
+                last_send = time.monotonic()
+        self.stats.wait_s += time.monotonic() - started
+        self.apply_updates()
+
+    def _queue_upload(self, fid: int, grads: dict | None = None) -> client_lib.UploadJob | None:
         base = self.held.get(fid)
         # One contribution per base version: the syncer keys uploads on it, and a second one
         # would carry the same steps again.
         if base is None or self._last_upload_base.get(fid) == base or self.c_steps[fid] == 0:
-            return
+            return None
         frag = self.plan.fragments[fid]
-        local = fragments_lib.flatten_fragment(self._host_params(frag), frag)
-        delta = self.global_copy[fid] - local
+        if grads is not None:  # data-parallel baseline: the gradient itself is the contribution
+            delta = fragments_lib.flatten_fragment(
+                {t.name: self._train_step.to_host(grads[t.name]) for t in frag.tensors}, frag)
+        else:
+            local = fragments_lib.flatten_fragment(self._host_params(frag), frag)
+            delta = self.global_copy[fid] - local
         if not np.all(np.isfinite(delta)):
             # Diverged locally: never send it; start this fragment again from the global copy.
             _LOG.error("non-finite local fragment; resetting it to the global copy", extra={"fields": {"fragment": fid}})
             for name, arr in fragments_lib.unflatten_fragment(self.global_copy[fid], frag).items():
                 self.params[name] = self._train_step.place(name, arr)
             self.stats.resets_nonfinite += 1
-            return
-        self._client.submit_upload(
-            client_lib.UploadJob(
-                fragment_id=fid, base_version=base[1], syncer_instance=base[0],
-                steps=int(self.c_steps[fid]), tokens=int(self.c_tokens[fid]), delta=delta,
-            )
+            return None
+        job = client_lib.UploadJob(
+            fragment_id=fid, base_version=base[1], syncer_instance=base[0],
+            steps=int(self.c_steps[fid]), tokens=int(self.c_tokens[fid]), delta=delta,
         )
+        self._client.submit_upload(job)
         self._last_upload_base[fid] = base
         self.stats.uploads_queued += 1
+        return job
 
     def progress_request(self) -> syncer_pb2.ReportProgressRequest:
         return syncer_pb2.ReportProgressRequest(

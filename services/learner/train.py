@@ -1,7 +1,7 @@
 """The learner's inner optimization: AdamW config, the jitted step, held-out eval.
 
-Owns: ``InnerOptConfig``, ``make_inner_optimizer``, ``make_mesh``, ``TrainStep`` and
-``make_eval_fn``.
+Owns: ``make_mesh``, ``TrainStep`` and ``make_eval_fn`` (the optimizer itself is
+``ddiloco.algo.inner``, shared with the syncer's data-parallel mode).
 Must not: sample data, talk to the syncer or read the environment; the learner
 loop wires these pieces together.
 
@@ -18,7 +18,6 @@ FSDP all-gathers / reduce-scatters). Without a mesh the step is the plain single
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -28,77 +27,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ddiloco.algo.inner import InnerOptConfig, make_inner_optimizer  # noqa: F401 (re-exported)
 from ddiloco.models.base import Model, Params
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
-
-
-@dataclass(frozen=True)
-class InnerOptConfig:
-    """AdamW hyperparameters; defaults are tuned for the ``"small"`` transformer
-    preset at batch 16 x 128 bytes (see each comment)."""
-
-    # Peak LR. Single-learner 300-step sweeps on the small preset (held-out
-    # nats/byte at step 300): 1e-3 -> 2.21, 2e-3 -> 2.18, 3e-3 -> 2.19,
-    # 6e-3 -> 2.61 (unstable). 2e-3 is the best and keeps a 3x margin to the edge,
-    # which syncer merges and outer momentum can push toward.
-    learning_rate: float = 2e-3
-    # Linear ramp to the peak LR: Adam's first updates use poorly estimated
-    # second moments, and a short ramp avoids the resulting loss spike.
-    warmup_steps: int = 20
-    # Decoupled decay on matrices only (see make_inner_optimizer); 0.1 is the
-    # DiLoCo-lineage value.
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    # 0.99 rather than 0.999: second moments adapt within ~100 steps, which suits
-    # short runs and params overwritten by syncer merges.
-    b2: float = 0.99
-    # Clip the global gradient norm at this value, as in nanoGPT/DiLoCo.
-    grad_clip_norm: float = 1.0
-
-    def __post_init__(self) -> None:
-        for field in ("learning_rate", "grad_clip_norm"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"InnerOptConfig.{field}={getattr(self, field)}: use a value > 0")
-        if self.warmup_steps < 0:
-            raise ValueError(f"InnerOptConfig.warmup_steps={self.warmup_steps}: use a value >= 0")
-        if self.weight_decay < 0:
-            raise ValueError(f"InnerOptConfig.weight_decay={self.weight_decay}: use a value >= 0")
-        for field in ("b1", "b2"):
-            if not 0 <= getattr(self, field) < 1:
-                raise ValueError(f"InnerOptConfig.{field}={getattr(self, field)}: use [0, 1)")
-
-
-def _decay_mask(params: Params) -> dict[str, bool]:
-    # Decay matrices (weights, embeddings) only: decaying LayerNorm scales and
-    # biases pulls them toward 0 for no regularization benefit.
-    return {name: p.ndim >= 2 for name, p in params.items()}
-
-
-def make_inner_optimizer(cfg: InnerOptConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping, linear warmup then a constant LR.
-
-    The LR at step ``s`` is ``learning_rate * min(1, (s + 1) / (warmup_steps + 1))``:
-    the first step already moves (no batch is wasted) and the peak is reached at
-    step ``warmup_steps``. It stays constant after (no cosine decay) because a
-    learner in Decoupled DiLoCo runs open-ended: it joins, leaves and rejoins, so
-    there is no fixed total step count to decay against.
-
-    Args:
-        cfg: hyperparameters.
-
-    Returns:
-        The optax transformation; its state counts steps for the warmup.
-    """
-
-    def schedule(step: jax.Array) -> jax.Array:
-        return cfg.learning_rate * jnp.minimum(1.0, (step + 1) / (cfg.warmup_steps + 1))
-
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip_norm),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=_decay_mask),
-    )
 
 
 def make_mesh(devices: Sequence[jax.Device], shape: tuple[int, int] | None = None) -> Mesh:
@@ -161,10 +94,15 @@ class TrainStep:
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
+        def gradients(params: Params, batch: jax.Array):
+            loss, grads = jax.value_and_grad(model.loss)(params, batch)
+            return grads, loss
+
         # No buffer donation: the learner keeps handing its current params to the
         # syncer while training continues, so old buffers must stay valid.
         if mesh is None:
             self._step = jax.jit(step)
+            self._gradients = jax.jit(gradients)
             self._init = optimizer.init
             self.param_shardings: dict[str, NamedSharding] = {}
             return
@@ -180,6 +118,11 @@ class TrainStep:
             step,
             in_shardings=(self.param_shardings, opt_shardings, self._batch_sharding),
             out_shardings=(self.param_shardings, opt_shardings, self._replicated),
+        )
+        self._gradients = jax.jit(
+            gradients,
+            in_shardings=(self.param_shardings, self._batch_sharding),
+            out_shardings=(self.param_shardings, self._replicated),
         )
 
     def _opt_state_shardings(self, abstract_state):
@@ -252,18 +195,31 @@ class TrainStep:
         Raises:
             ValueError: if the batch shape does not fit the model or the mesh.
         """
-        if self.mesh is not None:
-            if batch.shape[0] % self.mesh.size:
-                raise ValueError(
-                    f"batch of {batch.shape[0]} sequences is not divisible by the {self.mesh.size} devices "
-                    "of the mesh: use a batch size that is a multiple of the device count"
-                )
-            host_batch = np.asarray(batch)
-            batch = jax.make_array_from_callback(host_batch.shape, self._batch_sharding, lambda index: host_batch[index])
-        params, opt_state, loss = self._step(params, opt_state, batch)
+        params, opt_state, loss = self._step(params, opt_state, self._place_batch(batch))
         # float() waits for the step to finish: one host sync per step, which also
         # keeps a learner from queueing unbounded async work.
         return params, opt_state, float(self.to_host(loss))
+
+
+    def gradients(self, params: Params, batch: np.ndarray) -> tuple[Params, float]:
+        """The gradient of the mean batch loss (no optimizer step): the data-parallel baseline.
+
+        Same arguments and errors as ``__call__``; returns the gradients (sharded like the
+        parameters) and the batch loss in nats.
+        """
+        grads, loss = self._gradients(params, self._place_batch(batch))
+        return grads, float(self.to_host(loss))
+
+    def _place_batch(self, batch: np.ndarray) -> jax.Array | np.ndarray:
+        if self.mesh is None:
+            return batch
+        if batch.shape[0] % self.mesh.size:
+            raise ValueError(
+                f"batch of {batch.shape[0]} sequences is not divisible by the {self.mesh.size} devices "
+                "of the mesh: use a batch size that is a multiple of the device count"
+            )
+        host_batch = np.asarray(batch)
+        return jax.make_array_from_callback(host_batch.shape, self._batch_sharding, lambda index: host_batch[index])
 
 
 def make_eval_fn(model: Model) -> Callable[[Params, Sequence[np.ndarray]], float]:

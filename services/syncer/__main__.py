@@ -22,6 +22,8 @@ from ddiloco import checkpoint_client as checkpoint_client_lib
 from ddiloco import logs, models
 from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import inner as inner_lib
+from ddiloco.algo import outer as outer_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import interceptors as rpc_interceptors
 from ddiloco.rpc import retry as retry_lib
@@ -101,6 +103,13 @@ async def _restore(client, cfg: config_lib.SyncerConfig) -> dict | None:
     return state
 
 
+def _dp_stepper_factory(cfg: config_lib.SyncerConfig):
+    """dp mode: each fragment gets the learners' AdamW (tensor-aware: decay mask, clipping)."""
+    optimizer = inner_lib.make_inner_optimizer(inner_lib.InnerOptConfig(
+        learning_rate=cfg.dp_learning_rate, warmup_steps=cfg.dp_warmup_steps, weight_decay=cfg.dp_weight_decay))
+    return lambda frag: outer_lib.OuterStepper(optimizer, tensors=[(t.name, tuple(t.shape)) for t in frag.tensors])
+
+
 async def serve(cfg: config_lib.SyncerConfig) -> int:
     # Transport security first: unreadable certificates or token files stop the start (status 2).
     try:
@@ -114,7 +123,15 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         return 2
     model = models.get_model(cfg.model, cfg.model_overrides)
     fingerprint = models.model_fingerprint(model)
-    plan = fragments_lib.plan_fragments(model.tensor_specs(), cfg.num_fragments, cfg.sync_period_steps)
+    plan = fragments_lib.plan_fragments(model.tensor_specs(), cfg.num_fragments, cfg.sync_period_steps,
+                                        staggered=cfg.sync_mode == "decoupled")
+    if cfg.sync_mode != "decoupled":
+        _LOG.info(f"sync mode {cfg.sync_mode} (a baseline): {config_lib.apply_sync_mode.__doc__.split(chr(10))[0]}",
+                  extra={"fields": {"min_quorum": cfg.min_quorum, "fragments": cfg.num_fragments,
+                                    "H": cfg.sync_period_steps, "upload": cfg.upload_codec}})
+        if cfg.min_quorum == 1:
+            _LOG.warning(f"sync mode {cfg.sync_mode} with --min-quorum 1: merges will not wait for every learner; "
+                         "set --min-quorum to the number of learners for the synchronous baseline")
     params = {k: np.asarray(v, dtype=np.float32) for k, v in model.init(jax.random.PRNGKey(cfg.seed)).items()}
     initial = {f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments}
     run_config = core_lib.make_run_config(
@@ -134,7 +151,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
         clock=time.monotonic, wall_clock=time.time, norm_bound=cfg.norm_bound,
         quarantine_after=cfg.quarantine_after, quarantine_window_s=cfg.quarantine_window_s,
-        quarantine_s=cfg.quarantine_s,
+        quarantine_s=cfg.quarantine_s, stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == "dp" else None,
     )
     registry = metrics_lib.new_registry("syncer")
     metrics = syncer_metrics.SyncerMetrics(core, registry)

@@ -12,6 +12,7 @@ from ddiloco.rpc import security
 from ddiloco.wire import codec as codec_lib
 
 _RULES = ("rda", "mean")
+SYNC_MODES = ("decoupled", "diloco", "dp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +20,9 @@ class SyncerConfig:
     """Everything the syncer needs; each field is a flag and a DDILOCO_SYNCER_* variable."""
 
     bind: str = "0.0.0.0:50051"  # host:port to serve on; port 0 picks a free port
+    # decoupled (Decoupled DiLoCo), or a baseline for comparisons: diloco (synchronous DiLoCo) or
+    # dp (data-parallel through the syncer). The baselines fix some knobs: see apply_sync_mode.
+    sync_mode: str = "decoupled"
     ready_file: str = ""  # if set, JSON {address, pid} is written here once serving
     run_id: str = "default"  # names the run in the checkpoint store; keep it across restarts
     checkpoint_target: str = ""  # host:port of the checkpoint store; empty disables checkpoints
@@ -45,6 +49,11 @@ class SyncerConfig:
     embedding_merge_rule: str = "mean"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    # The data-parallel baseline's optimizer (AdamW on the syncer, ddiloco.algo.inner); the
+    # defaults are the learners' inner defaults.
+    dp_learning_rate: float = 2e-3
+    dp_warmup_steps: int = 20
+    dp_weight_decay: float = 0.1
     liveness_timeout_s: float = 15.0  # a learner silent this long no longer counts as expected
     max_concurrent_uploads: int = 64
     merge_history: int = 256  # merge records kept for the training state
@@ -108,6 +117,10 @@ class SyncerConfig:
                 raise bad(name, "must be >= 0")
         if self.upload_idle_timeout_s <= 0:
             raise bad("upload_idle_timeout_s", "must be > 0")
+        if self.sync_mode not in SYNC_MODES:
+            raise bad("sync_mode", f"must be one of {SYNC_MODES}")
+        if not self.dp_learning_rate > 0 or self.dp_warmup_steps < 0 or self.dp_weight_decay < 0:
+            raise bad("dp_learning_rate", "dp_learning_rate must be > 0, dp_warmup_steps and dp_weight_decay >= 0")
         if self.norm_bound_action not in robust_lib.ACTIONS:
             raise bad("norm_bound_action", f"must be one of {robust_lib.ACTIONS}")
         if self.health_bind and ":" not in self.health_bind:
@@ -134,10 +147,39 @@ class SyncerConfig:
         return json.loads(self.model_config)
 
 
+def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
+    """The effective configuration of a sync mode: what makes each baseline what it is.
+
+    * diloco: no grace window (merge as soon as the quorum is in), lossless fp32 both ways,
+      overwrite on arrival; fragments are planned unstaggered (all due together) and learners
+      wait for each merge. Set --min-quorum to the number of learners for the classic algorithm.
+    * dp: one fragment synced every step (P = H = 1, tau = 0), no grace window, fp32, plain mean
+      of the gradients, no staleness (a gradient must be on the current parameters), no norm
+      bound; the syncer's outer optimizer is AdamW with the dp_* settings. Set --min-quorum to
+      the number of learners.
+    * decoupled: unchanged.
+    """
+    if cfg.sync_mode == "diloco":
+        return dataclasses.replace(cfg, grace_gamma=0.0, max_grace_s=0.0, upload_codec="fp32",
+                                   download_codec="fp32", mixing_alpha=0.0)
+    if cfg.sync_mode == "dp":
+        return dataclasses.replace(cfg, num_fragments=1, sync_period_steps=1, overlap_steps=0, grace_gamma=0.0,
+                                   max_grace_s=0.0, upload_codec="fp32", download_codec="fp32", mixing_alpha=0.0,
+                                   merge_rule="mean", embedding_merge_rule="mean", max_staleness_versions=0,
+                                   norm_bound_factor=0.0)
+    return cfg
+
+
 def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfig:
     """Parses flags (with DDILOCO_SYNCER_* environment defaults) into a SyncerConfig."""
     helps = {
         "bind": "host:port to serve gRPC on (port 0: any free port)",
+        "sync_mode": "decoupled (Decoupled DiLoCo); baselines: diloco (synchronous DiLoCo: all fragments together, "
+                     "learners wait, no grace, fp32) or dp (data-parallel: gradients every step, AdamW on the "
+                     "syncer, learners wait); set --min-quorum to the number of learners for the baselines",
+        "dp_learning_rate": "dp mode: AdamW peak learning rate on the syncer",
+        "dp_warmup_steps": "dp mode: AdamW linear warmup steps",
+        "dp_weight_decay": "dp mode: AdamW weight decay (matrices only)",
         "ready_file": "write {address, pid} JSON here once serving",
         "run_id": "run name in the checkpoint store; the same id restores the same run",
         "checkpoint_target": "checkpoint store host:port (empty: no checkpoints)",
@@ -202,4 +244,4 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         argv=argv,
         environ=environ,
     )
-    return cfg
+    return apply_sync_mode(cfg)

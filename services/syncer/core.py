@@ -120,11 +120,18 @@ class _Slot:
     version: int
     params: np.ndarray
     opt_state: list
-    history: collections.OrderedDict  # version -> params (current included)
+    history: collections.OrderedDict  # version -> published values (current included)
     params_sha256: str
+    # What learners hold for the current version: `params` itself when downloads are lossless;
+    # with a lossy download codec, the reconstruction learners compute from the deltas sent so
+    # far (the quantization error is carried into the next delta, error feedback).
+    published: np.ndarray | None = None
+    published_sha256: str = ""
+    # (version, encoding of published[version] - published[version - 1]) for lossy downloads.
+    delta_encoded: tuple[int, codec_lib.EncodedPayload] | None = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     round: _Round | None = None
-    encoded: codec_lib.EncodedPayload | None = None  # current version in the download codec
+    encoded: codec_lib.EncodedPayload | None = None  # current published values, float32
     timer: asyncio.TimerHandle | None = None
     merging: bool = False  # a merge task is scheduled or running
     norms: robust_lib.NormHistory | None = None  # recent accepted contributions (norm bound)
@@ -162,9 +169,12 @@ class SyncerCore:
         quarantine_after: int = 3,
         quarantine_window_s: float = 600.0,
         quarantine_s: float = 3600.0,
+        stepper_factory: Callable[[fragments_lib.Fragment], outer_lib.OuterStepper] | None = None,
     ) -> None:
         """See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
-        `quarantine_s` 0 quarantines until restart."""
+        `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own
+        outer optimizer (the data-parallel baseline's AdamW); by default every fragment shares
+        Nesterov SGD with `outer_lr` and `outer_momentum`."""
         self.config = run_config
         self.plan = plan
         self.instance = uuid.uuid4().hex
@@ -181,18 +191,28 @@ class SyncerCore:
         # Passive observers (metrics): objects with optional methods merged(record),
         # upload_accepted(header) and rejoined(learner_id, gap_s). They must not mutate state.
         self.observers: list = []
-        self._stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(outer_lr, outer_momentum))
+        if stepper_factory is None:
+            shared = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(outer_lr, outer_momentum))
+            self._steppers = [shared for _ in plan.fragments]
+        else:
+            self._steppers = [stepper_factory(frag) for frag in plan.fragments]
+        self.download_codec = serde.codec_from_proto(run_config.download_codec)
+        # A lossy download codec sends each new version as a delta (error-fed, see _Slot).
+        self.delta_downloads = self.download_codec != "fp32"
         self.slots: list[_Slot] = []
         for frag in plan.fragments:
             params = np.asarray(initial_params[frag.fragment_id], dtype=np.float32).copy()
+            digest = params_sha256(params)
             self.slots.append(
                 _Slot(
                     fragment=frag,
                     version=0,
                     params=params,
-                    opt_state=self._stepper.init(params),
+                    opt_state=self._steppers[frag.fragment_id].init(params),
                     history=collections.OrderedDict({0: params}),
-                    params_sha256=params_sha256(params),
+                    params_sha256=digest,
+                    published=params,
+                    published_sha256=digest,
                     norms=robust_lib.NormHistory(self.norm_bound, frag),
                 )
             )
@@ -566,7 +586,8 @@ class SyncerCore:
                 # Re-anchor at the current global fragment (paper App. D.2): the learner's local
                 # fragment is base - delta, so its outer gradient against the current version is
                 # current - (base - delta).
-                corrected = delta if base is slot.params else delta + (slot.params - base)
+                # Learners hold the published values, so the correction is in that space.
+                corrected = delta if base is slot.published else delta + (slot.published - base)
                 rnd.accumulator.add(corrected, weight)
 
             try:
@@ -677,19 +698,27 @@ class SyncerCore:
                 slot.timer = None
             outer_grad = await asyncio.to_thread(rnd.accumulator.result)
             slot.last_outer_grad = np.asarray(outer_grad, dtype=np.float32)
-            new_params, new_state = await asyncio.to_thread(self._stepper.step, slot.params, slot.opt_state, outer_grad)
+            stepper = self._steppers[slot.fragment.fragment_id]
+            new_params, new_state = await asyncio.to_thread(stepper.step, slot.params, slot.opt_state, outer_grad)
             if not np.all(np.isfinite(new_params)):
                 # Never publish a non-finite global fragment; drop the round instead.
                 _LOG.error("outer step produced non-finite values; round dropped", extra={"fields": {"fragment": slot.fragment.fragment_id}})
                 slot.round = None
                 self.uploads["dropped_nonfinite_round"] += 1
                 return
+            if self.delta_downloads:
+                published, delta_encoded = await asyncio.to_thread(self._publish_delta, slot.published, new_params)
+                slot.delta_encoded = (slot.version + 1, delta_encoded)
+            else:
+                published = new_params
             slot.params, slot.opt_state = new_params, new_state
             slot.version += 1
-            slot.history[slot.version] = new_params
+            slot.published = published
+            slot.history[slot.version] = published
             while len(slot.history) > self.config.max_staleness_versions + 1:
                 slot.history.popitem(last=False)
             slot.params_sha256 = params_sha256(new_params)
+            slot.published_sha256 = slot.params_sha256 if published is new_params else params_sha256(published)
             slot.encoded = None
             slot.round = None
             self.outer_steps += 1
@@ -717,13 +746,32 @@ class SyncerCore:
                                   "contributors": len(rnd.contributions), "reason": reason}},
             )
 
+    def _publish_delta(self, published: np.ndarray, new_params: np.ndarray) -> tuple[np.ndarray, codec_lib.EncodedPayload]:
+        """Encodes new_params - published in the download codec; returns what learners will hold
+        after applying it (computed exactly as they compute it) and the encoding."""
+        encoded = codec_lib.encode(
+            (new_params - published).astype(np.float32), self.download_codec,
+            block_size=self.config.upload_block_size, zstd_level=self.config.zstd_level,
+        )
+        step = codec_lib.decode(
+            encoded.payload, codec=encoded.codec, numel=encoded.numel, raw_size_bytes=encoded.raw_size_bytes,
+            checksum=encoded.checksum, block_size=encoded.block_size,
+        )
+        return serde.apply_delta(published, step), encoded
+
+    def delta_payload(self, slot: _Slot, from_version: int) -> tuple[int, codec_lib.EncodedPayload] | None:
+        """The current version as a delta from `from_version`, if one is cached for exactly that step."""
+        cached = slot.delta_encoded
+        if cached is None or cached[0] != slot.version or from_version != slot.version - 1:
+            return None
+        return cached
+
     async def encoded_payload(self, slot: _Slot) -> tuple[int, codec_lib.EncodedPayload]:
-        """The current version of a fragment in the download codec (cached per version)."""
+        """The current published values of a fragment as exact float32 (cached per version)."""
         if slot.encoded is None:
-            version, params = slot.version, slot.params
+            version, params = slot.version, slot.published
             encoded = await asyncio.to_thread(
-                codec_lib.encode, params, serde.codec_from_proto(self.config.download_codec),
-                block_size=self.config.upload_block_size, zstd_level=self.config.zstd_level,
+                codec_lib.encode, params, "fp32", zstd_level=self.config.zstd_level,
             )
             if slot.version == version:
                 slot.encoded = encoded
@@ -817,6 +865,7 @@ class SyncerCore:
                     fragment_id=s.fragment.fragment_id, version=s.version, numel=s.fragment.numel,
                     pending_contributions=len(s.round.contributions) if s.round else 0,
                     params_sha256=s.params_sha256,
+                    published_sha256=s.published_sha256,
                 )
                 for s in self.slots
             ],
@@ -892,6 +941,9 @@ class SyncerCore:
             slot.params = params
             slot.opt_state = [np.asarray(a) for a in frag["opt_state"]]
             slot.version = int(frag["version"])
+            # A new instance: every learner re-downloads exact values, so published restarts
+            # from the parameters themselves.
+            slot.published, slot.published_sha256, slot.delta_encoded = params, digest, None
             slot.history = collections.OrderedDict({slot.version: params})
             slot.params_sha256 = digest
             slot.encoded = None
@@ -953,5 +1005,6 @@ def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, m
         merge_rule=cfg.merge_rule,
         embedding_merge_rule=cfg.embedding_merge_rule,
         protocol_version=serde.PROTOCOL_VERSION,
+        sync_mode=cfg.sync_mode,
     )
 

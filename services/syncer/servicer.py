@@ -191,11 +191,18 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 fid = slot.fragment.fragment_id
                 if slot.version <= sent[fid]:
                     continue
-                version, encoded = await core.encoded_payload(slot)
+                # A client holding the previous version gets the (smaller) delta when the run's
+                # download codec is lossy; anyone else gets the exact float32 values.
+                delta = core.delta_payload(slot, sent[fid]) if request.accept_delta else None
+                if delta is not None:
+                    version, encoded = delta
+                else:
+                    version, encoded = await core.encoded_payload(slot)
                 header = syncer_pb2.WatchFragmentsResponse(
                     header=syncer_pb2.GlobalFragmentHeader(
                         fragment_id=fid, version=version, syncer_instance=core.instance,
                         payload=serde.payload_info_to_proto(encoded),
+                        delta=delta is not None, delta_base_version=version - 1 if delta is not None else 0,
                     )
                 )
                 out_bytes = header.ByteSize()
