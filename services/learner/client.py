@@ -162,6 +162,12 @@ class SyncClient:
             self._inbox.clear()
         return out
 
+    def held_values(self) -> dict[int, tuple[int, np.ndarray]]:
+        """fragment -> (version, values) of the newest global version received from the current
+        syncer instance (the values deltas apply to)."""
+        with self._lock:
+            return {f: (v, self._values[f]) for f, v in self._held.items() if f in self._values}
+
     def arrivals(self) -> dict[int, int]:
         """How many versions of each fragment have arrived so far (for `wait_for_arrivals`)."""
         with self._lock:
