@@ -1,8 +1,10 @@
 """The training corpus: which bytes exist, how they split, how batches are drawn.
 
 Owns: loading documents (the Python stdlib's own sources by default, or any user
-directory), the deterministic held-out/shard split, and batch sampling.
-Must not: tokenize beyond bytes (token id == byte value), or touch JAX.
+directory), pre-tokenized uint16 token files (the nanoGPT ``train.bin`` / ``val.bin``
+convention), the deterministic held-out/shard split, and batch sampling.
+Must not: tokenize (text is bytes: token id == byte value; token files come tokenized), or
+touch JAX.
 
 Documents are ``(relative_path, bytes)`` pairs. A document's split is decided by
 a hash of its path alone, so adding or removing other files never moves it
@@ -37,9 +39,16 @@ STDLIB_SOURCE_NAME = f"python{sys.version_info.major}.{sys.version_info.minor} s
 class CorpusSplit:
     """The training shards (one per learner) and the held-out set."""
 
-    shards: tuple[np.ndarray, ...]  # uint8, read-only, equal length, one per learner
-    heldout: np.ndarray  # uint8, read-only; from documents no shard contains
+    shards: tuple[np.ndarray, ...]  # uint8 (text) or uint16 (token files), read-only, equal length
+    heldout: np.ndarray  # same dtype, read-only; from documents (or tokens) no shard contains
     source: str  # e.g. "python3.11 stdlib: 601 files, 10.6 MiB (571 train, 30 held out)"
+
+    @property
+    def max_token(self) -> int:
+        """The largest token id in the data (the model's vocabulary must exceed it)."""
+        if self.shards[0].dtype == np.uint8:
+            return 255
+        return int(max(max(int(s.max()) for s in self.shards), int(self.heldout.max()) if len(self.heldout) else 0))
 
 
 def _read_capped(root: str | os.PathLike, rel_paths: Iterable[str], max_bytes: int) -> list[tuple[str, bytes]]:
@@ -252,3 +261,70 @@ def heldout_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batch
     starts = np.linspace(0, len(tokens) - (seq_len + 1), batch_size * num_batches).round()
     windows = tokens[starts.astype(np.int64)[:, None] + np.arange(seq_len + 1)].astype(np.int32)
     return list(windows.reshape(num_batches, batch_size, seq_len + 1))
+
+
+TOKEN_FILE_SUFFIX = ".bin"
+
+
+def load_token_file(path: str | os.PathLike, max_tokens: int | None = None) -> np.ndarray:
+    """A flat little-endian uint16 token file (nanoGPT's ``.bin``), memory-mapped read-only.
+
+    Raises:
+        ValueError: if the file is missing, empty or not a whole number of uint16 values.
+    """
+    path = os.fspath(path)
+    size_bytes = os.path.getsize(path) if os.path.isfile(path) else -1
+    if size_bytes <= 0 or size_bytes % 2:
+        raise ValueError(f"token file {path!r} must be a non-empty flat array of little-endian uint16 "
+                         f"tokens ({'missing' if size_bytes < 0 else f'{size_bytes} bytes'})")
+    tokens = np.memmap(path, dtype="<u2", mode="r")
+    return tokens[:max_tokens] if max_tokens else tokens
+
+
+def split_tokens(
+    tokens: np.ndarray, num_shards: int, heldout_fraction: float = 0.05, *,
+    heldout: np.ndarray | None = None, source_name: str = "tokens",
+) -> CorpusSplit:
+    """Splits a flat token array: the held-out set is ``heldout`` when given (nanoGPT's
+    ``val.bin``), else the last ``heldout_fraction`` of the tokens; the rest is cut into
+    ``num_shards`` contiguous equal shards (zero-copy views)."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards={num_shards}: use at least 1")
+    if not 0 <= heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction={heldout_fraction}: use a value in [0, 1)")
+    if heldout is None:
+        cut = len(tokens) - int(len(tokens) * heldout_fraction)
+        train, heldout = tokens[:cut], tokens[cut:]
+    else:
+        train = tokens
+    shard_tokens = len(train) // num_shards
+    if shard_tokens == 0:
+        raise ValueError(f"{len(train)} training tokens cannot fill num_shards={num_shards}: add data")
+    shards = tuple(train[i * shard_tokens:(i + 1) * shard_tokens] for i in range(num_shards))
+    source = f"{source_name}: {len(train):,} training tokens, {len(heldout):,} held out"
+    return CorpusSplit(shards=shards, heldout=heldout, source=source)
+
+
+def load_split(data_path: str, max_bytes: int, num_shards: int, heldout_fraction: float) -> CorpusSplit:
+    """The deterministic split shared by learners and the evaluator, from ``data_path``:
+
+    * empty: the Python standard library's sources (bytes);
+    * a ``.bin`` file: uint16 tokens, the last ``heldout_fraction`` held out;
+    * a directory holding ``train.bin`` (and optionally ``val.bin``, then the held-out set);
+    * any other directory: its files as text documents (bytes), split by path hash.
+
+    ``max_bytes`` caps what is read (for token files: ``max_bytes // 2`` tokens of train.bin).
+    """
+    if not data_path:
+        docs = load_stdlib_documents(max_bytes=max_bytes)
+        return split_corpus(docs, num_shards, heldout_fraction, source_name=STDLIB_SOURCE_NAME)
+    train_bin = os.path.join(data_path, "train" + TOKEN_FILE_SUFFIX)
+    if data_path.endswith(TOKEN_FILE_SUFFIX) or os.path.isfile(train_bin):
+        is_file = data_path.endswith(TOKEN_FILE_SUFFIX)
+        tokens = load_token_file(data_path if is_file else train_bin, max_tokens=max_bytes // 2)
+        val_bin = os.path.join(data_path, "val" + TOKEN_FILE_SUFFIX)
+        heldout = None if is_file or not os.path.isfile(val_bin) else load_token_file(val_bin)
+        return split_tokens(tokens, num_shards, heldout_fraction, heldout=heldout, source_name=data_path)
+    docs = load_text_directory(data_path, max_bytes=max_bytes)
+    return split_corpus(docs, num_shards, heldout_fraction, source_name=data_path)
+

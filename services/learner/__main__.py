@@ -36,15 +36,6 @@ from services.learner import train as train_lib
 _LOG = logging.getLogger("ddiloco.learner")
 
 
-def load_split(data_dir: str, max_bytes: int, num_shards: int, heldout_fraction: float) -> corpus.CorpusSplit:
-    """The deterministic corpus split shared by learners and the evaluator."""
-    if data_dir:
-        docs = corpus.load_text_directory(data_dir, max_bytes=max_bytes)
-        return corpus.split_corpus(docs, num_shards, heldout_fraction, source_name=data_dir)
-    docs = corpus.load_stdlib_documents(max_bytes=max_bytes)
-    return corpus.split_corpus(docs, num_shards, heldout_fraction, source_name=corpus.STDLIB_SOURCE_NAME)
-
-
 def core_hash(values: np.ndarray) -> str:
     """sha256 of a float32 vector's little-endian bytes (the syncer's params_sha256 convention)."""
     return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").tobytes()).hexdigest()
@@ -97,7 +88,15 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         client.close(leave=False)
         return 2
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
-    split = load_split(cfg.data_dir, cfg.max_corpus_bytes, cfg.num_shards, cfg.heldout_fraction)
+    try:
+        split = corpus.load_split(cfg.data_dir, cfg.max_corpus_bytes, cfg.num_shards, cfg.heldout_fraction)
+        if split.max_token >= model.vocab_size:
+            raise ValueError(f"the data has token id {split.max_token} but the model's vocabulary has "
+                             f"{model.vocab_size} entries: set the syncer's --model-config vocab_size")
+    except (ValueError, OSError) as exc:
+        _LOG.error(f"data {cfg.data_dir or 'stdlib'}: {exc}")
+        client.close(leave=True)
+        return 2
     shard = cfg.resolved_shard_index
     sampler = corpus.BatchSampler(split.shards[shard], cfg.batch_size, model.seq_len,
                                   seed=int(np.random.SeedSequence([cfg.seed, shard, incarnation]).generate_state(1)[0]))

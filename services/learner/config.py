@@ -25,7 +25,7 @@ class LearnerConfig:
     steps: int = 0  # inner steps to run; 0 runs until SIGTERM
     batch_size: int = 16
     seed: int = 0
-    data_dir: str = ""  # directory of text files; empty: the Python standard library's sources
+    data_dir: str = ""  # text directory, uint16 .bin token file or train.bin/val.bin directory; empty: stdlib
     max_corpus_bytes: int = 24 * 2**20
     num_shards: int = 4
     shard_index: int = -1  # -1: the trailing number of learner_id, modulo num_shards
@@ -163,7 +163,8 @@ _HELP = {
     "steps": "inner steps to run; 0 runs until SIGTERM",
     "batch_size": "sequences per inner step: the unit's global batch, split across its devices",
     "seed": "data-order seed (combined with the shard index and incarnation)",
-    "data_dir": "directory of text files to train on; empty uses the Python standard library sources",
+    "data_dir": "training data: a directory of text files, a flat uint16 token file (.bin), or a directory with "
+                "nanoGPT's train.bin (+ val.bin, held out); empty uses the Python standard library sources",
     "max_corpus_bytes": "read at most this many bytes of corpus",
     "num_shards": "number of data shards (normally the number of learners)",
     "shard_index": "this learner's shard; -1 derives it from learner_id's trailing number",

@@ -80,11 +80,7 @@ async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) ->
     run_config = state.config
     model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
-    split = corpus.split_corpus(
-        corpus.load_text_directory(cfg.data_dir, max_bytes=cfg.max_corpus_bytes) if cfg.data_dir
-        else corpus.load_stdlib_documents(max_bytes=cfg.max_corpus_bytes),
-        cfg.num_shards, cfg.heldout_fraction,
-    )
+    split = corpus.load_split(cfg.data_dir, cfg.max_corpus_bytes, cfg.num_shards, cfg.heldout_fraction)
     batches = corpus.heldout_batches(split.heldout, cfg.batch_size, model.seq_len, cfg.eval_batches)
     eval_fn = train_lib.make_eval_fn(model)
     template = model.init(jax.random.PRNGKey(0))

@@ -6,6 +6,8 @@ import random
 import numpy as np
 import pytest
 
+from ddiloco.data import corpus
+
 from ddiloco.data import (
     DOCUMENT_SEPARATOR,
     BatchSampler,
@@ -144,3 +146,46 @@ def test_stdlib_documents_are_sorted_filtered_and_capped():
     assert not any(excluded & set(p.split("/")) for p in paths)
     assert sum(len(data) for _, data in documents) == 300_000
     assert documents == load_stdlib_documents(max_bytes=300_000)
+
+
+# ------------------------------------------------------------------------- token files (nanoGPT)
+
+
+def test_token_file_split_is_deterministic_disjoint_and_memory_mapped(tmp_path):
+    tokens = (np.arange(10_000) * 7919 % 50_000).astype("<u2")
+    path = tmp_path / "data.bin"
+    tokens.tofile(path)
+    split = corpus.load_split(str(path), max_bytes=2**30, num_shards=4, heldout_fraction=0.1)
+    assert split.shards[0].dtype == np.uint16 and len(split.shards) == 4
+    assert all(len(s) == 9_000 // 4 for s in split.shards)
+    np.testing.assert_array_equal(split.heldout, tokens[9_000:])  # the tail is held out
+    np.testing.assert_array_equal(np.concatenate(split.shards), tokens[:9_000])
+    assert isinstance(split.shards[0].base, np.memmap) or isinstance(split.shards[0], np.memmap)
+    assert split.max_token == int(tokens.max())
+    again = corpus.load_split(str(path), max_bytes=2**30, num_shards=4, heldout_fraction=0.1)
+    np.testing.assert_array_equal(again.shards[3], split.shards[3])
+    batch = corpus.BatchSampler(split.shards[0], 2, 16, seed=0).next()
+    assert batch.dtype == np.int32 and batch.max() < 50_000
+
+
+def test_nanogpt_directory_uses_val_bin_as_heldout_and_caps_tokens(tmp_path):
+    np.arange(4_000, dtype="<u2").tofile(tmp_path / "train.bin")
+    np.full(300, 7, dtype="<u2").tofile(tmp_path / "val.bin")
+    split = corpus.load_split(str(tmp_path), max_bytes=2 * 2_000, num_shards=2, heldout_fraction=0.5)
+    assert len(split.heldout) == 300 and set(split.heldout.tolist()) == {7}
+    assert [len(s) for s in split.shards] == [1_000, 1_000]  # max_bytes // 2 tokens of train.bin, all trained on
+
+
+@pytest.mark.parametrize("content", [b"", b"\x01\x02\x03"])
+def test_bad_token_files_are_refused_clearly(tmp_path, content):
+    path = tmp_path / "bad.bin"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="uint16"):
+        corpus.load_split(str(path), max_bytes=2**20, num_shards=2, heldout_fraction=0.1)
+
+
+def test_text_directory_still_loads_as_bytes(tmp_path):
+    for i in range(40):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 50)
+    split = corpus.load_split(str(tmp_path), max_bytes=2**20, num_shards=2, heldout_fraction=0.2)
+    assert split.shards[0].dtype == np.uint8 and split.max_token == 255 and len(split.heldout) > 0
