@@ -1,0 +1,511 @@
+"""`ddiloco bench quality`: held-out loss and bytes on the wire, Decoupled DiLoCo against its baselines.
+
+Every run goes through the real services (a syncer, M learner processes and an evaluator on
+127.0.0.1, started by `LocalCluster`) with the same model, data, seed and tokens per learner; only
+the syncer's configuration differs:
+
+  * dp: data-parallel through the parameter server (`--sync-mode dp`): every step each learner
+    sends its fp32 gradient, the syncer averages, applies AdamW and sends the parameters back;
+    learners wait (a synchronous barrier).
+  * diloco: synchronous DiLoCo (`--sync-mode diloco`): all fragments every H steps, quorum = all
+    learners, no grace window, fp32 both ways; learners wait for each merge.
+  * decoupled: Decoupled DiLoCo as built: staggered fragments, K = 1 with the adaptive grace
+    window, 4-bit uploads and (here) 4-bit error-fed delta downloads; learners never wait.
+  * ablations of decoupled: upload codec, merge rule, grace window under heterogeneous learners,
+    overwrite vs alpha-mixing on arrival.
+
+Bytes are what the syncer counts per learner: the serialized size of every gRPC message to and
+from that learner (uploads, downloads, joins, progress reports); the evaluator's reads are not
+training traffic and are excluded. Results: `quality.json`, `quality.md` and `quality.png` under
+`--out`, with the machine, the commit and the exact configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+from ddiloco.bench import results as results_lib
+
+# The paper's targets for this comparison (issue 3).
+TARGET_LOSS_GAP_PCT = 3.0
+TARGET_BYTES_RATIO = 400.0
+# Compute utilization the required link speed is computed for.
+TARGET_UTILIZATION = 0.95
+# Heterogeneous-hardware ablation (the paper's table): half the learners this much slower, with
+# this much jitter on their step time.
+SLOW_FACTOR = 0.18
+SLOW_JITTER = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Everything shared by all runs of one invocation."""
+
+    preset: str = "small"
+    learners: int = 4
+    steps: int = 300  # inner steps per learner (equal tokens per learner in every run)
+    batch_size: int = 16
+    num_fragments: int = 4  # P (decoupled and diloco)
+    sync_period_steps: int = 48  # H (decoupled and diloco)
+    overlap_steps: int = 2  # tau
+    learning_rate: float = 2e-3  # learners' inner AdamW, and the dp syncer's AdamW
+    warmup_steps: int = 20
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    download_codec: str = "int4"  # decoupled's download codec (error-fed deltas)
+    eval_interval_s: float = 10.0
+    eval_batches: int = 8  # per periodic evaluation
+    final_eval_batches: int = 64
+    data_dir: str = ""
+    seed: int = 0
+    run_timeout_s: float = 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One run: a name, the table it belongs to and how it differs from the shared config."""
+
+    name: str
+    group: str  # "mode" or the ablation's name
+    sync_mode: str
+    syncer_flags: tuple[str, ...] = ()
+    slow_learners: bool = False  # half the learners SLOW_FACTOR slower with SLOW_JITTER jitter
+    note: str = ""
+
+
+def decoupled_flags(cfg: BenchConfig) -> tuple[str, ...]:
+    return ("--min-quorum", "1", "--upload-codec", "int4", "--download-codec", cfg.download_codec)
+
+
+def mode_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
+    m = str(cfg.learners)
+    return {
+        "dp": RunSpec("dp", "mode", "dp", ("--min-quorum", m), note="fp32 gradients every step, AdamW on the syncer"),
+        "diloco": RunSpec("diloco", "mode", "diloco", ("--min-quorum", m), note="all fragments every H, K = M, fp32"),
+        "decoupled": RunSpec("decoupled", "mode", "decoupled", decoupled_flags(cfg),
+                             note=f"K = 1 + grace, int4 up, {cfg.download_codec} deltas down"),
+    }
+
+
+def ablation_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
+    base = decoupled_flags(cfg)
+
+    def with_flag(flag: str, value: str) -> tuple[str, ...]:
+        flags = list(base)
+        if flag in flags:
+            flags[flags.index(flag) + 1] = value
+        else:
+            flags += [flag, value]
+        return tuple(flags)
+
+    specs = [
+        RunSpec("upload-bf16", "upload codec", "decoupled", with_flag("--upload-codec", "bf16")),
+        RunSpec("upload-int8", "upload codec", "decoupled", with_flag("--upload-codec", "int8")),
+        RunSpec("upload-int2", "upload codec", "decoupled", with_flag("--upload-codec", "int2")),
+        RunSpec("merge-mean", "merge rule", "decoupled", with_flag("--merge-rule", "mean"),
+                note="plain token-weighted mean instead of radial-directional averaging"),
+        RunSpec("hetero-grace", "heterogeneous learners", "decoupled", base, slow_learners=True,
+                note="K = 1 with the adaptive grace window"),
+        RunSpec("hetero-nograce", "heterogeneous learners", "decoupled", with_flag("--max-grace-s", "0"),
+                slow_learners=True, note="K = 1, merge on the first contribution"),
+        RunSpec("alpha-0.5", "fold-in on arrival", "decoupled", with_flag("--mixing-alpha", "0.5"),
+                note="local*0.5 + global*0.5 instead of overwrite"),
+    ]
+    return {s.name: s for s in specs}
+
+
+# ------------------------------------------------------------------------------------ one run
+
+
+def _final_eval(cluster, cfg: BenchConfig) -> float | None:
+    cmd = [sys.executable, "-m", "services.learner.evaluator", "--once", "--syncer", cluster.services["syncer"].address,
+           "--num-shards", str(cfg.learners), "--eval-batches", str(cfg.final_eval_batches), "--log-level", "WARNING",
+           "--timeout-s", "120"]
+    if cfg.data_dir:
+        cmd += ["--data-dir", cfg.data_dir]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cluster.env, check=True).stdout
+        return float(json.loads(out.strip().splitlines()[-1])["heldout_loss"])
+    except (subprocess.SubprocessError, ValueError, IndexError, KeyError):
+        return None
+
+
+def run_one(spec: RunSpec, cfg: BenchConfig, workdir: pathlib.Path, *, base_step_s: float | None = None,
+            log=print) -> dict:
+    """Runs one configuration to the end; returns its measurements."""
+    from ddiloco.cli import cluster as cluster_lib
+    from ddiloco.rpc import channel as channel_lib
+    from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    cluster = cluster_lib.LocalCluster(workdir)
+    started = time.monotonic()
+    samples: list[dict] = []  # (wall time, tokens trained, bytes) over the run
+    try:
+        syncer = cluster.start_syncer(run_id=f"bench-{spec.name}", extra=[
+            "--sync-mode", spec.sync_mode, "--model-config", json.dumps({"preset": cfg.preset}),
+            "--num-fragments", str(cfg.num_fragments), "--sync-period-steps", str(cfg.sync_period_steps),
+            "--overlap-steps", str(cfg.overlap_steps), "--outer-lr", str(cfg.outer_lr),
+            "--outer-momentum", str(cfg.outer_momentum), "--dp-learning-rate", str(cfg.learning_rate),
+            "--dp-warmup-steps", str(cfg.warmup_steps), "--seed", str(cfg.seed), "--log-level", "WARNING",
+            *spec.syncer_flags,
+        ])
+        data = ["--data-dir", cfg.data_dir] if cfg.data_dir else []
+        cluster.start_evaluator(extra=["--interval-s", str(cfg.eval_interval_s), "--num-shards", str(cfg.learners),
+                                       "--eval-batches", str(cfg.eval_batches), "--log-level", "WARNING", *data])
+        slow = set(range(cfg.learners // 2, cfg.learners)) if spec.slow_learners else set()
+        for i in range(cfg.learners):
+            extra = ["--steps", str(cfg.steps), "--num-shards", str(cfg.learners), "--batch-size", str(cfg.batch_size),
+                     "--learning-rate", str(cfg.learning_rate), "--warmup-steps", str(cfg.warmup_steps),
+                     "--seed", str(cfg.seed), "--log-every-steps", "1000", "--log-level", "WARNING", *data]
+            if i in slow:
+                if not base_step_s:
+                    raise ValueError("the heterogeneous ablation needs the measured step time of a previous run")
+                delay_s = SLOW_FACTOR * base_step_s
+                # Jitter of SLOW_JITTER of the whole (slowed) step, expressed relative to the delay.
+                extra += ["--step-delay-s", f"{delay_s:.4f}",
+                          "--step-jitter", f"{SLOW_JITTER * (base_step_s + delay_s) / delay_s:.4f}"]
+            cluster.start_learner(i, region="region-a" if i % 2 == 0 else "region-b", extra=extra)
+        stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address))
+        request = syncer_pb2.GetTrainingStateRequest(recent_merges=0)
+        deadline = started + cfg.run_timeout_s
+        while any(s.alive() for s in cluster.learners()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{spec.name}: learners still running after {cfg.run_timeout_s:.0f} s")
+            try:
+                state = stub.GetTrainingState(request, timeout=10).state
+                samples.append({"t": state.now_unix_s, "tokens": sum(m.tokens_total for m in state.members),
+                                "bytes": sum(m.bytes_in + m.bytes_out for m in state.members)})
+            except Exception:  # noqa: BLE001 - a busy syncer: sample again next time
+                pass
+            time.sleep(1.0)
+        failed = [s.name for s in cluster.learners() if s.proc.returncode != 0]
+        if failed:
+            raise RuntimeError(f"{spec.name}: learners {failed} failed:\n" + cluster.services[failed[0]].log_tail())
+        # Let the last contributions merge (decoupled: after the grace window).
+        settle_deadline = time.monotonic() + 30.0
+        while time.monotonic() < settle_deadline:
+            state = stub.GetTrainingState(request, timeout=10).state
+            if all(f.pending_contributions == 0 for f in state.fragments):
+                break
+            time.sleep(0.5)
+        final_loss = _final_eval(cluster, cfg)
+        state = stub.GetTrainingState(request, timeout=10).state
+    finally:
+        cluster.stop_all(timeout_s=15.0)
+    wall_s = time.monotonic() - started
+    summaries = []
+    for svc in cluster.learners():
+        path = workdir / f"{svc.name}.summary.json"
+        summaries.append(json.loads(path.read_text()) if path.exists() else {})
+    members = sorted(state.members, key=lambda m: m.learner_id)
+    curve = _loss_curve(list(state.evals), samples)
+    if final_loss is not None:
+        curve.append({"tokens": sum(s.get("tokens", m.tokens_total) for m, s in zip(members, summaries)),
+                      "heldout_loss": final_loss, "final": True})
+    result = {
+        "name": spec.name, "group": spec.group, "sync_mode": spec.sync_mode, "note": spec.note,
+        "syncer_flags": list(spec.syncer_flags), "slow_learners": spec.slow_learners,
+        "final_heldout_loss": final_loss,
+        "first_heldout_loss": state.evals[0].heldout_loss if state.evals else None,
+        "wall_s": round(wall_s, 1),
+        "outer_steps": state.outer_steps,
+        # The learners' own counts (their last progress report may not reach the syncer before they leave).
+        "tokens_trained": sum(s.get("tokens", m.tokens_total) for m, s in zip(members, summaries)),
+        "bytes_total": sum(m.bytes_in + m.bytes_out for m in members),
+        "bytes_up": sum(m.bytes_in for m in members),
+        "bytes_down": sum(m.bytes_out for m in members),
+        "per_learner": [
+            {"learner_id": m.learner_id, "bytes_up": m.bytes_in, "bytes_down": m.bytes_out,
+             "steps": s.get("steps", m.local_step),
+             "tokens": s.get("tokens", m.tokens_total), "uploads_accepted": m.uploads_accepted,
+             "compute_s": s.get("compute_s"), "wait_s": s.get("wait_s"), "wall_s": s.get("wall_s")}
+            for m, s in zip(members, summaries)
+        ],
+        "uploads": dict(state.uploads),
+        "curve": curve,
+    }
+    result.update(_derived(result, state.config))
+    loss = f"{final_loss:.4f}" if final_loss is not None else "n/a"
+    log(f"  {spec.name}: held-out {loss} nats/token, {result['bytes_total'] / 2**20:.1f} MiB on the wire, "
+        f"{state.outer_steps} merges, {wall_s:.0f} s")
+    return result
+
+
+def _loss_curve(evals, samples: list[dict]) -> list[dict]:
+    """Periodic evaluations placed at the tokens the learners had trained when they were taken."""
+    curve = []
+    for e in evals:
+        before = [s for s in samples if s["t"] <= e.at_unix_s]
+        tokens = before[-1]["tokens"] if before else 0
+        curve.append({"tokens": tokens, "heldout_loss": e.heldout_loss})
+    return curve
+
+
+def _derived(result: dict, config) -> dict:
+    """Per-step figures and the link speed each mode needs (see the report's definitions)."""
+    learners = result["per_learner"]
+    steps = max(1, sum(p["steps"] for p in learners) / max(1, len(learners)))
+    compute = sorted(p["compute_s"] / max(1, p["steps"]) for p in learners if p.get("compute_s"))
+    step_s = compute[len(compute) // 2] if compute else float("nan")
+    waits = [p["wait_s"] / p["wall_s"] for p in learners if p.get("wall_s")]
+    bytes_per_learner = result["bytes_total"] / max(1, len(learners))
+    bytes_per_step = bytes_per_learner / steps
+    h = max(1, config.sync_period_steps)
+    tau = config.overlap_steps
+    numel = [f.numel for f in config.fragments]
+    largest_share = max(numel) / sum(numel) if numel else 1.0
+    blocking = result["sync_mode"] in ("dp", "diloco")
+    if blocking:
+        # All of a learner's traffic for one sync happens at one step, and the learner waits for
+        # it: per sync B = bytes_per_step * H must cross in (1/U - 1) * H * step_s.
+        peak_bytes_per_step = bytes_per_step * h
+        budget_s = (1.0 / TARGET_UTILIZATION - 1.0) * h * step_s
+        link_bps = 8 * peak_bytes_per_step / budget_s if budget_s > 0 else float("nan")
+    else:
+        # Never waits: one fragment's up + down traffic must cross within tau steps (the overlap
+        # the schedule allows), and the average rate must be sustained.
+        peak_bytes_per_step = bytes_per_step * h * largest_share * math.ceil(len(numel) / h)
+        sync_bytes = bytes_per_step * h * largest_share
+        link_bps = max(8 * sync_bytes / (max(tau, 1) * step_s), 8 * bytes_per_step / step_s)
+    return {
+        "step_s": step_s,
+        "wait_share": sum(waits) / len(waits) if waits else None,
+        "bytes_per_step_per_learner": bytes_per_step,
+        "peak_bytes_per_step_per_learner": peak_bytes_per_step,
+        "link_bps_for_95pct": link_bps,
+    }
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _fmt_bps(bps: float) -> str:
+    if not math.isfinite(bps):
+        return "n/a"
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.2f} {unit}"
+    return f"{bps:.0f} bit/s"
+
+
+def summarize(runs: dict[str, dict]) -> dict:
+    """Side-by-side comparisons and the targets."""
+    out: dict = {}
+    dp = runs.get("dp")
+    dec = runs.get("decoupled")
+    if dp and dec and dp.get("final_heldout_loss") and dec.get("final_heldout_loss"):
+        gap_pct = 100.0 * (dec["final_heldout_loss"] - dp["final_heldout_loss"]) / dp["final_heldout_loss"]
+        ratio = dp["bytes_total"] / max(1, dec["bytes_total"])
+        out["decoupled_vs_dp_loss_pct"] = gap_pct
+        out["dp_over_decoupled_bytes"] = ratio
+        out["targets"] = {
+            "loss_within_3pct_of_dp": {"target_pct": TARGET_LOSS_GAP_PCT, "measured_pct": gap_pct,
+                                       "met": gap_pct <= TARGET_LOSS_GAP_PCT},
+            "bytes_400x_fewer_than_dp": {"target_ratio": TARGET_BYTES_RATIO, "measured_ratio": ratio,
+                                         "met": ratio >= TARGET_BYTES_RATIO},
+        }
+    for r in runs.values():
+        if dp and r.get("final_heldout_loss") and dp.get("final_heldout_loss"):
+            r["loss_vs_dp_pct"] = 100.0 * (r["final_heldout_loss"] - dp["final_heldout_loss"]) / dp["final_heldout_loss"]
+        if dp:
+            r["dp_bytes_ratio"] = dp["bytes_total"] / max(1, r["bytes_total"])
+    return out
+
+
+def render_markdown(result: dict) -> str:
+    cfg = result["config"]
+    runs = result["runs"]
+    lines = ["# Quality and bandwidth: Decoupled DiLoCo vs synchronous DiLoCo vs data-parallel", ""]
+    lines.append(
+        f"{cfg['learners']} learners x {cfg['steps']} steps x batch {cfg['batch_size']} (equal tokens per learner), "
+        f"`{cfg['preset']}` transformer, P = {cfg['num_fragments']}, H = {cfg['sync_period_steps']}, "
+        f"tau = {cfg['overlap_steps']}, inner AdamW lr {cfg['learning_rate']}, outer Nesterov "
+        f"{cfg['outer_lr']}/{cfg['outer_momentum']}; data: {cfg['data_dir'] or 'Python stdlib sources (bytes)'}. "
+        f"Held-out loss in nats per token of the global model on the held-out split "
+        f"({cfg['final_eval_batches']} batches); bytes = serialized gRPC messages to and from learners.")
+    lines.append("")
+    s = result["summary"]
+    if "targets" in s:
+        t = s["targets"]
+        lt, bt = t["loss_within_3pct_of_dp"], t["bytes_400x_fewer_than_dp"]
+        lines.append("## Targets")
+        lines.append(f"- decoupled within {TARGET_LOSS_GAP_PCT:g}% of dp's held-out loss: measured "
+                     f"{lt['measured_pct']:+.2f}% -> **{'met' if lt['met'] else 'MISSED'}**")
+        lines.append(f"- at least {TARGET_BYTES_RATIO:g}x fewer bytes than dp: measured {bt['measured_ratio']:.0f}x -> "
+                     f"**{'met' if bt['met'] else 'MISSED by ' + format(TARGET_BYTES_RATIO / bt['measured_ratio'], '.2f') + 'x'}**")
+        lines.append("")
+
+    def table(names: list[str]) -> str:
+        rows = []
+        for name in names:
+            r = runs[name]
+            loss = r.get("final_heldout_loss")
+            rows.append([
+                name, f"{loss:.4f}" if loss is not None else "n/a",
+                f"{r['loss_vs_dp_pct']:+.2f}%" if "loss_vs_dp_pct" in r else "",
+                _fmt_bytes(r["bytes_total"]), f"{r['dp_bytes_ratio']:.0f}x" if "dp_bytes_ratio" in r else "",
+                _fmt_bytes(r["bytes_per_step_per_learner"]), _fmt_bytes(r["peak_bytes_per_step_per_learner"]),
+                f"{r['step_s'] * 1000:.0f} ms" if math.isfinite(r["step_s"]) else "n/a",
+                f"{100 * r['wait_share']:.1f}%" if r.get("wait_share") is not None else "",
+                _fmt_bps(r["link_bps_for_95pct"]), r["outer_steps"], f"{r['wall_s']:.0f} s", r.get("note", ""),
+            ])
+        return results_lib.markdown_table(
+            ["run", "held-out loss", "vs dp", "bytes (all learners)", "dp / run", "bytes/step/learner",
+             "peak bytes/step/learner", "compute/step", "time waiting", "link for 95% CU", "merges", "wall", "what"],
+            rows)
+
+    modes = [n for n in ("dp", "diloco", "decoupled") if n in runs]
+    lines += ["## Modes", "", table(modes), ""]
+    ablations = [n for n, r in runs.items() if r["group"] != "mode"]
+    if ablations:
+        lines += ["## Ablations (decoupled, one change each)", "", table(ablations), ""]
+    lines += [
+        "## Definitions",
+        "- *peak bytes/step/learner*: dp and diloco move all of a sync's bytes at one step; decoupled moves one "
+        "fragment's (the largest) per sync step. Derived from the measured bytes and the fragment plan.",
+        f"- *link for 95% CU*: dp/diloco block, so one sync's bytes must cross in (1/{TARGET_UTILIZATION} - 1) x H "
+        "compute steps; decoupled never blocks, so the largest fragment's up+down bytes must cross within tau steps "
+        "and the mean rate must be sustained. Latency is ignored. Compute/step is the median learner's measured "
+        "step time on this machine (shared cores, so a slow step makes the link figures small).",
+        "- *time waiting*: share of a learner's wall time blocked on the syncer (barriers; decoupled never waits).",
+        "- heterogeneous ablation: learners "
+        f"{cfg['learners'] // 2}..{cfg['learners'] - 1} are {SLOW_FACTOR:.0%} slower (an added delay of "
+        f"{SLOW_FACTOR:.0%} of the measured step) with {SLOW_JITTER:.0%} jitter.",
+        "",
+    ]
+    if result.get("plot"):
+        lines += [f"![held-out loss against tokens]({pathlib.Path(result['plot']).name})", ""]
+    if result.get("notes"):
+        lines += ["## Notes", "", *[f"- {n}" for n in result["notes"]], ""]
+    lines.append(results_lib.provenance_markdown(result["provenance"]))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: pathlib.Path) -> pathlib.Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    ablations = [n for n, r in runs.items() if r["group"] != "mode"]
+    fig, axes = plt.subplots(1, 2 if ablations else 1, figsize=(13 if ablations else 7, 4.5), squeeze=False)
+
+    def draw(ax, names, title):
+        for name in names:
+            curve = runs[name]["curve"]
+            if curve:
+                ax.plot([c["tokens"] / 1e6 for c in curve], [c["heldout_loss"] for c in curve], marker=".", label=name)
+        ax.set_xlabel("tokens trained (millions, all learners)")
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+
+    draw(axes[0][0], [n for n in ("dp", "diloco", "decoupled") if n in runs], "modes")
+    if ablations:
+        draw(axes[0][1], ["decoupled", *ablations] if "decoupled" in runs else ablations, "ablations")
+        axes[0][1].set_ylim(axes[0][0].get_ylim())
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    parser.add_argument("--quick", action="store_true",
+                        help="a fast smoke configuration (tiny model, 2 learners, few steps): for tests, not results")
+    parser.add_argument("--modes", default="dp,diloco,decoupled", help="comma-separated modes to run")
+    parser.add_argument("--ablations", default="all",
+                        help="comma-separated ablations, 'all' or 'none': " + ", ".join(ablation_specs(d)))
+    parser.add_argument("--preset", default=d.preset)
+    parser.add_argument("--learners", type=int, default=d.learners)
+    parser.add_argument("--steps", type=int, default=d.steps, help="inner steps per learner")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--num-fragments", type=int, default=d.num_fragments)
+    parser.add_argument("--sync-period-steps", type=int, default=d.sync_period_steps)
+    parser.add_argument("--download-codec", default=d.download_codec, help="decoupled's download codec")
+    parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    parser.add_argument("--data-dir", default="", help="training data (see `ddiloco learner --help`)")
+    parser.add_argument("--eval-interval-s", type=float, default=d.eval_interval_s)
+    parser.add_argument("--final-eval-batches", type=int, default=d.final_eval_batches)
+    parser.add_argument("--out", default=str(results_lib.DEFAULT_OUT_DIR), help="where the results go")
+    parser.add_argument("--workdir", default="runs/bench-quality", help="logs of every run")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    if args.quick:
+        return BenchConfig(preset="tiny", learners=2, steps=24, batch_size=8, num_fragments=4, sync_period_steps=8,
+                           eval_interval_s=2.0, eval_batches=2, final_eval_batches=4, data_dir=args.data_dir,
+                           download_codec=args.download_codec, run_timeout_s=300.0)
+    return BenchConfig(preset=args.preset, learners=args.learners, steps=args.steps, batch_size=args.batch_size,
+                       num_fragments=args.num_fragments, sync_period_steps=args.sync_period_steps,
+                       download_codec=args.download_codec, learning_rate=args.learning_rate, data_dir=args.data_dir,
+                       eval_interval_s=args.eval_interval_s, final_eval_batches=args.final_eval_batches)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    modes = mode_specs(cfg)
+    wanted_modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in wanted_modes if m not in modes]
+    all_ablations = ablation_specs(cfg)
+    wanted_ablations = (list(all_ablations) if args.ablations == "all" else
+                        [] if args.ablations in ("", "none") else args.ablations.split(","))
+    unknown += [a for a in wanted_ablations if a not in all_ablations]
+    if unknown:
+        print(f"unknown modes/ablations: {unknown}", file=sys.stderr)
+        return 2
+    specs = [modes[m] for m in wanted_modes] + [all_ablations[a] for a in wanted_ablations]
+    prov = results_lib.provenance()
+    workdir = pathlib.Path(args.workdir)
+    out_dir = pathlib.Path(args.out)
+    print(f"ddiloco bench quality: {len(specs)} runs of {cfg.learners} learners x {cfg.steps} steps ({cfg.preset}); "
+          f"logs under {workdir}")
+    runs: dict[str, dict] = {}
+    base_step_s = None
+    for spec in specs:
+        if spec.slow_learners and base_step_s is None:
+            base_step_s = next((r["step_s"] for r in runs.values() if r["sync_mode"] == "decoupled"
+                                and math.isfinite(r["step_s"])), None)
+        runs[spec.name] = run_one(spec, cfg, workdir / spec.name, base_step_s=base_step_s)
+    result = {
+        "benchmark": "quality",
+        "config": dataclasses.asdict(cfg),
+        "runs": runs,
+        "summary": summarize(runs),
+        "provenance": prov,
+        "notes": [
+            "dp uses the learners' AdamW hyperparameters unchanged at a 4x larger global batch (no LR re-tuning "
+            "for any mode).",
+            "decoupled's downloads are error-fed deltas in the download codec; a learner that missed a version gets "
+            "exact fp32 values.",
+        ] if not args.quick else ["--quick smoke configuration: not a result."],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result["plot"] = str(plot(result, out_dir / "quality.png"))
+    json_path, md_path = results_lib.write_result(out_dir, "quality", result, render_markdown(result))
+    print(f"wrote {json_path}, {md_path} and {result['plot']}")
+    return 0
