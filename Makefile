@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: fuzz install up test test-fast test-docker docker-env lint protos check-protos clean k8s-tools k8s-render
+.PHONY: bench-quality fuzz install up test test-fast test-docker docker-env lint protos check-protos clean k8s-tools k8s-render
 
 install: $(STAMP)
 
@@ -51,6 +51,11 @@ fuzz: install
 	$(BIN)/python fuzz/fuzz_codec.py --make-seeds fuzz/corpus
 	$(BIN)/python fuzz/fuzz_codec.py -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 \
 		-artifact_prefix=fuzz/ fuzz/corpus
+
+# Held-out loss and bytes on the wire: dp vs synchronous DiLoCo vs Decoupled DiLoCo, plus ablations
+# (results under bench/results/; tens of minutes on 2 cores).
+bench-quality: install
+	$(BIN)/ddiloco bench quality $(ARGS)
 
 check-protos: install
 	$(BIN)/python scripts/gen_protos.py --check
