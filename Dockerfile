@@ -16,6 +16,14 @@
 #   PIP_OFFLINE  1: install only from the wheels in dist/docker-wheels (downloaded on the host by
 #                scripts/docker_env.sh), never from an index. 0 (default): from PyPI, with any
 #                wheels in dist/docker-wheels preferred.
+#   JAX_ACCELERATOR  cpu (default): the CPU jaxlib only. cuda12 or cuda13: also the CUDA plugin
+#                of the same JAX version, `jax[cuda12]` / `jax[cuda13]`, whose wheels bundle CUDA
+#                and cuDNN (~3 GB more; the host needs only the NVIDIA driver and the container
+#                toolkit). Needs PIP_OFFLINE=0 (scripts/docker_env.sh downloads CPU wheels only).
+#                JAX_PLATFORMS stays cpu in every image, so the syncer, store and evaluator run on
+#                CPU; GPU learners set JAX_PLATFORMS=cuda (the Helm chart's learners.gpu does):
+#                  docker build --build-arg JAX_ACCELERATOR=cuda12 -t ddiloco:cuda12 .
+#                  docker run --gpus all -e JAX_PLATFORMS=cuda ddiloco:cuda12 learner ...
 #
 # Layers: the dependencies (large: jax, jaxlib, scipy) are installed in their own layer, which
 # stays cached until pyproject.toml or the wheels change; a code change rebuilds only the small
@@ -40,6 +48,15 @@ COPY pyproject.toml dis[t] /wheels/
 RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/wheels/pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
     && /opt/venv/bin/pip install --no-cache-dir --requirement /tmp/requirements.txt
+# The accelerator plugin, pinned to the JAX just installed, in a layer of its own (the CPU layer
+# above stays cached when only this argument changes).
+ARG JAX_ACCELERATOR=cpu
+RUN case "$JAX_ACCELERATOR" in \
+      cpu) echo "JAX_ACCELERATOR=cpu: CPU jaxlib only" ;; \
+      cuda12|cuda13) /opt/venv/bin/pip install --no-cache-dir \
+          "jax[$JAX_ACCELERATOR]==$(/opt/venv/bin/python -c 'import jax; print(jax.__version__)')" ;; \
+      *) echo "JAX_ACCELERATOR=$JAX_ACCELERATOR is not one of cpu, cuda12, cuda13" >&2; exit 2 ;; \
+    esac
 
 # ---- runtime-venv: the same environment without pip and setuptools ---------------------------
 FROM deps AS runtime-venv
@@ -59,6 +76,8 @@ RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --target /opt/ddiloco /sr
 
 # ---- final: the runtime ---------------------------------------------------------------------
 FROM ${BASE_IMAGE}
+ARG JAX_ACCELERATOR=cpu
+LABEL org.opencontainers.image.title="ddiloco" io.ddiloco.jax-accelerator="${JAX_ACCELERATOR}"
 # A fixed, unprivileged uid/gid, so volume ownership is predictable. /var/lib/ddiloco is where the
 # checkpoint store keeps its data (mount a named volume there); it is created owned by that user,
 # so a fresh named volume inherits the ownership.

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: bench-quality fuzz install up test test-fast test-docker docker-env lint protos check-protos clean k8s-tools k8s-render
+.PHONY: bench-quality bench-perf fuzz install up test test-fast test-docker docker-env lint protos check-protos clean k8s-tools k8s-render chaos
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ docker-env:
 test-docker: install
 	$(BIN)/python -m pytest tests/docker $(PYTEST_ARGS)
 
+# Fault injection (ddiloco/chaos): e.g. make chaos ARGS="run --scenario soak --seed 7", or
+# ARGS="replay runs/chaos/soak-seed7/faults.jsonl"; `make chaos ARGS=list` names the scenarios.
+chaos: install
+	$(BIN)/ddiloco chaos $(ARGS)
+
 protos: install
 	$(BIN)/python scripts/gen_protos.py
 
@@ -56,6 +61,11 @@ fuzz: install
 # (results under bench/results/; tens of minutes on 2 cores).
 bench-quality: install
 	$(BIN)/ddiloco bench quality $(ARGS)
+
+# Codec, merge, transport, learner overlap and scale against the machine's own limits, each figure
+# a ratio measured in the same run (bench/results/perf.json and .md; ~15 min on 2 cores).
+bench-perf: install
+	$(BIN)/ddiloco bench perf $(ARGS)
 
 check-protos: install
 	$(BIN)/python scripts/gen_protos.py --check

@@ -52,7 +52,7 @@ SCHEMA = CHART / "values.schema.json"
 # Flags the chart sets itself (from other values or per pod), or does not support in Kubernetes;
 # every other flag of a service is a key of `<component>.settings`. Names that a service does not
 # have (yet) are ignored.
-_PLAIN = "always true until the chart wires mutual TLS"
+_PLAIN = "true unless tls.enabled"
 WIRED = {
     "syncer": {
         "bind": "syncer.port", "run_id": "run.id", "checkpoint_target": "the store's address", "insecure": _PLAIN,
@@ -74,17 +74,23 @@ WIRED = {
         "max_corpus_bytes": "data.maxCorpusBytes", "log_level": "run.logLevel", "json_logs": "run.jsonLogs",
     },
 }
-# Mutual TLS and bearer tokens: the chart does not wire them yet (certificates per learner pod, a
-# plaintext health port for the probes); see the "ddiloco.transport" helper.
-_TLS = {"tls_ca", "tls_cert", "tls_key", "tls_server_name", "auth_tokens_file", "auth_token_file",
-        "checkpoint_auth_token_file", "health_bind"}
+# Set by the chart when tls.enabled (certificate paths in tls.mountPath, server names, the
+# plaintext health port of the probes); see the "ddiloco.transport" helper.
+WIRED_TLS = {
+    "syncer": {"tls_ca", "tls_cert", "tls_key", "health_bind", "checkpoint_tls_server_name"},
+    "store": {"tls_ca", "tls_cert", "tls_key", "health_bind"},
+    "learners": {"tls_ca", "tls_cert", "tls_key", "tls_server_name"},
+    "evaluator": {"tls_ca", "tls_cert", "tls_key", "tls_server_name"},
+}
+# Bearer tokens (for TLS terminated elsewhere): not wired by the chart, which uses mutual TLS.
+_TLS = {"auth_tokens_file", "auth_token_file", "checkpoint_auth_token_file"}
 UNSUPPORTED = {
-    "syncer": {"ready_file", *_TLS},
+    "syncer": {"ready_file", "failpoints", "history_file", *_TLS},  # failpoints, history: fault tests only
     "store": {"ready_file", "failpoints", *_TLS},  # failpoints: fault injection for tests only
     "evaluator": {"once", *_TLS},  # once: it would exit and be restarted
     "learners": {
         *_TLS,
-        "hostile",  # tests and chaos only
+        "hostile", "failpoints", "history_file",  # tests and chaos only
         "incarnation",  # 0 (the start time) is what a restarted pod needs
         "shard_index",  # the pod ordinal, through the learner id
         "steps", "summary_file",  # a learner that finished would be restarted by its StatefulSet
@@ -119,7 +125,7 @@ def settings_schemas() -> dict[str, dict]:
     for component, cls in service_configs().items():
         properties = {}
         for field in dataclasses.fields(cls):
-            if field.name in WIRED[component] or field.name in UNSUPPORTED[component]:
+            if field.name in {*WIRED[component], *WIRED_TLS[component], *UNSUPPORTED[component]}:
                 continue
             prop = {"type": _TYPES[str(field.type)]}
             if field.name in enums:

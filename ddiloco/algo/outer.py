@@ -9,6 +9,12 @@ over learners), so a step moves Θ towards the learners:
     buf ← μ·buf + Δ;    Θ ← Θ - η·(Δ + μ·buf)
 (optax ``sgd(nesterov=True)``). DiLoCo's defaults are η = 0.7, μ = 0.9; the Decoupled
 DiLoCo paper publishes no values of its own.
+
+Speed: for the optimizer ``make_outer_optimizer`` builds (element-wise SGD with momentum) the
+step runs in numpy over cache-sized chunks, with the same state layout as optax's (the
+momentum buffer): a jitted call copied every input in and every output out, six copies of
+the fragment per step (measured on a 2-core VM: 0.12 GB/s for 33 MB fragments, against
+memory-copy speeds of several GB/s). Other optimizers take the jitted optax path.
 """
 
 from __future__ import annotations
@@ -23,6 +29,15 @@ import optax
 
 # The optimizer state's leaf shapes/dtypes and treedef for one fragment size.
 _Structure = tuple[list[jax.ShapeDtypeStruct], jax.tree_util.PyTreeDef]
+# Values per chunk of the numpy step (a few hundred KiB stays in L2 cache).
+_CHUNK = 1 << 16
+
+
+class _SGDTransformation(optax.GradientTransformation):
+    """``optax.sgd`` that also carries its hyperparameters, so that ``OuterStepper`` can run
+    it as a numpy loop. Behaves as the optax transformation everywhere else."""
+
+    hyperparameters: tuple[float, float, bool]
 
 
 def make_outer_optimizer(
@@ -45,7 +60,9 @@ def make_outer_optimizer(
         raise ValueError(f"learning_rate={learning_rate} is invalid: must be finite and > 0")
     if not 0 <= momentum < 1:
         raise ValueError(f"momentum={momentum} is invalid: must be in [0, 1)")
-    return optax.sgd(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov)
+    transformation = _SGDTransformation(*optax.sgd(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov))
+    transformation.hyperparameters = (float(learning_rate), float(momentum), bool(nesterov))
+    return transformation
 
 
 class OuterStepper:
@@ -73,6 +90,8 @@ class OuterStepper:
                 flat vector (element-wise optimizers such as Nesterov SGD).
         """
         self._optimizer = optimizer
+        # (η, μ, nesterov) when the step can run as the numpy loop (element-wise SGD).
+        self._sgd = getattr(optimizer, "hyperparameters", None) if tensors is None else None
         self._tensors = None if tensors is None else [(name, tuple(shape)) for name, shape in tensors]
         sizes = None if tensors is None else [math.prod(shape) for _, shape in self._tensors]
         self._tree_numel = None if sizes is None else sum(sizes)
@@ -157,6 +176,8 @@ class OuterStepper:
                     f"expects {spec.dtype}{list(spec.shape)}: the state belongs to another "
                     "fragment or optimizer"
                 )
+        if self._sgd is not None:
+            return _sgd_step(params, leaves[0], grad, *self._sgd)
         tree = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(leaf) for leaf in leaves])
         new_params, new_state = self._step(jnp.asarray(params), tree, jnp.asarray(grad))
         # np.array copies, so callers never hold buffers owned by JAX.
@@ -182,6 +203,30 @@ class OuterStepper:
                 jax.eval_shape(self._optimizer.init, spec)
             )
         return self._structures[numel]
+
+
+def _sgd_step(
+    params: np.ndarray, buf: np.ndarray, grad: np.ndarray, lr: float, mu: float, nesterov: bool
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """optax's sgd(momentum, nesterov) in numpy: buf' = μ·buf + g; update = g + μ·buf'
+    (Nesterov) or buf' (heavy ball); θ' = θ - η·update. Fresh outputs; inputs untouched."""
+    mu32, neg_lr = np.float32(mu), np.float32(-lr)
+    new_params = np.empty_like(params)
+    new_buf = np.empty_like(params)
+    work = np.empty(min(_CHUNK, params.size), np.float32)
+    for start in range(0, params.size, _CHUNK):
+        end = min(start + _CHUNK, params.size)
+        g, b, t = grad[start:end], new_buf[start:end], work[: end - start]
+        np.multiply(buf[start:end], mu32, out=b)
+        np.add(b, g, out=b)
+        if nesterov:
+            np.multiply(b, mu32, out=t)
+            np.add(t, g, out=t)
+            np.multiply(t, neg_lr, out=t)
+        else:
+            np.multiply(b, neg_lr, out=t)
+        np.add(params[start:end], t, out=new_params[start:end])
+    return new_params, [new_buf]
 
 
 def _check_vector(field: str, value: np.ndarray) -> np.ndarray:

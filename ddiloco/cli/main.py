@@ -22,6 +22,7 @@ _SERVICES = {
 _TOOLS = {
     "bench": ("ddiloco.bench.cli", "run a benchmark: quality, perf or goodput (`ddiloco bench --help`)"),
     "simulate": ("ddiloco.sim.cli", "the paper's chaos-engineering goodput simulation (`ddiloco simulate --help`)"),
+    "chaos": ("ddiloco.chaos.cli", "fault injection: run or replay a seeded chaos scenario (`ddiloco chaos --help`)"),
 }
 
 

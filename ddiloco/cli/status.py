@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
 import grpc
 from rich.console import Console
+from rich.markup import escape
 from rich.live import Live
 
 from ddiloco.cli import render
@@ -38,15 +40,58 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-server-name", default=env.get("DDILOCO_TLS_SERVER_NAME", ""),
                         help="name expected in the syncer's certificate [env: DDILOCO_TLS_SERVER_NAME]")
     parser.add_argument("--auth-token-file", default=env.get("DDILOCO_AUTH_TOKEN_FILE", ""),
-                        help="file holding a bearer token [env: DDILOCO_AUTH_TOKEN_FILE]")
+                        help="file holding a bearer token (a reader token) [env: DDILOCO_AUTH_TOKEN_FILE]")
+    parser.add_argument("--insecure", action="store_true",
+                        help="plaintext, explicitly (also what no --tls-ca means; refused together with --tls-*)")
 
 
 def client_security(args: argparse.Namespace) -> security_lib.ClientSecurity:
-    """TLS when --tls-ca is given; otherwise plaintext (a local tool reading a local syncer)."""
+    """TLS when --tls-ca is given; otherwise plaintext (a local tool reading a local syncer).
+    ValueError for contradictory flags (--insecure with --tls-*, a certificate without its key)."""
     return security_lib.ClientSecurity(
         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_server_name=args.tls_server_name,
-        insecure=not args.tls_ca, auth_token_file=args.auth_token_file,
+        insecure=args.insecure or not args.tls_ca, auth_token_file=args.auth_token_file,
     )
+
+
+def _handshake_failed(details: str) -> bool:
+    # What grpc-core reports when the TCP connection succeeded but TLS did not (the peer closed
+    # it mid-handshake, or the handshake itself failed) -- as opposed to "Connection refused".
+    lowered = details.lower()
+    return any(s in lowered for s in ("socket closed", "handshake", "ssl", "tls", "certificate", "verification"))
+
+
+def credentials_problem(exc: grpc.RpcError) -> bool:
+    """True when a call failed because of credentials or transport security, not because the
+    syncer is down: retrying will not help, the flags must change."""
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return True
+    return code == grpc.StatusCode.UNAVAILABLE and _handshake_failed(exc.details() or "")
+
+
+def explain(exc: grpc.RpcError, security: security_lib.ClientSecurity, target: str) -> str:
+    """A one-paragraph message for a failed call, with what to change when it is the credentials."""
+    code, details = exc.code(), exc.details() or ""
+    state = "unavailable" if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else "refused"
+    text = f"syncer {target} {state}: {code.name} {details}"
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return (f"{text}\nThe syncer refused these credentials. Reading the training state needs a reader "
+                "identity: a reader certificate (`ddiloco certs` writes operator.pem/operator.key) via --tls-ca, "
+                "--tls-cert and --tls-key, or a reader token via --auth-token-file.")
+    if code == grpc.StatusCode.UNAVAILABLE and _handshake_failed(details):
+        if security.insecure:
+            hint = ("the syncer closed a plaintext connection: it probably serves mutual TLS. Pass --tls-ca, "
+                    "--tls-cert and --tls-key with a reader certificate (e.g. certs/operator.pem from `ddiloco certs`)")
+        elif not security.tls_cert:
+            hint = ("the TLS handshake failed without a client certificate: the syncer requires mutual TLS. Pass "
+                    "--tls-cert and --tls-key with a reader certificate")
+        else:
+            hint = ("the TLS handshake failed: check that the certificate is signed by the syncer's CA and still "
+                    "valid, that --tls-server-name matches the syncer's certificate, or use --insecure if the "
+                    "syncer serves plaintext")
+        return f"{text}\nTLS: {hint}."
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                 syncer_pb2.GetTrainingStateRequest(recent_merges=args.merges), timeout=args.timeout_s
             ).state
         except grpc.RpcError as exc:
-            console.print(f"[red]syncer {args.target} unavailable:[/] {exc.code().name} {exc.details()}")
+            console.print(f"[red]{escape(explain(exc, security, args.target))}[/]")
             return 2
         if args.json:
             print(render.to_json(state), flush=True)
@@ -90,6 +135,14 @@ def run(args: argparse.Namespace) -> int:
                     else:
                         live.update(render.state_renderable(response.state, target=args.target))
             except grpc.RpcError as exc:
+                if credentials_problem(exc):  # retrying will not help: say what to change and stop
+                    if args.json:
+                        print(json.dumps({"error": exc.code().name, "target": args.target}), flush=True)
+                    else:
+                        live.stop()
+                        live = None
+                    console.print(f"[red]{escape(explain(exc, security, args.target))}[/]")
+                    return 2
                 msg = f"syncer {args.target} unavailable ({exc.code().name}); retrying in {backoff_s:.1f}s"
                 if args.json:
                     print(f'{{"error": "{exc.code().name}", "target": "{args.target}"}}', flush=True)

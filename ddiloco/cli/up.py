@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-fragments", type=int, default=4, help="P")
     parser.add_argument("--sync-period-steps", type=int, default=8, help="H")
     parser.add_argument("--min-quorum", type=int, default=1, help="K")
-    parser.add_argument("--upload-codec", default="int4", help="fp32, bf16, int8 or int4")
+    parser.add_argument("--upload-codec", default="int4", help="fp32, bf16, int8, int4 or int2")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per inner step")
     parser.add_argument("--eval-interval-s", type=float, default=20.0, help="seconds between held-out evaluations")
     parser.add_argument("--workdir", default="", help="logs, store and summaries (default runs/<time>)")
@@ -67,8 +67,9 @@ def _final_eval(cluster: cluster_lib.LocalCluster, args) -> float | None:
         return None
 
 
-def _start_dashboard(console: Console, target: str, bind: str):
-    """The web dashboard in background threads of this process; None if it cannot start."""
+def _start_dashboard(console: Console, target: str, bind: str, security=None):
+    """The web dashboard in background threads of this process (reading with `security`, the
+    cluster's read-only credential under --tls); None if it cannot start."""
     import logging
 
     from ddiloco.dashboard import Dashboard
@@ -76,13 +77,13 @@ def _start_dashboard(console: Console, target: str, bind: str):
     # The page shows the syncer's availability; warnings on stderr would garble the live table.
     logging.getLogger("ddiloco.dashboard").setLevel(logging.ERROR)
     try:
-        dashboard = Dashboard(target, bind=bind)
+        dashboard = Dashboard(target, bind=bind, security=security)
         try:
             url = dashboard.start()
         except OSError as exc:
             host = bind.rpartition(":")[0] or "127.0.0.1"
             console.print(f"[yellow]dashboard: cannot bind {bind} ({exc.strerror or exc}); using a free port[/]")
-            dashboard = Dashboard(target, bind=f"{host}:0")
+            dashboard = Dashboard(target, bind=f"{host}:0", security=security)
             url = dashboard.start()
     except (OSError, ValueError) as exc:
         console.print(f"[red]dashboard not started: {exc}[/]")
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"syncer listening on [bold]{syncer.address}[/]{' (mutual TLS)' if tls_hint else ''}  "
                       f"(watch it from another terminal: ddiloco status --watch --target {syncer.address}{tls_hint})")
         if args.dashboard:
-            dashboard = _start_dashboard(console, syncer.address, args.dashboard_bind)
+            dashboard = _start_dashboard(console, syncer.address, args.dashboard_bind, cluster.client_security())
         cluster.start_evaluator(extra=["--interval-s", str(args.eval_interval_s), "--num-shards", str(args.learners)])
         for i in range(args.learners):
             cluster.start_learner(i, region="region-a" if i % 2 == 0 else "region-b", extra=[

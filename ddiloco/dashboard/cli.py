@@ -8,8 +8,13 @@ import signal
 import sys
 import threading
 
+import grpc
+
 from ddiloco import logs
+from ddiloco.cli import status as status_cli
 from ddiloco.dashboard.server import Dashboard, parse_bind
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_target: str) -> None:
@@ -21,14 +26,36 @@ def add_arguments(parser: argparse.ArgumentParser, default_target: str) -> None:
     parser.add_argument("--merges", type=int, default=16, help="recent merges to fetch")
     parser.add_argument("--history", type=int, default=3600, help="snapshots kept for the plots (one per poll)")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    status_cli.add_security_arguments(parser)
+
+
+def check_credentials(target: str, security, timeout_s: float) -> str | None:
+    """One GetTrainingState call: an explanation if the syncer refuses these credentials (or the
+    transport), None if it answers or is merely unreachable (the dashboard then waits for it)."""
+    channel = channel_lib.sync_channel(target, security)
+    try:
+        syncer_pb2_grpc.SyncerStub(channel).GetTrainingState(
+            syncer_pb2.GetTrainingStateRequest(recent_merges=0), timeout=timeout_s)
+    except grpc.RpcError as exc:
+        return status_cli.explain(exc, security, target) if status_cli.credentials_problem(exc) else None
+    finally:
+        channel.close()
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
     logs.setup_logging(args.log_level)
     try:
         parse_bind(args.bind)
+        security = status_cli.client_security(args)
+        security.check_files()
+        # Wrong credentials never fix themselves: refuse to serve a page that could only say so.
+        problem = check_credentials(args.target, security, args.timeout_s)
+        if problem is not None:
+            print(f"ddiloco dashboard: {problem}", file=sys.stderr)
+            return 2
         dashboard = Dashboard(args.target, bind=args.bind, interval_s=args.interval_s, timeout_s=args.timeout_s,
-                              recent_merges=args.merges, history=args.history)
+                              recent_merges=args.merges, history=args.history, security=security)
         url = dashboard.start()
     except ValueError as exc:
         print(f"ddiloco dashboard: {exc}", file=sys.stderr)

@@ -39,6 +39,8 @@ class _CodecEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Codec.ValueType
     """symmetric int8 per block, float32 scale per block"""
     CODEC_INT4: _Codec.ValueType  # 4
     """symmetric 4-bit per block (two values per byte), float32 scale per block"""
+    CODEC_INT2: _Codec.ValueType  # 5
+    """2-bit per block, levels {-3,-1,1,3} x scale (four values per byte), float32 scale per block"""
 
 class Codec(_Codec, metaclass=_CodecEnumTypeWrapper):
     """How a fragment's values are encoded before zstd. Quantized codecs use per-block absmax scales."""
@@ -52,6 +54,8 @@ CODEC_INT8: Codec.ValueType  # 3
 """symmetric int8 per block, float32 scale per block"""
 CODEC_INT4: Codec.ValueType  # 4
 """symmetric 4-bit per block (two values per byte), float32 scale per block"""
+CODEC_INT2: Codec.ValueType  # 5
+"""2-bit per block, levels {-3,-1,1,3} x scale (four values per byte), float32 scale per block"""
 Global___Codec: _TypeAlias = Codec  # noqa: Y015
 
 @_typing.final

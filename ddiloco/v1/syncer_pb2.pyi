@@ -790,14 +790,15 @@ class MemberState(_message.Message):
     """Bitmask of suspicious events seen from this learner (never cleared): 1 replayed upload key
     with another payload (ALREADY_EXISTS), 2 malformed upload (sizes, checksum, corrupt frame,
     non-finite values), 4 beyond the norm bound (rejected or clipped), 8 tried to act as another
-    learner, 16 quarantined at least once.
+    learner, 16 quarantined at least once, 32 pointed away from the other learners (direction check).
     """
     quarantined_until_unix_s: _builtins.float
     direction_agreement: _builtins.float
     """Mean cosine between this learner's accepted contributions and the last merged outer gradient
     of their fragment (0 until known). Honest learners agree with the merged direction
     on average (-0.1 to +0.7 in our runs); a learner sending sign-flipped updates, which the norm
-    bound cannot see, sits lower (-0.2 to -0.6). Observability only: nothing acts on it.
+    bound cannot see, sits lower (-0.2 to -0.6). Observability only: the direction check
+    (--direction-check) compares with the other learners' latest contributions instead.
     """
     @_builtins.property
     def rejections(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:

@@ -2,18 +2,40 @@
 
 Owns: the byte layout of every codec, the payload checks done before any byte is trusted
 (sizes, sha256, zstd frame header) and the documented per-element error bounds.
-Must not: import gRPC or protobuf, do I/O, or know what the vector means.
+Must not: import gRPC, protobuf or JAX, do I/O, or know what the vector means. (The learner's
+jitted encoder, ``ddiloco.wire.jax_codec``, produces the same bytes; tests hold them equal.)
 
 Codecs (raw layout before zstd, all little-endian):
   * ``fp32``: the float32 values; bit-exact.
   * ``bf16``: bfloat16 values, rounded to nearest even (values beyond bfloat16's range are
     clipped to its maximum first, so no finite input becomes inf).
-  * ``int8`` / ``int4``: ``[float32 scale × n_blocks][levels]``, one absmax scale per block of
-    ``block_size`` values, symmetric levels -127..127 (int8, one byte each) or -7..7 (int4,
-    stored as level + 8, two per byte, low nibble first, an odd length padded with level 0).
-    A block of zeros has scale 0 and decodes to zeros.
+  * ``int8`` / ``int4`` / ``int2``: ``[float32 scale × n_blocks][levels]``, one absmax scale
+    per block of ``block_size`` values:
+      - int8: symmetric levels -127..127, one byte each;
+      - int4: symmetric levels -7..7 stored as level + 8, two per byte, low nibble first;
+      - int2: four levels {-3, -1, +1, +3} × scale, a symmetric uniform "mid-rise" quantizer
+        (steps of 2·scale, no exact zero), stored as codes 0..3 (level = 2·code - 3), four per
+        byte, first value in the lowest two bits. Scale = absmax / 3, so the outer levels reach
+        ±absmax and the worst-case error is absmax / 3 (half a step), where a ternary
+        {-1, 0, +1} scheme would waste a code and err by up to absmax / 2. On Gaussian-like
+        blocks of 128 its relative squared error is about half the ternary one (0.30 vs 0.59).
+        The sign of x picks the side (+0.0 gives +1, -0.0 gives -1), |x| the magnitude.
+    A tail that does not fill its last byte is padded with the code of +0.0 (int4: nibble 8,
+    int2: code 2). Scales: s = absmax / qmax in float32, one float32 step lower if qmax·s
+    would exceed absmax (so decoding never overflows), at least 2**-126 (the smallest normal
+    float32) so that 1/s is finite, and for int2 at most 2**126 so that 1/s is normal (blocks
+    with absmax above 2.55e38 then clip to the outer level, still within absmax / 3). Levels:
+    round-half-even(x · fl(1/s)); int2: min(floor(|x| · fl(1/s) / 2), 1) picks ±1 or ±3.
+    Flush to zero, as XLA on CPU computes: a block whose absmax is below 2**-126 (zeros and
+    subnormals only) has scale 0 and decodes to zeros, and subnormal inputs count as zeros of
+    the same sign. The error this adds is below 2**-126, inside the bounds' slack, and it keeps
+    the bytes identical to the learner's jitted encoder for every input.
 The raw bytes travel as one zstd frame with its content size in the header, so a receiver
 can reject a decompression bomb from the header alone.
+
+Speed: quantizing, packing and dequantizing run over cache-sized chunks of whole blocks; a
+non-finite input is found from the block absmax (NaN and inf propagate through max), not by
+a separate pass. `ddiloco bench perf` measures them against the machine's memory bandwidth.
 
 Every error raised here is a ``CodecError`` (a ``ValueError``).
 """
@@ -28,11 +50,26 @@ import ml_dtypes
 import numpy as np
 import zstandard
 
-CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2")
+QUANTIZED_CODECS: tuple[str, ...] = ("int8", "int4", "int2")
 DEFAULT_BLOCK_SIZE = 128
+# Largest block a quantized payload may declare (the syncer refuses larger ones too).
+MAX_BLOCK_SIZE = 1 << 20
 
-# Largest level of each quantized codec (levels are symmetric: -qmax..qmax).
-_QMAX = {"int8": 127, "int4": 7}
+# Largest level of each quantized codec in units of the scale (levels are symmetric).
+_QMAX = {"int8": 127, "int4": 7, "int2": 3}
+_LEVELS_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}
+# Worst-case error of a quantized codec as a fraction of the block absmax: half a step.
+_HALF_STEP = {"int8": 1.0 / 254, "int4": 1.0 / 14, "int2": 1.0 / 3}
+# Scales are at least the smallest normal float32, so that 1/scale is finite.
+_MIN_SCALE = np.float32(np.finfo(np.float32).tiny)
+# Values per chunk of the block-wise loops: a few hundred KiB of float32 stays in L2 cache.
+_CHUNK_VALUES = 1 << 16
+# int2 scales stay at or below 2**126 so that 1/scale is a normal float32 (see above).
+_INT2_MAX_SCALE = np.float32(2.0**126)
+# Blocks with a nonzero scale below this can hold subnormals that quantize to a nonzero level;
+# the encoder flushes those to zero first (rare: only blocks with absmax below ~2**-118).
+_TINY_SCALE = np.float32(2.0**-124)
 _SCALE_BYTES = 4
 _BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 # ZSTD_COMPRESSBOUND adds a margin for inputs below this size (zstd.h).
@@ -94,7 +131,7 @@ def expected_raw_size_bytes(codec: str, numel: int, block_size: int = DEFAULT_BL
         block_size: values per quantization block, >= 1 (ignored by fp32/bf16).
 
     Returns:
-        The size in bytes; int4 at block 128 is 4.25 bits per value.
+        The size in bytes; at block 128, int4 is 4.25 and int2 2.25 bits per value.
 
     Raises:
         CodecError: on an unknown codec, a negative numel or a bad block size.
@@ -107,8 +144,7 @@ def expected_raw_size_bytes(codec: str, numel: int, block_size: int = DEFAULT_BL
     if codec == "bf16":
         return 2 * numel
     n_blocks = -(-numel // block_size)
-    level_bytes = numel if codec == "int8" else (numel + 1) // 2
-    return _SCALE_BYTES * n_blocks + level_bytes
+    return _SCALE_BYTES * n_blocks + -(-numel // _LEVELS_PER_BYTE[codec])
 
 
 def max_payload_size_bytes(raw_size_bytes: int) -> int:
@@ -157,20 +193,43 @@ def encode(
     values = np.asarray(values)
     if values.ndim != 1 or values.dtype != np.float32:
         raise CodecError(f"values is {values.dtype}{list(values.shape)}: pass a 1-D float32 vector")
-    bad = ~np.isfinite(values)
-    if bad.any():
-        raise NonFiniteError(
-            f"values has {int(bad.sum())} non-finite entries (first at index "
-            f"{int(bad.argmax())}): refuse to send; the learner's state has diverged"
-        )
+    values = np.ascontiguousarray(values)
+    absmax = None
+    if codec in _QMAX:
+        # A block's absmax is NaN or inf exactly when the block holds a non-finite value.
+        absmax = block_absmax(values, block_size)
+        finite = bool(np.isfinite(absmax).all())
+    else:
+        # max and min propagate NaN, and an inf is the max or the min: two read-only passes.
+        finite = values.size == 0 or bool(np.isfinite(values.max()) and np.isfinite(values.min()))
+    if not finite:
+        raise_non_finite(values)
 
-    raw = _serialize(values, codec, block_size)
+    raw = _serialize(values, codec, block_size, absmax)
+    return finish_encoding(raw, codec, values.size, block_size, zstd_level)
+
+
+def raise_non_finite(values: np.ndarray) -> None:
+    """Raises the NonFiniteError of an encoder that found non-finite values (slow path)."""
+    bad = ~np.isfinite(np.asarray(values))
+    raise NonFiniteError(
+        f"values has {int(bad.sum())} non-finite entries (first at index "
+        f"{int(bad.argmax())}): refuse to send; the learner's state has diverged"
+    )
+
+
+def finish_encoding(raw: bytes, codec: str, numel: int, block_size: int, zstd_level: int) -> EncodedPayload:
+    """Compresses a codec's raw serialization and checksums it (shared with jax_codec)."""
+    if zstd_level > zstandard.MAX_COMPRESSION_LEVEL:
+        raise CodecError(
+            f"zstd_level={zstd_level} is invalid: must be <= {zstandard.MAX_COMPRESSION_LEVEL}"
+        )
     # One compressor per call: instances are not thread-safe.
     compressor = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True)
     payload = compressor.compress(raw)
     return EncodedPayload(
         codec=codec,
-        numel=values.size,
+        numel=numel,
         block_size=block_size,
         raw_size_bytes=len(raw),
         payload=payload,
@@ -216,6 +275,29 @@ def decode(
             finite.
         CodecError: on an unknown codec, a negative numel or a bad block size.
     """
+    raw = check_and_decompress(
+        payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes, checksum=checksum,
+        block_size=block_size,
+    )
+    # errstate: a forged scale can overflow level·scale; the finiteness check reports it.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _deserialize(raw, codec, numel, block_size)
+
+
+def check_and_decompress(
+    payload: bytes,
+    *,
+    codec: str,
+    numel: int,
+    raw_size_bytes: int,
+    checksum: bytes,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> bytes:
+    """Every check ``decode`` makes before looking at values, then zstd: returns the raw bytes.
+
+    Shared by the numpy and JAX decoders; raises what ``decode`` raises for sizes, checksum
+    and frame.
+    """
     expected_bytes = expected_raw_size_bytes(codec, numel, block_size)
     if raw_size_bytes != expected_bytes:
         raise SizeError(
@@ -253,17 +335,7 @@ def decode(
         raise CorruptPayloadError(
             f"payload decompressed to {len(raw)} bytes, not raw_size_bytes={raw_size_bytes}"
         )
-
-    # errstate: a forged scale can overflow q·scale; the finiteness check below reports it.
-    with np.errstate(over="ignore", invalid="ignore"):
-        values = _deserialize(raw, codec, numel, block_size)
-    bad = ~np.isfinite(values)
-    if bad.any():
-        raise NonFiniteError(
-            f"decoded values have {int(bad.sum())} non-finite entries (first at index "
-            f"{int(bad.argmax())}): the sender encoded invalid data"
-        )
-    return values
+    return raw
 
 
 def chunk_payload(payload: bytes, chunk_size_bytes: int) -> list[bytes]:
@@ -297,8 +369,8 @@ def max_abs_error_bound(codec: str, block_absmax: float) -> float:
     * fp32: 0 (bit-exact).
     * bf16: ``absmax · 2**-8`` (round to nearest even keeps 8 significant bits, so the
       error is at most 2**-8 relative; clipping to bfloat16's maximum stays within it).
-    * int8 / int4: half a quantization step, ``absmax / 254`` or ``absmax / 14``, plus
-      float32 rounding slack of ``absmax · 2**-20``.
+    * int8 / int4 / int2: half a quantization step, ``absmax / 254``, ``absmax / 14`` or
+      ``absmax / 3``, plus float32 rounding slack of ``absmax · 2**-20``.
     Lossy codecs add ``2**-126`` absolute slack for subnormal values and scales.
 
     Args:
@@ -320,17 +392,80 @@ def max_abs_error_bound(codec: str, block_absmax: float) -> float:
         return 0.0
     if codec == "bf16":
         return block_absmax * 2.0**-8 + _SUBNORMAL_SLACK
-    return block_absmax * (1.0 / (2 * _QMAX[codec]) + 2.0**-20) + _SUBNORMAL_SLACK
+    return block_absmax * (_HALF_STEP[codec] + 2.0**-20) + _SUBNORMAL_SLACK
 
 
 def _check_codec(codec: str, block_size: int) -> None:
     if codec not in CODECS:
         raise CodecError(f"codec={codec!r} is unknown: use one of {list(CODECS)}")
-    if codec in _QMAX and block_size < 1:
-        raise CodecError(f"block_size={block_size} is invalid for codec={codec!r}: must be >= 1")
+    if codec in _QMAX and not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise CodecError(
+            f"block_size={block_size} is invalid for codec={codec!r}: must be in [1, {MAX_BLOCK_SIZE}]"
+        )
 
 
-def _serialize(values: np.ndarray, codec: str, block_size: int) -> bytes:
+def block_absmax(values: np.ndarray, block_size: int) -> np.ndarray:
+    """Returns max |x| of each block of a 1-D float32 vector (the last block may be partial).
+
+    NaN and inf propagate: a block's absmax is finite exactly when all its values are.
+    """
+    numel = values.size
+    n_full = numel // block_size
+    out = np.empty(-(-numel // block_size), np.float32)
+    if n_full:
+        rows = _rows_per_chunk(block_size)
+        tmp = np.empty(min(rows, n_full) * block_size, np.float32)
+        starts = np.arange(0, rows * block_size, block_size)
+        for b0 in range(0, n_full, rows):
+            b1 = min(b0 + rows, n_full)
+            t = tmp[: (b1 - b0) * block_size]
+            np.abs(values[b0 * block_size : b1 * block_size], out=t)
+            # reduceat is ~1.4x faster than max(axis=1) over rows of a block (numpy 2.4).
+            out[b0:b1] = np.maximum.reduceat(t, starts[: b1 - b0])
+    if out.size > n_full:
+        out[-1] = np.abs(values[n_full * block_size :]).max()
+    return out
+
+
+def scales_from_absmax(absmax: np.ndarray, codec: str) -> np.ndarray:
+    """Returns each block's float32 scale (see the module docstring) from its absmax."""
+    absmax = np.asarray(absmax, dtype=np.float32)
+    qmax = np.float32(_QMAX[codec])
+    with np.errstate(over="ignore", invalid="ignore"):
+        scales = absmax / qmax
+        scales = np.where(scales * qmax > absmax, np.nextafter(scales, np.float32(0)), scales)
+    scales = np.maximum(scales, _MIN_SCALE)
+    if codec == "int2":
+        scales = np.minimum(scales, _INT2_MAX_SCALE)
+    # Flush to zero: a block of zeros and subnormals only has scale 0.
+    return np.where(absmax >= _MIN_SCALE, scales, np.float32(0)).astype(np.float32)
+
+
+def inverse_scales(scales: np.ndarray) -> np.ndarray:
+    """1/scale per block in float32, 0 for a zero block (levels are rint(x · this))."""
+    inv = np.zeros_like(scales)
+    np.divide(np.float32(1), scales, out=inv, where=scales > 0)
+    return inv
+
+
+def main_blocks(numel: int, block_size: int, per_byte: int) -> int:
+    """Whole blocks quantized in the chunked loop: as many as fit, ending on a byte boundary.
+
+    The rest (a partial block, and up to 3 whole ones when block_size is not a multiple of
+    the levels per byte) is a small zero-padded tail.
+    """
+    main = numel // block_size
+    while main and (main * block_size) % per_byte:
+        main -= 1
+    return main
+
+
+def _rows_per_chunk(block_size: int) -> int:
+    # Whole blocks per chunk, a multiple of 4 so that every chunk of levels ends on a byte.
+    return max(4, (_CHUNK_VALUES // block_size) // 4 * 4)
+
+
+def _serialize(values: np.ndarray, codec: str, block_size: int, absmax: np.ndarray | None = None) -> bytes:
     """Returns the raw (pre-zstd) bytes of finite float32 ``values``."""
     if codec == "fp32":
         return values.astype("<f4", copy=False).tobytes()
@@ -339,45 +474,142 @@ def _serialize(values: np.ndarray, codec: str, block_size: int) -> bytes:
         clipped = np.clip(values, -_BF16_MAX, _BF16_MAX)
         bits = clipped.astype(ml_dtypes.bfloat16).view(np.uint16)
         return bits.astype("<u2", copy=False).tobytes()
-    scales, levels = _quantize(values, block_size, _QMAX[codec])
+    if absmax is None:
+        absmax = block_absmax(values, block_size)
+    scales = scales_from_absmax(absmax, codec)
+    inv = inverse_scales(scales)
+    tiny_blocks = np.flatnonzero((scales > 0) & (scales < _TINY_SCALE))
+    if tiny_blocks.size:  # rare: flush their subnormals to zero, as the jitted encoder does
+        values = values.copy()
+        for b in tiny_blocks:
+            block = values[b * block_size : (b + 1) * block_size]
+            block[np.abs(block) < _MIN_SCALE] = 0
+    clip_int2 = codec == "int2" and bool((scales >= _INT2_MAX_SCALE).any())
+    numel = values.size
+    n_blocks = scales.size
+    per_byte = _LEVELS_PER_BYTE[codec]
+    raw = np.empty(expected_raw_size_bytes(codec, numel, block_size), np.uint8)
+    raw[: _SCALE_BYTES * n_blocks].view("<f4")[:] = scales
+    body = raw[_SCALE_BYTES * n_blocks :]
+
+    rows = _rows_per_chunk(block_size)
+    n_main = main_blocks(numel, block_size, per_byte)
+    if n_main:
+        work = np.empty(min(rows, n_main) * block_size, np.float32)
+        codes = np.empty(min(rows, n_main) * block_size, np.uint8)
+        for b0 in range(0, n_main, rows):
+            b1 = min(b0 + rows, n_main)
+            v = values[b0 * block_size : b1 * block_size].reshape(b1 - b0, block_size)
+            _levels_to_codes(v, inv[b0:b1], codec, work, codes, clip_int2)
+            _pack(codes, codec, body[b0 * block_size // per_byte : b1 * block_size // per_byte])
+    tail = values[n_main * block_size :]
+    if tail.size:
+        # The rest (less than one chunk): zero-padded to whole blocks and bytes. Zeros do not
+        # change a block's absmax and take the code of 0.0, which is also the padding.
+        tail_blocks = n_blocks - n_main
+        padded_size = -(-tail_blocks * block_size // per_byte) * per_byte
+        padded = np.zeros(max(padded_size, tail_blocks * block_size), np.float32)
+        padded[: tail.size] = tail
+        v = padded[: tail_blocks * block_size].reshape(tail_blocks, block_size)
+        work = np.zeros(padded.size, np.float32)
+        codes = np.empty(padded.size, np.uint8)
+        _levels_to_codes(v, inv[n_main:], codec, work, codes, clip_int2)
+        if padded.size > v.size:  # the odd tail past the last block: the code of 0.0
+            codes[v.size :] = _zero_code(codec)
+        packed = np.empty(padded.size // per_byte, np.uint8)
+        _pack(codes, codec, packed)
+        body[n_main * block_size // per_byte :] = packed[: body.size - n_main * block_size // per_byte]
+    return raw.tobytes()
+
+
+def _zero_code(codec: str) -> int:
+    return {"int8": 0, "int4": 8, "int2": 2}[codec]
+
+
+def _levels_to_codes(
+    v: np.ndarray, inv: np.ndarray, codec: str, work: np.ndarray, codes: np.ndarray, clip_int2: bool = False
+) -> None:
+    """Quantizes blocks ``v`` (rows × block_size) into one stored code per value (uint8)."""
+    t = work[: v.size].reshape(v.shape)
+    np.multiply(v, inv[:, None], out=t)
+    flat = work[: v.size]
+    if codec == "int2":
+        # code = 1.5 + copysign(m + 0.5, u) with m = min(floor(|u| / 2), 1): 2 + m or 1 - m.
+        magnitude = np.abs(flat)
+        np.multiply(magnitude, np.float32(0.5), out=magnitude)
+        np.floor(magnitude, out=magnitude)
+        if clip_int2:
+            np.minimum(magnitude, np.float32(1), out=magnitude)
+        np.add(magnitude, np.float32(0.5), out=magnitude)
+        np.copysign(magnitude, flat, out=flat)
+        np.add(flat, np.float32(1.5), out=flat)
+    else:
+        np.rint(flat, out=flat)
+        if codec == "int4":
+            np.add(flat, np.float32(8), out=flat)
+    target = codes[: v.size]
+    if codec == "int8":
+        np.copyto(target.view(np.int8), flat, casting="unsafe")
+    else:
+        np.copyto(target, flat, casting="unsafe")
+
+
+def _pack(codes: np.ndarray, codec: str, out: np.ndarray) -> None:
+    """Packs codes (a multiple of the levels per byte) into ``out``, first value lowest."""
+    if codec == "int8":
+        out[:] = codes[: out.size]
+        return
     if codec == "int4":
-        nibbles = (levels + 8).astype(np.uint8)  # 1..15; 0 never occurs
-        if nibbles.size % 2:
-            nibbles = np.append(nibbles, np.uint8(8))  # pad with level 0
-        levels = nibbles[0::2] | (nibbles[1::2] << 4)
-    return scales.astype("<f4", copy=False).tobytes() + levels.tobytes()
+        w = codes[: 2 * out.size].view("<u2")
+        np.copyto(out, w | (w >> 4), casting="unsafe")  # the low byte: c0 | c1 << 4
+        return
+    w = codes[: 4 * out.size].view("<u4")
+    packed = w >> 6
+    packed |= w
+    packed |= w >> 12
+    packed |= w >> 18
+    np.copyto(out, packed, casting="unsafe")  # the low byte: c0 | c1 << 2 | c2 << 4 | c3 << 6
 
 
-def _quantize(values: np.ndarray, block_size: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """Absmax block quantization; returns (float32 scale per block, int8 level per value)."""
-    n_blocks = -(-values.size // block_size)
-    blocks = np.zeros(n_blocks * block_size, dtype=np.float32)
-    blocks[: values.size] = values  # zero padding leaves every block's absmax unchanged
-    blocks = blocks.reshape(n_blocks, block_size)
-    absmax = np.abs(blocks).max(axis=1).astype(np.float64)
-    scales = _round_down_to_float32(absmax / qmax)
-    # Rounding the scale down keeps qmax·scale <= absmax, so decoding never overflows;
-    # the floor at the smallest subnormal keeps tiny nonzero blocks exact instead of 0.
-    smallest = np.finfo(np.float32).smallest_subnormal
-    scales = np.where(absmax > 0, np.maximum(scales, smallest), np.float32(0))
-    divisor = np.where(scales > 0, scales, np.float32(1))
-    levels = np.clip(np.rint(blocks / divisor[:, None]), -qmax, qmax).astype(np.int8)
-    return scales, levels.ravel()[: values.size]
-
-
-def _round_down_to_float32(x: np.ndarray) -> np.ndarray:
-    """Rounds float64 values >= 0 to the largest float32 not above them."""
-    rounded = x.astype(np.float32)
-    return np.where(rounded > x, np.nextafter(rounded, np.float32(0)), rounded)
+def _unpack_levels(body: np.ndarray, codec: str, out: np.ndarray) -> int:
+    """Writes the float levels of the packed bytes ``body`` into ``out`` (len(body)·per_byte
+    values); returns the smallest stored code (int8: as a signed byte)."""
+    if codec == "int8":
+        levels = body.view(np.int8)
+        np.copyto(out, levels)
+        return int(levels.min()) if levels.size else 0
+    if codec == "int4":
+        w = body.astype("<u2")
+        hi = w & 0xF0
+        hi <<= 4
+        w &= 0x0F
+        w |= hi
+        codes = w.view(np.uint8)  # c0, c1, ... interleaved
+        np.subtract(codes, np.float32(8), out=out)
+        return int(codes[: out.size].min()) if out.size else 8
+    w = body.astype("<u4")
+    spread = w & 0x03
+    for shift in (2, 4, 6):
+        part = w & (0x03 << shift)
+        part <<= 8 * (shift // 2) - shift
+        spread |= part
+    codes = spread.view(np.uint8)
+    np.multiply(codes, np.float32(2), out=out)
+    np.subtract(out, np.float32(3), out=out)
+    return 0
 
 
 def _deserialize(raw: bytes, codec: str, numel: int, block_size: int) -> np.ndarray:
-    """Returns fresh float32 values from raw bytes whose length was already checked."""
-    if codec == "fp32":
-        return np.frombuffer(raw, dtype="<f4").astype(np.float32)
-    if codec == "bf16":
-        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint16, copy=False)
-        return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    """Returns fresh, finite float32 values from raw bytes whose length was already checked."""
+    if codec in ("fp32", "bf16"):
+        if codec == "fp32":
+            values = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+        else:
+            bits = np.frombuffer(raw, dtype="<u2").astype(np.uint16, copy=False)
+            values = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+        if values.size and not (np.isfinite(values.max()) and np.isfinite(values.min())):
+            _raise_non_finite_decoded(values)
+        return values
 
     n_blocks = -(-numel // block_size)
     scales = np.frombuffer(raw, dtype="<f4", count=n_blocks).astype(np.float32)
@@ -389,17 +621,51 @@ def _deserialize(raw: bytes, codec: str, numel: int, block_size: int) -> np.ndar
         )
     body = np.frombuffer(raw, dtype=np.uint8, offset=_SCALE_BYTES * n_blocks)
     qmax = _QMAX[codec]
-    if codec == "int8":
-        levels = body.view(np.int8)
-    else:
-        nibbles = np.empty(2 * body.size, dtype=np.uint8)
-        nibbles[0::2] = body & 0x0F
-        nibbles[1::2] = body >> 4
-        levels = nibbles[:numel].astype(np.int8) - 8
+    per_byte = _LEVELS_PER_BYTE[codec]
+    out = np.empty(numel, np.float32)
+    smallest = 127 if codec == "int8" else 8
+
+    rows = _rows_per_chunk(block_size)
+    n_main = main_blocks(numel, block_size, per_byte)
+    for b0 in range(0, n_main, rows):
+        b1 = min(b0 + rows, n_main)
+        seg = out[b0 * block_size : b1 * block_size]
+        packed = body[b0 * block_size // per_byte : b1 * block_size // per_byte]
+        smallest = min(smallest, _unpack_levels(packed, codec, seg))
+        seg2d = seg.reshape(b1 - b0, block_size)
+        np.multiply(seg2d, scales[b0:b1, None], out=seg2d)
+    tail_start = n_main * block_size
+    if numel > tail_start:
+        tail_bytes = body[tail_start // per_byte :]
+        levels = np.empty(tail_bytes.size * per_byte, np.float32)
+        _unpack_levels(tail_bytes, codec, levels)
+        levels = levels[: numel - tail_start]  # drop the padding past the last value
+        if codec != "int2" and levels.size:
+            smallest = min(smallest, int(levels.min()) + (0 if codec == "int8" else 8))
+        tail_blocks = n_blocks - n_main
+        padded = np.zeros(tail_blocks * block_size, np.float32)
+        padded[: levels.size] = levels
+        padded = padded.reshape(tail_blocks, block_size) * scales[n_main:, None]
+        out[tail_start:] = padded.ravel()[: levels.size]
     # Only one level below the range can be represented: -128 (int8) or nibble 0 (int4).
-    if levels.size and levels.min() < -qmax:
+    if (codec == "int8" and smallest < -qmax) or (codec == "int4" and smallest < 1):
         raise CorruptPayloadError(
             f"payload holds levels outside [-{qmax}, {qmax}] for codec={codec!r}: "
             "the sender encoded invalid data"
         )
-    return levels.astype(np.float32) * np.repeat(scales, block_size)[:numel]
+    # Levels are within ±qmax and scales finite and >= 0: only a scale above FLT_MAX / qmax
+    # can overflow. Check the values only then.
+    if scales.size and float(scales.max()) * qmax > _F32_MAX and not np.isfinite(out).all():
+        _raise_non_finite_decoded(out)
+    return out
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _raise_non_finite_decoded(values: np.ndarray) -> None:
+    bad = ~np.isfinite(values)
+    raise NonFiniteError(
+        f"decoded values have {int(bad.sum())} non-finite entries (first at index "
+        f"{int(bad.argmax())}): the sender encoded invalid data"
+    )

@@ -20,12 +20,13 @@ _CODEC_TO_PROTO = {
     "bf16": common_pb2.CODEC_BF16,
     "int8": common_pb2.CODEC_INT8,
     "int4": common_pb2.CODEC_INT4,
+    "int2": common_pb2.CODEC_INT2,
 }
 _CODEC_FROM_PROTO = {v: k for k, v in _CODEC_TO_PROTO.items()}
 
 
 def codec_to_proto(name: str) -> int:
-    """Codec name ("fp32", "bf16", "int8", "int4") to the proto enum value."""
+    """Codec name ("fp32", "bf16", "int8", "int4", "int2") to the proto enum value."""
     try:
         return _CODEC_TO_PROTO[name]
     except KeyError:

@@ -55,7 +55,8 @@ async def serve(cfg: config_lib.CheckpointConfig) -> int:
 
     registry = metrics_lib.new_registry("checkpoint")
     registry.register(store_metrics.StoreCollector(store))
-    auth = security_lib.AuthInterceptor(authenticator, security_lib.CHECKPOINT_POLICY)
+    auth = security_lib.AuthInterceptor(authenticator, security_lib.CHECKPOINT_POLICY,
+                                        on_reject=store_metrics.auth_failure_counter(registry))
     interceptors = [rpc_interceptors.MetricsInterceptor(registry), auth]
     handle = await server_lib.start_server(cfg.bind, [SERVICE_NAME], [add_servicer], interceptors=interceptors,
                                            credentials=credentials, health_bind=cfg.health_bind)

@@ -9,7 +9,19 @@ from __future__ import annotations
 
 import os
 
+import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
+
+
+def auth_failure_counter(registry: prometheus_client.CollectorRegistry):
+    """`on_reject` for the store's AuthInterceptor: counts refused calls by reason and method.
+
+    Calls that never complete a TLS handshake are not seen by the process (README, security model)."""
+    counter = prometheus_client.Counter(
+        "ddiloco_checkpoint_auth_failures",
+        "Calls refused as UNAUTHENTICATED or PERMISSION_DENIED after a completed TLS handshake, by reason and method",
+        ["reason", "method"], registry=registry)
+    return lambda method, reason: counter.labels(reason=reason or "unknown", method=method.rsplit("/", 1)[-1]).inc()
 
 
 class StoreCollector:

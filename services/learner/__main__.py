@@ -59,6 +59,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             tokens_per_step=0, call_timeout_s=cfg.call_timeout_s, retry_bound_s=cfg.retry_bound_s,
             progress_interval_s=cfg.progress_interval_s, security=cfg.client_security(),
             hostile_factor=config_lib.parse_hostile(cfg.hostile),
+            failpoints=cfg.failpoints, history_file=cfg.history_file,
         )
     ), stop)
     collector = learner_metrics.LearnerCollector(cfg.learner_id, cfg.region, client)
@@ -151,6 +152,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         # The global values this learner holds, per fragment: compare with the syncer's published_sha256.
         "held": {str(f): {"version": v, "sha256": core_hash(loop.global_copy[f])}
                  for f, (_, v) in sorted(loop.held.items())},
+        "held_instances": {str(f): inst for f, (inst, _) in sorted(loop.held.items())},  # the syncer lives
         **unit.describe(),
     }
     _LOG.info("done", extra={"fields": summary})

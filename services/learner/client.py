@@ -27,11 +27,14 @@ import time
 import grpc
 import numpy as np
 
+from ddiloco.chaos import failpoints as failpoints_lib
+from ddiloco.chaos import history as history_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import retry as retry_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import jax_codec  # the jitted quantizer: same bytes as codec_lib.encode
 from ddiloco.wire import serde
 
 _LOG = logging.getLogger("ddiloco.learner")
@@ -54,6 +57,10 @@ class ClientConfig:
     security: security_lib.ClientSecurity | None = None  # None: plaintext, no credentials
     # TESTS AND CHAOS ONLY (--hostile): multiply every pseudo-gradient by this before upload.
     hostile_factor: float | None = None
+    # TESTS AND CHAOS ONLY: crash points (ddiloco.chaos.failpoints) and a JSONL history of the
+    # syncer's acknowledgements of this learner's uploads (ddiloco.chaos.history).
+    failpoints: str = ""
+    history_file: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +129,8 @@ class SyncClient:
         self._supervisor: asyncio.Future | None = None
         self._joined = threading.Event()
         self._uploading = False
+        self._failpoints = failpoints_lib.Failpoints(cfg.failpoints, prefix="learner.")
+        self._history = history_lib.HistoryWriter(cfg.history_file) if cfg.history_file else None
 
     # ---------------------------------------------------------------- training-thread API
 
@@ -398,7 +407,7 @@ class SyncClient:
             delta = (delta * np.float32(self.cfg.hostile_factor)).astype(np.float32)
         try:
             encoded = await asyncio.to_thread(
-                codec_lib.encode, delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
+                jax_codec.encode, delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
             )
         except codec_lib.NonFiniteError as exc:
             self.stats.uploads_refused += 1
@@ -414,6 +423,7 @@ class SyncClient:
         ]
         wire_bytes = sum(m.ByteSize() for m in messages)
         timeout_s = self.cfg.call_timeout_s + wire_bytes / self.cfg.upload_min_bandwidth_bytes_per_s
+        sent_at = time.time()
         try:
             async for attempt in retry_lib.async_retrying(
                 what=f"upload fragment {job.fragment_id}", timeout=datetime.timedelta(seconds=self.cfg.retry_bound_s),
@@ -425,19 +435,44 @@ class SyncClient:
                     if superseded:
                         return  # a newer pseudo-gradient of this fragment is queued; send that one
                     self.stats.bytes_sent += wire_bytes
-                    response = await self._stub.UploadFragment(iter(messages), timeout=timeout_s)
+                    response = await self._stub.UploadFragment(self._request_stream(messages), timeout=timeout_s)
         except retry_lib.RetriesExhausted as exc:
             self.stats.uploads_failed += 1
+            self._record("failed", job, sent_at)
             _LOG.warning(str(exc))
             raise _SessionBroken("uploads keep failing") from None
         except grpc.aio.AioRpcError as exc:
             self.stats.uploads_refused += 1
             code = exc.code()
             _LOG.info(f"fragment {job.fragment_id} base {job.base_version} refused: {code.name}: {exc.details()}")
+            self._record("refused", job, sent_at, code=code.name)
             if code == grpc.StatusCode.FAILED_PRECONDITION and ("fenced" in exc.details() or "Join" in exc.details()):
                 raise _SessionBroken("the syncer no longer knows this learner") from None
             return
-        if response.result == syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE:
+        duplicate = response.result == syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE
+        self._record("ack", job, sent_at, result="duplicate" if duplicate else "accepted")
+        if duplicate:
             self.stats.uploads_duplicate += 1
         else:
             self.stats.uploads_accepted += 1
+
+    def _request_stream(self, messages: list):
+        """The upload's messages; with the `learner.after_chunk` failpoint armed, a generator that
+        may crash the process after a chunk went out (before the stream ends: a partial upload)."""
+        if not self._failpoints:
+            return iter(messages)
+
+        def stream():
+            for msg in messages:
+                yield msg
+                if msg.WhichOneof("kind") == "chunk":
+                    self._failpoints.hit("learner.after_chunk")
+
+        return stream()
+
+    def _record(self, event: str, job: UploadJob, sent_at: float, **fields) -> None:
+        """Appends to the fault-test history (`--history-file`), if any."""
+        if self._history is not None:
+            self._history.write(event, learner=self.cfg.learner_id, incarnation=self.cfg.incarnation,
+                                instance=job.syncer_instance, fragment=job.fragment_id,
+                                base_version=job.base_version, tokens=job.tokens, sent_at=sent_at, **fields)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from ddiloco.chaos import failpoints as failpoints_lib
 from ddiloco.cli import flags
 from ddiloco.rpc import security
 
@@ -59,6 +60,9 @@ class LearnerConfig:
     # TESTS AND CHAOS ONLY: make this learner hostile ("scale:1e4" multiplies, "signflip" negates
     # every pseudo-gradient before upload). Never set it in a real run.
     hostile: str = ""
+    # Fault tests only (ddiloco.chaos): crash points and the durable history of acknowledged uploads.
+    failpoints: str = ""  # e.g. "learner.after_chunk=crash@5"; empty in production
+    history_file: str = ""  # append each upload's acknowledgement (JSONL) here; empty: off
     log_level: str = "INFO"
     json_logs: bool = False
 
@@ -70,6 +74,10 @@ class LearnerConfig:
 
     def __post_init__(self) -> None:
         parse_hostile(self.hostile)
+        try:
+            failpoints_lib.parse(self.failpoints, prefix="learner.")
+        except ValueError as exc:
+            raise ValueError(f"LearnerConfig.failpoints={self.failpoints!r}: {exc}") from None
         for name in ("batch_size", "num_shards", "log_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LearnerConfig.{name}={getattr(self, name)!r}: must be >= 1")
@@ -195,6 +203,8 @@ _HELP = {
     "insecure": "talk plaintext to the syncer (local runs only; DDILOCO_INSECURE=1 sets it too)",
     "auth_token_file": "file with a bearer token bound to this identity (when TLS is terminated elsewhere)",
     "hostile": "TESTS/CHAOS ONLY: 'scale:1e4' or 'signflip' corrupts every pseudo-gradient before upload",
+    "failpoints": "TESTS ONLY: crash at named points, e.g. learner.after_chunk=crash@5 (ddiloco.chaos.failpoints)",
+    "history_file": "TESTS/CHAOS: append each upload's acknowledgement as JSONL here (invariant checks)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "json_logs": "log one JSON object per line",
     "evaluator_id": "name shown with the reported losses",

@@ -24,6 +24,7 @@ from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import inner as inner_lib
 from ddiloco.algo import outer as outer_lib
+from ddiloco.chaos import failpoints as failpoints_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import interceptors as rpc_interceptors
 from ddiloco.rpc import retry as retry_lib
@@ -33,6 +34,7 @@ from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from services.syncer import checkpointing
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
+from services.syncer import history as history_lib
 from services.syncer import metrics as syncer_metrics
 from services.syncer import servicer as servicer_lib
 
@@ -49,6 +51,7 @@ class _Checkpointer:
         self._cfg = cfg
         self._merges_since = 0
         self._task: asyncio.Task | None = None
+        self.on_commit = None  # called with the snapshot of each committed checkpoint (history)
 
     def on_merge(self) -> None:
         self._merges_since += 1
@@ -74,6 +77,8 @@ class _Checkpointer:
             self._metrics.checkpoint_write.observe(time.monotonic() - started)
         core.last_checkpoint_outer_step = snapshot["outer_steps"]
         core.last_checkpoint_unix_s = time.time()
+        if self.on_commit is not None:
+            self.on_commit(snapshot)
         _LOG.info("checkpoint committed", extra={"fields": {"outer_step": snapshot["outer_steps"], "seconds": round(time.monotonic() - started, 3)}})
         return True
 
@@ -87,6 +92,21 @@ class _Checkpointer:
     async def drain(self) -> None:
         if self._task is not None and not self._task.done():
             await asyncio.wait([self._task], timeout=self._cfg.checkpoint_timeout_s)
+
+
+async def _settle_merges(core: core_lib.SyncerCore, timeout_s: float = 10.0) -> None:
+    """Shutdown, once no RPC can arrive: waits for running merges and cancels the open rounds'
+    grace timers, so that nothing changes after the final checkpoint. Open rounds stay open
+    (their uploads are not in the checkpoint, as after a crash; the history lists them)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for slot in core.slots:
+            if slot.timer is not None:
+                slot.timer.cancel()
+                slot.timer = None
+        if not any(slot.merging for slot in core.slots) or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.02)
 
 
 async def _restore(client, cfg: config_lib.SyncerConfig) -> dict | None:
@@ -151,12 +171,14 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
         clock=time.monotonic, wall_clock=time.time, norm_bound=cfg.norm_bound,
         quarantine_after=cfg.quarantine_after, quarantine_window_s=cfg.quarantine_window_s,
-        quarantine_s=cfg.quarantine_s, stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == "dp" else None,
+        quarantine_s=cfg.quarantine_s, direction=cfg.direction_policy, stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == "dp" else None,
     )
     registry = metrics_lib.new_registry("syncer")
     metrics = syncer_metrics.SyncerMetrics(core, registry)
     checkpointer = _Checkpointer(core, client, cfg, metrics)
     core.on_merge = checkpointer.on_merge
+    if cfg.failpoints:  # fault tests only
+        core.failpoint = failpoints_lib.Failpoints(cfg.failpoints, prefix="syncer.").hit
     if client is not None:
         restore_started = time.monotonic()
         try:
@@ -168,6 +190,9 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
             core.restore(state)
             metrics.restore_seconds.set(time.monotonic() - restore_started)
     # Captured before serving, so the ready file shows exactly what was restored.
+    history = history_lib.attach(core, cfg.history_file)  # fault tests: what the invariant checkers read
+    if history is not None:
+        checkpointer.on_commit = history.checkpoint_committed
     initial_state = {
         "restored": core.restored_from_checkpoint, "outer_steps": core.outer_steps,
         "fragments": {s.fragment.fragment_id: {"version": s.version, "sha256": s.params_sha256} for s in core.slots},
@@ -209,9 +234,14 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     await stop.wait()
     _LOG.info("shutting down: draining RPCs and writing a final checkpoint")
     await handle.health.enter_graceful_shutdown()
+    # RPCs first (in-flight uploads finish), then merges, then the final checkpoint: no merge may
+    # land after it (a rolling restart would silently roll it back; found by ddiloco chaos).
+    await handle.close(cfg.grace_s)
+    await _settle_merges(core)
     await checkpointer.drain()
     await checkpointer.save()
-    await handle.close(cfg.grace_s)
+    if history is not None:
+        history.shutdown()
     return 0
 
 

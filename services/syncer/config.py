@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 from ddiloco.algo import robust as robust_lib
+from ddiloco.chaos import failpoints as failpoints_lib
 from ddiloco.cli import flags
 from ddiloco.rpc import security
 from ddiloco.wire import codec as codec_lib
@@ -66,6 +67,7 @@ class SyncerConfig:
     insecure: bool = False  # plaintext, no client certificates: local runs and trusted networks only
     auth_tokens_file: str = ""  # bearer tokens -> identities, with revocations (TLS terminated elsewhere)
     checkpoint_auth_token_file: str = ""  # bearer token presented to the checkpoint store
+    checkpoint_tls_server_name: str = ""  # name expected in the store's certificate, if not its host
     health_bind: str = ""  # also serve the health service alone, in plaintext, here (probes)
     # Bad input and hostile learners.
     max_concurrent_uploads_per_learner: int = 4
@@ -76,6 +78,11 @@ class SyncerConfig:
     quarantine_after: int = 3  # suspicious uploads within the window that quarantine a learner; 0 never
     quarantine_window_s: float = 600.0
     quarantine_s: float = 3600.0  # how long a quarantine lasts; 0 until restart
+    direction_check: str = "reject"  # off, or reject contributions pointing away from other learners'
+    direction_min_cosine: float = -0.25  # reject below this cosine with other learners' (and recent mean)
+    # Fault tests only (ddiloco.chaos): crash points and the durable history the checkers read.
+    failpoints: str = ""  # e.g. "syncer.after_quorum=crash@3"; empty in production
+    history_file: str = ""  # append accepted uploads, merges, checkpoints (JSONL) here; empty: off
     log_level: str = "INFO"
     json_logs: bool = False
 
@@ -123,8 +130,16 @@ class SyncerConfig:
             raise bad("dp_learning_rate", "dp_learning_rate must be > 0, dp_warmup_steps and dp_weight_decay >= 0")
         if self.norm_bound_action not in robust_lib.ACTIONS:
             raise bad("norm_bound_action", f"must be one of {robust_lib.ACTIONS}")
+        if self.direction_check not in robust_lib.DIRECTION_MODES:
+            raise bad("direction_check", f"must be one of {robust_lib.DIRECTION_MODES}")
+        if not -1.0 <= self.direction_min_cosine <= 1.0:
+            raise bad("direction_min_cosine", "must be in [-1, 1]")
         if self.health_bind and ":" not in self.health_bind:
             raise bad("health_bind", "must be host:port")
+        try:
+            failpoints_lib.parse(self.failpoints, prefix="syncer.")
+        except ValueError as exc:
+            raise bad("failpoints", str(exc)) from None
 
     def server_security(self) -> security.ServerSecurity:
         """ValueError unless mutual TLS is fully configured or plaintext was asked for."""
@@ -134,13 +149,19 @@ class SyncerConfig:
     def checkpoint_security(self) -> security.ClientSecurity:
         """How the syncer reaches the store: its own certificate as the client certificate."""
         return security.ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
-                                       insecure=self.insecure, auth_token_file=self.checkpoint_auth_token_file)
+                                       tls_server_name=self.checkpoint_tls_server_name, insecure=self.insecure,
+                                       auth_token_file=self.checkpoint_auth_token_file)
 
     @property
     def norm_bound(self) -> robust_lib.NormBoundPolicy:
         return robust_lib.NormBoundPolicy(factor=self.norm_bound_factor, action=self.norm_bound_action,
                                           min_history=self.norm_bound_min_history,
                                           history=max(16, self.norm_bound_min_history))
+
+    @property
+    def direction_policy(self) -> robust_lib.DirectionPolicy:
+        return robust_lib.DirectionPolicy(mode=self.direction_check, min_cosine=self.direction_min_cosine,
+                                          max_age_versions=max(1, self.max_staleness_versions))
 
     @property
     def model_overrides(self) -> dict:
@@ -155,8 +176,9 @@ def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
       wait for each merge. Set --min-quorum to the number of learners for the classic algorithm.
     * dp: one fragment synced every step (P = H = 1, tau = 0), no grace window, fp32, plain mean
       of the gradients, no staleness (a gradient must be on the current parameters), no norm
-      bound; the syncer's outer optimizer is AdamW with the dp_* settings. Set --min-quorum to
-      the number of learners.
+      bound and no direction check (single-step gradients are too noisy to compare); the
+      syncer's outer optimizer is AdamW with the dp_* settings. Set --min-quorum to the number
+      of learners.
     * decoupled: unchanged.
     """
     if cfg.sync_mode == "diloco":
@@ -166,7 +188,7 @@ def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
         return dataclasses.replace(cfg, num_fragments=1, sync_period_steps=1, overlap_steps=0, grace_gamma=0.0,
                                    max_grace_s=0.0, upload_codec="fp32", download_codec="fp32", mixing_alpha=0.0,
                                    merge_rule="mean", embedding_merge_rule="mean", max_staleness_versions=0,
-                                   norm_bound_factor=0.0)
+                                   norm_bound_factor=0.0, direction_check="off")
     return cfg
 
 
@@ -196,7 +218,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "grace_gamma": "gamma: grace window = gamma*(tau*step_time - quorum_time - sync_time)",
         "max_grace_s": "cap on the grace window in seconds",
         "upload_codec": f"learner upload codec, one of {codec_lib.CODECS}",
-        "upload_block_size": "values per quantization block for int8/int4 uploads",
+        "upload_block_size": "values per quantization block for int8/int4/int2 uploads",
         "download_codec": f"codec of global fragments sent to learners, one of {codec_lib.CODECS}",
         "zstd_level": "zstd level for uploads and downloads",
         "chunk_size_bytes": "payload chunk size for streams (256 KiB-1 MiB is fastest)",
@@ -217,21 +239,31 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "insecure": "serve plaintext without client certificates (local runs only; DDILOCO_INSECURE=1 sets it too)",
         "auth_tokens_file": "JSON {tokens: {token: kind/name}, revoked: [...]}: accept bearer tokens (re-read on change)",
         "checkpoint_auth_token_file": "file with the bearer token to present to the checkpoint store",
+        "checkpoint_tls_server_name": "mutual TLS: name expected in the store's certificate when it differs from "
+                                      "the host of --checkpoint-target (e.g. checkpoint, as `ddiloco certs` names it)",
         "health_bind": "also serve gRPC health alone, in plaintext, on host:port (probes without certificates)",
         "max_concurrent_uploads_per_learner": "uploads in flight at once from one learner (RESOURCE_EXHAUSTED above)",
         "upload_idle_timeout_s": "refuse an upload stream that sends nothing for this long",
         "norm_bound_factor": "k: refuse/clip a contribution whose per-step norms (whole fragment, and each tensor of "
                              ">= 1024 values) exceed k x the median of other learners' recent ones (until there is "
-                             "history: its norm exceeds the global fragment's); also caps merge weights at k x "
-                             "the median; 0 disables",
+                             "history: its norm exceeds the global fragment's); also caps a claimed batch (tokens "
+                             "per step, which sets the merge weight) at k x the others' median; 0 disables",
         "norm_bound_action": "what to do beyond the norm bound: reject (INVALID_ARGUMENT) or clip",
         "norm_bound_min_history": "other learners' contributions to a fragment needed before per-tensor bounds apply",
-        "quarantine_after": "suspicious uploads (malformed, replayed, beyond the norm bound) within "
+        "quarantine_after": "suspicious uploads (malformed, replayed, beyond the norm bound, pointing away) within "
                             "--quarantine-window-s that quarantine a learner; 0 never quarantines",
         "quarantine_window_s": "window for counting suspicious uploads",
         "quarantine_s": "how long a quarantined learner's uploads are refused; 0 until restart",
+        "direction_check": "off, or reject (INVALID_ARGUMENT, a strike towards quarantine) a contribution whose median "
+                           "cosine with the other learners' latest accepted contributions to the fragment, and the "
+                           "learner's mean over its last 8, are both below --direction-min-cosine (sign-flipped "
+                           "updates); applies once 2 other learners have recent contributions",
+        "direction_min_cosine": "threshold of --direction-check (measured: honest learners' recent means >= -0.07, "
+                                "sign-flipped <= -0.61)",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
         "json_logs": "log one JSON object per line",
+        "failpoints": "TESTS ONLY: crash at named points, e.g. syncer.after_quorum=crash@3 (ddiloco.chaos.failpoints)",
+        "history_file": "TESTS/CHAOS: append accepted uploads, merges and checkpoints as JSONL here (invariant checks)",
     }
     environ = security.with_shared_insecure(environ, "DDILOCO_SYNCER_")
     cfg = flags.parse_dataclass(

@@ -49,6 +49,7 @@ FLAG_MALFORMED = 1 << 1  # sizes, checksum, corrupt frame or non-finite values
 FLAG_NORM_BOUND = 1 << 2  # a contribution beyond the norm bound (rejected or clipped)
 FLAG_IMPERSONATION = 1 << 3  # tried to act as another learner
 FLAG_QUARANTINED = 1 << 4  # quarantined at least once
+FLAG_DIRECTION = 1 << 5  # a contribution pointing away from the other learners' (direction check)
 _FLAG_BY_REASON = {
     "replay_mismatch": FLAG_REPLAY_MISMATCH,
     "size": FLAG_MALFORMED, "checksum": FLAG_MALFORMED, "corrupt": FLAG_MALFORMED, "nonfinite": FLAG_MALFORMED,
@@ -56,12 +57,13 @@ _FLAG_BY_REASON = {
     "norm_bound": FLAG_NORM_BOUND, "clipped_norm_bound": FLAG_NORM_BOUND,
     "norm_bound_marginal": FLAG_NORM_BOUND, "clipped_norm_bound_marginal": FLAG_NORM_BOUND,
     "wrong_learner": FLAG_IMPERSONATION,
+    "direction": FLAG_DIRECTION,
 }
 # Reasons that count towards quarantine: things an honest learner never sends. Network trouble,
 # staleness, fencing and busy refusals do not count, nor do "marginal" norm-bound violations (less
 # than NORM_STRIKE_RATIO times the bound), which honest learners with unusual data can produce.
 STRIKE_REASONS = frozenset({"replay_mismatch", "size", "checksum", "corrupt", "nonfinite", "norm_bound",
-                            "clipped_norm_bound", "wrong_learner"})
+                            "clipped_norm_bound", "wrong_learner", "direction"})
 NORM_STRIKE_RATIO = 2.0
 
 
@@ -169,6 +171,7 @@ class SyncerCore:
         quarantine_after: int = 3,
         quarantine_window_s: float = 600.0,
         quarantine_s: float = 3600.0,
+        direction: robust_lib.DirectionPolicy | None = None,
         stepper_factory: Callable[[fragments_lib.Fragment], outer_lib.OuterStepper] | None = None,
     ) -> None:
         """See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
@@ -185,12 +188,17 @@ class SyncerCore:
         self._liveness_s = liveness_timeout_s
         self.on_merge = on_merge
         self.norm_bound = norm_bound or robust_lib.NormBoundPolicy()
+        # Off unless given (the syncer service passes SyncerConfig.direction_policy, on by default).
+        self.direction = direction or robust_lib.DirectionPolicy(mode="off")
+        self.directions = robust_lib.DirectionGuard(self.direction, plan.fragments)
         self._quarantine_after = quarantine_after
         self._quarantine_window_s = quarantine_window_s
         self._quarantine_s = quarantine_s
         # Passive observers (metrics): objects with optional methods merged(record),
         # upload_accepted(header) and rejoined(learner_id, gap_s). They must not mutate state.
         self.observers: list = []
+        # Fault tests only: __main__ arms named crash points here (ddiloco.chaos.failpoints).
+        self.failpoint: Callable[[str], None] = lambda name: None
         if stepper_factory is None:
             shared = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(outer_lr, outer_momentum))
             self._steppers = [shared for _ in plan.fragments]
@@ -475,7 +483,7 @@ class SyncerCore:
                 f"fragment {header.fragment_id} has {slot.fragment.numel} values, header says {info.numel}",
                 reason="size",
             )
-        if codec in ("int8", "int4") and not 1 <= info.block_size <= 1 << 20:
+        if codec in codec_lib.QUANTIZED_CODECS and not 1 <= info.block_size <= codec_lib.MAX_BLOCK_SIZE:
             raise errors.InvalidArgument(f"block_size {info.block_size} out of range", reason="size")
         block = info.block_size or codec_lib.DEFAULT_BLOCK_SIZE
         expected_raw = codec_lib.expected_raw_size_bytes(codec, slot.fragment.numel, block)
@@ -525,13 +533,14 @@ class SyncerCore:
             )
         info = header.payload
 
-        def decode() -> tuple[np.ndarray, np.ndarray, float | None]:
+        def decode() -> tuple[np.ndarray, np.ndarray, float | None, np.ndarray | None]:
             values = serde.decode_payload(info, payload)
             last = slot.last_outer_grad  # read once: a merge may replace it meanwhile
-            return values, robust_lib.tensor_norms(values, slot.fragment), robust_lib.cosine(values, last)
+            return (values, robust_lib.tensor_norms(values, slot.fragment), robust_lib.cosine(values, last),
+                    self.directions.direction(header.fragment_id, values))
 
         try:
-            delta, norms, direction = await asyncio.to_thread(decode)
+            delta, norms, direction, heading = await asyncio.to_thread(decode)
         except codec_lib.CodecError as exc:
             reason = {codec_lib.NonFiniteError: "nonfinite", codec_lib.ChecksumError: "checksum",
                       codec_lib.CorruptPayloadError: "corrupt"}.get(type(exc), "size")
@@ -569,10 +578,21 @@ class SyncerCore:
                 self._flag(member, reason)
                 delta = await asyncio.to_thread(robust_lib.scale_tensors, delta, slot.fragment, verdict.scales)
                 norms = norms * verdict.scales
-            cap = slot.norms.weight_cap(header.learner_id)
+            cap = slot.norms.weight_cap(header.learner_id, header.steps)
             if weight > cap:
                 self.uploads["capped_weight"] += 1
                 weight = cap
+            turned = self.directions.judge(header.learner_id, header.fragment_id, heading, slot.version)
+            if turned.cosine is not None:
+                _LOG.debug("direction", extra={"fields": {"learner": header.learner_id, "fragment": header.fragment_id,
+                                                          "cosine": round(turned.cosine, 4), "others": turned.others,
+                                                          "score": round(turned.score, 4)}})
+            if not turned.within:
+                raise errors.InvalidArgument(
+                    f"fragment {header.fragment_id}: the contribution points away from the other learners' (median "
+                    f"cosine {turned.cosine:+.3f} with their {turned.others} latest contributions, learner's recent "
+                    f"mean {turned.score:+.3f}, both < {self.direction.min_cosine:+g}): a sign-flipped update?",
+                    reason="direction")
             if slot.round is None:
                 slot.round = _Round(
                     accumulator=merge_lib.MergeAccumulator(
@@ -595,6 +615,7 @@ class SyncerCore:
             except ValueError as exc:
                 raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason="nonfinite") from None
             slot.norms.add(header.learner_id, norms, header.steps, weight)
+            self.directions.add(header.learner_id, header.fragment_id, heading, slot.version)
             if direction is not None:
                 member.direction_sum += direction
                 member.direction_count += 1
@@ -692,6 +713,7 @@ class SyncerCore:
             rnd = slot.round
             if rnd is None:  # merged by a concurrent task
                 return
+            self.failpoint("syncer.after_quorum")  # quorum reached, outer step not yet applied
             started = self._clock()
             if slot.timer is not None:
                 slot.timer.cancel()
@@ -724,22 +746,22 @@ class SyncerCore:
             self.outer_steps += 1
             self.tokens_merged += sum(c.tokens for c in rnd.contributions)
             quorum_at = rnd.quorum_reached_at_s if rnd.quorum_reached_at_s is not None else started
-            self.merges.append(
-                syncer_pb2.MergeRecord(
-                    fragment_id=slot.fragment.fragment_id,
-                    version=slot.version,
-                    merged_at_unix_s=self._wall(),
-                    contributors=rnd.contributions,
-                    quorum_wait_s=quorum_at - rnd.opened_at_s,
-                    grace_window_s=grace_s,
-                    grace_used_s=max(0.0, started - quorum_at),
-                    reason=reason,
-                    outer_grad_norm=float(np.linalg.norm(outer_grad)),
-                )
+            record = syncer_pb2.MergeRecord(
+                fragment_id=slot.fragment.fragment_id,
+                version=slot.version,
+                merged_at_unix_s=self._wall(),
+                contributors=rnd.contributions,
+                quorum_wait_s=quorum_at - rnd.opened_at_s,
+                grace_window_s=grace_s,
+                grace_used_s=max(0.0, started - quorum_at),
+                reason=reason,
+                outer_grad_norm=float(np.linalg.norm(outer_grad)),
             )
+            self.merges.append(record)
             await self.encoded_payload(slot)
             self._sync_time.update(self._clock() - started)
-            self._emit("merged", self.merges[-1])
+            # This merge's record: after the await above, merges[-1] may be another fragment's.
+            self._emit("merged", record)
             _LOG.info(
                 "merged",
                 extra={"fields": {"fragment": slot.fragment.fragment_id, "version": slot.version,

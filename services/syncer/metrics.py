@@ -124,6 +124,22 @@ class _StateCollector:
         for result, count in sorted(state.uploads.items()):
             uploads.add_metric([result], count)
         yield uploads
+        # Security, kept apart from the upload results above: refused callers and quarantines.
+        # TLS handshake failures never reach the process (grpc-core drops the connection before
+        # any call exists) and so are not counted here; see the README's security model.
+        auth = CounterMetricFamily(
+            "ddiloco_syncer_auth_failures",
+            "Calls refused as UNAUTHENTICATED or PERMISSION_DENIED after a completed TLS handshake, by reason "
+            "(no_credentials, invalid_token, revoked_token, no_identity, wrong_role, wrong_learner)",
+            labels=["reason"])
+        for reason, count in sorted(state.auth_failures.items()):
+            auth.add_metric([reason], count)
+        yield auth
+        yield CounterMetricFamily("ddiloco_syncer_quarantines",
+                                  "Learners quarantined since this syncer started (restored quarantines included)",
+                                  value=state.quarantines)
+        yield GaugeMetricFamily("ddiloco_syncer_learners_quarantined", "Learners whose uploads are refused right now",
+                                value=sum(1 for m in state.members if m.quarantined))
         grace = GaugeMetricFamily("ddiloco_syncer_grace", "Current adaptive grace window and its inputs (seconds)",
                                   labels=["quantity"])
         for name, value in (("window", state.grace_window_s), ("step_time", state.step_time_s),

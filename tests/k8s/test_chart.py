@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import re
 import sys
 
 import pytest
@@ -76,7 +77,8 @@ def container_env(docs, workload: dict, container: dict, pod_name: str) -> dict[
         env.update(cm.get("data", {}))
     for var in container.get("env", []):
         if "value" in var:
-            env[var["name"]] = var["value"]
+            # $(NAME) refers to a variable defined before it (Kubernetes dependent variables).
+            env[var["name"]] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), var["value"])
         else:
             assert var["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}, var
             env[var["name"]] = pod_name
@@ -173,6 +175,11 @@ def test_helm_install_dry_run_notes_tell_how_to_watch(tools):
     region = tools.helm_run("install", "ddiloco", str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
                             "--values", str(VALUES["region-a"])).stdout
     assert "syncing with syncer.hub.example.com:50051" in region.split("NOTES:", 1)[1]
+    tls = tools.helm_run("install", "ddiloco", str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+                         "--values", str(VALUES["hub"]), "--set", "tls.enabled=true",
+                         "--set", "tls.existingSecret=ddiloco-tls").stdout.split("NOTES:", 1)[1]
+    assert "--tls-cert operator.pem --tls-key operator.key --tls-server-name syncer" in tls
+    assert "exec -it deploy" not in tls  # the syncer's own certificate may not read the state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +195,8 @@ def test_helm_install_dry_run_notes_tell_how_to_watch(tools):
         ({"syncer": {"settings": {"uploadCodec": "int3"}}}, "uploadCodec"),
         ({"hub": {"syncerAddress": "https://hub:50051"}}, "syncerAddress"),
         ({"store": {"port": 70000}}, "/store/port"),
+        ({"tls": {"enabled": True}}, "existingSecret"),  # mutual TLS needs the certificates
+        ({"learners": {"gpu": {"count": 0}}}, "/learners/gpu/count"),
     ],
 )
 def test_schema_rejects_bad_values(tools, tmp_path, values, complaint):
@@ -233,19 +242,23 @@ def test_settings_cover_every_flag_and_wired_flags_are_wired(render):
     docs = render("hub")
     prefixes = {"syncer": "DDILOCO_SYNCER_", "store": "DDILOCO_CHECKPOINT_", "learners": "DDILOCO_LEARNER_",
                 "evaluator": "DDILOCO_EVAL_"}
+    tls_docs = render("hub", "--set", "tls.enabled=true", "--set", "tls.existingSecret=ddiloco-tls")
     for component, cls in render_k8s.service_configs().items():
         wired, unsupported = set(render_k8s.WIRED[component]), render_k8s.UNSUPPORTED[component]
-        assert not wired & unsupported
+        wired_tls = render_k8s.WIRED_TLS[component]
+        assert not (wired | wired_tls) & unsupported
         fields = {f.name for f in dataclasses.fields(cls)}
         settings = set(schema["properties"][component]["properties"]["settings"]["properties"])
-        expected = {render_k8s.camel(f) for f in fields - wired - unsupported}
+        expected = {render_k8s.camel(f) for f in fields - wired - wired_tls - unsupported}
         assert settings == expected, f"{component}.settings drifted from {cls.__name__}: run `make k8s-render`"
-        workload = one(docs, "StatefulSet" if component in ("store", "learners") else "Deployment",
-                       component.rstrip("s"))
-        (container,) = workload["spec"]["template"]["spec"]["containers"]
-        env = container_env(docs, workload, container, first_pod_name(workload))
-        for name in wired & fields:
-            assert prefixes[component] + name.upper() in env, f"{component}: the chart does not set {name}"
+        assert wired_tls <= fields, f"{component}: WIRED_TLS names flags {cls.__name__} does not have"
+        for rendered, names in ((docs, wired), (tls_docs, wired_tls)):
+            workload = one(rendered, "StatefulSet" if component in ("store", "learners") else "Deployment",
+                           component.rstrip("s"))
+            (container,) = workload["spec"]["template"]["spec"]["containers"]
+            env = container_env(rendered, workload, container, first_pod_name(workload))
+            for name in names & fields:
+                assert prefixes[component] + name.upper() in env, f"{component}: the chart does not set {name}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,3 +659,114 @@ def test_optional_service_monitor_scrapes_every_metrics_port(render, k8s_version
     assert not validate_strictly([d for d in docs if d["kind"] != "ServiceMonitor"], k8s_versions)
     # Off unless asked for.
     assert not [d for d in render("hub", tests=False) if d["kind"] == "ServiceMonitor"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Mutual TLS and GPUs (off by default)
+
+TLS_SET = ("--set", "tls.enabled=true", "--set", "tls.existingSecret=ddiloco-tls",
+           "--set", "tls.learnersSecret=ddiloco-learner-tls")
+
+
+@pytest.mark.parametrize("name", ["hub", "region-a"])
+def test_mutual_tls_wires_certificates_server_names_and_health_probes(render, k8s_versions, name):
+    """tls.enabled: every component parses to mutual TLS with its own certificate from the mounted
+    Secret (learners: the one named after their pod), servers mount only their own files and are
+    probed on a plaintext health port that their HEALTH_BIND serves, and `helm test` reads with the
+    read-only credential."""
+    from services.checkpoint import config as checkpoint_config
+    from services.learner import config as learner_config
+    from services.syncer import config as syncer_config
+
+    docs = render(name, *TLS_SET)
+    assert not validate_strictly(docs, k8s_versions)
+    mount = "/etc/ddiloco/tls"
+    parsers = {"syncer": syncer_config.parse_config, "learner": learner_config.parse_learner_config,
+               "evaluate": learner_config.parse_evaluator_config, "checkpoint": checkpoint_config.parse_config}
+    identity = {"syncer": "syncer", "checkpoint": "checkpoint", "evaluate": "evaluator"}
+    health = {"syncer": 8081, "checkpoint": 8082}
+    seen = set()
+    for workload in workloads(docs):
+        pod = workload["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        (command,) = container["args"]
+        pod_name = first_pod_name(workload)
+        env = container_env(docs, workload, container, pod_name)
+        cfg = parsers[command]([], env)
+        seen.add(command)
+        stem = pod_name if command == "learner" else identity[command]
+        assert (cfg.tls_ca, cfg.tls_cert, cfg.tls_key) == (f"{mount}/ca.pem", f"{mount}/{stem}.pem", f"{mount}/{stem}.key")
+        assert not cfg.insecure
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        (tls_mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+        assert tls_mount == {"name": "tls", "mountPath": mount, "readOnly": True}
+        if command == "learner":
+            assert volume["secret"]["secretName"] == "ddiloco-learner-tls" and "items" not in volume["secret"]
+            assert cfg.tls_server_name == "syncer"
+            continue
+        # A server or the evaluator sees ca.pem and its own pair only.
+        assert volume["secret"]["secretName"] == "ddiloco-tls"
+        assert sorted(i["path"] for i in volume["secret"]["items"]) == sorted(["ca.pem", f"{stem}.pem", f"{stem}.key"])
+        if command == "evaluate":
+            assert cfg.tls_server_name == "syncer"
+            continue
+        cfg.server_security()  # mutual TLS fully configured
+        assert cfg.health_bind == f"0.0.0.0:{health[command]}"
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["health"] == health[command] != ports["grpc"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": health[command]}, (command, probe)
+        if command == "syncer":
+            assert cfg.checkpoint_tls_server_name == "checkpoint"
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        for service in find(docs, "Service", component=component):
+            assert all("appProtocol" not in p for p in service["spec"]["ports"])  # not h2c any more
+    assert "learner" in seen
+    (test_pod,) = [d for d in docs if d["kind"] == "Pod"]
+    args = test_pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--tls-cert") + 1] == f"{mount}/operator.pem"
+    assert args[args.index("--tls-server-name") + 1] == "syncer"
+    (volume,) = [v for v in test_pod["spec"]["volumes"] if v["name"] == "tls"]
+    assert sorted(i["path"] for i in volume["secret"]["items"]) == ["ca.pem", "operator.key", "operator.pem"]
+    # Without tls.enabled nothing of it is rendered.
+    plain = render(name)
+    assert not [v for _n, _m, pod in pod_specs(plain) for v in pod["volumes"] if v["name"] == "tls"]
+
+
+def test_gpu_learners_request_devices_select_gpu_nodes_and_the_jax_backend(render, k8s_versions):
+    docs = render("hub", "--set", "learners.gpu.enabled=true", "--set", "learners.gpu.count=4",
+                  "--set", "learners.gpu.nodeSelector.cloud\\.google\\.com/gke-accelerator=nvidia-l4",
+                  "--set", "learners.nodeSelector.pool=train")
+    assert not validate_strictly(docs, k8s_versions)
+    sts = one(docs, "StatefulSet", "learner")
+    pod = sts["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    values = load_values("hub")["learners"]
+    assert container["resources"]["limits"] == {**values["resources"]["limits"], "nvidia.com/gpu": 4}
+    assert container["resources"]["requests"] == values["resources"]["requests"]
+    assert container_env(docs, sts, container, first_pod_name(sts))["JAX_PLATFORMS"] == "cuda"
+    assert pod["nodeSelector"] == {"pool": "train", "cloud.google.com/gke-accelerator": "nvidia-l4"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    # Only learners get GPUs; and nothing changes unless asked for.
+    for workload in workloads(docs):
+        if workload is not sts:
+            assert "nvidia.com/gpu" not in str(workload["spec"]["template"]["spec"])
+    plain = one(render("hub"), "StatefulSet", "learner")["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in json.dumps(plain["containers"][0]["resources"]) and "tolerations" not in plain
+    assert "JAX_PLATFORMS" not in json.dumps(plain["containers"][0]["env"])
+    amd = one(render("hub", "--set", "learners.gpu.enabled=true", "--set", "learners.gpu.resourceName=amd.com/gpu"),
+              "StatefulSet", "learner")["spec"]["template"]["spec"]["containers"][0]
+    assert amd["resources"]["limits"]["amd.com/gpu"] == 1
+
+
+def test_gpu_learners_may_use_their_own_image_and_need_a_divisible_batch(render, tools, tmp_path):
+    sts = one(render("hub", "--set", "learners.gpu.enabled=true", "--set", "learners.gpu.image.repository=reg/ddiloco",
+                     "--set", "learners.gpu.image.tag=0.1.0-cuda12"), "StatefulSet", "learner")
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "reg/ddiloco:0.1.0-cuda12"
+    syncer = one(render("hub", "--set", "learners.gpu.enabled=true", "--set", "learners.gpu.image.repository=reg/x"),
+                 "Deployment", "syncer")
+    assert syncer["spec"]["template"]["spec"]["containers"][0]["image"].startswith("ddiloco:")  # CPU image
+    bad = tmp_path / "gpu.yaml"
+    bad.write_text(json.dumps({"learners": {"gpu": {"enabled": True, "count": 3}}}))  # batchSize 16
+    proc = tools.helm_run("template", "ddiloco", str(CHART), "--values", str(bad), check=False)
+    assert proc.returncode != 0 and "not divisible by learners.gpu.count=3" in proc.stderr, proc.stderr

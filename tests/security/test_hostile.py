@@ -192,9 +192,15 @@ def test_inflated_token_counts_are_capped():
             join(core, lid)
         await rounds_of_honest_history(core)
         response = await upload(core, "x", 0, honest_delta(core.plan.fragments[0].numel, 3), tokens=10**9)
-        honest_weight = 1024**2 / 2
-        assert response.weight == pytest.approx(20 * honest_weight)  # k x the median of the others' weights
+        # The claimed batch is capped at k x the others' median tokens per step (512), over the
+        # 2 steps: weight 2 x (20 x 512)^2, 400x an honest contribution (1024^2 / 2), not 1e9^2 / 2.
+        assert response.weight == pytest.approx(2 * (20 * 512) ** 2)
         assert core.uploads["capped_weight"] == 1
+        # A unit with a legitimately 4x bigger batch (16x the weight per step) is not capped.
+        await settle()
+        big = await upload(core, "h1", 0, honest_delta(core.plan.fragments[0].numel, 4), tokens=4 * 1024)
+        assert core.slots[0].norms.weight_cap("h1", 2) < float("inf")
+        assert big.weight == pytest.approx((4 * 1024) ** 2 / 2) and core.uploads["capped_weight"] == 1
 
     asyncio.run(run())
 

@@ -200,7 +200,7 @@ def test_mutated_upload_streams_against_a_running_syncer(live, data):
     fid = data.draw(st.sampled_from([0, 1]))
     version = h.model()[fid][0]
     payload, info = encoded(honest_delta(h.numel(fid), data.draw(st.integers(0, 10**6))),
-                            data.draw(st.sampled_from(["fp32", "int8", "int4"])))
+                            data.draw(st.sampled_from(["fp32", "int8", "int4", "int2"])))
     header = learner.header(fid, version, info)
     messages = [syncer_pb2.UploadFragmentRequest(header=header)] + [
         syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(payload, CHUNK)]

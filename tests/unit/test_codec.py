@@ -18,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 from ddiloco.wire import codec as codec_lib
 
-_LOSSY = ("bf16", "int8", "int4")
+_LOSSY = ("bf16", "int8", "int4", "int2")
 _BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 
@@ -137,6 +137,52 @@ def test_int4_packs_two_levels_per_byte_low_nibble_first():
     np.testing.assert_array_equal(_decode(encoded), values)
 
 
+def test_int2_packs_four_levels_per_byte_lowest_bits_first():
+    # Scale 1: levels -3, -1, 1, 3 are codes 0..3; 0.0 takes code 2 (level +1), 2.0 is a tie
+    # between the steps and goes up (floor of x / 2 plus 2).
+    values = np.array([3.0, -3.0, -1.0, 1.0, 0.4, -0.6, 2.0], dtype=np.float32)
+
+    encoded = codec_lib.encode(values, "int2")
+    raw = zstandard.ZstdDecompressor().decompress(encoded.payload)
+
+    first = 3 | 0 << 2 | 1 << 4 | 2 << 6
+    second = 2 | 1 << 2 | 3 << 4 | 2 << 6  # the tail is padded with the code of 0.0
+    assert raw == struct.pack("<f", 1.0) + bytes([first, second])
+    np.testing.assert_array_equal(_decode(encoded), [3.0, -3.0, -1.0, 1.0, 1.0, -1.0, 3.0])
+
+
+def test_int2_error_is_at_most_a_third_of_the_block_absmax():
+    values = np.random.default_rng(5).standard_normal(1 << 14).astype(np.float32)
+
+    decoded = _decode(codec_lib.encode(values, "int2"))
+
+    absmax = np.abs(values.reshape(-1, 128)).max(axis=1)
+    err = np.abs(decoded - values).reshape(-1, 128).max(axis=1)
+    assert (err <= absmax / 3 * (1 + 1e-6)).all()
+    # ... and the bound is nearly reached: it is the real worst case, not a loose one.
+    assert (err / absmax).max() > 0.3
+    assert set(np.unique(np.rint(decoded.reshape(-1, 128) / (absmax[:, None] / 3)))) == {-3, -1, 1, 3}
+
+
+@pytest.mark.parametrize("block_size", [0, codec_lib.MAX_BLOCK_SIZE + 1])
+def test_block_sizes_outside_the_range_are_refused(block_size):
+    with pytest.raises(codec_lib.CodecError, match="block_size"):
+        codec_lib.encode(np.ones(4, np.float32), "int2", block_size=block_size)
+
+
+@pytest.mark.parametrize("codec", codec_lib.QUANTIZED_CODECS)
+@pytest.mark.parametrize("numel", [1, 3, 5, 127, 129, 255, 257, 70001])
+@pytest.mark.parametrize("block_size", [1, 3, 7, 128, 1000])
+def test_quantized_codecs_round_trip_any_length(codec, numel, block_size):
+    # Lengths and block sizes that do and do not fill whole chunks, blocks and bytes.
+    values = np.random.default_rng(numel).standard_normal(numel).astype(np.float32)
+
+    encoded = codec_lib.encode(values, codec, block_size=block_size)
+
+    assert encoded.raw_size_bytes == codec_lib.expected_raw_size_bytes(codec, numel, block_size)
+    _assert_within_bound(values, _decode(encoded), codec, block_size)
+
+
 @pytest.mark.parametrize("numel", [1, 3, 127, 129, 255, 257])
 @pytest.mark.parametrize("block_size", [1, 3, 128])
 def test_int4_odd_and_even_lengths_round_trip(numel, block_size):
@@ -148,7 +194,7 @@ def test_int4_odd_and_even_lengths_round_trip(numel, block_size):
     _assert_within_bound(values, _decode(encoded), "int4", block_size)
 
 
-@pytest.mark.parametrize("codec", ("int8", "int4"))
+@pytest.mark.parametrize("codec", codec_lib.QUANTIZED_CODECS)
 def test_a_block_of_zeros_has_scale_zero(codec):
     values = np.concatenate([np.zeros(4), np.ones(4)]).astype(np.float32)
 
@@ -157,7 +203,7 @@ def test_a_block_of_zeros_has_scale_zero(codec):
 
     zero_scale, ones_scale = struct.unpack_from("<2f", raw)
     assert zero_scale == 0.0
-    assert ones_scale == pytest.approx(1.0 / {"int8": 127, "int4": 7}[codec], rel=1e-6)
+    assert ones_scale == pytest.approx(1.0 / {"int8": 127, "int4": 7, "int2": 3}[codec], rel=1e-6)
     decoded = _decode(encoded)
     np.testing.assert_array_equal(decoded[:4], 0.0)
     np.testing.assert_allclose(decoded[4:], 1.0, rtol=1e-6)
@@ -327,7 +373,7 @@ def test_undecodable_payloads_are_corrupt(payload):
         codec_lib.decode(payload, codec="fp32", numel=8, raw_size_bytes=len(raw), checksum=checksum)
 
 
-@pytest.mark.parametrize("codec", ("int8", "int4"))
+@pytest.mark.parametrize("codec", codec_lib.QUANTIZED_CODECS)
 @pytest.mark.parametrize("bad_scale", [np.nan, np.inf, -1.0])
 def test_invalid_scales_in_a_crafted_payload_are_rejected(codec, bad_scale):
     encoded = codec_lib.encode(np.ones(300, np.float32), codec)
@@ -339,7 +385,7 @@ def test_invalid_scales_in_a_crafted_payload_are_rejected(codec, bad_scale):
         _decode(encoded, payload=payload, checksum=checksum)
 
 
-@pytest.mark.parametrize("codec", ("int8", "int4"))
+@pytest.mark.parametrize("codec", codec_lib.QUANTIZED_CODECS)
 def test_a_scale_that_overflows_on_decoding_is_rejected(codec):
     encoded = codec_lib.encode(np.ones(10, np.float32), codec)
     raw = bytearray(zstandard.ZstdDecompressor().decompress(encoded.payload))
@@ -372,8 +418,8 @@ def test_non_finite_floats_in_a_crafted_payload_are_rejected(codec):
 
 
 def test_decode_rejects_unknown_codecs():
-    with pytest.raises(codec_lib.CodecError, match="codec='int2'"):
-        codec_lib.decode(b"", codec="int2", numel=1, raw_size_bytes=1, checksum=b"")
+    with pytest.raises(codec_lib.CodecError, match="codec='fp8' is unknown"):
+        codec_lib.decode(b"", codec="fp8", numel=1, raw_size_bytes=1, checksum=b"")
 
 
 def test_int4_compresses_well_relative_to_fp32():
@@ -391,6 +437,8 @@ def test_expected_raw_sizes():
     assert codec_lib.expected_raw_size_bytes("bf16", 10) == 20
     assert codec_lib.expected_raw_size_bytes("int8", 300) == 4 * 3 + 300
     assert codec_lib.expected_raw_size_bytes("int4", 301, block_size=100) == 4 * 4 + 151
+    assert codec_lib.expected_raw_size_bytes("int2", 301, block_size=100) == 4 * 4 + 76
+    assert codec_lib.expected_raw_size_bytes("int2", 128) * 8 / 128 == 2.25
     with pytest.raises(codec_lib.CodecError, match="numel=-1"):
         codec_lib.expected_raw_size_bytes("fp32", -1)
 
@@ -401,6 +449,8 @@ def test_error_bounds():
     # half a step plus 2**-20 of absmax for float32 rounding
     assert codec_lib.max_abs_error_bound("int8", 254.0) == pytest.approx(1.0 + 254 * 2**-20)
     assert codec_lib.max_abs_error_bound("int4", 14.0) == pytest.approx(1.0 + 14 * 2**-20)
+    # int2: half of a step of 2·absmax/3
+    assert codec_lib.max_abs_error_bound("int2", 3.0) == pytest.approx(1.0 + 3 * 2**-20)
     with pytest.raises(codec_lib.CodecError, match=r"block_absmax=-1\.0"):
         codec_lib.max_abs_error_bound("int8", -1.0)
 

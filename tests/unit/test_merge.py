@@ -153,7 +153,8 @@ def test_accumulator_is_permutation_invariant(contributions, random):
         fragment, [deltas[i] for i in order], [weights[i] for i in order]
     ).result()
 
-    np.testing.assert_allclose(shuffled, merged, rtol=1e-6, atol=1e-7)
+    # Sums are float32: another order rounds differently, by a few float32 ulps.
+    np.testing.assert_allclose(shuffled, merged, rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=50, deadline=None)

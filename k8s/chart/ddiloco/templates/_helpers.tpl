@@ -121,32 +121,96 @@ DDILOCO_SYNCER_CHECKPOINT_EVERY_MERGES).
 {{- end }}
 
 {{/*
-Transport security. The services refuse plaintext unless it is asked for explicitly; until the
-chart wires their mutual TLS (--tls-ca/--tls-cert/--tls-key, and a plaintext health port for the
-probes), it asks for plaintext. Protect cross-region traffic with a private interconnect or a
-TLS-terminating load balancer meanwhile.
+Transport security of one component, as ConfigMap data:
+(dict "ctx" $ "prefix" "DDILOCO_SYNCER_" "identity" "syncer" "serverName" "" "healthPort" 8081).
+With tls.enabled: mutual TLS with the CA and the component's own certificate and key from
+tls.mountPath (learners: per pod, set in their StatefulSet, so no identity here), the name expected
+in the peer's certificate, and a plaintext port serving only the health service, for the probes.
+Otherwise plaintext, asked for explicitly (the services refuse to start without a choice).
 */}}
 {{- define "ddiloco.transport" -}}
+{{- $tls := .ctx.Values.tls -}}
+{{- if $tls.enabled -}}
+{{- if not $tls.existingSecret -}}
+{{- fail "tls.enabled needs tls.existingSecret: a Secret with ca.pem and <name>.pem/<name>.key per component (`ddiloco certs` writes them)" -}}
+{{- end -}}
+{{ .prefix }}TLS_CA: {{ printf "%s/ca.pem" $tls.mountPath | quote }}
+{{- with .identity }}
+{{ $.prefix }}TLS_CERT: {{ printf "%s/%s.pem" $tls.mountPath . | quote }}
+{{ $.prefix }}TLS_KEY: {{ printf "%s/%s.key" $tls.mountPath . | quote }}
+{{- end }}
+{{- with .serverName }}
+{{ $.prefix }}TLS_SERVER_NAME: {{ . | quote }}
+{{- end }}
+{{- with .healthPort }}
+{{ $.prefix }}HEALTH_BIND: {{ printf "0.0.0.0:%d" (int .) | quote }}
+{{- end }}
+{{- else -}}
 {{ .prefix }}INSECURE: "true"
+{{- end }}
+{{- end }}
+
+{{/*
+The TLS Secret volume of a pod, when tls.enabled: (dict "ctx" $ "names" (list "syncer")) projects
+ca.pem and <name>.pem/.key of each name only; (dict "ctx" $ "learners" true) mounts the whole
+learners' Secret (one pod template for every learner: a pod cannot select its own files).
+*/}}
+{{- define "ddiloco.tlsVolume" -}}
+{{- $tls := .ctx.Values.tls }}
+{{- if $tls.enabled -}}
+- name: tls
+  secret:
+    {{- if .learners }}
+    secretName: {{ default $tls.existingSecret $tls.learnersSecret }}
+    {{- else }}
+    secretName: {{ $tls.existingSecret }}
+    items:
+      - key: ca.pem
+        path: ca.pem
+      {{- range .names }}
+      - key: {{ . }}.pem
+        path: {{ . }}.pem
+      - key: {{ . }}.key
+        path: {{ . }}.key
+      {{- end }}
+    {{- end }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "ddiloco.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The port a server's probes use: its health port under TLS, else its gRPC port. */}}
+{{- define "ddiloco.probePort" -}}
+{{- if .ctx.Values.tls.enabled }}{{ get .ctx.Values.tls.healthPorts .component }}{{ else }}{{ .port }}{{ end }}
 {{- end }}
 
 {{/* Data of each component's ConfigMap (also hashed into its pods' checksum/config). */}}
 {{- define "ddiloco.store.configData" -}}
-{{ include "ddiloco.transport" (dict "prefix" "DDILOCO_CHECKPOINT_") }}
+{{ include "ddiloco.transport" (dict "ctx" . "prefix" "DDILOCO_CHECKPOINT_" "identity" "checkpoint" "healthPort" .Values.tls.healthPorts.store) }}
 DDILOCO_CHECKPOINT_LOG_LEVEL: {{ .Values.run.logLevel | quote }}
 DDILOCO_CHECKPOINT_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
 {{- include "ddiloco.settingsData" (dict "prefix" "DDILOCO_CHECKPOINT_" "settings" .Values.store.settings) }}
 {{- end }}
 
 {{- define "ddiloco.syncer.configData" -}}
-{{ include "ddiloco.transport" (dict "prefix" "DDILOCO_SYNCER_") }}
+{{ include "ddiloco.transport" (dict "ctx" . "prefix" "DDILOCO_SYNCER_" "identity" "syncer" "healthPort" .Values.tls.healthPorts.syncer) }}
+{{- if and .Values.tls.enabled .Values.tls.storeServerName }}
+DDILOCO_SYNCER_CHECKPOINT_TLS_SERVER_NAME: {{ .Values.tls.storeServerName | quote }}
+{{- end }}
 DDILOCO_SYNCER_LOG_LEVEL: {{ .Values.run.logLevel | quote }}
 DDILOCO_SYNCER_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
 {{- include "ddiloco.settingsData" (dict "prefix" "DDILOCO_SYNCER_" "settings" .Values.syncer.settings) }}
 {{- end }}
 
 {{- define "ddiloco.learner.configData" -}}
-{{ include "ddiloco.transport" (dict "prefix" "DDILOCO_LEARNER_") }}
+{{ include "ddiloco.transport" (dict "ctx" . "prefix" "DDILOCO_LEARNER_" "serverName" .Values.tls.syncerServerName) }}
 DDILOCO_LEARNER_LOG_LEVEL: {{ .Values.run.logLevel | quote }}
 DDILOCO_LEARNER_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
 DDILOCO_LEARNER_NUM_SHARDS: {{ include "ddiloco.envValue" .Values.data.numShards | quote }}
@@ -157,7 +221,7 @@ DDILOCO_LEARNER_MAX_CORPUS_BYTES: {{ include "ddiloco.envValue" .Values.data.max
 {{- end }}
 
 {{- define "ddiloco.evaluator.configData" -}}
-{{ include "ddiloco.transport" (dict "prefix" "DDILOCO_EVAL_") }}
+{{ include "ddiloco.transport" (dict "ctx" . "prefix" "DDILOCO_EVAL_" "identity" "evaluator" "serverName" .Values.tls.syncerServerName) }}
 DDILOCO_EVAL_LOG_LEVEL: {{ .Values.run.logLevel | quote }}
 DDILOCO_EVAL_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
 DDILOCO_EVAL_NUM_SHARDS: {{ include "ddiloco.envValue" .Values.data.numShards | quote }}

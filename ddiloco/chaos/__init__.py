@@ -1,0 +1,12 @@
+"""Fault injection for ddiloco (tests and `ddiloco chaos`): Jepsen/etcd style, scaled down to loopback.
+
+- `failpoints`: named crash points in the services, armed by a `--failpoints` flag;
+- `history`: the durable JSONL histories the syncer and learners append to (`--history-file`);
+- `schedule`: seeded fault schedules (`faults.jsonl`), replayable, and a kill loop with an MTBF;
+- `proxy`: an asyncio TCP fault proxy (latency, bandwidth, resets, blackholes, partitions, flapping);
+- `invariants`: the checkers I1-I5 over the recorded histories and the final state;
+- `harness`: runs one scenario end to end and writes its one-line report;
+- `cli`: `ddiloco chaos run|replay|schedule`.
+
+Importing this package is cheap: the submodules are imported by name.
+"""

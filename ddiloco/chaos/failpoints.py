@@ -1,0 +1,94 @@
+"""Named failpoints: make a process die at a chosen point of its code (fault tests only).
+
+As in etcd's robustness suite, a failpoint is deterministic where a random `kill -9` is not: it
+fires at exactly the named place, e.g. between a merge's quorum and its outer step. A spec is a
+comma-separated list of `name=action[@n]`:
+
+    syncer.after_quorum=crash          the first time the point is reached
+    learner.after_chunk=crash@3        the third time (earlier hits pass)
+
+`crash` exits at once with status 137 (`os._exit`, no clean-up, no flushing: what SIGKILL does).
+The services arm them with `--failpoints` (env DDILOCO_<SERVICE>_FAILPOINTS); the checkpoint
+store has its own set (services/checkpoint/store.py, `store.*`, which also knows `enospc`).
+
+Known points:
+
+    syncer.after_quorum   a fragment's round reached its quorum and the merge started, before
+                          the outer step is applied (services/syncer/core.py `_merge_locked`)
+    learner.after_chunk   an upload stream sent a payload chunk, before the stream ends
+                          (services/learner/client.py `_upload`): a crash mid-upload
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+_LOG = logging.getLogger("ddiloco.failpoints")
+
+KNOWN: dict[str, str] = {
+    "syncer.after_quorum": "a round reached quorum, before the outer step is applied",
+    "learner.after_chunk": "an upload sent a payload chunk, before the stream ends",
+}
+ACTIONS = frozenset({"crash"})
+CRASH_EXIT_CODE = 137  # what a SIGKILLed process reports, so a crash failpoint looks like one
+
+
+def parse(spec: str, *, prefix: str = "") -> dict[str, tuple[str, int]]:
+    """`"a=crash,b=crash@3"` -> {name: (action, nth hit)}; ValueError naming what is wrong.
+
+    `prefix` ("syncer." or "learner.") restricts the names a service accepts.
+    """
+    points: dict[str, tuple[str, int]] = {}
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        name, sep, action = entry.partition("=")
+        name, action = name.strip(), action.strip()
+        if not sep or not action:
+            raise ValueError(f"failpoint {entry!r} has no action; write {name}=crash or {name}=crash@N")
+        if name not in KNOWN or not name.startswith(prefix):
+            known = sorted(k for k in KNOWN if k.startswith(prefix))
+            raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(known)}")
+        action, _, nth = action.partition("@")
+        if action not in ACTIONS:
+            raise ValueError(f"failpoint {name}={action!r}: the action must be one of {sorted(ACTIONS)}")
+        try:
+            count = int(nth) if nth else 1
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise ValueError(f"failpoint {entry!r}: @N must be a positive integer (the hit that fires)")
+        points[name] = (action, count)
+    return points
+
+
+class Failpoints:
+    """Armed failpoints of one process; `hit(name)` at each named place. Thread-safe."""
+
+    def __init__(self, spec: str = "", *, prefix: str = "") -> None:
+        self.points = parse(spec, prefix=prefix)
+        self._hits: dict[str, int] = {}
+        self._lock = threading.Lock()
+        if self.points:
+            _LOG.warning("failpoints armed (fault tests only): %s", spec)
+
+    def __bool__(self) -> bool:
+        return bool(self.points)
+
+    def hit(self, name: str) -> None:
+        armed = self.points.get(name)
+        if armed is None:
+            return
+        with self._lock:
+            self._hits[name] = self._hits.get(name, 0) + 1
+            fire = self._hits[name] == armed[1]
+        if fire:  # only action: crash
+            _LOG.error("failpoint %s fired (hit %d): exiting with %d", name, armed[1], CRASH_EXIT_CODE)
+            logging.shutdown()
+            os._exit(CRASH_EXIT_CODE)
+
+
+def no_failpoint(name: str) -> None:
+    """The disarmed hook (what production runs)."""

@@ -1,0 +1,228 @@
+"""Named scenarios: the fault-matrix rows on crashes, hangs, partitions, bandwidth, resets and
+flapping links (README.md, "Chaos testing"), grouped into a few runs, plus the soak.
+
+`build(name, seed)` returns (Scenario, [FaultEvent]); tests/chaos runs the groups, and
+`ddiloco chaos run --scenario NAME --seed N` reproduces a group or a single row from the command line.
+
+Every scenario shares one training configuration (`base`): 3 learners, quorum K = 2, the tiny
+transformer, P = 4 fragments, H = 4, `ROW_STEPS` inner steps per learner. Only faults, failpoints,
+chunk size and pacing differ, none of which changes the math, so one fault-free run of `base` is
+the I5 baseline for all of them. Faults are gated on the number of merges so far (`at_merge`),
+so that they land at the same point of training on a fast or a slow machine; the rows of a group
+are phases `PHASE_MERGES` merges apart, and a phase also waits until the previous one's faults
+healed and their components recovered (ddiloco/chaos/schedule.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from ddiloco.chaos import schedule as schedule_lib
+from ddiloco.chaos.harness import Scenario
+from ddiloco.chaos.schedule import FaultEvent
+
+ROW_STEPS = 500
+ROW_PACE_S = 0.06  # extra seconds per inner step (pacing only): ~0.09 s per step on 2 cores
+# I5: final held-out loss <= (1 + margin) x the fault-free run's. Measured on 2 cores (tiny model,
+# 500 steps): fault-free runs of the same seed spread over 2.40-2.67 (timing decides which
+# contributions make each round); the link-fault groups land within +-5 % of that, the process
+# faults (a rolling syncer restart, a learner killed, one stopped) about +12 %. 20 % still catches
+# what matters: a stalled fragment, a lost or doubled merge, a bad restore (the loss then stays
+# near its initial 5.5 or diverges).
+LOSS_MARGIN = 0.20
+FAULT_AT_MERGE = 40  # the first fault of a run: every learner is contributing by then
+PHASE_MERGES = 110  # between the rows of a group
+
+
+# Contributions beyond the norm bound are clipped, not refused: a refused honest contribution can
+# leave a round below quorum for good (the learner sends one upload per base version, and the
+# pending one blocks a resend), which stalls the fragment; bad input is the security tier's subject.
+CHAOS_SYNCER_ARGS = ("--norm-bound-action", "clip")
+
+
+def base(name: str, seed: int, **changes) -> Scenario:
+    """The shared configuration of the row scenarios (and of their fault-free baseline)."""
+    return dataclasses.replace(Scenario(name=name, seed=seed, learners=3, min_quorum=2, steps=ROW_STEPS,
+                                        step_delay_s=ROW_PACE_S, syncer_args=CHAOS_SYNCER_ARGS,
+                                        loss_margin=LOSS_MARGIN), **changes)
+
+
+def baseline(seed: int) -> tuple[Scenario, list[FaultEvent]]:
+    """The fault-free run of `base` (I5's reference for every row scenario and the soak)."""
+    return base("baseline", seed), []
+
+
+def learner_kill(seed: int):
+    """Row 1: SIGKILL a learner during inner steps; the quorum goes on; the restart rejoins."""
+    return base("learner-kill", seed), [
+        FaultEvent(0, "kill", "learner-0", {"restart_after_s": 1.0}, at_merge=FAULT_AT_MERGE)]
+
+
+def learner_mid_upload(seed: int):
+    """Row 2: a learner crashes mid-upload (failpoint learner.after_chunk, uploads of several
+    chunks): the partial upload is never applied; the restarted learner contributes again."""
+    return base("learner-mid-upload", seed, chunk_size_bytes=1024,
+                learner_failpoints=(("learner-1", "learner.after_chunk=crash@120"),)), []
+
+
+def learner_hang(seed: int):
+    """Row 3: SIGSTOP a learner for longer than the grace window and the liveness timeout, then
+    SIGCONT: merges go ahead without it; its late uploads are stale-refused or merged later."""
+    return base("learner-hang", seed), [
+        FaultEvent(0, "stop", "learner-2", {"duration_s": 5.0}, at_merge=FAULT_AT_MERGE)]
+
+
+def syncer_after_quorum(seed: int):
+    """Row 4: the syncer crashes between a round's quorum and its outer step (failpoint
+    syncer.after_quorum) and restarts from its last committed checkpoint."""
+    return base("syncer-after-quorum", seed, syncer_failpoints=f"syncer.after_quorum=crash@{FAULT_AT_MERGE}"), []
+
+
+def syncer_term(seed: int):
+    """Row 5: SIGTERM the syncer (rolling restart): graceful exit 0 with a final checkpoint; the
+    new life restores it exactly (nothing rolled back)."""
+    return base("syncer-term", seed), [
+        FaultEvent(0, "term", "syncer", {"restart_after_s": 0.5}, at_merge=FAULT_AT_MERGE)]
+
+
+def store_crash(seed: int):
+    """Row 6: SIGKILL the store, restart it with the failpoint store.after_tmp_write armed: it
+    crashes again during its next checkpoint write (temp file written, not renamed) and restarts
+    clean; every committed checkpoint stays loadable, no temp file survives, training goes on."""
+    return base("store-crash", seed), [
+        FaultEvent(0, "kill", "checkpoint", {"restart_after_s": 1.0, "failpoints": "store.after_tmp_write=crash"},
+                   at_merge=FAULT_AT_MERGE)]
+
+
+def _all_links(kind: str, params: dict, learners: int = 3, at_merge: int = FAULT_AT_MERGE) -> list[FaultEvent]:
+    return [FaultEvent(0, kind, f"learner-{i}", params, at_merge=at_merge) for i in range(learners)]
+
+
+def wan_latency(seed: int):
+    """Row 8: 200 +- 50 ms of latency on every learner's link for 5 s: no deadline errors, merges go on."""
+    return base("wan-latency", seed), _all_links("latency", {"latency_s": 0.2, "jitter_s": 0.05, "duration_s": 5.0})
+
+
+def bandwidth(seed: int):
+    """Row 9: every learner's link capped at 48 KB/s each way for 5 s (below what training
+    uses): throughput stays under the cap, training continues, nothing is lost."""
+    return base("bandwidth", seed), _all_links("bandwidth", {"bytes_per_s": 48_000, "duration_s": 5.0})
+
+
+def partition_one(seed: int):
+    """Row 10: one learner's link is a blackhole for 6 s, then heals: merges go on with the
+    quorum; the learner is marked silent; it re-syncs after the heal."""
+    return base("partition-one", seed), [
+        FaultEvent(0, "blackhole", "learner-0", {"duration_s": 6.0}, at_merge=FAULT_AT_MERGE)]
+
+
+def partition_majority(seed: int):
+    """Row 11: the syncer is cut off from 2 of 3 learners (K = 2) for 5 s: no outer step while
+    below quorum (no split-brain update); training resumes on heal."""
+    return base("partition-majority", seed), [
+        FaultEvent(0, "partition", f"learner-{i}", {"duration_s": 5.0}, at_merge=FAULT_AT_MERGE) for i in (1, 2)]
+
+
+def resets(seed: int):
+    """Row 12: connections reset mid-stream: a learner's link resets each connection after a
+    few KB for 5 s, and two other links are reset 3 times: retries are idempotent, nothing is
+    applied twice."""
+    events = [FaultEvent(0, "limit_data", "learner-1", {"bytes": 6_000, "duration_s": 5.0}, at_merge=FAULT_AT_MERGE)]
+    for t in (0.5, 2.5, 4.5):
+        events += [FaultEvent(t, "reset", f"learner-{i}", at_merge=FAULT_AT_MERGE) for i in (0, 2)]
+    return base("resets", seed), events
+
+
+def flapping(seed: int):
+    """Row 13: one learner's link flaps (1 s down / 2 s up) for 9 s: no retry storm, progress
+    continues, the learner is back in merges after."""
+    return base("flapping", seed), [
+        FaultEvent(0, "flap", "learner-0", {"down_s": 1.0, "up_s": 2.0, "duration_s": 9.0}, at_merge=FAULT_AT_MERGE)]
+
+
+def _at(events: list[FaultEvent], phase: int) -> list[FaultEvent]:
+    """The events of a row, moved to the `phase`-th slot of a group (0: FAULT_AT_MERGE)."""
+    return [dataclasses.replace(e, at_merge=FAULT_AT_MERGE + phase * PHASE_MERGES) for e in events]
+
+
+def learner_process(seed: int):
+    """Rows 3, 5 and 1 in one run: SIGSTOP learner-2 for 5 s; SIGTERM the syncer (rolling
+    restart); SIGKILL learner-0 (restarted after 1 s)."""
+    return base("learner-process", seed), [
+        *_at(learner_hang(seed)[1], 0), *_at(syncer_term(seed)[1], 1), *_at(learner_kill(seed)[1], 2)]
+
+
+def server_failpoints(seed: int):
+    """Rows 4, 2 and 6 in one run, by failpoints: the syncer crashes between quorum and apply at
+    merge 40; learner-1 crashes mid-upload (after a chunk of an upload of ~4) around a third of the
+    way; the store is SIGKILLed and restarted with store.after_tmp_write armed (row 6)."""
+    return base("server-failpoints", seed, chunk_size_bytes=1024,
+                syncer_failpoints=f"syncer.after_quorum=crash@{FAULT_AT_MERGE}",
+                learner_failpoints=(("learner-1", "learner.after_chunk=crash@600"),)), _at(store_crash(seed)[1], 2)
+
+
+def link_degraded(seed: int):
+    """Rows 8, 9 and 13 in one run: 200 +- 50 ms latency on every link for 5 s; every link capped
+    at 48 KB/s each way for 5 s; learner-0's link flapping (1 s down / 2 s up) for 9 s."""
+    return base("link-degraded", seed), [
+        *_at(_all_links("latency", {"latency_s": 0.2, "jitter_s": 0.05, "duration_s": 5.0}), 0),
+        *_at(_all_links("bandwidth", {"bytes_per_s": 48_000, "duration_s": 5.0}), 1),
+        *_at([FaultEvent(0, "flap", "learner-0", {"down_s": 1.0, "up_s": 2.0, "duration_s": 9.0})], 2)]
+
+
+def link_cuts(seed: int):
+    """Rows 10, 11 and 12 in one run: learner-0's link blackholed for 6 s; learners 1 and 2 cut
+    off (K = 2: no quorum) for 5 s; connections reset mid-stream (learner-1's after a few KB for
+    5 s, learners 0 and 2 three times)."""
+    return base("link-cuts", seed), [
+        *_at(partition_one(seed)[1], 0), *_at(partition_majority(seed)[1], 1), *_at(resets(seed)[1], 2)]
+
+
+SOAK_DURATION_S = 100.0
+SOAK_MTBF_S = 3.0
+
+
+def soak(seed: int):
+    """Row 25, the CI soak: a seeded kill loop (MTBF 3 s over 100 s) across learners, the syncer
+    and the store, with link faults; the same training as `base`, paced slower (0.2 s per step)
+    so that it spans the loop; I5 against `base`'s fault-free run."""
+    events = schedule_lib.kill_loop(seed=seed, duration_s=SOAK_DURATION_S, mtbf_s=SOAK_MTBF_S, learners=3,
+                                    max_learners_down=1, cooldown_s=2.0, max_fault_s=4.0)
+    return base("soak", seed, step_delay_s=0.2, max_wall_s=420.0), events
+
+
+SCENARIOS: dict[str, Callable[[int], tuple[Scenario, list[FaultEvent]]]] = {
+    "baseline": baseline,
+    "learner-kill": learner_kill,
+    "learner-mid-upload": learner_mid_upload,
+    "learner-hang": learner_hang,
+    "syncer-after-quorum": syncer_after_quorum,
+    "syncer-term": syncer_term,
+    "store-crash": store_crash,
+    "wan-latency": wan_latency,
+    "bandwidth": bandwidth,
+    "partition-one": partition_one,
+    "partition-majority": partition_majority,
+    "resets": resets,
+    "flapping": flapping,
+    "learner-process": learner_process,
+    "server-failpoints": server_failpoints,
+    "link-degraded": link_degraded,
+    "link-cuts": link_cuts,
+    "soak": soak,
+}
+# What tests/chaos runs: the groups (each row's test reads its group's run) and the soak.
+GROUPS = ("learner-process", "server-failpoints", "link-degraded", "link-cuts")
+
+
+def build(name: str, seed: int = 1) -> tuple[Scenario, list[FaultEvent]]:
+    try:
+        return SCENARIOS[name](seed)
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}") from None
+
+
+def describe(name: str) -> str:
+    doc = (SCENARIOS[name].__doc__ or "").strip()
+    return " ".join(doc.split())

@@ -1,0 +1,206 @@
+"""Unit tests of the chaos harness's pure parts: failpoint specs, schedules, invariant checkers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ddiloco.chaos import failpoints, history, invariants, schedule
+from ddiloco.chaos.schedule import FaultEvent, FaultSchedule
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---------------------------------------------------------------------------------- failpoints
+
+def test_failpoint_specs_parse_and_refuse_typos():
+    assert failpoints.parse("syncer.after_quorum=crash, learner.after_chunk=crash@3") == {
+        "syncer.after_quorum": ("crash", 1), "learner.after_chunk": ("crash", 3)}
+    assert failpoints.parse("") == {}
+    for bad in ("syncer.after_quorum", "syncer.nope=crash", "syncer.after_quorum=explode",
+                "syncer.after_quorum=crash@0", "syncer.after_quorum=crash@x"):
+        with pytest.raises(ValueError):
+            failpoints.parse(bad)
+    with pytest.raises(ValueError, match="unknown failpoint"):  # a learner point on the syncer
+        failpoints.parse("learner.after_chunk=crash", prefix="syncer.")
+
+
+def test_failpoint_crashes_the_process_on_the_nth_hit_with_status_137():
+    code = ("from ddiloco.chaos import failpoints\n"
+            "fp = failpoints.Failpoints('learner.after_chunk=crash@3')\n"
+            "for i in range(5):\n"
+            "    print(i, flush=True)\n"
+            "    fp.hit('learner.after_chunk')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == failpoints.CRASH_EXIT_CODE
+    assert out.stdout.split() == ["0", "1", "2"]
+
+
+def test_services_accept_failpoints_and_history_flags():
+    from services.learner import config as learner_config
+    from services.syncer import config as syncer_config
+
+    cfg = syncer_config.parse_config(["--failpoints", "syncer.after_quorum=crash@2", "--history-file", "h.jsonl"], {})
+    assert cfg.failpoints == "syncer.after_quorum=crash@2" and cfg.history_file == "h.jsonl"
+    env = {"DDILOCO_LEARNER_FAILPOINTS": "learner.after_chunk=crash", "DDILOCO_LEARNER_HISTORY_FILE": "l.jsonl"}
+    lcfg = learner_config.parse_learner_config([], env)
+    assert lcfg.failpoints == "learner.after_chunk=crash" and lcfg.history_file == "l.jsonl"
+    with pytest.raises(SystemExit):
+        syncer_config.parse_config(["--failpoints", "learner.after_chunk=crash"], {})
+
+
+# ---------------------------------------------------------------------------------- schedules
+
+def test_kill_loop_is_seeded_and_respects_its_bounds(tmp_path):
+    a = schedule.kill_loop(seed=7, duration_s=200, mtbf_s=4, learners=3)
+    assert a == schedule.kill_loop(seed=7, duration_s=200, mtbf_s=4, learners=3)
+    assert a != schedule.kill_loop(seed=8, duration_s=200, mtbf_s=4, learners=3)
+    assert 25 <= len(a) <= 60 and all(0 <= e.t < 200 for e in a)
+    assert {e.target for e in a} >= {"syncer", "checkpoint", "learner-0", "learner-1", "learner-2"}
+    # One fault at a time per target, and at most one learner under a fault at once.
+    busy: dict[str, float] = {}
+    for e in sorted(a, key=lambda e: e.t):
+        assert busy.get(e.target, -1) <= e.t, e
+        learners_down = [t for t, until in busy.items() if t.startswith("learner-") and until > e.t]
+        assert not (e.target.startswith("learner-") and learners_down), (e, learners_down)
+        busy[e.target] = e.t + e.duration_s
+    only_process = schedule.kill_loop(seed=7, duration_s=200, mtbf_s=4, learners=3, network=False)
+    assert {e.kind for e in only_process} <= set(schedule.PROCESS_KINDS)
+
+
+def test_schedule_file_round_trip_replays_exactly(tmp_path):
+    events = schedule.kill_loop(seed=3, duration_s=60, mtbf_s=3, learners=2)
+    events.append(FaultEvent(1.5, "partition", "learner-1", {"duration_s": 2}, at_merge=40))
+    path = FaultSchedule(events=events, seed=3, scenario={"name": "x", "learners": 2}).save(tmp_path / "faults.jsonl")
+    loaded = FaultSchedule.load(path)
+    assert loaded.seed == 3 and loaded.scenario == {"name": "x", "learners": 2}
+    assert sorted(loaded.events, key=lambda e: (e.at_merge, e.t)) == sorted(events, key=lambda e: (e.at_merge, e.t))
+    (tmp_path / "bad.jsonl").write_text('{"t": 1, "kind": "explode", "target": "syncer"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        FaultSchedule.load(tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError):
+        FaultEvent(0, "latency", "syncer")  # link faults act on a learner's link
+
+
+def test_history_writer_survives_a_torn_last_line(tmp_path):
+    w = history.HistoryWriter(tmp_path / "h.jsonl")
+    w.write("accepted", learner="a", fragment=1)
+    w.close()
+    with open(tmp_path / "h.jsonl", "a") as f:
+        f.write('{"event": "merged", "t": 1')  # a process killed mid-write
+    records = history.read(tmp_path / "h.jsonl")
+    assert [r["event"] for r in records] == ["accepted"] and records[0]["learner"] == "a"
+    assert history.read(tmp_path / "missing.jsonl") == []
+
+
+# ---------------------------------------------------------------------------------- invariants
+
+def _start(inst, t, versions, restored=False, steps=0, k=2):
+    return {"event": "start", "t": t, "instance": inst, "restored": restored, "outer_steps": steps, "min_quorum": k,
+            "fragments": {str(f): [v, f"p{inst}{f}v{v}", f"p{inst}{f}v{v}"] for f, v in versions.items()}}
+
+
+def _acc(inst, t, learner, frag, base, inc=1):
+    return {"event": "accepted", "t": t, "instance": inst, "learner": learner, "incarnation": inc, "fragment": frag,
+            "base_version": base, "tokens": 10}
+
+
+def _merged(inst, t, frag, version, contributors, sha=None):
+    sha = sha or f"p{inst}{frag}v{version}"
+    return {"event": "merged", "t": t, "instance": inst, "fragment": frag, "version": version, "sha256": sha,
+            "params_sha256": sha, "reason": "all_contributed",
+            "contributors": [[lid, 1, base, 10] for lid, base in contributors]}
+
+
+def _ack(inst, learner, frag, base, result="accepted"):
+    return {"event": "ack", "t": 0, "learner": learner, "incarnation": 1, "instance": inst, "fragment": frag,
+            "base_version": base, "result": result, "sent_at": 0}
+
+
+def _healthy_history():
+    return [
+        _start("A", 0, {0: 0}),
+        _acc("A", 1, "l0", 0, 0), _acc("A", 1, "l1", 0, 0),
+        _merged("A", 2, 0, 1, [("l0", 0), ("l1", 0)]),
+        {"event": "checkpoint", "t": 3, "instance": "A", "outer_step": 1, "versions": {"0": 1}},
+        _acc("A", 4, "l0", 0, 1),
+        {"event": "shutdown", "t": 5, "instance": "A", "pending": [[0, "l0", 1, 1]]},
+    ]
+
+
+def test_i1_healthy_history_classifies_pending_and_applied():
+    learners = {"l0": [_ack("A", "l0", 0, 0), _ack("A", "l0", 0, 1)], "l1": [_ack("A", "l1", 0, 0, "duplicate")]}
+    check = invariants.check_uploads(_healthy_history(), learners)
+    assert check.ok, check.violations
+    assert check.figures["applied"] == 2 and check.figures["pending"] == 1 and check.figures["lost"] == 0
+
+
+def test_i1_finds_lost_acks_double_applies_and_unrecorded_contributors():
+    syncer = _healthy_history()[:-1] + [_merged("A", 4.5, 0, 2, [("l0", 0), ("l2", 0)]),
+                                        {"event": "shutdown", "t": 5, "instance": "A", "pending": []}]
+    learners = {"l0": [_ack("A", "l0", 0, 0), _ack("A", "l0", 0, 1)], "l1": [_ack("A", "l1", 0, 7)]}
+    check = invariants.check_uploads(syncer, learners)
+    text = "\n".join(check.violations)
+    assert not check.ok
+    assert check.figures["double_applied"] == 1 and "applied 2 times" in text  # l0's base-0 upload
+    assert "never recorded as accepted" in text  # l2 was never accepted
+    assert check.figures["lost"] == 2  # l0 base 1 (life ended gracefully, not pending) and l1 base 7
+
+
+def test_i1_counts_uploads_dropped_or_rolled_back_by_a_syncer_crash_without_failing():
+    syncer = [
+        _start("A", 0, {0: 0}),
+        _acc("A", 1, "l0", 0, 0), _acc("A", 1, "l1", 0, 0),
+        _merged("A", 2, 0, 1, [("l0", 0), ("l1", 0)]),
+        _acc("A", 3, "l0", 0, 1),  # in the open round when A crashes
+        _start("B", 10, {0: 0}, restored=False),  # B restored nothing: merge 1 of A is rolled back
+        {"event": "shutdown", "t": 11, "instance": "B", "pending": []},
+    ]
+    learners = {"l0": [_ack("A", "l0", 0, 0), _ack("A", "l0", 0, 1)], "l1": [_ack("A", "l1", 0, 0)]}
+    check = invariants.check_uploads(syncer, learners)
+    assert check.ok, check.violations
+    assert check.figures["rolled_back"] == 2 and check.figures["lost_on_syncer_crash"] == 1
+
+
+def test_i2_finds_version_gaps_small_quorums_and_restores_of_unknown_states():
+    syncer = [
+        _start("A", 0, {0: 0, 1: 0}),
+        _merged("A", 1, 0, 1, [("l0", 0), ("l1", 0)]),
+        _merged("A", 2, 0, 3, [("l0", 1), ("l1", 1)]),  # gap
+        _merged("A", 3, 1, 1, [("l0", 0)]),  # one contributor < K = 2
+        {"event": "checkpoint", "t": 4, "instance": "A", "outer_step": 3, "versions": {"0": 3, "1": 1}},
+        _start("B", 5, {0: 2, 1: 1}, steps=2),  # version 2 of fragment 0 never existed; older than the checkpoint
+    ]
+    check = invariants.check_versions(syncer)
+    text = "\n".join(check.violations)
+    assert "expected 2" in text and "< min_quorum 2" in text
+    assert "no earlier life had" in text and "older than the committed checkpoint" in text
+    assert invariants.check_versions(_healthy_history()).ok
+
+
+def test_i3_compares_learner_hashes_with_the_syncer_life_they_came_from():
+    syncer = _healthy_history()
+    good = {"held": {"0": {"version": 1, "sha256": "pA0v1"}}, "held_instances": {"0": "A"}, "incarnation": 1}
+    assert invariants.check_learner_hashes(syncer, {"l0": good}).ok
+    bad = {"held": {"0": {"version": 1, "sha256": "something else"}}, "held_instances": {"0": "A"}, "incarnation": 1}
+    check = invariants.check_learner_hashes(syncer, {"l0": bad, "l1": None})
+    assert not check.ok and check.figures["hash_equal"] == 0 and len(check.violations) == 2
+
+
+def test_i4_and_i5_checkpoints_and_loss():
+    params = np.arange(4, dtype=np.float32)
+    digest = invariants.fragment_sha256(params)
+    syncer = [_start("A", 0, {0: 0}), _merged("A", 1, 0, 1, [("l0", 0), ("l1", 0)], sha=digest)]
+    good = {"outer_steps": 1, "fragments": [{"fragment_id": 0, "version": 1, "params": params,
+                                              "params_sha256": digest}]}
+    torn = {"outer_steps": 1, "fragments": [{"fragment_id": 0, "version": 1, "params": params + 1,
+                                              "params_sha256": digest}]}
+    assert invariants.check_checkpoints(syncer, [(1, good)]).ok
+    check = invariants.check_checkpoints(syncer, [(1, good), (2, torn), (3, ValueError("unreadable"))])
+    assert check.figures == {"checkpoints": 3, "loadable": 1} and len(check.violations) >= 3
+    assert invariants.check_loss(3.0, 2.9, 0.15).ok
+    assert not invariants.check_loss(3.5, 2.9, 0.15).ok
+    assert invariants.check_loss(None, 2.9, 0.15).skipped
