@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: bench-quality bench-perf fuzz install up test test-fast test-docker docker-env lint protos check-protos clean k8s-tools k8s-render chaos
+.PHONY: bench-quality bench-perf fuzz install up test test-fast test-docker docker-env lint protos check-protos clean k8s-tools k8s-render chaos simulate
 
 install: $(STAMP)
 
@@ -66,6 +66,11 @@ bench-quality: install
 # a ratio measured in the same run (bench/results/perf.json and .md; ~15 min on 2 cores).
 bench-perf: install
 	$(BIN)/ddiloco bench perf $(ARGS)
+
+# The paper's chaos-engineering goodput study (Table 1) as a seeded discrete-event simulation, and
+# what it implies for our learners (bench/results/simulate.{json,md,png}; seconds).
+simulate: install
+	$(BIN)/ddiloco simulate $(ARGS)
 
 check-protos: install
 	$(BIN)/python scripts/gen_protos.py --check
