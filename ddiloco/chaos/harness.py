@@ -83,6 +83,9 @@ class Scenario:
     max_corpus_bytes: int = 2_000_000
     loss_margin: float = 0.15  # I5: final loss <= (1 + margin) x the fault-free run's
     warmup_timeout_s: float = 180.0
+    # Once a learner finished its steps, the others get this long, then are SIGTERMed (they exit
+    # cleanly): in the synchronous modes a learner with steps left would wait at a barrier forever.
+    finish_grace_s: float = 90.0
     max_wall_s: float = 300.0
     syncer_args: tuple[str, ...] = ()
     learner_args: tuple[str, ...] = ()
@@ -139,6 +142,7 @@ class Result:
     baseline_loss: float | None
     wall_s: float
     t0: float  # unix seconds when the schedule started
+    training_end: float  # unix seconds when the last learner finished its steps (0: it did not)
     syncer_history: list[dict]
     learner_histories: dict[str, list[dict]]
     summaries: dict[str, dict | None]
@@ -146,6 +150,7 @@ class Result:
     proxy_stats: dict[str, dict]
     proxy_samples: dict[str, list[tuple[float, int, int, int]]] = dataclasses.field(default_factory=dict)
     member_samples: list[tuple[float, dict[str, str]]] = dataclasses.field(default_factory=list)
+    learner_finished_at: dict[str, float] = dataclasses.field(default_factory=dict)  # learner -> unix s
     error: str = ""
 
     @property
@@ -175,7 +180,8 @@ class Result:
     def to_json(self) -> dict:
         return {
             "scenario": self.scenario.to_dict(), "ok": self.ok, "error": self.error, "report": self.report_line,
-            "wall_s": round(self.wall_s, 2), "t0": self.t0, "goodput": self.goodput, "loss": self.loss,
+            "wall_s": round(self.wall_s, 2), "t0": self.t0, "training_end": self.training_end,
+            "goodput": self.goodput, "loss": self.loss,
             "baseline_loss": self.baseline_loss,
             "faults": [dataclasses.asdict(f) | {"recovery_s": f.recovery_s} for f in self.faults],
             "not_injected": [e.to_json() for e in self.not_injected],
@@ -350,6 +356,7 @@ class _Proc:
     state: str = "up"  # up | down (killed, restart pending) | stopped | terming | finished
     restart_after_s: float = -1.0  # terming: restart this long after it exits (< 0: never)
     restart_failpoints: str = ""  # terming: failpoints armed in the restarted life
+    final: bool = False  # terming at the end of the run: done once it exits
     fault: InjectedFault | None = None  # the fault it is currently under
     term_at: float = 0.0
 
@@ -392,6 +399,9 @@ class Harness:
         self._poller: _Poller | None = None
         self._summaries: dict[str, dict | None] = {}
         self._phase_faults: dict[int, list[InjectedFault]] = {}
+        self.training_end = 0.0
+        self._first_finish = 0.0
+        self.finished_at: dict[str, float] = {}  # learner -> unix s when it finished its steps
         self.proxy_samples: dict[str, list[tuple[float, int, int, int]]] = {}  # (t, up, down, connections)
         self._next_proxy_sample = 0.0
 
@@ -477,6 +487,8 @@ class Harness:
 
     def _restart(self, name: str, fault: InjectedFault | None, failpoints: str = "") -> None:
         svc, proc = self.cluster.services[name], self.procs[name]
+        if proc.state == "finished":  # the run is ending (stragglers stopped): not restarted
+            return
         extra: list[str] = ["--failpoints", failpoints] if failpoints else []
         if name.startswith("learner-"):
             # The steps its earlier lives did not run; at least one, so that its last life always
@@ -574,6 +586,12 @@ class Harness:
             if svc.alive() or proc.state in ("down", "finished"):
                 continue
             code = svc.proc.returncode if svc.proc else None
+            if proc.state == "terming" and proc.final:
+                self._read_summary(name)
+                proc.state = "finished"
+                self.finished_at[name] = time.time()
+                self._emit(f"{name} stopped at the end of the run (exit {code})")
+                continue
             if proc.state == "terming":
                 fault = proc.fault
                 if fault is not None:
@@ -586,6 +604,7 @@ class Harness:
                 continue
             if name.startswith("learner-") and code == 0:
                 proc.state = "finished"
+                self.finished_at[name] = time.time()
                 self._read_summary(name)
                 self._emit(f"{name} finished its steps")
                 continue
@@ -631,6 +650,28 @@ class Harness:
             self._cleanup()
         return self._result(started, error, final_state, checkpoints, loss)
 
+    def _end_stragglers(self, now: float) -> None:
+        """finish_grace_s after the first learner finished, SIGTERM the ones still training."""
+        if not self._first_finish:
+            if any(self.procs[n].state == "finished" for n in self.learner_names()):
+                self._first_finish = now
+            return
+        if now - self._first_finish < self.scenario.finish_grace_s:
+            return
+        for name in self.learner_names():
+            proc = self.procs[name]
+            if proc.state in ("finished",) or proc.final:
+                continue
+            svc = self.cluster.services[name]
+            if not svc.alive():
+                proc.state = "finished"
+                continue
+            svc.signal(signal.SIGCONT)
+            svc.signal(signal.SIGTERM)
+            proc.state, proc.term_at, proc.final, proc.restart_after_s = "terming", now, True, -1.0
+            self._emit(f"{name} still training {self.scenario.finish_grace_s:.0f} s after the first learner "
+                       "finished: SIGTERM")
+
     def _phases_settled(self, phase: int, now: float) -> bool:
         """Phases (events gated on at_merge N > 0) run one after the other: phase N starts once
         every fault of the earlier phases healed and its component recovered (or 20 s passed)."""
@@ -671,7 +712,9 @@ class Harness:
                     st = proxy.stats
                     self.proxy_samples.setdefault(name, []).append((now, st.bytes_up, st.bytes_down, st.connections))
             if all(self.procs[n].state == "finished" for n in self.learner_names()):
+                self.training_end = now
                 break
+            self._end_stragglers(now)
             for name, proc in self.procs.items():  # a SIGTERMed process that hangs is killed
                 if proc.state == "terming" and now - proc.term_at > 30:
                     self.cluster.services[name].signal(signal.SIGKILL)
@@ -745,8 +788,11 @@ class Harness:
         return loaded, last
 
     def _cleanup(self) -> None:
-        if self._poller is not None:
-            self._poller.stop()
+        try:
+            if self._poller is not None:
+                self._poller.stop()
+        except Exception:  # noqa: BLE001 - never skip stopping the processes below
+            _LOG.exception("stopping the poller")
         for proxy in self.proxies.values():
             try:
                 proxy.close()
@@ -777,12 +823,15 @@ class Harness:
             merged_tokens = sum(
                 c[3] for r in syncer_history if r["event"] == "merged"
                 and (r["instance"], int(r["fragment"]), int(r["version"])) not in rolled for c in r["contributors"])
-            goodput = merged_tokens / (self.scenario.num_fragments * processed)
+            starts = [r for r in syncer_history if r["event"] == "start"]
+            fragments = len(starts[-1]["fragments"]) if starts else self.scenario.num_fragments  # dp: 1
+            goodput = merged_tokens / (fragments * processed)
         final_state.pop("config", None)
         result = Result(
             scenario=self.scenario, workdir=self.workdir, faults=self.faults, not_injected=self.not_injected,
             checks=checks, goodput=goodput, loss=loss, baseline_loss=self.baseline_loss,
-            wall_s=time.time() - started, t0=self.t0, syncer_history=syncer_history,
+            wall_s=time.time() - started, t0=self.t0, training_end=self.training_end,
+            learner_finished_at=dict(self.finished_at), syncer_history=syncer_history,
             learner_histories=learner_histories, summaries=summaries, final_state=final_state,
             proxy_stats={n: dataclasses.asdict(p.stats) for n, p in self.proxies.items()},
             proxy_samples=self.proxy_samples, member_samples=self._poller.samples if self._poller else [], error=error,

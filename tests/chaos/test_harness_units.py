@@ -204,3 +204,28 @@ def test_i4_and_i5_checkpoints_and_loss():
     assert invariants.check_loss(3.0, 2.9, 0.15).ok
     assert not invariants.check_loss(3.5, 2.9, 0.15).ok
     assert invariants.check_loss(None, 2.9, 0.15).skipped
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+def test_cli_list_schedule_and_replay_rebuild_the_same_run(tmp_path, monkeypatch, capsys):
+    from ddiloco.chaos import cli, scenarios
+    from ddiloco.chaos.harness import Scenario
+
+    assert cli.main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in (*scenarios.GROUPS, "soak", "baseline"))
+    assert cli.main(["schedule", "--seed", "5", "--duration-s", "60", "--mtbf-s", "3", "--out",
+                     str(tmp_path / "f.jsonl")]) == 0
+    written = FaultSchedule.load(tmp_path / "f.jsonl")
+    assert written.events == sorted(schedule.kill_loop(seed=5, duration_s=60, mtbf_s=3, learners=3),
+                                    key=lambda e: (e.at_merge, e.t))
+    # A run's faults.jsonl replays the same scenario and events (the cluster itself is not started here).
+    seen = []
+    monkeypatch.setattr(cli, "_run", lambda scenario, events, args: seen.append((scenario, list(events))) or 0)
+    assert cli.main(["run", "--scenario", "link-cuts", "--seed", "3"]) == 0
+    scenario, events = scenarios.build("link-cuts", 3)
+    FaultSchedule(events=events, seed=3, scenario=scenario.to_dict()).save(tmp_path / "faults.jsonl")
+    assert cli.main(["replay", str(tmp_path / "faults.jsonl")]) == 0
+    assert seen[0][0] == seen[1][0] == scenario and Scenario.from_dict(scenario.to_dict()) == scenario
+    assert sorted(seen[1][1], key=lambda e: (e.at_merge, e.t)) == sorted(events, key=lambda e: (e.at_merge, e.t))
