@@ -153,7 +153,7 @@ class LearnerLoop:
         self.stats.compute_s += compute_s
         self.stats.step_time_ema.update(compute_s)
         self._client.set_progress(self.progress_request())
-        if jobs:
+        if jobs and self._barrier:
             self._wait_for_merges(jobs, arrivals)
         return loss
 
