@@ -34,7 +34,6 @@ from ddiloco.rpc import retry as retry_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import codec as codec_lib
-from ddiloco.wire import jax_codec  # the jitted quantizer: same bytes as codec_lib.encode
 from ddiloco.wire import serde
 
 _LOG = logging.getLogger("ddiloco.learner")
@@ -406,8 +405,11 @@ class SyncClient:
         if self.cfg.hostile_factor is not None:  # chaos knob for tests: a hostile learner
             delta = (delta * np.float32(self.cfg.hostile_factor)).astype(np.float32)
         try:
+            # numpy, not the jitted ddiloco.wire.jax_codec (same bytes, ~2x faster once compiled):
+            # compiling it for every fragment size delayed a fresh learner's first uploads by
+            # seconds on a loaded machine (tests/integration/test_cli.py trains for ~6 s).
             encoded = await asyncio.to_thread(
-                jax_codec.encode, delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
+                codec_lib.encode, delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
             )
         except codec_lib.NonFiniteError as exc:
             self.stats.uploads_refused += 1
