@@ -35,6 +35,11 @@ reference, and one hostile learner among the others cannot drag an honest learne
 threshold. Cosines are computed on a fixed random sample of `sample_size` coordinates of
 large fragments (the syncer keeps one small vector per learner and fragment, not a model copy).
 
+A contribution with fewer than `min_others` others to compare with (the first ones of a run) is
+proposed as a reference and waits, up to `judge_wait_s`, for others: simultaneous first
+contributions judge each other instead of being merged unjudged (a sign flip merged alone with
+quorum 1 moves the global fragment the wrong way, and outer momentum carries it on).
+
 Pure numpy; the syncer core keeps one `NormHistory` and one `DirectionHistory` per fragment.
 """
 
@@ -218,6 +223,11 @@ class DirectionPolicy:
     min_others: int = 2  # other learners' contributions needed before a fragment's check applies
     max_age_versions: int = 4  # others' contributions older than this (fragment versions) are ignored
     sample_size: int = 1 << 16  # coordinates compared in fragments larger than this (fixed random subset)
+    # At the start of a run (or after references aged out) a contribution has fewer than
+    # `min_others` others to be compared with; merged unjudged, a sign flip gets into the model
+    # before it can be recognised. Such a contribution is proposed as a reference and waits up
+    # to this long for others to arrive, so that the first contributions judge each other.
+    judge_wait_s: float = 8.0
 
     def __post_init__(self) -> None:
         if self.mode not in DIRECTION_MODES:
@@ -226,6 +236,8 @@ class DirectionPolicy:
             raise ValueError(f"min_cosine={self.min_cosine} must be in [-1, 1]")
         if self.window < 1 or self.min_others < 1 or self.max_age_versions < 0 or self.sample_size < 1:
             raise ValueError("need window >= 1, min_others >= 1, max_age_versions >= 0 and sample_size >= 1")
+        if not self.judge_wait_s >= 0:
+            raise ValueError(f"judge_wait_s={self.judge_wait_s} must be >= 0")
 
     @property
     def enabled(self) -> bool:
@@ -247,7 +259,9 @@ class DirectionHistory:
 
     Each direction is a unit vector over a fixed sample of the fragment's coordinates (all of
     them when the fragment has at most `sample_size` values), tagged with the fragment version at
-    which it was accepted.
+    which it was accepted. A contribution waiting to be judged is *proposed*: it counts as a
+    reference for the others while it waits, so that simultaneous first contributions can judge
+    each other (a proposal leaves when it is accepted, refused or abandoned).
     """
 
     def __init__(self, policy: DirectionPolicy, fragment: fragments_lib.Fragment, *, seed: int = 0) -> None:
@@ -259,6 +273,7 @@ class DirectionHistory:
         else:
             self._index = None
         self._latest: dict[str, tuple[int, np.ndarray]] = {}
+        self._proposed: dict[str, tuple[int, np.ndarray]] = {}
 
     def direction(self, delta: np.ndarray) -> np.ndarray | None:
         """The unit vector compared (float32); None for a zero or non-finite contribution."""
@@ -281,20 +296,38 @@ class DirectionHistory:
         """
         if direction is None:
             return None, 0
-        oldest = version - self.policy.max_age_versions
-        others = [d for lid, (v, d) in self._latest.items() if lid != learner_id and v >= oldest]
+        others = self._others(learner_id, version)
         if len(others) < self.policy.min_others:
             return None, len(others)
         cosines = np.sort(np.stack(others).astype(np.float64) @ direction.astype(np.float64))
         return float(cosines[len(cosines) // 2]), len(others)
+
+    def _others(self, learner_id: str, version: int) -> list[np.ndarray]:
+        """Other learners' references recent enough for `version`: a learner's pending proposal
+        stands in for its latest accepted direction (it is the newer of the two)."""
+        oldest = version - self.policy.max_age_versions
+        refs = {**self._latest, **self._proposed}
+        return [d for lid, (v, d) in refs.items() if lid != learner_id and v >= oldest]
+
+    def references(self, learner_id: str, version: int) -> int:
+        """How many other learners' directions a contribution at `version` would be compared with."""
+        return len(self._others(learner_id, version))
 
     def add(self, learner_id: str, direction: np.ndarray | None, version: int) -> None:
         """Records an accepted contribution's direction (at the fragment version it was accepted at)."""
         if direction is not None:
             self._latest[learner_id] = (int(version), direction)
 
+    def propose(self, learner_id: str, direction: np.ndarray, version: int) -> None:
+        """Makes a contribution waiting for its judgment a reference for the others meanwhile."""
+        self._proposed[learner_id] = (int(version), direction)
+
+    def withdraw(self, learner_id: str) -> None:
+        self._proposed.pop(learner_id, None)
+
     def forget(self, learner_id: str) -> None:
         self._latest.pop(learner_id, None)
+        self._proposed.pop(learner_id, None)
 
 
 class DirectionGuard:
@@ -331,3 +364,14 @@ class DirectionGuard:
     def add(self, learner_id: str, fragment_id: int, direction: np.ndarray | None, version: int) -> None:
         """Records an accepted contribution (it becomes part of the other learners' reference)."""
         self._histories[fragment_id].add(learner_id, direction, version)
+
+    def references(self, learner_id: str, fragment_id: int, version: int) -> int:
+        """Other learners' directions a contribution to `fragment_id` at `version` is compared with."""
+        return self._histories[fragment_id].references(learner_id, version)
+
+    def propose(self, learner_id: str, fragment_id: int, direction: np.ndarray, version: int) -> None:
+        """See DirectionHistory.propose; `withdraw` when the contribution is settled."""
+        self._histories[fragment_id].propose(learner_id, direction, version)
+
+    def withdraw(self, learner_id: str, fragment_id: int) -> None:
+        self._histories[fragment_id].withdraw(learner_id)

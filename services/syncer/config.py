@@ -80,6 +80,7 @@ class SyncerConfig:
     quarantine_s: float = 3600.0  # how long a quarantine lasts; 0 until restart
     direction_check: str = "reject"  # off, or reject contributions pointing away from other learners'
     direction_min_cosine: float = -0.25  # reject below this cosine with other learners' (and recent mean)
+    direction_judge_wait_s: float = 8.0  # a contribution with < 2 others to compare with waits this long for them
     # Fault tests only (ddiloco.chaos): crash points and the durable history the checkers read.
     failpoints: str = ""  # e.g. "syncer.after_quorum=crash@3"; empty in production
     history_file: str = ""  # append accepted uploads, merges, checkpoints (JSONL) here; empty: off
@@ -134,6 +135,8 @@ class SyncerConfig:
             raise bad("direction_check", f"must be one of {robust_lib.DIRECTION_MODES}")
         if not -1.0 <= self.direction_min_cosine <= 1.0:
             raise bad("direction_min_cosine", "must be in [-1, 1]")
+        if not self.direction_judge_wait_s >= 0:
+            raise bad("direction_judge_wait_s", "must be >= 0")
         if self.health_bind and ":" not in self.health_bind:
             raise bad("health_bind", "must be host:port")
         try:
@@ -161,6 +164,7 @@ class SyncerConfig:
     @property
     def direction_policy(self) -> robust_lib.DirectionPolicy:
         return robust_lib.DirectionPolicy(mode=self.direction_check, min_cosine=self.direction_min_cosine,
+                                          judge_wait_s=self.direction_judge_wait_s,
                                           max_age_versions=max(1, self.max_staleness_versions))
 
     @property
@@ -258,6 +262,9 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
                            "cosine with the other learners' latest accepted contributions to the fragment, and the "
                            "learner's mean over its last 8, are both below --direction-min-cosine (sign-flipped "
                            "updates); applies once 2 other learners have recent contributions",
+        "direction_judge_wait_s": "how long a contribution with fewer than 2 other learners' recent contributions to "
+                                  "compare with (the first ones of a run) waits for them while live learners could "
+                                  "send them, so that first contributions judge each other; 0 merges them unjudged",
         "direction_min_cosine": "threshold of --direction-check (measured: honest learners' recent means >= -0.07, "
                                 "sign-flipped <= -0.61)",
         "log_level": "DEBUG, INFO, WARNING or ERROR",

@@ -40,6 +40,7 @@ _LOG = logging.getLogger("ddiloco.syncer")
 
 # Idempotency records kept per learner: enough to recognise retries of recent uploads.
 _IDEMPOTENCY_KEYS_PER_LEARNER = 64
+_JUDGE_POLL_S = 0.02  # how often a contribution waiting for direction references looks again
 _EVAL_HISTORY = 512
 _MAX_ID_CHARS = 128
 
@@ -511,16 +512,50 @@ class SyncerCore:
             )
         return UploadTicket(header=header, codec=codec, duplicate=False)
 
-    async def accept_upload(self, ticket: UploadTicket, payload: bytes, wire_bytes: int) -> syncer_pb2.UploadFragmentResponse:
+    async def accept_upload(self, ticket: UploadTicket, payload: bytes, wire_bytes: int, *,
+                            wait_budget_s: float | None = None) -> syncer_pb2.UploadFragmentResponse:
         """Decodes, bounds, corrects to the current version and folds one contribution into its
-        round. Raises ServiceError (counted, on the learner too)."""
+        round. Raises ServiceError (counted, on the learner too). `wait_budget_s` bounds how long
+        the contribution may wait for others to be judged against (the caller's deadline)."""
         try:
-            return await self._accept_upload(ticket, payload, wire_bytes)
+            return await self._accept_upload(ticket, payload, wire_bytes, wait_budget_s)
         except errors.ServiceError as exc:
             self.record_rejection(exc.reason, ticket.header.learner_id, exc)
             raise
+        finally:  # a proposal waiting for its judgment never outlives the upload
+            self.directions.withdraw(ticket.header.learner_id, ticket.header.fragment_id)
 
-    async def _accept_upload(self, ticket: UploadTicket, payload: bytes, wire_bytes: int) -> syncer_pb2.UploadFragmentResponse:
+    async def _await_direction_references(self, header, heading: np.ndarray | None, wait_budget_s: float | None) -> None:
+        """Holds a contribution that has too few others to be compared with (robust.DirectionPolicy
+        .judge_wait_s) while other learners who could send them are live; proposes it as a
+        reference for them meanwhile. Returns at once when the check is off or cannot apply."""
+        policy = self.direction
+        if heading is None or not policy.enabled or policy.judge_wait_s <= 0:
+            return
+        learner, fid = header.learner_id, header.fragment_id
+        slot = self.slots[fid]
+        if self.directions.references(learner, fid, slot.version) >= policy.min_others:
+            return
+        self.directions.propose(learner, fid, heading, slot.version)
+        loop = asyncio.get_running_loop()
+        wait_s = policy.judge_wait_s if wait_budget_s is None else min(policy.judge_wait_s, wait_budget_s)
+        deadline = loop.time() + wait_s
+        while self.directions.references(learner, fid, slot.version) < policy.min_others:
+            if self._comparable_learners(learner) < policy.min_others or loop.time() >= deadline:
+                self.uploads["direction_unjudged"] += 1  # goes on to be judged without a comparison: visible
+                return
+            await asyncio.sleep(_JUDGE_POLL_S)
+        self.uploads["direction_waited"] += 1
+
+    def _comparable_learners(self, learner_id: str) -> int:
+        """Live, unquarantined learners other than `learner_id`: who could still send a reference."""
+        now = self._clock()
+        return sum(1 for lid, m in self.members.items()
+                   if lid != learner_id and not m.left and now - m.last_seen_s <= self._liveness_s
+                   and now >= m.quarantined_until_s)
+
+    async def _accept_upload(self, ticket: UploadTicket, payload: bytes, wire_bytes: int,
+                             wait_budget_s: float | None = None) -> syncer_pb2.UploadFragmentResponse:
         header = ticket.header
         member = self.require_member(header.learner_id, header.incarnation)
         self.count_bytes(member, inbound=wire_bytes)
@@ -545,6 +580,7 @@ class SyncerCore:
             reason = {codec_lib.NonFiniteError: "nonfinite", codec_lib.ChecksumError: "checksum",
                       codec_lib.CorruptPayloadError: "corrupt"}.get(type(exc), "size")
             raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=reason) from None
+        await self._await_direction_references(header, heading, wait_budget_s)
         async with slot.lock:
             # Re-check under the lock: the round or history may have moved while decoding.
             ticket = self.validate_upload_header(header)

@@ -25,6 +25,7 @@ from ddiloco.wire import serde
 from services.syncer import core as core_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
+_DEADLINE_MARGIN_S = 2.0  # left of an upload's deadline for the fold-in and the response
 
 # A WatchFragments stream re-checks fencing at least this often even when nothing changes.
 _WATCH_POLL_S = 2.0
@@ -94,7 +95,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         async with self._upload_slots:
             scope = _UploadScope()
             try:
-                return await self._upload(request_iterator, scope)
+                return await self._upload(request_iterator, scope, context)
             except errors.ServiceError as exc:
                 if isinstance(exc, (errors.PermissionDenied, errors.Unauthenticated)) and exc.reason != "quarantined":
                     self._record_auth_failure("UploadFragment", exc)
@@ -111,7 +112,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                     if not self._in_flight[scope.learner_id]:
                         del self._in_flight[scope.learner_id]
 
-    async def _upload(self, request_iterator, scope: _UploadScope) -> syncer_pb2.UploadFragmentResponse:
+    async def _upload(self, request_iterator, scope: _UploadScope, context) -> syncer_pb2.UploadFragmentResponse:
         iterator = request_iterator.__aiter__()
         try:
             first = await asyncio.wait_for(iterator.__anext__(), self._upload_idle_timeout_s)
@@ -162,7 +163,10 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                                          reason="chunks") from None
         if extra is not None:
             raise errors.InvalidArgument("a message arrived after the last chunk", reason="chunks")
-        return await self._core.accept_upload(ticket, payload, wire_bytes)
+        # A contribution may wait to be judged (direction check); never past the learner's deadline.
+        remaining_s = context.time_remaining()
+        budget_s = None if remaining_s is None else max(0.0, remaining_s - _DEADLINE_MARGIN_S)
+        return await self._core.accept_upload(ticket, payload, wire_bytes, wait_budget_s=budget_s)
 
     async def WatchFragments(self, request, context):
         core = self._core

@@ -172,3 +172,28 @@ def test_policy_validation():
     for bad in ({"mode": "clip"}, {"min_cosine": -2.0}, {"window": 0}):
         with pytest.raises(ValueError):
             robust_lib.DirectionPolicy(**bad)
+
+
+def test_waiting_proposals_are_references_until_withdrawn_or_forgotten():
+    guard, n = _guard()
+    shared = _shared(n)
+    heading = {lid: guard.direction(0, sign * _honest(n, seed, shared))
+               for lid, seed, sign in (("a", 1, 1), ("b", 2, 1), ("x", 3, -1))}
+    assert guard.references("a", 0, 0) == 0
+    for lid, d in heading.items():  # three first contributions waiting at once
+        guard.propose(lid, 0, d, 0)
+    assert [guard.references(lid, 0, 0) for lid in heading] == [2, 2, 2]
+    assert not guard.judge("x", 0, heading["x"], 0).within  # two honest others: refused, forgotten
+    assert guard.references("a", 0, 0) == 1
+    verdict = guard.judge("a", 0, heading["a"], 0)
+    assert verdict.cosine is None and verdict.others == 1  # x's proposal left with x
+    guard.add("a", 0, heading["a"], 0)
+    guard.withdraw("a", 0)
+    assert guard.references("b", 0, 0) == 1  # a's accepted direction stays a reference
+    guard.withdraw("b", 0)
+    assert guard.references("a", 0, 0) == 0
+
+
+def test_judge_wait_must_not_be_negative():
+    with pytest.raises(ValueError, match="judge_wait_s"):
+        robust_lib.DirectionPolicy(judge_wait_s=-1.0)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import robust as robust_lib
 from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
@@ -32,7 +33,8 @@ SPECS = [fragments_lib.TensorSpec("a", (8, 4)), fragments_lib.TensorSpec("b", (1
          fragments_lib.TensorSpec("emb", (4, 4), is_embedding=True)]
 
 
-def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamma: float = 0.5) -> core_lib.SyncerCore:
+def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamma: float = 0.5,
+              direction: robust_lib.DirectionPolicy | None = None) -> core_lib.SyncerCore:
     plan = fragments_lib.plan_fragments(SPECS, 2, 2)
     cfg = config_lib.SyncerConfig(min_quorum=min_quorum, max_staleness_versions=staleness, num_fragments=2,
                                   sync_period_steps=2, upload_codec="fp32")
@@ -42,6 +44,7 @@ def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamm
     return core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
         grace_gamma=gamma, max_grace_s=10.0, liveness_timeout_s=30.0, merge_history=16, clock=clock, wall_clock=clock,
+        direction=direction,
     )
 
 
@@ -195,5 +198,64 @@ def test_snapshot_round_trips_bit_exactly_through_checkpoint_blobs():
             await upload(c, "l1", 0, c.slots[0].version, np.full(c.plan.fragments[0].numel, 0.02), incarnation=2)
         await settle()
         assert core.slots[0].params.tobytes() == restored.slots[0].params.tobytes()
+
+    asyncio.run(run())
+
+
+def _directed(numel: int, seed: int, sign: float) -> np.ndarray:
+    """A pseudo-gradient sharing a common direction with every other one of the same sign."""
+    rng = np.random.default_rng(seed)
+    shared = np.random.default_rng(7).standard_normal(numel)
+    return (sign * (shared + 0.5 * rng.standard_normal(numel)) * 1e-3).astype(np.float32)
+
+
+def test_first_contributions_judge_each_other_before_anything_is_merged():
+    # Without the wait, x's sign-flipped first upload (nothing to compare it with yet) would be
+    # merged alone at quorum 1; with it, the three simultaneous contributions are compared.
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock, min_quorum=1, gamma=0.0, direction=robust_lib.DirectionPolicy(judge_wait_s=30.0))
+        for lid in ("x", "a", "b", "c"):
+            join(core, lid)
+        n = core.plan.fragments[0].numel
+        results = await asyncio.wait_for(asyncio.gather(
+            upload(core, "x", 0, 0, _directed(n, 1, -1.0)),
+            upload(core, "a", 0, 0, _directed(n, 2, +1.0)),
+            upload(core, "b", 0, 0, _directed(n, 3, +1.0)),
+            return_exceptions=True), timeout=20)
+        assert isinstance(results[0], errors.InvalidArgument) and results[0].reason == "direction", results[0]
+        assert all(r.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED for r in results[1:]), results
+        await settle()
+        merged = {c.learner_id for m in core.merges for c in m.contributors}
+        assert merged == {"a", "b"}, merged
+        assert core.uploads["direction_waited"] >= 2 and core.uploads["direction_unjudged"] == 0
+
+    asyncio.run(run())
+
+
+def test_the_wait_for_references_is_bounded_and_skipped_when_nobody_could_send_one():
+    async def run():
+        # A 30 s wait inside a 10 s timeout: any of these uploads that waited would time out.
+        clock = FakeClock()
+        core = make_core(clock, direction=robust_lib.DirectionPolicy(judge_wait_s=30.0))
+        join(core, "a")
+        join(core, "b")
+        n = core.plan.fragments[0].numel
+        await asyncio.wait_for(upload(core, "a", 0, 0, _directed(n, 1, 1.0)), timeout=10)  # one other: never comparable
+        join(core, "c")
+        clock.now_s += 100.0  # b and c fall silent (liveness 30 s): nobody could send a reference
+        progress(core, "a", 1.0)
+        await asyncio.wait_for(upload(core, "a", 1, 0, _directed(core.plan.fragments[1].numel, 2, 1.0)), timeout=10)
+        assert core.uploads["direction_unjudged"] == 2 and core.uploads["direction_waited"] == 0
+        # Two live others who could send one: the upload waits the configured time, then goes on.
+        core = make_core(FakeClock(), direction=robust_lib.DirectionPolicy(judge_wait_s=0.3))
+        for lid in ("a", "b", "c"):
+            join(core, lid)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.wait_for(upload(core, "a", 0, 0, _directed(n, 3, 1.0)), timeout=10)
+        assert loop.time() - started >= 0.3 and core.uploads["direction_unjudged"] == 1
+        await settle()
+        assert core.slots[0].version == 1 and core.directions.references("b", 0, 1) == 1  # proposal withdrawn, a's kept
 
     asyncio.run(run())
