@@ -62,6 +62,7 @@ class RunConfig(_message.Message):
     EMBEDDING_MERGE_RULE_FIELD_NUMBER: _builtins.int
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     SYNC_MODE_FIELD_NUMBER: _builtins.int
+    INIT_SEED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     model_name: _builtins.str
     """Model registry name and its complete JSON configuration."""
@@ -101,6 +102,11 @@ class RunConfig(_message.Message):
     syncer: every step a learner sends its gradient and waits for the new parameters; the
     syncer applies AdamW). Empty means "decoupled".
     """
+    init_seed: _builtins.int
+    """The seed of the initial parameters (the model's init with jax.random.PRNGKey(init_seed)). A
+    learner that computes the same initial fragment (same sha256 as JoinResponse.published_sha256)
+    holds version 0 without downloading it.
+    """
     @_builtins.property
     def fragments(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FragmentInfo]:
         """The fragment plan (balanced tensor fragmentation)."""
@@ -128,10 +134,11 @@ class RunConfig(_message.Message):
         embedding_merge_rule: _builtins.str = ...,
         protocol_version: _builtins.int = ...,
         sync_mode: _builtins.str = ...,
+        init_seed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size_bytes", b"chunk_size_bytes", "download_codec", b"download_codec", "embedding_merge_rule", b"embedding_merge_rule", "fragments", b"fragments", "max_staleness_versions", b"max_staleness_versions", "merge_rule", b"merge_rule", "min_quorum", b"min_quorum", "mixing_alpha", b"mixing_alpha", "model_config_json", b"model_config_json", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "num_fragments", b"num_fragments", "overlap_steps", b"overlap_steps", "protocol_version", b"protocol_version", "run_id", b"run_id", "sync_mode", b"sync_mode", "sync_period_steps", b"sync_period_steps", "upload_block_size", b"upload_block_size", "upload_codec", b"upload_codec", "zstd_level", b"zstd_level"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size_bytes", b"chunk_size_bytes", "download_codec", b"download_codec", "embedding_merge_rule", b"embedding_merge_rule", "fragments", b"fragments", "init_seed", b"init_seed", "max_staleness_versions", b"max_staleness_versions", "merge_rule", b"merge_rule", "min_quorum", b"min_quorum", "mixing_alpha", b"mixing_alpha", "model_config_json", b"model_config_json", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "num_fragments", b"num_fragments", "overlap_steps", b"overlap_steps", "protocol_version", b"protocol_version", "run_id", b"run_id", "sync_mode", b"sync_mode", "sync_period_steps", b"sync_period_steps", "upload_block_size", b"upload_block_size", "upload_codec", b"upload_codec", "zstd_level", b"zstd_level"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -177,25 +184,53 @@ Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
 class JoinResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class PublishedSha256Entry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     CONFIG_FIELD_NUMBER: _builtins.int
     FRAGMENT_VERSIONS_FIELD_NUMBER: _builtins.int
     SYNCER_INSTANCE_FIELD_NUMBER: _builtins.int
+    PUBLISHED_SHA256_FIELD_NUMBER: _builtins.int
     syncer_instance: _builtins.str
     """Identifies this life of the syncer; versions are only meaningful within it."""
     @_builtins.property
     def config(self) -> Global___RunConfig: ...
     @_builtins.property
     def fragment_versions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FragmentVersion]: ...
+    @_builtins.property
+    def published_sha256(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
+        """fragment id -> sha256 (hex) of the values learners hold for the fragment's current version
+        (FragmentState.published_sha256), so a learner can tell which fragments it already has.
+        """
+
     def __init__(
         self,
         *,
         config: Global___RunConfig | None = ...,
         fragment_versions: _abc.Iterable[_common_pb2.FragmentVersion] | None = ...,
         syncer_instance: _builtins.str = ...,
+        published_sha256: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "fragment_versions", b"fragment_versions", "syncer_instance", b"syncer_instance"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

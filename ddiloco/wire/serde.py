@@ -5,6 +5,7 @@ Symmetric names (`x_to_proto` / `x_from_proto`); no grpc import, no I/O.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -130,6 +131,12 @@ def plan_from_proto(infos, sync_period_steps: int) -> fragments_lib.FragmentPlan
     if [f.fragment_id for f in frags] != list(range(len(frags))):
         raise ValueError("fragment ids in the run config must be 0..P-1 in order")
     return fragments_lib.FragmentPlan(fragments=frags, sync_period_steps=sync_period_steps)
+
+
+def params_sha256(params: np.ndarray) -> str:
+    """sha256 (hex) of a float32 vector's little-endian bytes: how learners, the syncer and
+    checkpoints tell whether they hold the same fragment values."""
+    return hashlib.sha256(np.ascontiguousarray(params, dtype="<f4").tobytes()).hexdigest()
 
 
 def versions_to_proto(versions: Mapping[int, int]) -> list[common_pb2.FragmentVersion]:

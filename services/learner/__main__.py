@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from ddiloco import logs, models
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco import metrics as metrics_lib
 from ddiloco.data import corpus
 from ddiloco.rpc import security as security_lib
@@ -59,7 +60,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             tokens_per_step=0, call_timeout_s=cfg.call_timeout_s, retry_bound_s=cfg.retry_bound_s,
             progress_interval_s=cfg.progress_interval_s, security=cfg.client_security(),
             hostile_factor=config_lib.parse_hostile(cfg.hostile),
-            failpoints=cfg.failpoints, history_file=cfg.history_file,
+            failpoints=cfg.failpoints, history_file=cfg.history_file, initial_values=_initial_fragments,
         )
     ), stop)
     collector = learner_metrics.LearnerCollector(cfg.learner_id, cfg.region, client)
@@ -161,6 +162,15 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             json.dump(summary, f)
     return 0
 
+
+
+def _initial_fragments(run_config) -> dict[int, np.ndarray]:
+    """The run's initial fragments as this learner computes them (the syncer initializes the same
+    model with the same seed); the sync client skips downloading those whose hash matches."""
+    model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
+    params = model.init(jax.random.PRNGKey(run_config.init_seed))
+    plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
+    return {f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments}
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config_lib.parse_learner_config(sys.argv[1:] if argv is None else argv, os.environ, socket.gethostname())

@@ -23,6 +23,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable, Mapping
 
 import grpc
 import numpy as np
@@ -60,6 +61,10 @@ class ClientConfig:
     # syncer's acknowledgements of this learner's uploads (ddiloco.chaos.history).
     failpoints: str = ""
     history_file: str = ""
+    # fragment id -> the values this learner computes for itself from the run's configuration
+    # (its own initialization with RunConfig.init_seed). At the first join, fragments whose
+    # values hash to the syncer's published sha256 are held without being downloaded.
+    initial_values: Callable[[syncer_pb2.RunConfig], Mapping[int, np.ndarray]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +92,7 @@ class ClientStats:
     uploads_failed: int = 0
     uploads_refused: int = 0
     fragments_received: int = 0
+    fragments_seeded: int = 0  # held from the learner's own initialization (hash-checked), not downloaded
     delta_fragments_received: int = 0  # of which sent as deltas (lossy download codec)
     sessions: int = 0
     bytes_sent: int = 0
@@ -128,6 +134,7 @@ class SyncClient:
         self._supervisor: asyncio.Future | None = None
         self._joined = threading.Event()
         self._uploading = False
+        self._seed_checked = False
         self._failpoints = failpoints_lib.Failpoints(cfg.failpoints, prefix="learner.")
         self._history = history_lib.HistoryWriter(cfg.history_file) if cfg.history_file else None
 
@@ -306,7 +313,38 @@ class SyncClient:
                     _LOG.info("syncer restarted (new instance): re-syncing every fragment")
             self.instance = response.syncer_instance
             self.run_config = response.config
+        if self.cfg.initial_values is not None and not self._seed_checked:
+            self._seed_checked = True  # once per life: a model-sized copy is not kept for re-joins
+            await self._seed_from_initial_values(response)
         self._joined.set()
+
+    async def _seed_from_initial_values(self, response: syncer_pb2.JoinResponse) -> None:
+        """Holds every fragment whose own initial values hash to what the syncer publishes."""
+        if not response.published_sha256:
+            return  # a syncer that does not publish hashes: download everything
+        try:
+            local = await asyncio.to_thread(self.cfg.initial_values, response.config)
+            hashes = await asyncio.to_thread(
+                lambda: {fid: serde.params_sha256(v) for fid, v in local.items()})
+        except Exception as exc:  # noqa: BLE001 - the download is the fallback, never a failure
+            _LOG.warning(f"own initial values unavailable ({exc!r}); downloading every fragment")
+            return
+        versions = serde.versions_from_proto(response.fragment_versions)
+        seeded = []
+        with self._arrived:
+            for fid, sha in response.published_sha256.items():
+                if fid in self._held or fid not in versions or hashes.get(fid) != sha:
+                    continue
+                values = np.asarray(local[fid], dtype=np.float32)
+                self._inbox[fid] = GlobalFragment(fid, versions[fid], response.syncer_instance, values)
+                self._held[fid] = versions[fid]
+                self._values[fid] = values
+                self._arrivals[fid] = self._arrivals.get(fid, 0) + 1
+                seeded.append(fid)
+            self._arrived.notify_all()
+        self.stats.fragments_seeded += len(seeded)
+        _LOG.info(f"{len(seeded)} of {len(response.published_sha256)} fragments held from this learner's own "
+                  "initialization (sha256 equal to the syncer's); the others are downloaded")
 
     async def _watch(self) -> None:
         with self._lock:

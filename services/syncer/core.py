@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import hashlib
 import logging
 import math
 import uuid
@@ -68,9 +67,7 @@ STRIKE_REASONS = frozenset({"replay_mismatch", "size", "checksum", "corrupt", "n
 NORM_STRIKE_RATIO = 2.0
 
 
-def params_sha256(params: np.ndarray) -> str:
-    """sha256 of a float32 vector's little-endian bytes (how learners and checkpoints compare)."""
-    return hashlib.sha256(np.ascontiguousarray(params, dtype="<f4").tobytes()).hexdigest()
+params_sha256 = serde.params_sha256  # kept here too: tests and tools compare with it
 
 
 @dataclasses.dataclass
@@ -307,6 +304,7 @@ class SyncerCore:
             config=self.config,
             fragment_versions=serde.versions_to_proto(self.versions()),
             syncer_instance=self.instance,
+            published_sha256={s.fragment.fragment_id: s.published_sha256 for s in self.slots},
         )
 
     def require_member(self, learner_id: str, incarnation: int) -> Member:
@@ -1064,5 +1062,6 @@ def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, m
         embedding_merge_rule=cfg.embedding_merge_rule,
         protocol_version=serde.PROTOCOL_VERSION,
         sync_mode=cfg.sync_mode,
+        init_seed=cfg.seed,
     )
 

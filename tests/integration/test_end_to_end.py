@@ -68,9 +68,15 @@ def test_four_learners_train_and_global_heldout_loss_falls(cluster):
     assert state.tokens_merged > 0 and state.bytes_in > 0 and state.bytes_out > 0
     regions = {m.region for m in state.members}
     assert regions == {"region-0", "region-1"}
+    seeded = []
     for i in range(4):
         summary = json.loads((cluster.workdir / f"learner-{i}.summary.json").read_text())
         assert summary["steps"] == 120 and summary["fragments_applied"] > 0
+        assert summary["client"]["fragments_received"] > 0, summary["client"]
+        seeded.append(summary["client"]["fragments_seeded"])
+    # The first learner to join found every fragment at version 0 and computed it itself
+    # (hash-checked) instead of downloading it; later joiners hold what is still at version 0.
+    assert max(seeded) == len(state.fragments), seeded
 
 
 def test_learner_sigkill_quorum_continues_and_restart_rejoins(cluster):
