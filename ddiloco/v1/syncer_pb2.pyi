@@ -1069,6 +1069,26 @@ class TrainingState(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class DirectionJudgmentsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     RUN_ID_FIELD_NUMBER: _builtins.int
     SYNCER_INSTANCE_FIELD_NUMBER: _builtins.int
     STARTED_AT_UNIX_S_FIELD_NUMBER: _builtins.int
@@ -1092,6 +1112,7 @@ class TrainingState(_message.Message):
     SYNC_TIME_S_FIELD_NUMBER: _builtins.int
     AUTH_FAILURES_FIELD_NUMBER: _builtins.int
     QUARANTINES_FIELD_NUMBER: _builtins.int
+    DIRECTION_JUDGMENTS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     syncer_instance: _builtins.str
     started_at_unix_s: _builtins.float
@@ -1137,6 +1158,13 @@ class TrainingState(_message.Message):
         (TLS handshake failures never reach the application and are not counted here.)
         """
 
+    @_builtins.property
+    def direction_judgments(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """How contributions reached the direction check when it had fewer than two other learners'
+        recent contributions to compare with: "waited" (others arrived within the judge wait) or
+        "unjudged" (the wait ran out, or no live learner could send one).
+        """
+
     def __init__(
         self,
         *,
@@ -1163,10 +1191,11 @@ class TrainingState(_message.Message):
         sync_time_s: _builtins.float = ...,
         auth_failures: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         quarantines: _builtins.int = ...,
+        direction_judgments: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "tokens_merged", b"tokens_merged", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "tokens_merged", b"tokens_merged", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

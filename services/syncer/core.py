@@ -230,6 +230,7 @@ class SyncerCore:
         self.bytes_in = 0
         self.bytes_out = 0
         self.uploads: collections.Counter = collections.Counter()
+        self.direction_judgments: collections.Counter = collections.Counter()  # see _await_direction_references
         self.auth_failures: collections.Counter = collections.Counter()
         self.quarantines = 0
         self.started_at_unix_s = wall_clock()
@@ -540,10 +541,10 @@ class SyncerCore:
         deadline = loop.time() + wait_s
         while self.directions.references(learner, fid, slot.version) < policy.min_others:
             if self._comparable_learners(learner) < policy.min_others or loop.time() >= deadline:
-                self.uploads["direction_unjudged"] += 1  # goes on to be judged without a comparison: visible
+                self.direction_judgments["unjudged"] += 1  # goes on without a comparison: visible
                 return
             await asyncio.sleep(_JUDGE_POLL_S)
-        self.uploads["direction_waited"] += 1
+        self.direction_judgments["waited"] += 1
 
     def _comparable_learners(self, learner_id: str) -> int:
         """Live, unquarantined learners other than `learner_id`: who could still send a reference."""
@@ -942,6 +943,7 @@ class SyncerCore:
             sync_time_s=self._sync_time.value or 0.0,
             auth_failures=dict(self.auth_failures),
             quarantines=self.quarantines,
+            direction_judgments=dict(self.direction_judgments),
         )
 
     # -------------------------------------------------------------------------- checkpoints

@@ -138,6 +138,14 @@ class _StateCollector:
         yield CounterMetricFamily("ddiloco_syncer_quarantines",
                                   "Learners quarantined since this syncer started (restored quarantines included)",
                                   value=state.quarantines)
+        judgments = CounterMetricFamily(
+            "ddiloco_syncer_direction_judgments",
+            "Contributions that had fewer than two others to compare with at the direction check: waited "
+            "(others arrived within --direction-judge-wait-s) or unjudged (went on without a comparison)",
+            labels=["how"])
+        for how, count in sorted(state.direction_judgments.items()):
+            judgments.add_metric([how], count)
+        yield judgments
         yield GaugeMetricFamily("ddiloco_syncer_learners_quarantined", "Learners whose uploads are refused right now",
                                 value=sum(1 for m in state.members if m.quarantined))
         grace = GaugeMetricFamily("ddiloco_syncer_grace", "Current adaptive grace window and its inputs (seconds)",

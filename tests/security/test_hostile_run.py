@@ -92,7 +92,7 @@ def test_hostile_learners_against_an_honest_run(tmp_path, capsys):
         f"signflip run: direction refusals {flip['state'].uploads['rejected_direction']}, quarantined refusals "
         f"{flip['state'].uploads['rejected_quarantined']}, learner-3 uploads accepted "
         f"{flip_members['learner-3'].uploads_accepted}; first contributions that waited for references "
-        f"{flip['state'].uploads['direction_waited']}, went on unjudged {flip['state'].uploads['direction_unjudged']}"
+        f"{flip['state'].direction_judgments['waited']}, went on unjudged {flip['state'].direction_judgments['unjudged']}"
         f"; direction agreement " + ", ".join(
             f"{lid} {m.direction_agreement:+.2f}" for lid, m in sorted(flip_members.items()))
         + f"\nwall s: {honest['wall_s']:.0f} / {honest3['wall_s']:.0f} / {huge['wall_s']:.0f} / {flip['wall_s']:.0f}"
@@ -120,6 +120,6 @@ def test_hostile_learners_against_an_honest_run(tmp_path, capsys):
     # The first contributions of a run wait for each other (DirectionPolicy.judge_wait_s) instead of
     # being merged unjudged: the flipper's uploads are refused from the first, and the model stays
     # within the margin of the three honest learners alone.
-    assert flip["state"].uploads["direction_waited"] >= 1, report
+    assert flip["state"].direction_judgments["waited"] >= 1, report
     assert flipper.uploads_accepted <= 1, report
     assert flip["loss"] <= honest3["loss"] * (1 + MARGIN), report

@@ -228,7 +228,7 @@ def test_first_contributions_judge_each_other_before_anything_is_merged():
         await settle()
         merged = {c.learner_id for m in core.merges for c in m.contributors}
         assert merged == {"a", "b"}, merged
-        assert core.uploads["direction_waited"] >= 2 and core.uploads["direction_unjudged"] == 0
+        assert core.direction_judgments["waited"] >= 2 and core.direction_judgments["unjudged"] == 0
 
     asyncio.run(run())
 
@@ -246,7 +246,7 @@ def test_the_wait_for_references_is_bounded_and_skipped_when_nobody_could_send_o
         clock.now_s += 100.0  # b and c fall silent (liveness 30 s): nobody could send a reference
         progress(core, "a", 1.0)
         await asyncio.wait_for(upload(core, "a", 1, 0, _directed(core.plan.fragments[1].numel, 2, 1.0)), timeout=10)
-        assert core.uploads["direction_unjudged"] == 2 and core.uploads["direction_waited"] == 0
+        assert core.direction_judgments["unjudged"] == 2 and core.direction_judgments["waited"] == 0
         # Two live others who could send one: the upload waits the configured time, then goes on.
         core = make_core(FakeClock(), direction=robust_lib.DirectionPolicy(judge_wait_s=0.3))
         for lid in ("a", "b", "c"):
@@ -254,7 +254,7 @@ def test_the_wait_for_references_is_bounded_and_skipped_when_nobody_could_send_o
         loop = asyncio.get_running_loop()
         started = loop.time()
         await asyncio.wait_for(upload(core, "a", 0, 0, _directed(n, 3, 1.0)), timeout=10)
-        assert loop.time() - started >= 0.3 and core.uploads["direction_unjudged"] == 1
+        assert loop.time() - started >= 0.3 and core.direction_judgments["unjudged"] == 1
         await settle()
         assert core.slots[0].version == 1 and core.directions.references("b", 0, 1) == 1  # proposal withdrawn, a's kept
 
