@@ -33,7 +33,9 @@ measured distribution); a negated one points away from all of them. The median o
 learners, never including the learner's own history, means a learner cannot build its own
 reference, and one hostile learner among the others cannot drag an honest learner below the
 threshold. Cosines are computed on a fixed random sample of `sample_size` coordinates of
-large fragments (the syncer keeps one small vector per learner and fragment, not a model copy).
+large fragments (the syncer keeps one small vector per learner and fragment, not a model copy),
+against the `max_references` most recently accepted ones: the syncer's memory for the check does
+not grow with the number of learners.
 
 A contribution with fewer than `min_others` others to compare with (the first ones of a run) is
 proposed as a reference and waits, up to `judge_wait_s`, for others: simultaneous first
@@ -223,6 +225,10 @@ class DirectionPolicy:
     min_others: int = 2  # other learners' contributions needed before a fragment's check applies
     max_age_versions: int = 4  # others' contributions older than this (fragment versions) are ignored
     sample_size: int = 1 << 16  # coordinates compared in fragments larger than this (fixed random subset)
+    # Other learners' directions kept per fragment (the most recently accepted): 256 KiB each at
+    # the default sample size, so 64 learners x 4 fragments held 64 MiB; a median over the latest
+    # 16 is as robust as one over all of them (hostile learners need half of either).
+    max_references: int = 16
     # At the start of a run (or after references aged out) a contribution has fewer than
     # `min_others` others to be compared with; merged unjudged, a sign flip gets into the model
     # before it can be recognised. Such a contribution is proposed as a reference and waits up
@@ -236,6 +242,8 @@ class DirectionPolicy:
             raise ValueError(f"min_cosine={self.min_cosine} must be in [-1, 1]")
         if self.window < 1 or self.min_others < 1 or self.max_age_versions < 0 or self.sample_size < 1:
             raise ValueError("need window >= 1, min_others >= 1, max_age_versions >= 0 and sample_size >= 1")
+        if self.max_references < self.min_others:
+            raise ValueError(f"max_references={self.max_references} must be >= min_others={self.min_others}")
         if not self.judge_wait_s >= 0:
             raise ValueError(f"judge_wait_s={self.judge_wait_s} must be >= 0")
 
@@ -299,7 +307,9 @@ class DirectionHistory:
         others = self._others(learner_id, version)
         if len(others) < self.policy.min_others:
             return None, len(others)
-        cosines = np.sort(np.stack(others).astype(np.float64) @ direction.astype(np.float64))
+        # One float32 dot per reference: stacking every reference into a float64 matrix per upload
+        # cost tens of MiB and most of the syncer's event loop at 64 learners.
+        cosines = np.sort(np.fromiter((np.dot(d, direction) for d in others), np.float64, len(others)))
         return float(cosines[len(cosines) // 2]), len(others)
 
     def _others(self, learner_id: str, version: int) -> list[np.ndarray]:
@@ -314,9 +324,19 @@ class DirectionHistory:
         return len(self._others(learner_id, version))
 
     def add(self, learner_id: str, direction: np.ndarray | None, version: int) -> None:
-        """Records an accepted contribution's direction (at the fragment version it was accepted at)."""
+        """Records an accepted contribution's direction (at the fragment version it was accepted at).
+
+        Directions too old to be compared again are dropped (fragment versions only grow), and
+        beyond `max_references` the least recently accepted ones: what is kept does not grow with
+        the number of learners."""
         if direction is not None:
+            self._latest.pop(learner_id, None)  # re-inserted last: the dict is oldest first
             self._latest[learner_id] = (int(version), direction)
+        oldest = version - self.policy.max_age_versions
+        for lid in [lid for lid, (v, _) in self._latest.items() if v < oldest]:
+            del self._latest[lid]
+        while len(self._latest) > self.policy.max_references:
+            del self._latest[next(iter(self._latest))]
 
     def propose(self, learner_id: str, direction: np.ndarray, version: int) -> None:
         """Makes a contribution waiting for its judgment a reference for the others meanwhile."""

@@ -2,9 +2,8 @@
 
 Every mode trains the same model on the same data with the same seed and steps per learner,
 through the real services on 127.0.0.1 (the chaos harness, ddiloco/chaos/harness.py), twice: once
-without faults, once under the *same* seeded failure schedule (a kill loop on the learners by
-default: SIGKILL and SIGSTOP with restarts, mean time between failures --mtbf-s). Only the
-syncer's configuration differs:
+without faults, once under the *same* seeded failure schedule. Only the syncer's configuration
+differs:
 
   * decoupled: Decoupled DiLoCo (staggered fragments, quorum K, adaptive grace window); learners
     never wait for one another;
@@ -13,14 +12,26 @@ syncer's configuration differs:
   * dp: data-parallel through the syncer (`--sync-mode dp`, quorum = every learner): a barrier at
     every step.
 
+The failure schedule is placed in training progress, not in wall time (`schedule.step_loop`):
+SIGKILL (restart after restart_after_s) and SIGSTOP/SIGCONT (a hang of duration_s) of learners,
+each at a learner's own inner step (`at_step`), with exponential gaps of mean --mtbf-steps on
+the step axis. Every mode therefore gets the same faults, the same count, the same targets at
+the same points of its training, however long it runs (a wall-time schedule hands more faults
+to the slower modes).
+
 Figures per mode (the paper's headline is the first: 88 % for Decoupled DiLoCo vs 27 % for
 data-parallel under heavy failures, arXiv 2604.21428):
-  * goodput (time): sum over learners of the time to finish their steps without faults / the
-    same sum under the faults: the share of learner time that still produced the progress a
-    healthy system makes (a learner that waits for a dead peer loses time; one that trains on
+  * goodput (time), the paper's definition: the share of allocated learner time that ends up in
+    the global model. Each learner identity is allocated from the start of the schedule until it
+    has run its steps (dead, hung and waiting time included); the useful part is what the same
+    steps take without faults. So: sum over learners of the fault-free time to finish / the same
+    sum under the faults (a learner that waits for a dead peer loses time; one that trains on
     does not);
-  * goodput (tokens): tokens in surviving merges / (P x tokens the learners processed): the share
-    of the learners' work that reached the global model;
+  * tokens merged: tokens in surviving merges / (P x tokens the learners processed), with and
+    without faults. Not a goodput: with overwrite-on-receipt (alpha = 0) a fragment's local steps
+    that no merge pulled in are overwritten by the next broadcast, so decoupled with a small
+    quorum K sits well below 100 % even fault-free (an algorithmic token efficiency, not a
+    fault loss); the synchronous modes merge every learner every round (100 %);
   * learner wait: time the learners spent blocked on the syncer / (blocked + computing);
   * final held-out loss, faulty vs fault-free, and the invariants I1-I4 of the faulty run.
 
@@ -41,15 +52,17 @@ MODES = ("decoupled", "diloco", "dp")
 
 @dataclasses.dataclass(frozen=True)
 class GoodputConfig:
-    learners: int = 3
+    learners: int = 6
     steps: int = 300
     step_delay_s: float = 0.03
     num_fragments: int = 4
     sync_period_steps: int = 4
     decoupled_quorum: int = 1
-    mtbf_s: float = 4.0
-    duration_s: float = 120.0  # the kill loop's span (events after training ends are not injected)
-    targets: str = "learners"  # learners | all (also the syncer and the store)
+    mtbf_steps: float = 90.0  # mean gap between faults, in inner steps of the targeted learner
+    # No fault before this step: the schedule starts once every learner contributed, and learners
+    # that started first are a few dozen steps ahead by then (an earlier fault would fire late).
+    start_step: int = 60
+    max_fault_s: float = 4.0  # restart delays and hang durations are drawn from [0.5 or 1, this]
     seed: int = 1
 
 
@@ -59,20 +72,25 @@ def mode_scenario(cfg: GoodputConfig, mode: str):
     from ddiloco.chaos.harness import Scenario
 
     quorum = cfg.decoupled_quorum if mode == "decoupled" else cfg.learners
+    # Synchronous modes: once one learner finished, no barrier can complete again, so a learner
+    # still running is stopped after a few seconds. It can only be one whose restart was handed a
+    # few steps too many (the harness counts a killed life's steps from its last progress report),
+    # and the default 90 s wait at its barrier would be charged to the mode as lost time.
+    # Decoupled learners never wait: a restarted one finishing late is real lost time.
+    finish_grace_s = 90.0 if mode == "decoupled" else 5.0
     return Scenario(name=f"goodput-{mode}", seed=cfg.seed, learners=cfg.learners, min_quorum=quorum, steps=cfg.steps,
                     step_delay_s=cfg.step_delay_s, num_fragments=cfg.num_fragments,
-                    sync_period_steps=cfg.sync_period_steps,
+                    sync_period_steps=cfg.sync_period_steps, finish_grace_s=finish_grace_s,
                     syncer_args=(*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", mode), max_wall_s=900.0)
 
 
 def failure_schedule(cfg: GoodputConfig):
-    """One seeded schedule for every mode."""
+    """One seeded schedule, in training progress, for every mode: a function of the config only."""
     from ddiloco.chaos import schedule as schedule_lib
 
-    mix = {"learner": {"kill": 2, "stop": 1}, "syncer": {"kill": 1}, "checkpoint": {"kill": 1}}
-    services = ("syncer", "checkpoint") if cfg.targets == "all" else ()
-    return schedule_lib.kill_loop(seed=cfg.seed, duration_s=cfg.duration_s, mtbf_s=cfg.mtbf_s, learners=cfg.learners,
-                                  services=services, mix=mix, network=False, max_learners_down=1)
+    return schedule_lib.step_loop(seed=cfg.seed, steps=cfg.steps, mtbf_steps=cfg.mtbf_steps, learners=cfg.learners,
+                                  mix={"kill": 1.0, "stop": 1.0}, max_fault_s=cfg.max_fault_s,
+                                  start_step=cfg.start_step)
 
 
 def _summary(result, baseline) -> dict:
@@ -93,7 +111,9 @@ def _summary(result, baseline) -> dict:
         "ok": result.ok, "violations": result.violations()[:10], "report": result.report_line,
         "baseline_report": baseline.report_line,
         "faults_injected": len(result.faults), "not_injected": len(result.not_injected),
+        "faults": [f"{f.kind} {f.target}" for f in result.faults],
         "training_s": faulty_s, "baseline_training_s": healthy_s,
+        "learner_s": faulty_ls, "baseline_learner_s": healthy_ls,
         "goodput_time": healthy_ls / faulty_ls if faulty_ls and healthy_ls else None,
         "goodput_tokens": result.goodput, "baseline_goodput_tokens": baseline.goodput,
         "learner_wait_fraction": wait / (wait + compute) if wait + compute else None,
@@ -102,30 +122,89 @@ def _summary(result, baseline) -> dict:
     }
 
 
+def _pct(v: float | None) -> str:
+    return f"{100 * v:.1f} %" if v is not None else "-"
+
+
 def render_markdown(result: dict) -> str:
     cfg = result["config"]
     rows = []
     for mode, r in result["modes"].items():
-        pct = lambda v: f"{100 * v:.1f} %" if v is not None else "-"  # noqa: E731
         loss = (f"{r['loss']:.3f} ({r['baseline_loss']:.3f})" if r["loss"] is not None and r["baseline_loss"] is not None
                 else "-")
-        rows.append([mode, r["faults_injected"], pct(r["goodput_time"]), pct(r["goodput_tokens"]),
-                     pct(r["learner_wait_fraction"]),
+        lost = (f"{r['learner_s'] - r['baseline_learner_s']:.0f} s"
+                if r.get("learner_s") and r.get("baseline_learner_s") else "-")
+        rows.append([mode, f"{r['faults_injected']} (+{r['not_injected']} not)", f"**{_pct(r['goodput_time'])}**", lost,
+                     f"{_pct(r['goodput_tokens'])} ({_pct(r['baseline_goodput_tokens'])})",
+                     _pct(r["learner_wait_fraction"]),
                      f"{r['training_s']:.0f} s ({r['baseline_training_s']:.0f} s)" if r["training_s"] else "-",
                      loss, "PASS" if r["ok"] else "FAIL"])
     table = results_lib.markdown_table(
-        ["mode", "faults", "goodput (time)", "goodput (tokens)", "learner wait", "training (fault-free)",
-         "final loss (fault-free)", "invariants"], rows)
+        ["mode", "faults", "goodput (time)", "learner time lost", "tokens merged (fault-free)", "learner wait",
+         "training (fault-free)", "final loss (fault-free)", "invariants"], rows)
+    schedule = "\n".join(
+        f"| {e['at_step']} | {e['target']} | {e['kind']} | "
+        + (f"restart after {e['params'].get('restart_after_s')} s" if e["kind"] == "kill"
+           else f"SIGCONT after {e['params'].get('duration_s')} s") + " |"
+        for e in result["schedule"])
     return (
         f"# Goodput under failures: decoupled vs synchronous DiLoCo vs data-parallel\n\n"
-        f"{cfg['learners']} learners x {cfg['steps']} steps (tiny transformer), one seeded failure schedule "
-        f"(seed {cfg['seed']}, MTBF {cfg['mtbf_s']} s on {cfg['targets']}); each mode once without and once with "
-        f"the faults. Goodput (time) = summed per-learner time to finish without faults / with them; "
-        f"goodput (tokens) = "
-        f"tokens in surviving merges / (P x tokens processed).\n\n{table}\n\n"
-        f"Report lines:\n\n" + "\n".join(f"- `{r['report']}`" for r in result["modes"].values()) + "\n\n"
-        + results_lib.provenance_markdown(result["provenance"])
+        f"{cfg['learners']} learners x {cfg['steps']} inner steps each (tiny transformer, step pacing "
+        f"{cfg['step_delay_s']} s, {cfg['num_fragments']} fragments, H = {cfg['sync_period_steps']}), "
+        f"decoupled quorum K = {cfg['decoupled_quorum']}; diloco and dp: quorum = all {cfg['learners']} "
+        f"learners, no grace. Each mode runs once without faults and once under the same seeded failure "
+        f"schedule (seed {cfg['seed']}).\n\n"
+        f"**Schedule (fair by construction).** {len(result['schedule'])} learner faults placed in training "
+        f"progress, not wall time: exponential gaps of mean {cfg['mtbf_steps']:g} inner steps (MTBF, on the "
+        f"step axis that every learner runs), each on a seeded random learner, firing when that learner has run "
+        f"`at_step` inner steps (all its lives together). Every mode gets the same faults, the same targets, at "
+        f"the same points of the training, whatever its speed. Kill = SIGKILL, then a new learner process after "
+        f"the delay (it rejoins and runs the steps its earlier lives did not report); stop = SIGSTOP, then "
+        f"SIGCONT (a hung learner).\n\n"
+        f"| at step | learner | fault | heal |\n|---|---|---|---|\n{schedule}\n\n"
+        f"**Goodput (time)**, the paper's definition: the share of allocated learner time that ends up in the "
+        f"global model. Each learner is allocated from the start of the schedule (every learner contributing) "
+        f"until it has run its steps, dead, hung and waiting time included; the useful part is what the same steps "
+        f"take without faults. Goodput = sum over learners of the fault-free time to finish / the same sum under "
+        f"the faults. *Learner time lost* is the difference of the sums. **Tokens merged** = tokens in surviving "
+        f"merges / (P x tokens processed), faulty (fault-free): not a goodput but a token efficiency; with "
+        f"overwrite-on-receipt a fragment's local steps that no merge pulled in are overwritten by the next "
+        f"broadcast, so decoupled with K = {cfg['decoupled_quorum']} sits below 100 % with or without faults, "
+        f"while the synchronous modes merge every learner in every round.\n\n"
+        f"{table}\n\n"
+        f"Report lines (faulty runs):\n\n" + "\n".join(f"- `{r['report']}`" for r in result["modes"].values())
+        + "\n\n" + results_lib.provenance_markdown(result["provenance"])
     )
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+    """goodput.png: goodput (time) per mode, and the summed learner time with and without faults."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(result["modes"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    vals = [100 * (result["modes"][m]["goodput_time"] or 0.0) for m in modes]
+    ax1.bar(modes, vals, color=["tab:green", "tab:orange", "tab:red"][:len(modes)])
+    for x, v in enumerate(vals):
+        ax1.text(x, v + 1, f"{v:.1f} %", ha="center")
+    ax1.axhline(90, ls="--", c="k", lw=0.8)
+    ax1.axhline(50, ls=":", c="k", lw=0.8)
+    ax1.set_ylim(0, 105)
+    ax1.set_ylabel("goodput (time), %")
+    ax1.set_title(f"{len(result['schedule'])} faults, MTBF {result['config']['mtbf_steps']:g} steps")
+    xs = range(len(modes))
+    ax2.bar([x - 0.2 for x in xs], [result["modes"][m].get("baseline_learner_s") or 0 for m in modes], 0.4,
+            label="fault-free")
+    ax2.bar([x + 0.2 for x in xs], [result["modes"][m].get("learner_s") or 0 for m in modes], 0.4, label="faults")
+    ax2.set_xticks(list(xs), modes)
+    ax2.set_ylabel("summed learner time to finish, s")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,9 +213,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learners", type=int, default=d.learners)
     parser.add_argument("--steps", type=int, default=d.steps, help="inner steps per learner")
     parser.add_argument("--step-delay-s", type=float, default=d.step_delay_s, help="pacing per inner step")
-    parser.add_argument("--mtbf-s", type=float, default=d.mtbf_s, help="mean time between failures")
-    parser.add_argument("--duration-s", type=float, default=d.duration_s, help="span of the failure schedule")
-    parser.add_argument("--targets", choices=("learners", "all"), default=d.targets)
+    parser.add_argument("--mtbf-steps", type=float, default=d.mtbf_steps,
+                        help="mean gap between learner faults, in inner steps")
+    parser.add_argument("--max-fault-s", type=float, default=d.max_fault_s,
+                        help="upper bound of a kill's restart delay and a hang's duration")
+    parser.add_argument("--start-step", type=int, default=d.start_step, help="no fault before this inner step")
     parser.add_argument("--quorum", type=int, default=d.decoupled_quorum, help="decoupled mode's K")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out", default=str(results_lib.DEFAULT_OUT_DIR))
@@ -146,8 +227,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ddiloco.chaos import harness
 
-    cfg = GoodputConfig(learners=args.learners, steps=args.steps, step_delay_s=args.step_delay_s, mtbf_s=args.mtbf_s,
-                        duration_s=args.duration_s, targets=args.targets, decoupled_quorum=args.quorum, seed=args.seed)
+    cfg = GoodputConfig(learners=args.learners, steps=args.steps, step_delay_s=args.step_delay_s,
+                        mtbf_steps=args.mtbf_steps, max_fault_s=args.max_fault_s, start_step=args.start_step,
+                        decoupled_quorum=args.quorum,
+                        seed=args.seed)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - set(MODES)
     if unknown:
@@ -169,5 +252,6 @@ def run(args: argparse.Namespace) -> int:
         print(result.report_line, flush=True)
         out["modes"][mode] = _summary(result, baseline)
     json_path, md_path = results_lib.write_result(pathlib.Path(args.out), "goodput", out, render_markdown(out))
-    print(f"wrote {json_path} and {md_path}")
+    plot(out, pathlib.Path(args.out) / "goodput.png")
+    print(f"wrote {json_path}, {md_path} and goodput.png")
     return 0 if all(r["ok"] for r in out["modes"].values()) else 1

@@ -23,8 +23,9 @@ What one run does (everything on 127.0.0.1, processes started and signalled by P
 
 Learners' training is step-based (the same work with and without faults, so the final loss is
 comparable with the fault-free run); the schedule is time-based (`t`), optionally gated on the
-number of merges so far (`at_merge`), and events not reached before training ends are reported
-as not injected. The wall clock is bounded by `Scenario.max_wall_s`.
+number of merges so far (`at_merge`) or on the target learner's own steps (`at_step`), and
+events not reached before training ends are reported as not injected. The wall clock is bounded
+by `Scenario.max_wall_s`.
 """
 
 from __future__ import annotations
@@ -685,6 +686,7 @@ class Harness:
         sc = self.scenario
         pending = list(self.schedule.events)
         reached: dict[int, float] = {}  # merges count -> when the history first held that many
+        step_reached: dict[int, float] = {}  # id(at_step event) -> when its learner reached the step
         warm_deadline = time.time() + sc.warmup_timeout_s
         while True:
             now = time.time()
@@ -696,12 +698,22 @@ class Harness:
                 elif now > warm_deadline:
                     return f"warm-up: not every learner contributed within {sc.warmup_timeout_s:.0f} s"
             if self.t0:
-                for n in sorted({ev.at_merge for ev in pending}):
+                for n in sorted({ev.at_merge for ev in pending if not ev.at_step}):
                     if n not in reached and self._tail.merges >= n and self._phases_settled(n, now):
                         reached[n] = max(now, self.t0)
-                for ev in [ev for ev in pending if ev.at_merge in reached and now >= reached[ev.at_merge] + ev.t]:
+                for ev in pending:  # step-gated: the target learner's own progress (all its lives)
+                    if ev.at_step and id(ev) not in step_reached and self._poller.steps_done(ev.target) >= ev.at_step:
+                        step_reached[id(ev)] = now
+                due = [ev for ev in pending if (now >= step_reached[id(ev)] + ev.t if ev.at_step and id(ev) in step_reached
+                                                else not ev.at_step and ev.at_merge in reached
+                                                and now >= reached[ev.at_merge] + ev.t)]
+                for ev in due:
                     pending.remove(ev)
+                    injected = len(self.faults)
                     self._inject(ev, phase=ev.at_merge)
+                    if ev.at_step:  # where the training really was (the poller lags a little)
+                        for fault in self.faults[injected:]:
+                            fault.detail += f" at step {self._poller.steps_done(ev.target)}"
             while self._actions and self._actions[0][0] <= now:
                 _, _, _, fn = heapq.heappop(self._actions)
                 fn()

@@ -6,6 +6,10 @@ A schedule is a list of `FaultEvent(t, kind, target, params)`, in the style of t
 held N merges: a schedule can follow training progress instead of the clock. Events gated on
 different `at_merge` values are phases that run one after the other: a phase starts only once the
 faults of the earlier phases have healed and their components recovered (or 20 s passed).
+With `at_step` S > 0 (learner targets only), `t` counts from when the target learner has run S
+inner steps in all its lives: the fault hits the same point of the training in every run, however
+fast or slow the mode is (`step_loop` builds such schedules; the goodput benchmark uses them so that
+every mode gets the same faults).
 
 Kinds and their params:
 
@@ -53,12 +57,16 @@ class FaultEvent:
     target: str
     params: Mapping = dataclasses.field(default_factory=dict)
     at_merge: int = 0  # t counts from when the syncer history held this many merges (0: the start)
+    at_step: int = 0  # t counts from when the target learner ran this many inner steps (0: not gated)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"fault kind {self.kind!r}: one of {', '.join(KINDS)}")
-        if self.t < 0 or self.at_merge < 0:
-            raise ValueError(f"fault {self.kind} on {self.target}: t and at_merge must be >= 0")
+        if self.t < 0 or self.at_merge < 0 or self.at_step < 0:
+            raise ValueError(f"fault {self.kind} on {self.target}: t, at_merge and at_step must be >= 0")
+        if self.at_step and (self.at_merge or not self.target.startswith("learner-")):
+            raise ValueError(f"fault {self.kind} on {self.target}: at_step gates on a learner's own steps "
+                             "(target learner-<i>, no at_merge)")
         if not (self.target in SERVICES or self.target.startswith("learner-")):
             raise ValueError(f"fault target {self.target!r}: syncer, checkpoint or learner-<i>")
         if self.kind in LINK_KINDS and not self.target.startswith("learner-"):
@@ -79,16 +87,19 @@ class FaultEvent:
         out = {"t": round(self.t, 3), "kind": self.kind, "target": self.target, "params": dict(self.params)}
         if self.at_merge:
             out["at_merge"] = self.at_merge
+        if self.at_step:
+            out["at_step"] = self.at_step
         return out
 
     @classmethod
     def from_json(cls, d: Mapping) -> FaultEvent:
         return cls(t=float(d["t"]), kind=d["kind"], target=d["target"], params=dict(d.get("params", {})),
-                   at_merge=int(d.get("at_merge", 0)))
+                   at_merge=int(d.get("at_merge", 0)), at_step=int(d.get("at_step", 0)))
 
     def describe(self) -> str:
         params = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
-        when = f"t={self.t:.1f}s" + (f"/merge>={self.at_merge}" if self.at_merge else "")
+        when = (f"t={self.t:.1f}s" + (f"/merge>={self.at_merge}" if self.at_merge else "")
+                + (f"/step>={self.at_step}" if self.at_step else ""))
         return f"{when} {self.kind} {self.target}" + (f" ({params})" if params else "")
 
 
@@ -99,7 +110,7 @@ class FaultSchedule:
     scenario: dict = dataclasses.field(default_factory=dict)  # the Scenario, for replays
 
     def __post_init__(self) -> None:
-        self.events = sorted(self.events, key=lambda e: (e.at_merge, e.t))
+        self.events = sorted(self.events, key=lambda e: (e.at_merge, e.at_step, e.t))
 
     def save(self, path: str | pathlib.Path) -> pathlib.Path:
         path = pathlib.Path(path)
@@ -178,6 +189,43 @@ def kill_loop(*, seed: int, duration_s: float, mtbf_s: float, learners: int, ser
         event = FaultEvent(t=round(t, 3), kind=kind, target=target, params=params)
         events.append(event)
         busy_until[target] = t + event.duration_s + cooldown_s
+    return events
+
+
+def step_loop(*, seed: int, steps: int, mtbf_steps: float, learners: int,
+              mix: Mapping[str, float] | None = None, start_step: int = 10, end_margin_steps: int = 20,
+              cooldown_steps: int = 20, max_fault_s: float = 4.0) -> list[FaultEvent]:
+    """Seeded learner faults placed in training progress, not in wall time (`at_step` events).
+
+    Positions on the step axis (every learner runs `steps` inner steps) have exponential gaps of
+    mean `mtbf_steps` over [start_step, steps - end_margin_steps); each fault hits a seeded random
+    learner that had no fault in the last `cooldown_steps` of its own steps, and fires when that
+    learner reaches the position. `mix` weighs the process kinds (default kill and stop, 1:1).
+    The list depends only on the arguments: every mode of a benchmark gets the same faults, the
+    same targets and the same points of the training, whatever its speed.
+    """
+    if mtbf_steps <= 0 or steps <= 0:
+        raise ValueError("step_loop: mtbf_steps and steps must be > 0")
+    rng = random.Random(seed)
+    kinds = dict(mix or {"kill": 1.0, "stop": 1.0})
+    if not kinds or set(kinds) - set(PROCESS_KINDS):
+        raise ValueError(f"step_loop: mix of process kinds ({', '.join(PROCESS_KINDS)}), not {sorted(kinds)}")
+    last: dict[str, float] = {}
+    events: list[FaultEvent] = []
+    s = float(start_step)
+    while True:
+        s += rng.expovariate(1.0 / mtbf_steps)
+        if s >= steps - end_margin_steps:
+            break
+        free = [f"learner-{i}" for i in range(learners)
+                if s - last.get(f"learner-{i}", -1e9) >= cooldown_steps]
+        if not free:
+            continue
+        target = rng.choice(free)
+        kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
+        events.append(FaultEvent(t=0.0, kind=kind, target=target, params=_params(rng, kind, max_fault_s),
+                                 at_step=max(int(s), 1)))
+        last[target] = s
     return events
 
 

@@ -39,6 +39,12 @@ from ddiloco.wire import serde
 
 _LOG = logging.getLogger("ddiloco.learner")
 
+# Refusals after which the same base may be sent again (the contribution was not taken, and a later
+# try can succeed); INVALID_ARGUMENT, PERMISSION_DENIED, ALREADY_EXISTS and the like are final.
+_RESENDABLE = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         grpc.StatusCode.CANCELLED})
+
 
 @dataclasses.dataclass(frozen=True)
 class ClientConfig:
@@ -122,6 +128,9 @@ class SyncClient:
         self._arrivals: dict[int, int] = {}  # fragment -> versions received so far (any instance)
         self._arrived = threading.Condition(self._lock)
         self._uploads: dict[int, UploadJob] = {}
+        # (fragment, syncer instance, base version) of uploads the syncer refused without taking
+        # them: the loop may send that base again (see take_refused).
+        self._refused: set[tuple[int, str, int]] = set()
         self._progress: syncer_pb2.ReportProgressRequest | None = None
         self._progress_sent: syncer_pb2.ReportProgressRequest | None = None
         self.fenced: FencedError | None = None
@@ -169,6 +178,16 @@ class SyncClient:
             self._uploads[job.fragment_id] = job
         if self._upload_wakeup is not None:
             self._loop.call_soon_threadsafe(self._upload_wakeup.set)
+
+    def take_refused(self) -> set[tuple[int, str, int]]:
+        """(fragment, syncer instance, base version) of uploads refused since the last call, for a
+        reason a later upload on the same base can get past (an open round, admission, a lost
+        connection). The loop sends once per base version; without this, a refused upload would
+        leave the fragment without this learner's contribution until a new version arrives, and
+        a round that needs it to reach quorum would never merge (the fragment stalls)."""
+        with self._lock:
+            out, self._refused = self._refused, set()
+        return out
 
     def take_updates(self) -> list[GlobalFragment]:
         """The newest received version of each fragment since the last call (never blocks)."""
@@ -488,6 +507,9 @@ class SyncClient:
             self._record("refused", job, sent_at, code=code.name)
             if code == grpc.StatusCode.FAILED_PRECONDITION and ("fenced" in exc.details() or "Join" in exc.details()):
                 raise _SessionBroken("the syncer no longer knows this learner") from None
+            if code in _RESENDABLE:
+                with self._lock:
+                    self._refused.add((job.fragment_id, job.syncer_instance, job.base_version))
             return
         duplicate = response.result == syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE
         self._record("ack", job, sent_at, result="duplicate" if duplicate else "accepted")

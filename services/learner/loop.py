@@ -177,6 +177,11 @@ class LearnerLoop:
         self.apply_updates()
 
     def _queue_upload(self, fid: int, grads: dict | None = None) -> client_lib.UploadJob | None:
+        take_refused = getattr(self._client, "take_refused", None)
+        for rfid, instance, version in take_refused() if take_refused else ():
+            # Refused, not taken: this base may be sent again (with the steps taken since).
+            if self._last_upload_base.get(rfid) == (instance, version):
+                del self._last_upload_base[rfid]
         base = self.held.get(fid)
         # One contribution per base version: the syncer keys uploads on it, and a second one
         # would carry the same steps again.

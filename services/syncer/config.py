@@ -225,8 +225,10 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "upload_block_size": "values per quantization block for int8/int4/int2 uploads",
         "download_codec": f"codec of global fragments sent to learners, one of {codec_lib.CODECS}",
         "zstd_level": "zstd level for uploads and downloads",
-        "chunk_size_bytes": "payload chunk size for streams (256 KiB-1 MiB is fastest)",
-        "max_staleness_versions": "refuse contributions based more than this many versions back",
+        "chunk_size_bytes": "payload chunk size for upload streams (256 KiB-1 MiB is fastest); downloads use at "
+                            "most 128 KiB (gRPC buffers one chunk per watcher)",
+        "max_staleness_versions": "refuse contributions based more than this many versions back when their upload "
+                                  "starts (merges while it streams in and waits do not make it stale)",
         "mixing_alpha": "0: learners overwrite a fragment on arrival; else local*alpha + global*(1-alpha)",
         "merge_rule": "merge of non-embedding tensors: rda (radial-directional) or mean",
         "embedding_merge_rule": "merge of embedding tensors: mean or rda",

@@ -132,10 +132,15 @@ class _Slot:
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     round: _Round | None = None
     encoded: codec_lib.EncodedPayload | None = None  # current published values, float32
+    # (version, the encode in progress): watchers asking at once share one encode.
+    encoding: tuple[int, asyncio.Future] | None = None
     timer: asyncio.TimerHandle | None = None
     merging: bool = False  # a merge task is scheduled or running
     norms: robust_lib.NormHistory | None = None  # recent accepted contributions (norm bound)
     last_outer_grad: np.ndarray | None = None  # the last merged outer gradient (direction agreement)
+    # (params_sha256, norm of params): the norm bound's reference, computed once per version, not
+    # once per upload (a float64 pass over the fragment under its lock).
+    params_norm: tuple[str, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +150,10 @@ class UploadTicket:
     header: syncer_pb2.UploadHeader
     codec: str
     duplicate: bool  # already accepted: acknowledge without applying
+    # The published values of the base version, pinned when the header was admitted: merges that
+    # happen while the payload streams in and waits for the fragment's lock may drop that version
+    # from the history, and the syncer's own queueing must not make an admitted contribution stale.
+    base_params: np.ndarray | None = None
 
 
 class SyncerCore:
@@ -171,11 +180,13 @@ class SyncerCore:
         quarantine_s: float = 3600.0,
         direction: robust_lib.DirectionPolicy | None = None,
         stepper_factory: Callable[[fragments_lib.Fragment], outer_lib.OuterStepper] | None = None,
+        max_decoding: int | None = None,
     ) -> None:
         """See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
         `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own
         outer optimizer (the data-parallel baseline's AdamW); by default every fragment shares
-        Nesterov SGD with `outer_lr` and `outer_momentum`."""
+        Nesterov SGD with `outer_lr` and `outer_momentum`. `max_decoding`: contributions between
+        decode and fold-in at once (default below)."""
         self.config = run_config
         self.plan = plan
         self.instance = uuid.uuid4().hex
@@ -189,6 +200,14 @@ class SyncerCore:
         # Off unless given (the syncer service passes SyncerConfig.direction_policy, on by default).
         self.direction = direction or robust_lib.DirectionPolicy(mode="off")
         self.directions = robust_lib.DirectionGuard(self.direction, plan.fragments)
+        # Contributions between decode and fold-in at once. Each holds its float32 values, norms
+        # and direction sample (~1.5x the fragment in float32) while it waits for the fragment's
+        # lock; uploads beyond the bound wait with only their compressed payload, so peak memory
+        # does not grow with the number of learners uploading at once (decoding is CPU-bound: more
+        # at once than cores buys nothing). Enough that, at the start of a run, some fragment
+        # always gathers the min_others + 1 contributions that judge each other (direction check).
+        self.max_decoding = max_decoding or len(plan.fragments) * (self.direction.min_others + 1)
+        self._decoding = asyncio.Semaphore(self.max_decoding)
         self._quarantine_after = quarantine_after
         self._quarantine_window_s = quarantine_window_s
         self._quarantine_s = quarantine_s
@@ -428,15 +447,20 @@ class SyncerCore:
     def versions(self) -> dict[int, int]:
         return {s.fragment.fragment_id: s.version for s in self.slots}
 
-    def validate_upload_header(self, header: syncer_pb2.UploadHeader) -> UploadTicket:
-        """All checks that need no payload, cheapest first. Raises ServiceError (counted)."""
+    def validate_upload_header(self, header: syncer_pb2.UploadHeader, *,
+                               pinned_base: np.ndarray | None = None) -> UploadTicket:
+        """All checks that need no payload, cheapest first. Raises ServiceError (counted).
+
+        The staleness bound applies at admission: with `pinned_base` (the values an earlier check
+        of this header pinned) the base version need not be in the history any more."""
         try:
-            return self._validate_upload_header(header)
+            return self._validate_upload_header(header, pinned_base)
         except errors.ServiceError as exc:
             self.record_rejection(exc.reason, header.learner_id, exc)
             raise
 
-    def _validate_upload_header(self, header: syncer_pb2.UploadHeader) -> UploadTicket:
+    def _validate_upload_header(self, header: syncer_pb2.UploadHeader,
+                                pinned_base: np.ndarray | None = None) -> UploadTicket:
         self.check_protocol(header.protocol_version)
         member = self.require_member(header.learner_id, header.incarnation)
         if self.is_quarantined(member):
@@ -467,7 +491,7 @@ class SyncerCore:
                 f"{header.fragment_id}, base {header.base_version}) was already accepted with another payload",
                 reason="replay_mismatch",
             )
-        if header.base_version not in slot.history:
+        if pinned_base is None and header.base_version not in slot.history:
             raise errors.FailedPrecondition(
                 f"base version {header.base_version} of fragment {header.fragment_id} is too stale or "
                 f"unknown (current {slot.version}, kept {list(slot.history)}): re-sync",
@@ -509,7 +533,8 @@ class SyncerCore:
                 f"{header.fragment_id}'s open round; send again after the next version arrives",
                 reason="already_pending",
             )
-        return UploadTicket(header=header, codec=codec, duplicate=False)
+        base = slot.history[header.base_version] if pinned_base is None else pinned_base
+        return UploadTicket(header=header, codec=codec, duplicate=False, base_params=base)
 
     async def accept_upload(self, ticket: UploadTicket, payload: bytes, wire_bytes: int, *,
                             wait_budget_s: float | None = None) -> syncer_pb2.UploadFragmentResponse:
@@ -517,7 +542,8 @@ class SyncerCore:
         round. Raises ServiceError (counted, on the learner too). `wait_budget_s` bounds how long
         the contribution may wait for others to be judged against (the caller's deadline)."""
         try:
-            return await self._accept_upload(ticket, payload, wire_bytes, wait_budget_s)
+            async with self._decoding:
+                return await self._accept_upload(ticket, payload, wire_bytes, wait_budget_s)
         except errors.ServiceError as exc:
             self.record_rejection(exc.reason, ticket.header.learner_id, exc)
             raise
@@ -581,15 +607,20 @@ class SyncerCore:
             raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=reason) from None
         await self._await_direction_references(header, heading, wait_budget_s)
         async with slot.lock:
-            # Re-check under the lock: the round or history may have moved while decoding.
-            ticket = self.validate_upload_header(header)
+            # Re-check under the lock: the round may have moved while decoding (the base version's
+            # values stay pinned: it was within the staleness bound when the header arrived).
+            ticket = self.validate_upload_header(header, pinned_base=ticket.base_params)
             if ticket.duplicate:
                 self.uploads["duplicate"] += 1
                 return syncer_pb2.UploadFragmentResponse(
                     result=syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE, current_version=slot.version, weight=weight
                 )
-            base = slot.history[header.base_version]
-            params_norm = await asyncio.to_thread(lambda: float(np.linalg.norm(slot.params.astype(np.float64))))
+            base = ticket.base_params
+            if slot.params_norm is None or slot.params_norm[0] != slot.params_sha256:
+                digest = slot.params_sha256
+                norm = await asyncio.to_thread(lambda: float(np.linalg.norm(slot.params.astype(np.float64))))
+                slot.params_norm = (digest, norm)
+            params_norm = slot.params_norm[1]
             verdict = slot.norms.check(header.learner_id, norms, header.steps, params_norm)
             _LOG.debug("norm bound", extra={"fields": {"learner": header.learner_id, "fragment": header.fragment_id,
                                                        "steps": header.steps, "basis": verdict.basis,
@@ -824,12 +855,23 @@ class SyncerCore:
         return cached
 
     async def encoded_payload(self, slot: _Slot) -> tuple[int, codec_lib.EncodedPayload]:
-        """The current published values of a fragment as exact float32 (cached per version)."""
+        """The current published values of a fragment as exact float32 (cached per version).
+
+        Concurrent callers share one encode: at start (and after a restore) every watcher asks
+        for the same uncached version at once, and one encode and one copy each per watcher made
+        the syncer's peak memory grow with the number of learners."""
         if slot.encoded is None:
-            version, params = slot.version, slot.published
-            encoded = await asyncio.to_thread(
-                codec_lib.encode, params, "fp32", zstd_level=self.config.zstd_level,
-            )
+            version = slot.version
+            if slot.encoding is None or slot.encoding[0] != version:
+                slot.encoding = (version, asyncio.ensure_future(asyncio.to_thread(
+                    codec_lib.encode, slot.published, "fp32", zstd_level=self.config.zstd_level,
+                )))
+            pending = slot.encoding[1]
+            try:
+                encoded = await asyncio.shield(pending)  # a watcher that goes away leaves it to the others
+            finally:
+                if slot.encoding is not None and slot.encoding[1] is pending and pending.done():
+                    slot.encoding = None
             if slot.version == version:
                 slot.encoded = encoded
             return version, encoded

@@ -29,6 +29,10 @@ _DEADLINE_MARGIN_S = 2.0  # left of an upload's deadline for the fold-in and the
 
 # A WatchFragments stream re-checks fencing at least this often even when nothing changes.
 _WATCH_POLL_S = 2.0
+# Largest download chunk. gRPC keeps the message a watcher has not taken yet (serialized, per
+# stream) until the peer's flow-control window lets it out, so a stream's buffered bytes are one
+# chunk, not one fragment: with 64 watchers, 512 KiB chunks cost ~80 MiB more peak RSS than 128 KiB.
+WATCH_CHUNK_BYTES = 128 * 1024
 
 
 class _UploadScope:
@@ -36,6 +40,36 @@ class _UploadScope:
 
     learner_id = ""
     counted = False
+
+
+class _WatchMessages:
+    """The WatchFragments messages of each fragment's newest version, built once and shared by
+    every watcher: each version goes to every learner, and building the messages per watcher
+    copied the payload three times per learner (CPU and memory grew with the learners)."""
+
+    def __init__(self) -> None:
+        # (fragment_id, delta) -> (version, encoded payload, messages, their wire bytes)
+        self._newest: dict[tuple[int, bool], tuple[int, object, tuple, int]] = {}
+
+    def get(self, instance: str, fid: int, version: int, encoded, delta: bool,
+            chunk_size_bytes: int) -> tuple[tuple, int]:
+        key = (fid, delta)
+        entry = self._newest.get(key)
+        if entry is not None and entry[0] == version and entry[1] is encoded:
+            return entry[2], entry[3]
+        header = syncer_pb2.WatchFragmentsResponse(
+            header=syncer_pb2.GlobalFragmentHeader(
+                fragment_id=fid, version=version, syncer_instance=instance,
+                payload=serde.payload_info_to_proto(encoded),
+                delta=delta, delta_base_version=version - 1 if delta else 0,
+            )
+        )
+        messages = (header, *(syncer_pb2.WatchFragmentsResponse(chunk=chunk)
+                              for chunk in serde.payload_chunks(encoded.payload, chunk_size_bytes)))
+        wire_bytes = sum(m.ByteSize() for m in messages)
+        if entry is None or entry[0] <= version:  # a slow watcher's older version is not kept
+            self._newest[key] = (version, encoded, messages, wire_bytes)
+        return messages, wire_bytes
 
 
 class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
@@ -47,6 +81,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         self._max_per_learner = max_concurrent_uploads_per_learner
         self._in_flight: dict[str, int] = {}
         self._upload_idle_timeout_s = upload_idle_timeout_s
+        self._watch_messages = _WatchMessages()
 
     async def _abort(self, context: grpc.aio.ServicerContext, rpc: str, exc: errors.ServiceError) -> None:
         _LOG.info(f"[Syncer.{rpc}] {exc.code.name}: {exc}")
@@ -183,7 +218,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             await self._abort(context, "WatchFragments", exc)
         held = serde.versions_from_proto(request.held) if request.syncer_instance == core.instance else {}
         sent = {s.fragment.fragment_id: held.get(s.fragment.fragment_id, -1) for s in core.slots}
-        chunk_size = core.config.chunk_size_bytes
+        chunk_size = min(core.config.chunk_size_bytes, WATCH_CHUNK_BYTES)
         member = core.members.get(request.learner_id)
         seen = -1
         while True:
@@ -202,18 +237,9 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                     version, encoded = delta
                 else:
                     version, encoded = await core.encoded_payload(slot)
-                header = syncer_pb2.WatchFragmentsResponse(
-                    header=syncer_pb2.GlobalFragmentHeader(
-                        fragment_id=fid, version=version, syncer_instance=core.instance,
-                        payload=serde.payload_info_to_proto(encoded),
-                        delta=delta is not None, delta_base_version=version - 1 if delta is not None else 0,
-                    )
-                )
-                out_bytes = header.ByteSize()
-                yield header
-                for chunk in serde.payload_chunks(encoded.payload, chunk_size):
-                    msg = syncer_pb2.WatchFragmentsResponse(chunk=chunk)
-                    out_bytes += msg.ByteSize()
+                messages, out_bytes = self._watch_messages.get(core.instance, fid, version, encoded,
+                                                                delta is not None, chunk_size)
+                for msg in messages:
                     yield msg
                 core.count_bytes(member, outbound=out_bytes)
                 sent[fid] = version

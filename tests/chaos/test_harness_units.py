@@ -229,3 +229,42 @@ def test_cli_list_schedule_and_replay_rebuild_the_same_run(tmp_path, monkeypatch
     assert cli.main(["replay", str(tmp_path / "faults.jsonl")]) == 0
     assert seen[0][0] == seen[1][0] == scenario and Scenario.from_dict(scenario.to_dict()) == scenario
     assert sorted(seen[1][1], key=lambda e: (e.at_merge, e.t)) == sorted(events, key=lambda e: (e.at_merge, e.t))
+
+
+def test_step_loop_places_faults_in_training_progress(tmp_path):
+    a = schedule.step_loop(seed=4, steps=300, mtbf_steps=30, learners=6)
+    assert a == schedule.step_loop(seed=4, steps=300, mtbf_steps=30, learners=6)
+    assert a != schedule.step_loop(seed=5, steps=300, mtbf_steps=30, learners=6)
+    assert 4 <= len(a) <= 20
+    assert {e.kind for e in a} == {"kill", "stop"} and all(e.t == 0 and not e.at_merge for e in a)
+    assert all(10 <= e.at_step < 280 and e.target.startswith("learner-") for e in a)
+    last: dict[str, int] = {}
+    for e in sorted(a, key=lambda e: e.at_step):  # a learner's faults are cooldown_steps apart
+        assert e.at_step - last.get(e.target, -100) >= 19, e
+        last[e.target] = e.at_step
+    # at_step survives the file round trip and gates only on a learner's own steps.
+    loaded = FaultSchedule.load(FaultSchedule(events=a, seed=4).save(tmp_path / "faults.jsonl"))
+    assert loaded.events == sorted(a, key=lambda e: e.at_step) and a[0].to_json()["at_step"] == a[0].at_step
+    with pytest.raises(ValueError):
+        FaultEvent(0, "kill", "syncer", at_step=5)
+    with pytest.raises(ValueError):
+        FaultEvent(0, "kill", "learner-0", at_step=5, at_merge=3)
+    with pytest.raises(ValueError):
+        schedule.step_loop(seed=1, steps=100, mtbf_steps=10, learners=2, mix={"partition": 1.0})
+
+
+def test_goodput_benchmark_gives_every_mode_the_same_faults():
+    from ddiloco.bench import goodput
+
+    cfg = goodput.GoodputConfig(learners=6, steps=300, mtbf_steps=30, seed=2)
+    events = goodput.failure_schedule(cfg)
+    # A function of the config only (no clock): the same faults, targets and steps for each mode.
+    assert events == goodput.failure_schedule(cfg) and events
+    assert all(e.at_step and not e.at_merge for e in events)
+    scenarios = {m: goodput.mode_scenario(cfg, m) for m in goodput.MODES}
+    assert {s.learners for s in scenarios.values()} == {6} and {s.steps for s in scenarios.values()} == {300}
+    assert scenarios["decoupled"].min_quorum == cfg.decoupled_quorum
+    assert scenarios["diloco"].min_quorum == scenarios["dp"].min_quorum == 6
+    # A synchronous straggler cannot progress once a peer finished: not charged a 90 s wait.
+    assert scenarios["diloco"].finish_grace_s == scenarios["dp"].finish_grace_s < scenarios["decoupled"].finish_grace_s
+    assert len(goodput.failure_schedule(goodput.GoodputConfig(learners=6, steps=300, mtbf_steps=15, seed=2))) > len(events)

@@ -95,3 +95,6 @@ def test_scale_reports_merges_latency_and_peak_memory_per_learner_count(result):
         assert 0 <= level["merge_latency_p50_s"] <= level["merge_latency_p99_s"]
         assert 0 < level["upload_latency_p50_s"] <= level["upload_latency_p99_s"]
         assert level["syncer_peak_rss_bytes"] >= level["syncer_rss_before_learners_bytes"] > 0
+        # Against what the schedule offered, with the syncer's own count of every refusal by reason.
+        assert level["uploads_offered"] > 0
+        assert level["syncer_uploads"]["accepted"] >= level["uploads_accepted"]  # acknowledged ones at least

@@ -1,0 +1,111 @@
+"""The learner loop's one-upload-per-base-version rule and refused uploads (the fragment stall).
+
+A fragment's round below quorum merges only when enough learners contributed. The loop sends one
+upload per base version, so before the fix an upload the syncer refused without taking it (its
+round held an earlier life's contribution, admission, a lost connection) was never sent again until
+a new version arrived, and that version never came: the fragment stalled. The numpy fakes below
+stand in for the train step and the SyncClient (no JAX, no network).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddiloco.algo import fragments as fragments_lib
+from services.learner import client as client_lib
+from services.learner import loop as loop_lib
+
+
+class _Step:
+    """A numpy 'train step': every call moves each parameter by a constant."""
+
+    def place_params(self, params):
+        return {k: np.asarray(v, dtype=np.float32) for k, v in params.items()}
+
+    def init_opt_state(self, params):
+        return None
+
+    def __call__(self, params, opt_state, batch):
+        return {k: v - np.float32(0.01) for k, v in params.items()}, opt_state, 1.0
+
+    def to_host(self, value):
+        return np.asarray(value)
+
+    def place(self, name, value):
+        return np.asarray(value, dtype=np.float32)
+
+
+class _Sampler:
+    tokens_per_batch = 64
+
+    def next(self):
+        return None
+
+
+class _Client:
+    """Records uploads; the test decides which the syncer refused."""
+
+    def __init__(self) -> None:
+        self.inbox: list = []
+        self.uploads: list[client_lib.UploadJob] = []
+        self.refused: set = set()
+
+    def take_updates(self):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def take_refused(self):
+        out, self.refused = self.refused, set()
+        return out
+
+    def submit_upload(self, job) -> None:
+        self.uploads.append(job)
+
+    def set_progress(self, request) -> None:
+        pass
+
+
+def _loop():
+    specs = [fragments_lib.TensorSpec("a", (4, 4)), fragments_lib.TensorSpec("b", (8,))]
+    plan = fragments_lib.plan_fragments(specs, 2, 2)
+    params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
+    client = _Client()
+    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
+                                learner_id="l", incarnation=1)
+    client.inbox = [client_lib.GlobalFragment(f.fragment_id, 0, "inst",
+                                              fragments_lib.flatten_fragment(params, f)) for f in plan.fragments]
+    loop.apply_updates()
+    return loop, client, plan
+
+
+def _uploads_of(client, fid):
+    return [j for j in client.uploads if j.fragment_id == fid]
+
+
+def test_a_refused_upload_is_sent_again_on_the_same_base_with_the_steps_since():
+    loop, client, plan = _loop()
+    for _ in range(2 * plan.num_fragments * 2):  # each fragment due twice, no new version arrives
+        loop.step()
+    first = _uploads_of(client, 0)
+    assert len(first) == 1 and first[0].base_version == 0  # one upload per base version
+    client.refused = {(0, "inst", 0)}  # the syncer refused it without taking it
+    for _ in range(2 * plan.num_fragments):
+        loop.step()
+    again = _uploads_of(client, 0)
+    assert len(again) == 2 and again[1].base_version == 0
+    assert again[1].steps > again[0].steps  # the refused steps are still in the contribution
+    assert len(_uploads_of(client, 1)) == 1  # fragments that were not refused: still once per base
+
+
+def test_a_refusal_of_an_older_base_does_not_reopen_the_current_one():
+    loop, client, plan = _loop()
+    for _ in range(2 * plan.num_fragments):
+        loop.step()
+    client.inbox = [client_lib.GlobalFragment(0, 1, "inst", loop.global_copy[0] + 1)]  # version 1 arrives
+    for _ in range(2 * plan.num_fragments):
+        loop.step()
+    assert [j.base_version for j in _uploads_of(client, 0)] == [0, 1]
+    client.refused = {(0, "inst", 0)}  # a late refusal of the base-0 upload
+    for _ in range(2 * plan.num_fragments):
+        loop.step()
+    assert [j.base_version for j in _uploads_of(client, 0)] == [0, 1]

@@ -1,0 +1,29 @@
+"""ddiloco.runtime: the syncer's process-wide BLAS thread count and malloc arena cap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddiloco import runtime
+
+
+def test_blas_threads_can_be_limited_and_restored():
+    before = runtime.blas_threads()
+    assert before is not None and before >= 1  # numpy's wheels bundle OpenBLAS
+    try:
+        assert runtime.set_blas_threads(1)
+        assert runtime.blas_threads() == 1
+        x = np.arange(1 << 16, dtype=np.float64)
+        assert float(np.linalg.norm(x)) == pytest.approx(float(np.sqrt(np.sum(x * x))))
+    finally:
+        runtime.set_blas_threads(before)
+    assert runtime.blas_threads() == before
+
+
+def test_arguments_are_checked_and_the_arena_cap_reports_whether_it_applied():
+    with pytest.raises(ValueError):
+        runtime.set_blas_threads(0)
+    with pytest.raises(ValueError):
+        runtime.limit_malloc_arenas(0)
+    assert isinstance(runtime.limit_malloc_arenas(8), bool)  # 8 arenas: what glibc allows on one core anyway
