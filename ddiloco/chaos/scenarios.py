@@ -27,10 +27,12 @@ ROW_PACE_S = 0.06  # extra seconds per inner step (pacing only): ~0.09 s per ste
 # I5: final held-out loss <= (1 + margin) x the fault-free run's. Measured on 2 cores (tiny model,
 # 500 steps): fault-free runs of the same seed spread over 2.40-2.67 (timing decides which
 # contributions make each round); the link-fault groups land within +-5 % of that, the process
-# faults (a rolling syncer restart, a learner killed, one stopped) about +12 %. 20 % still catches
-# what matters: a stalled fragment, a lost or doubled merge, a bad restore (the loss then stays
-# near its initial 5.5 or diverges).
-LOSS_MARGIN = 0.20
+# faults (a rolling syncer restart, a learner killed, one stopped) about +12 %. Later runs spread
+# wider: link-cuts at +7.0, +8.7, +11.6 and (one fresh-clone CI run on a loaded machine) +20.4 %,
+# server-failpoints up to +14.8 %. 30 % covers that and still catches what matters: a stalled
+# fragment, a lost or doubled merge, a bad restore (the loss then stays near its initial 5.5, i.e.
+# > +100 %, or diverges).
+LOSS_MARGIN = 0.30
 FAULT_AT_MERGE = 40  # the first fault of a run: every learner is contributing by then
 PHASE_MERGES = 110  # between the rows of a group
 
