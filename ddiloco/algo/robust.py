@@ -229,8 +229,7 @@ class DirectionPolicy:
     # the default sample size, so 64 learners x 4 fragments held 64 MiB; a median over the latest
     # 16 is as robust as one over all of them (hostile learners need half of either).
     max_references: int = 16
-    # At the start of a run (or after references aged out) a contribution has fewer than
-    # `min_others` others to be compared with; merged unjudged, a sign flip gets into the model
+    # At the start of a run a contribution has fewer than `min_others` others to be compared with; merged unjudged, a sign flip gets into the model
     # before it can be recognised. Such a contribution is proposed as a reference and waits up
     # to this long for others to arrive, so that the first contributions judge each other.
     judge_wait_s: float = 8.0
@@ -282,6 +281,7 @@ class DirectionHistory:
             self._index = None
         self._latest: dict[str, tuple[int, np.ndarray]] = {}
         self._proposed: dict[str, tuple[int, np.ndarray]] = {}
+        self._first: set[str] = set()  # the first min_others + 1 learners ever accepted here
 
     def direction(self, delta: np.ndarray) -> np.ndarray | None:
         """The unit vector compared (float32); None for a zero or non-finite contribution."""
@@ -332,11 +332,18 @@ class DirectionHistory:
         if direction is not None:
             self._latest.pop(learner_id, None)  # re-inserted last: the dict is oldest first
             self._latest[learner_id] = (int(version), direction)
+            if len(self._first) <= self.policy.min_others:
+                self._first.add(learner_id)
         oldest = version - self.policy.max_age_versions
         for lid in [lid for lid, (v, _) in self._latest.items() if v < oldest]:
             del self._latest[lid]
         while len(self._latest) > self.policy.max_references:
             del self._latest[next(iter(self._latest))]
+
+    def bootstrapped(self) -> bool:
+        """More than `min_others` learners' contributions were accepted here at some point: past
+        the start of the run, when first contributions are worth waiting for to judge each other."""
+        return len(self._first) > self.policy.min_others
 
     def propose(self, learner_id: str, direction: np.ndarray, version: int) -> None:
         """Makes a contribution waiting for its judgment a reference for the others meanwhile."""
@@ -395,3 +402,7 @@ class DirectionGuard:
 
     def withdraw(self, learner_id: str, fragment_id: int) -> None:
         self._histories[fragment_id].withdraw(learner_id)
+
+    def bootstrapped(self, fragment_id: int) -> bool:
+        """See DirectionHistory.bootstrapped."""
+        return self._histories[fragment_id].bootstrapped()

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import jax
@@ -242,7 +243,25 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     await checkpointer.save()
     if history is not None:
         history.shutdown()
+    _exit_if_teardown_hangs(0, _TEARDOWN_LIMIT_S)
     return 0
+
+
+_TEARDOWN_LIMIT_S = 5.0
+
+
+def _exit_if_teardown_hangs(code: int, limit_s: float) -> None:
+    """Everything durable is written; bounds what is left (asyncio.run cancelling the server's
+    remaining tasks and joining worker threads). A fresh-clone CI run saw that teardown hang for
+    30 s until the rolling restart's SIGKILL. A daemon timer: a normal exit never waits for it."""
+    def hard_exit() -> None:
+        _LOG.warning(f"shutdown: teardown still running after {limit_s:.0f} s; exiting")
+        logging.shutdown()
+        os._exit(code)
+
+    timer = threading.Timer(limit_s, hard_exit)
+    timer.daemon = True
+    timer.start()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -561,6 +561,12 @@ class SyncerCore:
         slot = self.slots[fid]
         if self.directions.references(learner, fid, slot.version) >= policy.min_others:
             return
+        if self.directions.bootstrapped(fid):
+            # Mid-run the references only aged out (a learner partitioned, hung or slow): waiting
+            # for it would stall the others' merges until the liveness timeout. Only the first
+            # contributions of a fragment wait for each other.
+            self.direction_judgments["unjudged"] += 1
+            return
         self.directions.propose(learner, fid, heading, slot.version)
         loop = asyncio.get_running_loop()
         wait_s = policy.judge_wait_s if wait_budget_s is None else min(policy.judge_wait_s, wait_budget_s)

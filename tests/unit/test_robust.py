@@ -197,3 +197,15 @@ def test_waiting_proposals_are_references_until_withdrawn_or_forgotten():
 def test_judge_wait_must_not_be_negative():
     with pytest.raises(ValueError, match="judge_wait_s"):
         robust_lib.DirectionPolicy(judge_wait_s=-1.0)
+
+
+def test_only_a_fragments_first_contributions_wait_for_references():
+    guard, n = _guard(max_age_versions=1)
+    shared = _shared(n)
+    for i, lid in enumerate(("a", "b")):
+        _accept(guard, lid, _honest(n, i, shared))
+        assert not guard.bootstrapped(0)
+    _accept(guard, "c", _honest(n, 2, shared))
+    assert guard.bootstrapped(0)  # three learners accepted: past the start of the run
+    assert guard.references("a", 0, 5) == 0  # later every reference aged out: still bootstrapped
+    assert guard.bootstrapped(0)
