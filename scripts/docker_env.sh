@@ -82,11 +82,13 @@ if ! docker_ok; then
     log "starting a private dockerd on $SOCK (data-root $STATE/data)"
     mkdir -p "$STATE/data" "$RUNDIR"
     # setsid: the engine outlives this script (and the test session that ran it), by design.
+    # 9>&-: the engine must not inherit the lock's descriptor, or it holds the lock for as long as
+    # it runs and every later docker_env.sh waits its 15 minutes for nothing.
     setsid dockerd \
       --data-root "$STATE/data" --exec-root "$RUNDIR" --pidfile "$PIDFILE" -H "unix://$SOCK" \
       --containerd-namespace ddiloco --containerd-plugins-namespace ddiloco-plugins \
       --bridge=none --iptables=false --ip-masq=false \
-      >>"$STATE/dockerd.log" 2>&1 </dev/null &
+      >>"$STATE/dockerd.log" 2>&1 </dev/null 9>&- &
   fi
   for _ in $(seq 1 120); do docker_ok && break; sleep 0.5; done
   docker_ok || { tail -n 30 "$STATE/dockerd.log" >&2; die "dockerd did not answer on $SOCK within 60 s (log: $STATE/dockerd.log)"; }
