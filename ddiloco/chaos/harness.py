@@ -773,29 +773,7 @@ class Harness:
     def _load_checkpoints(self) -> tuple[list, dict | None]:
         if "checkpoint" not in self.procs:
             return [], None
-        from ddiloco import checkpoint_client
-        from ddiloco.rpc import channel as channel_lib
-        from services.syncer import checkpointing  # the checkpoint layout is the syncer's
-
-        address = self.cluster.services["checkpoint"].address
-
-        async def load():
-            channel = channel_lib.aio_channel(address)
-            try:
-                client = checkpoint_client.CheckpointClient(
-                    channel, timeout=datetime.timedelta(seconds=10), retry_timeout=datetime.timedelta(seconds=20))
-                out = []
-                for manifest in await client.list_manifests(self.run_id):
-                    try:
-                        blobs = {ref.name: await client.get_blob(ref.digest) for ref in manifest.blobs}
-                        out.append((manifest.step, checkpointing.decode_snapshot(blobs)))
-                    except Exception as exc:  # noqa: BLE001 - reported by I4
-                        out.append((manifest.step, exc))
-                return out
-            finally:
-                await channel.close()
-
-        loaded = asyncio.run(load())
+        loaded = load_checkpoints(self.cluster.services["checkpoint"].address, self.run_id)
         last = next((snap for _, snap in reversed(loaded) if not isinstance(snap, Exception)), None)
         return loaded, last
 
@@ -909,3 +887,29 @@ _LOSS_FNS: dict = {}
 def run_scenario(scenario: Scenario, schedule, workdir, **kwargs) -> Result:
     """Convenience: Harness(...).run()."""
     return Harness(scenario, schedule, workdir, **kwargs).run()
+
+
+def load_checkpoints(address: str, run_id: str) -> list[tuple[int, dict | Exception]]:
+    """Every checkpoint of `run_id` the store at `address` retains, oldest first, as (step,
+    decoded snapshot), or (step, the exception) when one does not load (I4 reports it)."""
+    from ddiloco import checkpoint_client
+    from ddiloco.rpc import channel as channel_lib
+    from services.syncer import checkpointing  # the checkpoint layout is the syncer's
+
+    async def load():
+        channel = channel_lib.aio_channel(address)
+        try:
+            client = checkpoint_client.CheckpointClient(
+                channel, timeout=datetime.timedelta(seconds=10), retry_timeout=datetime.timedelta(seconds=20))
+            out = []
+            for manifest in await client.list_manifests(run_id):
+                try:
+                    blobs = {ref.name: await client.get_blob(ref.digest) for ref in manifest.blobs}
+                    out.append((manifest.step, checkpointing.decode_snapshot(blobs)))
+                except Exception as exc:  # noqa: BLE001 - reported by I4
+                    out.append((manifest.step, exc))
+            return out
+        finally:
+            await channel.close()
+
+    return asyncio.run(load())

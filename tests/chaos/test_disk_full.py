@@ -9,17 +9,13 @@ again (restarted without the failpoint) checkpoints resume.
 
 from __future__ import annotations
 
-import asyncio
-import datetime
 import json
 import urllib.request
 
 import pytest
 
-from ddiloco import checkpoint_client
+from ddiloco.chaos import harness
 from ddiloco.cli import cluster as cluster_lib
-from ddiloco.rpc import channel as channel_lib
-from services.syncer import checkpointing
 from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -39,22 +35,10 @@ def _counter(svc: cluster_lib.ServiceProcess, name: str, **labels) -> float:
 
 
 def _checkpoints(address: str, run_id: str) -> list[tuple[int, dict]]:
-    """Every retained checkpoint of the run, loaded and decoded (blobs are verified by digest)."""
-
-    async def load():
-        channel = channel_lib.aio_channel(address)
-        try:
-            client = checkpoint_client.CheckpointClient(
-                channel, timeout=datetime.timedelta(seconds=10), retry_timeout=datetime.timedelta(seconds=20))
-            out = []
-            for manifest in await client.list_manifests(run_id):
-                blobs = {ref.name: await client.get_blob(ref.digest) for ref in manifest.blobs}
-                out.append((manifest.step, checkpointing.decode_snapshot(blobs)))
-            return out
-        finally:
-            await channel.close()
-
-    return asyncio.run(load())
+    """Every retained checkpoint of the run, loaded and decoded; fails on one that does not load."""
+    loaded = harness.load_checkpoints(address, run_id)
+    assert not [step for step, snap in loaded if isinstance(snap, Exception)], loaded
+    return loaded
 
 
 def test_row07_store_disk_full_training_goes_on_and_the_last_checkpoint_stays(tmp_path):
