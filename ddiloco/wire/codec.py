@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -79,6 +81,13 @@ _FRAME_OVERHEAD_BYTES = 32
 # Subnormal scales and values have less than float32's relative precision; this absolute
 # slack (the smallest normal float32, 2**-126) covers their rounding in the error bounds.
 _SUBNORMAL_SLACK = float(np.finfo(np.float32).tiny)
+
+
+# decode's per-piece callback: (index of the piece's first value, the decoded piece).
+ChunkVisitor = Callable[[int, np.ndarray], None]
+# Smallest payload (values) split between two threads by decode(executor=...): below it the
+# hand-over costs more than the second core saves.
+_MIN_PARALLEL_VALUES = 1 << 18
 
 
 class CodecError(ValueError):
@@ -245,6 +254,8 @@ def decode(
     raw_size_bytes: int,
     checksum: bytes,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    on_chunk: ChunkVisitor | None = None,
+    executor: Executor | None = None,
 ) -> np.ndarray:
     """Checks and decodes a payload, cheapest checks first.
 
@@ -261,6 +272,14 @@ def decode(
         raw_size_bytes: raw size declared by the sender.
         checksum: sha256 digest declared by the sender.
         block_size: values per quantization block (ignored by fp32/bf16).
+        on_chunk: called as ``on_chunk(start, values)`` for consecutive, disjoint pieces of the
+            result that together cover it, right after each piece is decoded (while it is in
+            cache), so the caller's statistics cost no extra pass over memory. Pieces may come
+            out of order and, with ``executor``, from two threads at once. Called before the
+            final checks: discard what it gathered if ``decode`` raises.
+        executor: when given, the second half of a large quantized payload is dequantized
+            (and visited) in one of its threads while the calling thread does the first half;
+            numpy releases the GIL in the work itself, so two cores share one decode.
 
     Returns:
         A fresh, writable 1-D float32 array of ``numel`` finite values.
@@ -281,7 +300,7 @@ def decode(
     )
     # errstate: a forged scale can overflow level·scale; the finiteness check reports it.
     with np.errstate(over="ignore", invalid="ignore"):
-        return _deserialize(raw, codec, numel, block_size)
+        return _deserialize(raw, codec, numel, block_size, on_chunk, executor)
 
 
 def check_and_decompress(
@@ -585,7 +604,10 @@ def _unpack_levels(body: np.ndarray, codec: str, out: np.ndarray) -> int:
         w &= 0x0F
         w |= hi
         codes = w.view(np.uint8)  # c0, c1, ... interleaved
-        np.subtract(codes, np.float32(8), out=out)
+        # Cast, then subtract in float32: exact, and faster than a subtract whose uint8 input
+        # numpy casts in its buffered loop.
+        np.copyto(out, codes[: out.size])
+        np.subtract(out, np.float32(8), out=out)
         return int(codes[: out.size].min()) if out.size else 8
     w = body.astype("<u4")
     spread = w & 0x03
@@ -599,14 +621,23 @@ def _unpack_levels(body: np.ndarray, codec: str, out: np.ndarray) -> int:
     return 0
 
 
-def _deserialize(raw: bytes, codec: str, numel: int, block_size: int) -> np.ndarray:
+def _deserialize(raw: bytes, codec: str, numel: int, block_size: int,
+                 on_chunk: ChunkVisitor | None = None, executor: Executor | None = None) -> np.ndarray:
     """Returns fresh, finite float32 values from raw bytes whose length was already checked."""
     if codec in ("fp32", "bf16"):
-        if codec == "fp32":
-            values = np.frombuffer(raw, dtype="<f4").astype(np.float32)
-        else:
-            bits = np.frombuffer(raw, dtype="<u2").astype(np.uint16, copy=False)
-            values = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+        values = np.empty(numel, np.float32)
+        dtype = "<f4" if codec == "fp32" else "<u2"
+        stored = np.frombuffer(raw, dtype=dtype)
+        # Chunked, so that on_chunk sees each piece while it is in cache.
+        for start in range(0, numel, _CHUNK_VALUES):
+            seg = values[start : start + _CHUNK_VALUES]
+            piece = stored[start : start + _CHUNK_VALUES]
+            if codec == "fp32":
+                np.copyto(seg, piece)
+            else:
+                np.copyto(seg, piece.astype(np.uint16, copy=False).view(ml_dtypes.bfloat16), casting="unsafe")
+            if on_chunk is not None:
+                on_chunk(start, seg)
         if values.size and not (np.isfinite(values.max()) and np.isfinite(values.min())):
             _raise_non_finite_decoded(values)
         return values
@@ -627,13 +658,40 @@ def _deserialize(raw: bytes, codec: str, numel: int, block_size: int) -> np.ndar
 
     rows = _rows_per_chunk(block_size)
     n_main = main_blocks(numel, block_size, per_byte)
-    for b0 in range(0, n_main, rows):
-        b1 = min(b0 + rows, n_main)
-        seg = out[b0 * block_size : b1 * block_size]
-        packed = body[b0 * block_size // per_byte : b1 * block_size // per_byte]
-        smallest = min(smallest, _unpack_levels(packed, codec, seg))
-        seg2d = seg.reshape(b1 - b0, block_size)
-        np.multiply(seg2d, scales[b0:b1, None], out=seg2d)
+
+    def blocks(first: int, stop: int) -> int:
+        """Dequantizes (and visits) whole blocks [first, stop) chunk by chunk; returns the
+        smallest stored code seen."""
+        least = smallest
+        for b0 in range(first, stop, rows):
+            b1 = min(b0 + rows, stop)
+            seg = out[b0 * block_size : b1 * block_size]
+            packed = body[b0 * block_size // per_byte : b1 * block_size // per_byte]
+            least = min(least, _unpack_levels(packed, codec, seg))
+            seg2d = seg.reshape(b1 - b0, block_size)
+            np.multiply(seg2d, scales[b0:b1, None], out=seg2d)
+            if on_chunk is not None:
+                on_chunk(b0 * block_size, seg)
+        return least
+
+    if executor is not None and n_main * block_size >= _MIN_PARALLEL_VALUES:
+        # Two contiguous halves, split on a chunk boundary (so each thread's chunks stay whole);
+        # errstate is thread-local: the worker sets its own.
+        half = -(-(n_main // 2) // rows) * rows
+
+        def second_half() -> int:
+            with np.errstate(over="ignore", invalid="ignore"):
+                return blocks(half, n_main)
+
+        future = executor.submit(second_half)
+        try:
+            smallest = blocks(0, half)
+        finally:
+            # Not started yet (the executor's threads are busy with other uploads): do it here
+            # rather than wait for them.
+            smallest = min(smallest, second_half() if future.cancel() else future.result())
+    else:
+        smallest = blocks(0, n_main)
     tail_start = n_main * block_size
     if numel > tail_start:
         tail_bytes = body[tail_start // per_byte :]
@@ -647,6 +705,8 @@ def _deserialize(raw: bytes, codec: str, numel: int, block_size: int) -> np.ndar
         padded[: levels.size] = levels
         padded = padded.reshape(tail_blocks, block_size) * scales[n_main:, None]
         out[tail_start:] = padded.ravel()[: levels.size]
+        if on_chunk is not None:
+            on_chunk(tail_start, out[tail_start:])
     # Only one level below the range can be represented: -128 (int8) or nibble 0 (int4).
     if (codec == "int8" and smallest < -qmax) or (codec == "int4" and smallest < 1):
         raise CorruptPayloadError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Executor
 
 import numpy as np
 
@@ -147,8 +148,10 @@ def versions_from_proto(items) -> dict[int, int]:
     return {int(x.fragment_id): int(x.version) for x in items}
 
 
-def decode_payload(info: common_pb2.PayloadInfo, payload: bytes) -> np.ndarray:
-    """Decodes a payload described by `info` (all of codec.decode's checks apply)."""
+def decode_payload(info: common_pb2.PayloadInfo, payload: bytes, *,
+                   on_chunk: codec_lib.ChunkVisitor | None = None, executor: Executor | None = None) -> np.ndarray:
+    """Decodes a payload described by `info` (all of codec.decode's checks apply; `on_chunk`
+    and `executor` as codec.decode takes them)."""
     return codec_lib.decode(
         payload,
         codec=codec_from_proto(info.codec),
@@ -156,6 +159,8 @@ def decode_payload(info: common_pb2.PayloadInfo, payload: bytes) -> np.ndarray:
         raw_size_bytes=int(info.raw_size_bytes),
         checksum=bytes(info.checksum),
         block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
+        on_chunk=on_chunk,
+        executor=executor,
     )
 
 

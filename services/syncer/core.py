@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -208,6 +209,12 @@ class SyncerCore:
         # always gathers the min_others + 1 contributions that judge each other (direction check).
         self.max_decoding = max_decoding or len(plan.fragments) * (self.direction.min_others + 1)
         self._decoding = asyncio.Semaphore(self.max_decoding)
+        # The second thread of each large decode (codec.decode's executor): an upload's decode
+        # then uses two cores. One thread: a decode whose half finds it busy does that half itself.
+        self._decode_helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="syncer-decode")
+        # fragment id -> (last merged outer gradient, its norm): the cosine's reference norm
+        # changes once per merge, not per upload.
+        self._reference_norms: dict[int, tuple[np.ndarray, float]] = {}
         self._quarantine_after = quarantine_after
         self._quarantine_window_s = quarantine_window_s
         self._quarantine_s = quarantine_s
@@ -550,6 +557,16 @@ class SyncerCore:
         finally:  # a proposal waiting for its judgment never outlives the upload
             self.directions.withdraw(ticket.header.learner_id, ticket.header.fragment_id)
 
+    def _reference_norm(self, fragment_id: int, reference: np.ndarray | None) -> float | None:
+        """‖reference‖ of a fragment's last merged outer gradient, computed once per merge."""
+        if reference is None:
+            return None
+        cached = self._reference_norms.get(fragment_id)
+        if cached is None or cached[0] is not reference:
+            cached = (reference, merge_lib.vector_norm(reference))
+            self._reference_norms[fragment_id] = cached  # one atomic store: decode threads race benignly
+        return cached[1]
+
     async def _await_direction_references(self, header, heading: np.ndarray | None, wait_budget_s: float | None) -> None:
         """Holds a contribution that has too few others to be compared with (robust.DirectionPolicy
         .judge_wait_s) while other learners who could send them are live; proposes it as a
@@ -600,10 +617,13 @@ class SyncerCore:
         info = header.payload
 
         def decode() -> tuple[np.ndarray, np.ndarray, float | None, np.ndarray | None]:
-            values = serde.decode_payload(info, payload)
             last = slot.last_outer_grad  # read once: a merge may replace it meanwhile
-            return (values, robust_lib.tensor_norms(values, slot.fragment), robust_lib.cosine(values, last),
-                    self.directions.direction(header.fragment_id, values))
+            # Norms and the dot with the last merge are gathered while each decoded piece is in
+            # cache (one pass, not three), and the decode itself is shared with a second thread.
+            stats = robust_lib.DecodedStats(slot.fragment, last, self._reference_norm(header.fragment_id, last))
+            values = serde.decode_payload(info, payload, on_chunk=stats.update, executor=self._decode_helper)
+            norms = stats.tensor_norms(values)
+            return (values, norms, stats.cosine(values, norms), self.directions.direction(header.fragment_id, values))
 
         try:
             delta, norms, direction, heading = await asyncio.to_thread(decode)
@@ -624,7 +644,8 @@ class SyncerCore:
             base = ticket.base_params
             if slot.params_norm is None or slot.params_norm[0] != slot.params_sha256:
                 digest = slot.params_sha256
-                norm = await asyncio.to_thread(lambda: float(np.linalg.norm(slot.params.astype(np.float64))))
+                # float32 dot products with float64 totals: no float64 copy of the fragment.
+                norm = await asyncio.to_thread(merge_lib.vector_norm, slot.params)
                 slot.params_norm = (digest, norm)
             params_norm = slot.params_norm[1]
             verdict = slot.norms.check(header.learner_id, norms, header.steps, params_norm)

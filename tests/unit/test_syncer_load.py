@@ -130,13 +130,13 @@ def test_decoded_contributions_waiting_at_once_are_bounded(monkeypatch):
     lock = threading.Lock()
     real_decode = serde.decode_payload
 
-    def slow_decode(info, payload):
+    def slow_decode(info, payload, **kwargs):
         with lock:
             decoding[0] += 1
             most[0] = max(most[0], decoding[0])
         try:
             assert release.wait(20), "the test never released the decodes"
-            return real_decode(info, payload)
+            return real_decode(info, payload, **kwargs)
         finally:
             with lock:
                 decoding[0] -= 1
