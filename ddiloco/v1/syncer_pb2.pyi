@@ -208,8 +208,15 @@ class JoinResponse(_message.Message):
     FRAGMENT_VERSIONS_FIELD_NUMBER: _builtins.int
     SYNCER_INSTANCE_FIELD_NUMBER: _builtins.int
     PUBLISHED_SHA256_FIELD_NUMBER: _builtins.int
+    UPLOAD_HEADER_ACK_FIELD_NUMBER: _builtins.int
     syncer_instance: _builtins.str
     """Identifies this life of the syncer; versions are only meaningful within it."""
+    upload_header_ack: _builtins.bool
+    """The syncer sends an UploadFragment call's initial metadata as soon as it has accepted the
+    upload's header. A learner that waits for it before sending chunks never writes after an early
+    refusal, whose status the grpc asyncio client can otherwise replace with INTERNAL
+    (grpc/grpc#36066). Older syncers leave it false: send everything at once.
+    """
     @_builtins.property
     def config(self) -> Global___RunConfig: ...
     @_builtins.property
@@ -227,10 +234,11 @@ class JoinResponse(_message.Message):
         fragment_versions: _abc.Iterable[_common_pb2.FragmentVersion] | None = ...,
         syncer_instance: _builtins.str = ...,
         published_sha256: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
+        upload_header_ack: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

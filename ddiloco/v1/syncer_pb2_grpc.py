@@ -106,7 +106,8 @@ class SyncerServicer:
         RESOURCE_EXHAUSTED (too many concurrent uploads, in total or from this learner),
         PERMISSION_DENIED (the caller's identity is not this learner, or the learner is quarantined),
         UNAUTHENTICATED (no valid credential). A contribution beyond the norm bound is
-        INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured.
+        INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured. Once the header is
+        accepted the syncer sends initial metadata (JoinResponse.upload_header_ack).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -66,7 +66,8 @@ class SyncerStub:
     RESOURCE_EXHAUSTED (too many concurrent uploads, in total or from this learner),
     PERMISSION_DENIED (the caller's identity is not this learner, or the learner is quarantined),
     UNAUTHENTICATED (no valid credential). A contribution beyond the norm bound is
-    INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured.
+    INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured. Once the header is
+    accepted the syncer sends initial metadata (JoinResponse.upload_header_ack).
     """
     WatchFragments: _grpc.UnaryStreamMultiCallable[_syncer_pb2.WatchFragmentsRequest, _syncer_pb2.WatchFragmentsResponse]
     """Streams new global fragment versions. The stream first sends, for every fragment, the current
@@ -106,7 +107,8 @@ class SyncerAsyncStub(SyncerStub):
     RESOURCE_EXHAUSTED (too many concurrent uploads, in total or from this learner),
     PERMISSION_DENIED (the caller's identity is not this learner, or the learner is quarantined),
     UNAUTHENTICATED (no valid credential). A contribution beyond the norm bound is
-    INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured.
+    INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured. Once the header is
+    accepted the syncer sends initial metadata (JoinResponse.upload_header_ack).
     """
     WatchFragments: _aio.UnaryStreamMultiCallable[_syncer_pb2.WatchFragmentsRequest, _syncer_pb2.WatchFragmentsResponse]  # type: ignore[assignment]
     """Streams new global fragment versions. The stream first sends, for every fragment, the current
@@ -161,7 +163,8 @@ class SyncerServicer(metaclass=_abc_1.ABCMeta):
         RESOURCE_EXHAUSTED (too many concurrent uploads, in total or from this learner),
         PERMISSION_DENIED (the caller's identity is not this learner, or the learner is quarantined),
         UNAUTHENTICATED (no valid credential). A contribution beyond the norm bound is
-        INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured.
+        INVALID_ARGUMENT ("norm_bound") or clipped, as the syncer is configured. Once the header is
+        accepted the syncer sends initial metadata (JoinResponse.upload_header_ack).
         """
 
     @_abc_1.abstractmethod

@@ -16,6 +16,9 @@ from ddiloco.v1 import common_pb2
 from ddiloco.wire import codec as codec_lib
 
 PROTOCOL_VERSION = 1
+# Initial metadata with which a syncer acknowledges an accepted UploadFragment header
+# (JoinResponse.upload_header_ack): the learner sends chunks only after it.
+UPLOAD_HEADER_ACK = ("ddiloco-upload", "header-accepted")
 
 _CODEC_TO_PROTO = {
     "fp32": common_pb2.CODEC_FP32,

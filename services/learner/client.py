@@ -121,6 +121,7 @@ class SyncClient:
         self.stats = ClientStats()
         self.run_config: syncer_pb2.RunConfig | None = None
         self.instance = ""
+        self._header_ack = False  # the syncer acknowledges upload headers (JoinResponse.upload_header_ack)
         self._lock = threading.Lock()
         self._inbox: dict[int, GlobalFragment] = {}
         self._held: dict[int, int] = {}  # versions received (of self.instance)
@@ -331,6 +332,7 @@ class SyncClient:
                 if self.instance:
                     _LOG.info("syncer restarted (new instance): re-syncing every fragment")
             self.instance = response.syncer_instance
+            self._header_ack = response.upload_header_ack
             self.run_config = response.config
         if self.cfg.initial_values is not None and not self._seed_checked:
             self._seed_checked = True  # once per life: a model-sized copy is not kept for re-joins
@@ -494,7 +496,11 @@ class SyncClient:
                     if superseded:
                         return  # a newer pseudo-gradient of this fragment is queued; send that one
                     self.stats.bytes_sent += wire_bytes
-                    response = await self._stub.UploadFragment(self._request_stream(messages), timeout=timeout_s)
+                    if self._header_ack:
+                        after_chunk = (lambda: self._failpoints.hit("learner.after_chunk")) if self._failpoints else None
+                        response = await send_upload(self._stub, messages, timeout_s, after_chunk=after_chunk)
+                    else:
+                        response = await self._stub.UploadFragment(self._request_stream(messages), timeout=timeout_s)
         except retry_lib.RetriesExhausted as exc:
             self.stats.uploads_failed += 1
             self._record("failed", job, sent_at)
@@ -538,3 +544,41 @@ class SyncClient:
             self._history.write(event, learner=self.cfg.learner_id, incarnation=self.cfg.incarnation,
                                 instance=job.syncer_instance, fragment=job.fragment_id,
                                 base_version=job.base_version, tokens=job.tokens, sent_at=sent_at, **fields)
+
+
+async def send_upload(stub, messages: list, timeout_s: float, *, after_chunk=None):
+    """One UploadFragment call to a syncer that acknowledges headers (JoinResponse.upload_header_ack):
+    sends the header, waits for the syncer to accept it (initial metadata), and only then the chunks.
+
+    A refusal of the header thus arrives while nothing is being written. The grpc asyncio client
+    replaces the status of a call whose write fails after the status came in with INTERNAL
+    (grpc/grpc#36066), which would hide refusals worth resending (_RESENDABLE).
+
+    Args:
+        stub: a SyncerStub on an aio channel.
+        messages: the header message, then the chunk messages.
+        timeout_s: the call's deadline.
+        after_chunk: called after each chunk is written (the `learner.after_chunk` failpoint).
+
+    Returns:
+        The UploadFragmentResponse. Raises grpc.aio.AioRpcError with the syncer's status.
+    """
+    call = stub.UploadFragment(timeout=timeout_s)
+    try:
+        await call.write(messages[0])
+        # Returns once the header is accepted (the syncer's acknowledgement), or empty when the call
+        # is ending: the status may not have been processed yet, so done() is no test here.
+        metadata = await call.initial_metadata()
+        if tuple(serde.UPLOAD_HEADER_ACK) not in [tuple(item) for item in (metadata or ())]:
+            return await call  # raises the refusal's status
+        for msg in messages[1:]:
+            if call.done():
+                break  # refused mid-stream: awaiting the call raises its status
+            await call.write(msg)
+            if after_chunk is not None:
+                after_chunk()
+        else:
+            await call.done_writing()
+    except asyncio.InvalidStateError:
+        pass  # the call ended between the check and the write: its status is raised below
+    return await call

@@ -14,6 +14,7 @@ then the core's payload checks (checksum, zstd frame size before decompressing, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -29,6 +30,8 @@ _DEADLINE_MARGIN_S = 2.0  # left of an upload's deadline for the fold-in and the
 
 # A WatchFragments stream re-checks fencing at least this often even when nothing changes.
 _WATCH_POLL_S = 2.0
+# How long a refusal for lack of upload slots waits for the header it drains first.
+_BUSY_HEADER_WAIT_S = 1.0
 # Largest download chunk. gRPC keeps the message a watcher has not taken yet (serialized, per
 # stream) until the peer's flow-control window lets it out, so a stream's buffered bytes are one
 # chunk, not one fragment: with 64 watchers, 512 KiB chunks cost ~80 MiB more peak RSS than 128 KiB.
@@ -107,6 +110,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             response = self._core.join(request)
         except errors.ServiceError as exc:
             await self._abort(context, "Join", exc)
+        response.upload_header_ack = True  # see UploadFragment: initial metadata once the header passed
         member = self._core.members.get(request.learner_id)
         self._core.count_bytes(member, inbound=request.ByteSize(), outbound=response.ByteSize())
         return response
@@ -123,6 +127,10 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         # max_concurrent_uploads_per_learner of them from one learner.
         if self._upload_slots.locked():
             self._core.record_rejection("busy")
+            # Take the header off the wire first: a learner waiting for the header's
+            # acknowledgement then has nothing in flight when the status arrives (see _upload).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(request_iterator.__aiter__().__anext__(), _BUSY_HEADER_WAIT_S)
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self._max_uploads} uploads already in flight; retry with backoff",
@@ -167,6 +175,11 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         self._in_flight[header.learner_id] = self._in_flight.get(header.learner_id, 0) + 1
         scope.counted = True
         ticket = self._core.validate_upload_header(header)
+        # Acknowledge the header before any chunk is read. Every refusal so far reached the client
+        # before it sent a chunk; had it been writing chunks, a write that fails after the status
+        # arrived makes the grpc asyncio client report INTERNAL instead (grpc/grpc#36066), and the
+        # learner would not know that the refusal was one to retry later.
+        await context.send_initial_metadata((serde.UPLOAD_HEADER_ACK,))
         wire_bytes = first.ByteSize()
         assembler = serde.ChunkAssembler(header.payload.payload_size_bytes,
                                          max_chunk_bytes=self._core.config.chunk_size_bytes)
