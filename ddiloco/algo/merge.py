@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -96,6 +97,23 @@ def radial_directional_average(
 
 # Values per BLAS call when a norm is summed in pieces (float32 partial sums, float64 total).
 _NORM_CHUNK = 1 << 15
+
+
+class ScaledResult(NamedTuple):
+    """A merged delta in factored form: Δ[bounds[k]:bounds[k+1]] = values[...] · scales[k]
+    (float32 products), one factor per tensor."""
+
+    values: np.ndarray  # float32, the whole fragment
+    bounds: np.ndarray  # int64, len(scales) + 1 offsets from 0 to values.size
+    scales: np.ndarray  # float32
+
+    def materialize(self) -> np.ndarray:
+        """Δ as a fresh float32 vector."""
+        out = np.empty_like(self.values)
+        for k, scale in enumerate(self.scales):
+            lo, hi = self.bounds[k], self.bounds[k + 1]
+            np.multiply(self.values[lo:hi], scale, out=out[lo:hi])
+        return out
 
 
 class MergeAccumulator:
@@ -212,11 +230,19 @@ class MergeAccumulator:
                 self._radial_sums[index] += fold * norm
                 _axpy(fold / norm, delta[where], self._sums[where])
 
-    def result(self) -> np.ndarray:
-        """Returns the merged flat delta (the accumulator stays usable).
+    def scaled_result(self) -> ScaledResult:
+        """Returns the merged flat delta in factored form, without writing it out.
+
+        Every tensor's merge is its sum scaled by one number (1/Σw for the mean; the mean
+        radius over the sum's norm for RDA), so the outer step can multiply as it goes and
+        never store the delta twice (``OuterStepper.step_scaled``). One read pass: the norms
+        of the RDA sums.
 
         Returns:
-            A fresh 1-D float32 array of ``fragment.numel`` values.
+            ``ScaledResult``. ``values`` is the accumulator's own sum vector (read it, do
+            not write it, and do not add to the accumulator while it is in use), or a fresh
+            materialized delta when a tensor's magnitudes are too extreme for a float32
+            scale (then every scale is 1).
 
         Raises:
             ValueError: if nothing was added.
@@ -226,9 +252,45 @@ class MergeAccumulator:
                 f"fragment {self._fragment.fragment_id} has no contributions: "
                 "add at least one before merging"
             )
+        bounds = np.empty(len(self._segments) + 1, np.int64)
+        scales = np.empty(len(self._segments), np.float32)
+        bounds[0] = 0
+        for index, (where, rule) in enumerate(self._segments):
+            bounds[index + 1] = where.stop
+            if rule == "mean":
+                scales[index] = np.float32(1.0 / self._folded_weight)
+                continue
+            radius = self._radial_sums[index] / self._folded_weight
+            norm = _norm(self._sums[where])
+            if norm == 0:
+                scales[index] = 0.0
+            elif 1e-30 < norm < 1e30 and 1e-30 < radius / norm < 1e30:
+                scales[index] = np.float32(radius / norm)
+            else:  # extreme magnitudes: materialize with the careful, slower path
+                return self._careful_result(scales, bounds, index)
+        return ScaledResult(self._sums, bounds, scales)
+
+    def result(self) -> np.ndarray:
+        """Returns the merged flat delta (the accumulator stays usable).
+
+        Returns:
+            A fresh 1-D float32 array of ``fragment.numel`` values, equal bit for bit to what
+            ``scaled_result`` describes.
+
+        Raises:
+            ValueError: if nothing was added.
+        """
+        return self.scaled_result().materialize()
+
+    def _careful_result(self, scales: np.ndarray, bounds: np.ndarray, first_extreme: int) -> ScaledResult:
+        """The delta written out, for a fragment where some tensor's sum or radius is near
+        float32's limits (scales of earlier tensors are already in ``scales``)."""
         out = np.empty(self._fragment.numel, dtype=np.float32)
         for index, (where, rule) in enumerate(self._segments):
             sums = self._sums[where]
+            if index < first_extreme:
+                np.multiply(sums, scales[index], out=out[where])
+                continue
             if rule == "mean":
                 np.multiply(sums, np.float32(1.0 / self._folded_weight), out=out[where])
                 continue
@@ -238,9 +300,9 @@ class MergeAccumulator:
                 out[where] = 0.0
             elif 1e-30 < norm < 1e30 and 1e-30 < radius / norm < 1e30:
                 np.multiply(sums, np.float32(radius / norm), out=out[where])
-            else:  # extreme magnitudes: the careful, slower path
+            else:
                 out[where] = _unit(sums) * radius
-        return out
+        return ScaledResult(out, np.array([0, out.size], np.int64), np.ones(1, np.float32))
 
 
 def vector_norm(vector: np.ndarray) -> float:
@@ -276,7 +338,9 @@ def _norm(vector: np.ndarray) -> float:
     if math.isinf(total):
         with np.errstate(over="ignore", invalid="ignore"):
             return float(np.linalg.norm(vector.astype(np.float64)))
-    if 0 < total < 1e-30:  # squares near float32's underflow: recompute exactly
+    if total < 1e-30 and (total > 0 or vector.any()):
+        # squares near or below float32's underflow (a non-zero vector whose squares all
+        # flush to 0 would look like the zero vector): recompute exactly
         return float(np.linalg.norm(vector.astype(np.float64)))
     return math.sqrt(total)
 

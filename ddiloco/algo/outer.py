@@ -11,26 +11,54 @@ over learners), so a step moves Θ towards the learners:
 DiLoCo paper publishes no values of its own.
 
 Speed: for the optimizer ``make_outer_optimizer`` builds (element-wise SGD with momentum) the
-step runs in numpy over cache-sized chunks, with the same state layout as optax's (the
-momentum buffer): a jitted call copied every input in and every output out, six copies of
-the fragment per step (measured on a 2-core VM: 0.12 GB/s for 33 MB fragments, against
-memory-copy speeds of several GB/s). Other optimizers take the jitted optax path.
+step is one compiled pass (``_kernels.scaled_sgd_step``, numba) with the same state layout as
+optax's (the momentum buffer), and it can take the merged delta in the merge accumulator's
+factored form, so the delta is computed, stepped on and written once. Outputs come from a
+small per-size pool of arrays that nobody else references any more: on a 2-core VM, first
+touching fresh pages cost more than the step itself for a 100 MB fragment. A jitted optax
+call copied every input in and every output out (0.12 GB/s for 33 MB fragments); numpy
+ufuncs need six passes per chunk (10-17 % of memory-copy bandwidth). Other optimizers take
+the jitted optax path.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ddiloco.algo import _kernels
+from ddiloco.algo import merge as merge_lib
+
 # The optimizer state's leaf shapes/dtypes and treedef for one fragment size.
 _Structure = tuple[list[jax.ShapeDtypeStruct], jax.tree_util.PyTreeDef]
-# Values per chunk of the numpy step (a few hundred KiB stays in L2 cache).
-_CHUNK = 1 << 16
+# Output arrays (params, momentum, delta) that nobody references any more are kept for reuse,
+# at most this many per fragment size between steps: a step frees three (the oldest params
+# version, the old momentum, the old delta) and takes three. Memory cost: those three stay
+# allocated until the next step of a fragment of that size, instead of being freed and
+# faulted in again.
+POOL_FREE_ARRAYS = 3
+# Arrays tracked per size (in use or free), to bound the scan.
+_POOL_TRACKED = 64
+# The pool trusts CPython's reference counts; a free-threaded build could race them.
+_POOL_SAFE = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
+
+
+class OuterStepResult(NamedTuple):
+    """What ``OuterStepper.step_scaled`` computes."""
+
+    params: np.ndarray  # the new global params Θ'
+    state: list[np.ndarray]  # the new optimizer state
+    outer_grad: np.ndarray  # the merged delta Δ the step applied, written out
+    outer_grad_norm: float  # ‖Δ‖
+    finite: bool  # whether every new parameter is finite
 
 
 class _SGDTransformation(optax.GradientTransformation):
@@ -71,13 +99,18 @@ class OuterStepper:
 
     One stepper serves every fragment: state is passed in and returned, never kept. State is
     a list of numpy arrays (the optimizer state's leaves), so it can be checkpointed and
-    restored bit-exactly; the same inputs always give bit-identical outputs.
+    restored bit-exactly; the same inputs always give bit-identical outputs. The stepper
+    keeps only a pool of output arrays that no caller references any more (CPython's
+    reference count says so), and reuses them: callers may keep any array it returned for
+    as long as they like, and it is never written again while they do.
     """
 
     def __init__(
         self,
         optimizer: optax.GradientTransformation,
         tensors: Sequence[tuple[str, tuple[int, ...]]] | None = None,
+        *,
+        pool_free_arrays: int = POOL_FREE_ARRAYS,
     ) -> None:
         """Wraps an optimizer.
 
@@ -88,6 +121,8 @@ class OuterStepper:
                 mask and global-norm clipping in the data-parallel baseline). The stepper
                 then serves only fragments of that layout. ``None``: the optimizer sees the
                 flat vector (element-wise optimizers such as Nesterov SGD).
+            pool_free_arrays: unreferenced output arrays kept per fragment size for reuse;
+                0 allocates every output anew.
         """
         self._optimizer = optimizer
         # (η, μ, nesterov) when the step can run as the numpy loop (element-wise SGD).
@@ -116,6 +151,12 @@ class OuterStepper:
         self._step = jax.jit(step)
         # numel -> state structure; computed once per fragment size.
         self._structures: dict[int, _Structure] = {}
+        # numel -> arrays this stepper returned earlier, reused once nobody else holds them.
+        self._pool: dict[int, list[np.ndarray]] = {}
+        self._pool_lock = threading.Lock()
+        self._pool_free_arrays = pool_free_arrays if _POOL_SAFE else 0
+        if self._sgd is not None:
+            _kernels.warm_up()  # compile now (~0.5 s once per process), not in the first merge
 
     def init(self, params_flat: np.ndarray) -> list[np.ndarray]:
         """Returns a fresh optimizer state for a fragment.
@@ -148,7 +189,8 @@ class OuterStepper:
             outer_grad_flat: the merged outer gradient Δ, same size as ``params_flat``.
 
         Returns:
-            The new params and the new state, as fresh numpy arrays.
+            The new params and the new state: new numpy arrays, or arrays this stepper
+            returned before that no caller references any more.
 
         Raises:
             ValueError: on mismatched sizes or dtypes, or a state that does not have the
@@ -161,8 +203,62 @@ class OuterStepper:
                 f"outer_grad_flat has {grad.size} values but params_flat has {params.size}: "
                 "both must cover the same fragment"
             )
-        self._check_layout(params.size)
-        leaf_specs, treedef = self._structure(params.size)
+        leaves = self._check_state(params.size, state)
+        whole = np.array([0, grad.size], np.int64)
+        result = self._step_checked(params, leaves, grad, whole, np.ones(1, np.float32))
+        return result.params, result.state
+
+    def step_scaled(
+        self,
+        params_flat: np.ndarray,
+        state: list[np.ndarray],
+        values: np.ndarray,
+        bounds: np.ndarray,
+        scales: np.ndarray,
+    ) -> OuterStepResult:
+        """Applies one outer step to a delta given in factored form (``merge.ScaledResult``):
+        Δ[bounds[k]:bounds[k+1]] = values[...] · scales[k].
+
+        Bit for bit the same as ``step(params_flat, state, Δ)`` with Δ written out first,
+        in one pass over memory for SGD; Δ is also returned written out (the syncer keeps
+        the last one), with its norm and whether the new params are all finite.
+
+        Args:
+            params_flat: the fragment's 1-D float32 global params Θ.
+            state: the state from ``init`` or a previous step.
+            values: 1-D float32 vector, same size as ``params_flat``.
+            bounds: int64 offsets, increasing from 0 to ``values.size``.
+            scales: float32, one per segment (``len(bounds) - 1``).
+
+        Returns:
+            ``OuterStepResult``, all arrays fresh or recycled from this stepper's pool.
+
+        Raises:
+            ValueError: on mismatched sizes or dtypes, bad bounds, or a state that does not
+                have the structure ``init`` gives for this fragment size.
+        """
+        params = _check_vector("params_flat", params_flat)
+        values = _check_vector("values", values)
+        if values.shape != params.shape:
+            raise ValueError(
+                f"values has {values.size} values but params_flat has {params.size}: "
+                "both must cover the same fragment"
+            )
+        bounds = np.ascontiguousarray(bounds, dtype=np.int64)
+        scales = np.ascontiguousarray(scales, dtype=np.float32)
+        if (
+            bounds.ndim != 1 or scales.ndim != 1 or bounds.size != scales.size + 1
+            or bounds[0] != 0 or bounds[-1] != values.size or np.any(np.diff(bounds) < 0)
+        ):
+            raise ValueError(
+                f"bounds {bounds.tolist()[:8]} and {scales.size} scales do not split a vector "
+                f"of {values.size} values: need len(scales) + 1 increasing offsets from 0"
+            )
+        return self._step_checked(params, self._check_state(params.size, state), values, bounds, scales)
+
+    def _check_state(self, numel: int, state: list[np.ndarray]) -> list[np.ndarray]:
+        self._check_layout(numel)
+        leaf_specs, _ = self._structure(numel)
         if len(state) != len(leaf_specs):
             raise ValueError(
                 f"state has {len(state)} arrays but the optimizer state has "
@@ -176,12 +272,51 @@ class OuterStepper:
                     f"expects {spec.dtype}{list(spec.shape)}: the state belongs to another "
                     "fragment or optimizer"
                 )
+        return leaves
+
+    def _step_checked(
+        self, params: np.ndarray, leaves: list[np.ndarray], values: np.ndarray, bounds: np.ndarray, scales: np.ndarray
+    ) -> OuterStepResult:
         if self._sgd is not None:
-            return _sgd_step(params, leaves[0], grad, *self._sgd)
+            lr, mu, nesterov = self._sgd
+            buf = np.ascontiguousarray(leaves[0])
+            grad_out, params_out, buf_out = (self._take(params.size) for _ in range(3))
+            grad_sq, params_sum = _kernels.scaled_sgd_step(
+                np.ascontiguousarray(values), bounds, scales, np.ascontiguousarray(params), buf,
+                np.float32(mu), np.float32(-lr), nesterov, grad_out, params_out, buf_out,
+            )
+            return OuterStepResult(params_out, [buf_out], grad_out, math.sqrt(grad_sq), math.isfinite(params_sum))
+        grad = merge_lib.ScaledResult(values, bounds, scales).materialize()
+        _, treedef = self._structure(params.size)
         tree = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(leaf) for leaf in leaves])
         new_params, new_state = self._step(jnp.asarray(params), tree, jnp.asarray(grad))
         # np.array copies, so callers never hold buffers owned by JAX.
-        return np.array(new_params), [np.array(x) for x in jax.tree_util.tree_leaves(new_state)]
+        new_params = np.array(new_params)
+        return OuterStepResult(
+            new_params, [np.array(x) for x in jax.tree_util.tree_leaves(new_state)], grad,
+            float(np.linalg.norm(grad.astype(np.float64))), bool(np.isfinite(new_params).all()),
+        )
+
+    def _take(self, numel: int) -> np.ndarray:
+        """An output array of ``numel`` float32 values: a pooled one that nobody else
+        references, or a new one. Trims the pool's free arrays to ``pool_free_arrays``."""
+        if self._pool_free_arrays <= 0:
+            return np.empty(numel, np.float32)
+        with self._pool_lock:
+            pool = self._pool.setdefault(numel, [])
+            # References of a free array: the pool's list and getrefcount's argument. Any
+            # other holder (a caller, a view, a buffer export such as a pending encode)
+            # makes the count larger.
+            free = [index for index in range(len(pool)) if sys.getrefcount(pool[index]) == 2]
+            if free:
+                array = pool[free[0]]
+                for index in reversed(free[self._pool_free_arrays :]):
+                    del pool[index]  # beyond what the next steps need: let it go
+                return array
+            array = np.empty(numel, np.float32)
+            if len(pool) < _POOL_TRACKED:
+                pool.append(array)
+            return array
 
     def _check_layout(self, numel: int) -> None:
         if self._tree_numel is not None and numel != self._tree_numel:
@@ -203,30 +338,6 @@ class OuterStepper:
                 jax.eval_shape(self._optimizer.init, spec)
             )
         return self._structures[numel]
-
-
-def _sgd_step(
-    params: np.ndarray, buf: np.ndarray, grad: np.ndarray, lr: float, mu: float, nesterov: bool
-) -> tuple[np.ndarray, list[np.ndarray]]:
-    """optax's sgd(momentum, nesterov) in numpy: buf' = μ·buf + g; update = g + μ·buf'
-    (Nesterov) or buf' (heavy ball); θ' = θ - η·update. Fresh outputs; inputs untouched."""
-    mu32, neg_lr = np.float32(mu), np.float32(-lr)
-    new_params = np.empty_like(params)
-    new_buf = np.empty_like(params)
-    work = np.empty(min(_CHUNK, params.size), np.float32)
-    for start in range(0, params.size, _CHUNK):
-        end = min(start + _CHUNK, params.size)
-        g, b, t = grad[start:end], new_buf[start:end], work[: end - start]
-        np.multiply(buf[start:end], mu32, out=b)
-        np.add(b, g, out=b)
-        if nesterov:
-            np.multiply(b, mu32, out=t)
-            np.add(t, g, out=t)
-            np.multiply(t, neg_lr, out=t)
-        else:
-            np.multiply(b, neg_lr, out=t)
-        np.add(params[start:end], t, out=new_params[start:end])
-    return new_params, [new_buf]
 
 
 def _check_vector(field: str, value: np.ndarray) -> np.ndarray:

@@ -157,7 +157,7 @@ class DecodedStats:
             totals[index] += square
         norms = np.sqrt(totals)
         for index, total in enumerate(totals):
-            if math.isinf(total) or 0 < total < 1e-30:  # merge.vector_norm's careful path
+            if math.isinf(total) or total < 1e-30:  # merge.vector_norm's careful path (0 too: flushed squares)
                 t0, t1 = self._bounds[index]
                 norms[index] = merge_lib.vector_norm(values[t0:t1])
         return norms

@@ -373,7 +373,8 @@ def _micro_merge(values: np.ndarray, repeats: int, min_time_s: float) -> dict:
     best = interleaved_best({
         "memcpy": _memcpy(values),
         "fold_in": lambda: acc.add(values, 2.0),
-        "outer_step": lambda: stepper.step(params, state, acc.result()),
+        # What SyncerCore._merge_locked runs: the factored delta, stepped on in one pass.
+        "outer_step": lambda: stepper.step_scaled(params, state, *acc.scaled_result()),
         "result_only": acc.result,
         "stepper_only": lambda: stepper.step(params, state, values),
     }, repeats, min_time_s)

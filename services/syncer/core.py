@@ -811,11 +811,13 @@ class SyncerCore:
             if slot.timer is not None:
                 slot.timer.cancel()
                 slot.timer = None
-            outer_grad = await asyncio.to_thread(rnd.accumulator.result)
-            slot.last_outer_grad = np.asarray(outer_grad, dtype=np.float32)
             stepper = self._steppers[slot.fragment.fragment_id]
-            new_params, new_state = await asyncio.to_thread(stepper.step, slot.params, slot.opt_state, outer_grad)
-            if not np.all(np.isfinite(new_params)):
+            # The delta stays factored (sums x per-tensor scales) until the step writes it out.
+            merged = await asyncio.to_thread(rnd.accumulator.scaled_result)
+            stepped = await asyncio.to_thread(stepper.step_scaled, slot.params, slot.opt_state, *merged)
+            new_params, new_state, outer_grad = stepped.params, stepped.state, stepped.outer_grad
+            slot.last_outer_grad = outer_grad
+            if not stepped.finite:
                 # Never publish a non-finite global fragment; drop the round instead.
                 _LOG.error("outer step produced non-finite values; round dropped", extra={"fields": {"fragment": slot.fragment.fragment_id}})
                 slot.round = None
@@ -848,7 +850,7 @@ class SyncerCore:
                 grace_window_s=grace_s,
                 grace_used_s=max(0.0, started - quorum_at),
                 reason=reason,
-                outer_grad_norm=float(np.linalg.norm(outer_grad)),
+                outer_grad_norm=stepped.outer_grad_norm,
             )
             self.merges.append(record)
             await self.encoded_payload(slot)

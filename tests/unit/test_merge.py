@@ -218,6 +218,30 @@ def test_result_is_repeatable_and_fresh():
     np.testing.assert_array_equal(acc.result(), np.ones(3))
 
 
+@settings(max_examples=40, deadline=None)
+@given(_contributions(), st.sampled_from(["rda", "mean"]))
+def test_scaled_result_is_one_factor_per_tensor_and_materializes_to_result(contributions, rule):
+    fragment, deltas, weights = contributions
+    acc = _accumulate(fragment, deltas, weights, rule=rule)
+    scaled = acc.scaled_result()
+
+    bounds = [0] + [where.stop for where in fragment.slices().values()]
+    assert scaled.bounds.tolist() == bounds and scaled.scales.dtype == np.float32
+    assert scaled.materialize().tobytes() == acc.result().tobytes()
+
+
+def test_scaled_result_of_extreme_magnitudes_is_written_out_carefully():
+    fragment = _fragment(TensorSpec("tiny", (4,)), TensorSpec("w", (2,)))
+    delta = np.array([1e-35, -2e-35, 3e-35, 0.0, 1.0, 2.0], np.float32)
+    acc = _accumulate(fragment, [delta], [1.0])
+    scaled = acc.scaled_result()
+
+    assert scaled.bounds.tolist() == [0, 6] and scaled.scales.tolist() == [1.0]
+    assert scaled.values is not acc.scaled_result().values  # fresh each time, not the sums
+    # One contributor comes back unchanged (up to rounding), direction and norm both.
+    np.testing.assert_allclose(scaled.values, delta, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("delta", "weight", "match"),
     [

@@ -143,3 +143,108 @@ def test_step_rejects_mismatched_inputs():
         stepper.step(params.astype(np.float64), state, grad)
     with pytest.raises(ValueError, match=r"params_flat is float32\[2, 2\]"):
         stepper.init(params.reshape(2, 2))
+
+
+def _optax_order_step(params, buf, grad, lr, mu, nesterov):
+    """One SGD step as float32 ufuncs in optax's order (trace, Nesterov, scale, apply)."""
+    mu32, neg_lr = np.float32(mu), np.float32(-lr)
+    new_buf = grad + mu32 * buf
+    update = grad + mu32 * new_buf if nesterov else new_buf
+    return params + update * neg_lr, new_buf
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_compiled_step_equals_float32_ufuncs_in_optax_order_bit_for_bit(nesterov):
+    rng = np.random.default_rng(7)
+    size = 5003  # not a multiple of the kernel's block or of any SIMD width
+    params = rng.standard_normal(size).astype(np.float32)
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(0.7, 0.9, nesterov=nesterov))
+    state = stepper.init(params)
+    expected_params, expected_buf = params, np.zeros(size, np.float32)
+    for _ in range(4):
+        grad = (rng.standard_normal(size) * 0.1).astype(np.float32)
+        params, state = stepper.step(params, state, grad)
+        expected_params, expected_buf = _optax_order_step(expected_params, expected_buf, grad, 0.7, 0.9, nesterov)
+        assert params.tobytes() == expected_params.tobytes()
+        assert state[0].tobytes() == expected_buf.tobytes()
+
+
+def test_step_scaled_writes_the_delta_and_equals_step_on_it():
+    rng = np.random.default_rng(8)
+    size = 9000
+    params = rng.standard_normal(size).astype(np.float32)
+    sums = rng.standard_normal(size).astype(np.float32)
+    bounds = np.array([0, 10, 10, 4099, size], np.int64)  # an empty segment too
+    scales = np.array([0.5, 3.0, 1e-3, 0.0], np.float32)
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer())
+    state = stepper.init(params)
+    state[0][:] = rng.standard_normal(size).astype(np.float32)
+
+    delta = np.concatenate([sums[lo:hi] * scale for lo, hi, scale in zip(bounds[:-1], bounds[1:], scales)])
+    result = stepper.step_scaled(params, state, sums, bounds, scales)
+    plain_params, plain_state = stepper.step(params, state, delta)
+
+    assert result.outer_grad.tobytes() == delta.astype(np.float32).tobytes()
+    assert result.params.tobytes() == plain_params.tobytes()
+    assert result.state[0].tobytes() == plain_state[0].tobytes()
+    assert result.outer_grad_norm == pytest.approx(float(np.linalg.norm(delta.astype(np.float64))), rel=1e-12)
+    assert result.finite
+
+
+def test_step_scaled_reports_non_finite_params():
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(0.7, 0.9))
+    params = np.full(300, 3e38, np.float32)  # one step pushes these past float32's range
+    grad = np.full(300, -3e38, np.float32)
+    result = stepper.step_scaled(params, stepper.init(params), grad, np.array([0, 300]), np.ones(1, np.float32))
+    assert not result.finite
+    ok = stepper.step_scaled(params, stepper.init(params), np.zeros(300, np.float32), np.array([0, 300]), np.ones(1, np.float32))
+    assert ok.finite and ok.outer_grad_norm == 0.0
+
+
+@pytest.mark.parametrize(
+    ("bounds", "scales"),
+    [([0, 5], [1.0]), ([0, 2, 10], [1.0]), ([1, 10], [1.0]), ([0, 6, 4, 10], [1.0, 1.0, 1.0])],
+)
+def test_step_scaled_rejects_bounds_that_do_not_split_the_vector(bounds, scales):
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer())
+    params = np.ones(10, np.float32)
+    with pytest.raises(ValueError, match="do not split a vector of 10"):
+        stepper.step_scaled(params, stepper.init(params), params, np.array(bounds), np.array(scales, np.float32))
+
+
+def test_pool_reuses_only_arrays_nobody_holds():
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer())
+    params = np.ones(1000, np.float32)
+    grad = np.full(1000, 0.5, np.float32)
+    first_params, first_state = stepper.step(params, stepper.init(params), grad)
+    view = first_state[0][10:20]  # a view keeps its base in use
+    held = {id(first_params), id(first_state[0])}
+    snapshot = (first_params.copy(), first_state[0].copy())
+
+    for _ in range(20):
+        new_params, new_state = stepper.step(first_params, first_state, grad)
+        assert not held & {id(new_params), id(new_state[0])}
+        del new_params, new_state  # now free: the next step may reuse them
+    assert first_params.tobytes() == snapshot[0].tobytes()
+    assert first_state[0].tobytes() == snapshot[1].tobytes() and view.base is first_state[0]
+
+    # Released arrays come back instead of new allocations, within the free-array bound.
+    seen = set()
+    for _ in range(10):
+        out = stepper.step_scaled(first_params, first_state, grad, np.array([0, 1000]), np.ones(1, np.float32))
+        seen |= {id(out.params), id(out.state[0]), id(out.outer_grad)}
+        del out
+    assert len(seen) <= 3 + outer_lib.POOL_FREE_ARRAYS
+
+
+def test_pool_can_be_switched_off():
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(), pool_free_arrays=0)
+    params = np.ones(100, np.float32)
+    state = stepper.init(params)
+    ids = set()
+    outs = []
+    for _ in range(5):
+        out = stepper.step(params, state, params)
+        ids |= {id(out[0])}
+        outs.append(out)  # keep them alive so ids are not recycled by the allocator
+    assert len(ids) == 5
