@@ -33,9 +33,10 @@ Codecs (raw layout before zstd, all little-endian):
 The raw bytes travel as one zstd frame with its content size in the header, so a receiver
 can reject a decompression bomb from the header alone.
 
-Speed: quantizing, packing and dequantizing run over cache-sized chunks of whole blocks; a
-non-finite input is found from the block absmax (NaN and inf propagate through max), not by
-a separate pass. `ddiloco bench perf` measures them against the machine's memory bandwidth.
+Speed: the block absmax, the scales and int8/int4 quantize-and-pack are compiled loops
+(``_kernels``, numba; same bytes); int2 quantizing and dequantizing run as numpy over
+cache-sized chunks of whole blocks. A non-finite input is found from the block absmax (NaN
+and inf propagate through it), not by a separate pass. `ddiloco bench perf` measures them against the machine's memory bandwidth.
 
 Every error raised here is a ``CodecError`` (a ``ValueError``).
 """
@@ -51,6 +52,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 import zstandard
+
+from ddiloco.wire import _kernels
 
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2")
 QUANTIZED_CODECS: tuple[str, ...] = ("int8", "int4", "int2")
@@ -427,37 +430,16 @@ def block_absmax(values: np.ndarray, block_size: int) -> np.ndarray:
     """Returns max |x| of each block of a 1-D float32 vector (the last block may be partial).
 
     NaN and inf propagate: a block's absmax is finite exactly when all its values are.
+    One compiled pass (``_kernels.block_absmax``).
     """
-    numel = values.size
-    n_full = numel // block_size
-    out = np.empty(-(-numel // block_size), np.float32)
-    if n_full:
-        rows = _rows_per_chunk(block_size)
-        tmp = np.empty(min(rows, n_full) * block_size, np.float32)
-        starts = np.arange(0, rows * block_size, block_size)
-        for b0 in range(0, n_full, rows):
-            b1 = min(b0 + rows, n_full)
-            t = tmp[: (b1 - b0) * block_size]
-            np.abs(values[b0 * block_size : b1 * block_size], out=t)
-            # reduceat is ~1.4x faster than max(axis=1) over rows of a block (numpy 2.4).
-            out[b0:b1] = np.maximum.reduceat(t, starts[: b1 - b0])
-    if out.size > n_full:
-        out[-1] = np.abs(values[n_full * block_size :]).max()
+    out = np.empty(-(-values.size // block_size), np.float32)
+    _kernels.block_absmax(np.ascontiguousarray(values, dtype=np.float32), block_size, out)
     return out
 
 
 def scales_from_absmax(absmax: np.ndarray, codec: str) -> np.ndarray:
     """Returns each block's float32 scale (see the module docstring) from its absmax."""
-    absmax = np.asarray(absmax, dtype=np.float32)
-    qmax = np.float32(_QMAX[codec])
-    with np.errstate(over="ignore", invalid="ignore"):
-        scales = absmax / qmax
-        scales = np.where(scales * qmax > absmax, np.nextafter(scales, np.float32(0)), scales)
-    scales = np.maximum(scales, _MIN_SCALE)
-    if codec == "int2":
-        scales = np.minimum(scales, _INT2_MAX_SCALE)
-    # Flush to zero: a block of zeros and subnormals only has scale 0.
-    return np.where(absmax >= _MIN_SCALE, scales, np.float32(0)).astype(np.float32)
+    return _scales_and_inverse(absmax, codec)[0]
 
 
 def inverse_scales(scales: np.ndarray) -> np.ndarray:
@@ -465,6 +447,15 @@ def inverse_scales(scales: np.ndarray) -> np.ndarray:
     inv = np.zeros_like(scales)
     np.divide(np.float32(1), scales, out=inv, where=scales > 0)
     return inv
+
+
+def _scales_and_inverse(absmax: np.ndarray, codec: str) -> tuple[np.ndarray, np.ndarray]:
+    """(scales, inverse_scales(scales)) in one compiled loop."""
+    absmax = np.ascontiguousarray(absmax, dtype=np.float32)
+    scales, inverse = np.empty_like(absmax), np.empty_like(absmax)
+    max_scale = _INT2_MAX_SCALE if codec == "int2" else np.float32(np.finfo(np.float32).max)
+    _kernels.scales_from_absmax(absmax, np.float32(_QMAX[codec]), _MIN_SCALE, max_scale, scales, inverse)
+    return scales, inverse
 
 
 def main_blocks(numel: int, block_size: int, per_byte: int) -> int:
@@ -495,8 +486,7 @@ def _serialize(values: np.ndarray, codec: str, block_size: int, absmax: np.ndarr
         return bits.astype("<u2", copy=False).tobytes()
     if absmax is None:
         absmax = block_absmax(values, block_size)
-    scales = scales_from_absmax(absmax, codec)
-    inv = inverse_scales(scales)
+    scales, inv = _scales_and_inverse(absmax, codec)
     tiny_blocks = np.flatnonzero((scales > 0) & (scales < _TINY_SCALE))
     if tiny_blocks.size:  # rare: flush their subnormals to zero, as the jitted encoder does
         values = values.copy()
@@ -513,7 +503,11 @@ def _serialize(values: np.ndarray, codec: str, block_size: int, absmax: np.ndarr
 
     rows = _rows_per_chunk(block_size)
     n_main = main_blocks(numel, block_size, per_byte)
-    if n_main:
+    if n_main and codec == "int4" and block_size % 2 == 0:
+        _kernels.quantize_int4(values, inv[:n_main], block_size, body[: n_main * block_size // 2])
+    elif n_main and codec == "int8":
+        _kernels.quantize_int8(values, inv[:n_main], block_size, body[: n_main * block_size].view(np.int8))
+    elif n_main:
         work = np.empty(min(rows, n_main) * block_size, np.float32)
         codes = np.empty(min(rows, n_main) * block_size, np.uint8)
         for b0 in range(0, n_main, rows):
