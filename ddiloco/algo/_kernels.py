@@ -19,15 +19,16 @@ bit for bit (tests/unit/test_outer.py checks this).
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from ddiloco._jit import njit
 
 
 # Values per block: the block's outputs are still in L1 cache when they are summed.
 _BLOCK = 2048
 
 
-@numba.njit(nogil=True, cache=False, boundscheck=False, fastmath={"reassoc"})
+@njit(fastmath={"reassoc"})
 def _block_sums(grad: np.ndarray, params: np.ndarray) -> tuple[float, float]:
     """(Σ grad², Σ params) in float64. Reassociation lets LLVM vectorize the two sums; it
     applies to these sums only, never to the step's own arithmetic."""
@@ -40,7 +41,7 @@ def _block_sums(grad: np.ndarray, params: np.ndarray) -> tuple[float, float]:
     return grad_sq, params_sum
 
 
-@numba.njit(nogil=True, cache=False, boundscheck=False)
+@njit()
 def scaled_sgd_step(
     sums: np.ndarray,
     bounds: np.ndarray,

@@ -2,13 +2,15 @@
 
 Every figure is a ratio to a limit measured in the same invocation, on the same working set:
 
-* codec: quantize+pack and unpack+dequantize (int8/int4/int2; numpy ``codec.py`` as the syncer
-  runs it, jitted ``jax_codec`` as the learner runs it), in GB/s of float32 values, against
+* codec: quantize+pack and unpack+dequantize (int8/int4/int2; the host codec ``codec.py``, as
+  learners encode their uploads and the syncer its downloads: compiled loops and numpy; and the
+  jitted ``jax_codec`` for values that live on an accelerator), in GB/s of float32 values, against
   memory-copy bandwidth (``np.copyto`` of the same float32 vector), one process pinned to one
   core. zstd compress/decompress throughput and ratio on pseudo-gradients captured from the
   training run of the overlap section (not random numbers), and sha256.
 * merge: the syncer's fold-in of one contribution (``MergeAccumulator.add``) and the outer step
-  of one fragment (``MergeAccumulator.result`` + ``OuterStepper.step``), in GB/s of parameters
+  of one fragment (``MergeAccumulator.scaled_result`` + ``OuterStepper.step_scaled``, as the
+  syncer runs it), in GB/s of parameters
   (float32 bytes), against memory-copy bandwidth; same pinned process.
 * transport: fragment uploads through a real syncer process (``python -m services.syncer``:
   servicer, header checks, decode, norm bound, fold-in, merges) against a bare gRPC stream of
@@ -981,7 +983,7 @@ def _headline(result: dict) -> list[dict]:
         where = f"{m['numel']:,} values ({label})"
         for codec in ("int4", "int8"):
             c = m["codec"][codec]
-            for side, key in (("learner (JAX)", "jax"), ("syncer (numpy)", "numpy")):
+            for side, key in (("host codec (learner uploads, syncer)", "numpy"), ("JAX jitted (device values)", "jax")):
                 for op in ("encode", "decode"):
                     rows.append(figure(f"{codec} {op}, {side}, {where}", c[f"{key}_{op}"], "GB/s fp32", c["memcpy_gbps"],
                                        "memcpy (1 core)", TARGETS["codec_int4_encode"] if (codec, op) == ("int4", "encode") else None))
@@ -1036,7 +1038,7 @@ def _markdown(result: dict) -> str:
             rows.append([codec] + [f"{c[k]:.2f} ({c[k] / c['memcpy_gbps']:.0%})" for k in
                                    ("numpy_encode", "numpy_decode", "jax_encode", "jax_decode")] + [f"{c['memcpy_gbps']:.2f}"])
         md.append(results_lib.markdown_table(
-            ["codec", "numpy encode GB/s", "numpy decode", "JAX encode", "JAX decode", "memcpy GB/s"], rows))
+            ["codec", "host encode GB/s", "host decode", "JAX encode", "JAX decode", "memcpy GB/s"], rows))
         md.append("")
         rows = [[k, f"{z['ratio']:.3f}", f"{z['compress_gbps_raw']:.2f}", f"{z['decompress_gbps_raw']:.2f}",
                  f"{z['sha256_gbps']:.2f}", "yes" if z["real_pseudo_gradients"] else "no (synthetic)"]

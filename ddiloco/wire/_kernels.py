@@ -17,13 +17,14 @@ round half to even, + 8 for int4, the same float32 operations numpy does (no fas
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from ddiloco._jit import njit
 
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 
 
-@numba.njit(nogil=True, cache=False, boundscheck=False)
+@njit()
 def block_absmax(values: np.ndarray, block_size: int, out: np.ndarray) -> None:
     """out[b] = max |x| over block b of ``values`` (float32; the last block may be partial)."""
     bits = values.view(np.uint32)
@@ -37,7 +38,7 @@ def block_absmax(values: np.ndarray, block_size: int, out: np.ndarray) -> None:
         out_bits[b] = largest
 
 
-@numba.njit(nogil=True, cache=False, boundscheck=False)
+@njit()
 def scales_from_absmax(
     absmax: np.ndarray, qmax: np.float32, min_scale: np.float32, max_scale: np.float32,
     scales: np.ndarray, inverse: np.ndarray,
@@ -58,7 +59,7 @@ def scales_from_absmax(
         inverse[b] = np.float32(1) / s if s > zero else zero
 
 
-@numba.njit(nogil=True, cache=False, boundscheck=False)
+@njit()
 def quantize_int4(values: np.ndarray, inv: np.ndarray, block_size: int, out: np.ndarray) -> None:
     """Packs whole blocks of ``values`` (``inv.size`` x ``block_size``, an even count) into
     ``out``: code = rint(x·inv[b]) + 8, two per byte, first value in the low nibble."""
@@ -72,7 +73,7 @@ def quantize_int4(values: np.ndarray, inv: np.ndarray, block_size: int, out: np.
             packed[j] = np.uint8(np.int32(low) | (np.int32(high) << 4))
 
 
-@numba.njit(nogil=True, cache=False, boundscheck=False)
+@njit()
 def quantize_int8(values: np.ndarray, inv: np.ndarray, block_size: int, out: np.ndarray) -> None:
     """Quantizes whole blocks of ``values`` into ``out`` as int8 levels rint(x·inv[b])."""
     for b in range(inv.size):

@@ -221,6 +221,19 @@ def encode(
     return finish_encoding(raw, codec, values.size, block_size, zstd_level)
 
 
+def warm_up() -> None:
+    """Compiles (or loads from numba's cache) the encoder's kernels for the array types
+    callers pass, writable and read-only (numpy views of JAX arrays are read-only). The first
+    encode in a process otherwise waits ~0.6 s for it, with the GIL held: a service calls
+    this in a background thread at start-up."""
+    values = np.zeros(256, np.float32)
+    frozen = values.copy()
+    frozen.flags.writeable = False
+    for codec in ("int4", "int8"):
+        for array in (values, frozen):
+            encode(array, codec)
+
+
 def raise_non_finite(values: np.ndarray) -> None:
     """Raises the NonFiniteError of an encoder that found non-finite values (slow path)."""
     bad = ~np.isfinite(np.asarray(values))

@@ -26,6 +26,7 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco import metrics as metrics_lib
 from ddiloco.data import corpus
 from ddiloco.rpc import security as security_lib
+from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.learner import client as client_lib
 from services.learner import config as config_lib
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     # Plaintext must be asked for: refuse to start with neither a CA nor --insecure.
     security_lib.require_choice("ddiloco learner", cfg.client_security)
     logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
+    # The upload encoder's compiled kernels load while the model compiles, not at the first upload.
+    threading.Thread(target=codec_lib.warm_up, name="codec-warm-up", daemon=True).start()
     return run(cfg)
 
 

@@ -464,9 +464,10 @@ class SyncClient:
         if self.cfg.hostile_factor is not None:  # chaos knob for tests: a hostile learner
             delta = (delta * np.float32(self.cfg.hostile_factor)).astype(np.float32)
         try:
-            # numpy, not the jitted ddiloco.wire.jax_codec (same bytes, ~2x faster once compiled):
-            # compiling it for every fragment size delayed a fresh learner's first uploads by
-            # seconds on a loaded machine (tests/integration/test_cli.py trains for ~6 s).
+            # The host codec, not the jitted ddiloco.wire.jax_codec (same bytes): its compiled
+            # loops are faster on host values (ddiloco bench perf), and jax_codec compiled once per
+            # fragment size, which delayed a fresh learner's first uploads by seconds on a loaded
+            # machine (tests/integration/test_cli.py trains for ~6 s).
             encoded = await asyncio.to_thread(
                 codec_lib.encode, delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
             )
