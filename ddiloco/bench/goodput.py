@@ -153,7 +153,10 @@ def render_markdown(result: dict) -> str:
         f"{cfg['step_delay_s']} s, {cfg['num_fragments']} fragments, H = {cfg['sync_period_steps']}), "
         f"decoupled quorum K = {cfg['decoupled_quorum']}; diloco and dp: quorum = all {cfg['learners']} "
         f"learners, no grace. Each mode runs once without faults and once under the same seeded failure "
-        f"schedule (seed {cfg['seed']}).\n\n"
+        f"schedule (seed {cfg['seed']}). The step pacing is a sleep after each inner step that stands for "
+        f"an accelerator's step time: without it, every learner process competes for this machine's "
+        f"cores, a restarted learner waits tens of seconds for CPU, and the benchmark measures CPU "
+        f"contention rather than the protocols.\n\n"
         f"**Schedule (fair by construction).** {len(result['schedule'])} learner faults placed in training "
         f"progress, not wall time: exponential gaps of mean {cfg['mtbf_steps']:g} inner steps (MTBF, on the "
         f"step axis that every learner runs), each on a seeded random learner, firing when that learner has run "
@@ -212,7 +215,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of decoupled,diloco,dp")
     parser.add_argument("--learners", type=int, default=d.learners)
     parser.add_argument("--steps", type=int, default=d.steps, help="inner steps per learner")
-    parser.add_argument("--step-delay-s", type=float, default=d.step_delay_s, help="pacing per inner step")
+    parser.add_argument("--step-delay-s", type=float, default=d.step_delay_s,
+                        help="sleep after each inner step, standing for an accelerator's step time")
     parser.add_argument("--mtbf-steps", type=float, default=d.mtbf_steps,
                         help="mean gap between learner faults, in inner steps")
     parser.add_argument("--max-fault-s", type=float, default=d.max_fault_s,

@@ -33,9 +33,9 @@ Codecs (raw layout before zstd, all little-endian):
 The raw bytes travel as one zstd frame with its content size in the header, so a receiver
 can reject a decompression bomb from the header alone.
 
-Speed: the block absmax, the scales and int8/int4 quantize-and-pack are compiled loops
-(``_kernels``, numba; same bytes); int2 quantizing and dequantizing run as numpy over
-cache-sized chunks of whole blocks. A non-finite input is found from the block absmax (NaN
+Speed: the block absmax, the scales, int8/int4 quantize-and-pack and unpack-and-dequantize
+are compiled loops (``_kernels``, numba; same bytes and values); int2 runs as numpy. Decoding
+goes over cache-sized chunks of whole blocks. A non-finite input is found from the block absmax (NaN
 and inf propagate through it), not by a separate pass. `ddiloco bench perf` measures them against the machine's memory bandwidth.
 
 Every error raised here is a ``CodecError`` (a ``ValueError``).
@@ -231,7 +231,9 @@ def warm_up() -> None:
     frozen.flags.writeable = False
     for codec in ("int4", "int8"):
         for array in (values, frozen):
-            encode(array, codec)
+            encoded = encode(array, codec)
+        decode(encoded.payload, codec=codec, numel=values.size, raw_size_bytes=encoded.raw_size_bytes,
+               checksum=encoded.checksum)
 
 
 def raise_non_finite(values: np.ndarray) -> None:
@@ -674,9 +676,14 @@ def _deserialize(raw: bytes, codec: str, numel: int, block_size: int,
             b1 = min(b0 + rows, stop)
             seg = out[b0 * block_size : b1 * block_size]
             packed = body[b0 * block_size // per_byte : b1 * block_size // per_byte]
-            least = min(least, _unpack_levels(packed, codec, seg))
-            seg2d = seg.reshape(b1 - b0, block_size)
-            np.multiply(seg2d, scales[b0:b1, None], out=seg2d)
+            if codec == "int4" and block_size % 2 == 0:
+                least = min(least, _kernels.dequantize_int4(packed, scales[b0:b1], block_size, seg))
+            elif codec == "int8":
+                least = min(least, _kernels.dequantize_int8(packed.view(np.int8), scales[b0:b1], block_size, seg))
+            else:
+                least = min(least, _unpack_levels(packed, codec, seg))
+                seg2d = seg.reshape(b1 - b0, block_size)
+                np.multiply(seg2d, scales[b0:b1, None], out=seg2d)
             if on_chunk is not None:
                 on_chunk(b0 * block_size, seg)
         return least
