@@ -32,6 +32,7 @@ from ddiloco.rpc import retry as retry_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.rpc import server as server_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.wire import codec as codec_lib
 from services.syncer import checkpointing
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
@@ -274,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     # Plaintext must be asked for: refuse to start with neither certificates nor --insecure.
     security_lib.require_choice("ddiloco syncer", cfg.server_security)
     logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
+    # The upload decoder's compiled kernels load while the server starts, not in the first upload.
+    threading.Thread(target=codec_lib.warm_up, name="codec-warm-up", daemon=True).start()
     return asyncio.run(serve(cfg))
 
 
