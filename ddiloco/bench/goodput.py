@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pathlib
 import sys
 
@@ -122,6 +123,48 @@ def _summary(result, baseline) -> dict:
     }
 
 
+def merged_token_curve(history_path: pathlib.Path, fragments: int) -> list[tuple[float, float]]:
+    """(seconds since the run's first merge, tokens merged so far) after each merge, read from a
+    syncer history file. A fragment's merge adds its contributors' tokens / P, so a round that
+    merged every fragment once counts its tokens once (model-level tokens)."""
+    curve: list[tuple[float, float]] = []
+    try:
+        lines = history_path.read_text().splitlines()
+    except FileNotFoundError:
+        return curve
+    merges = sorted((rec["t"], rec) for rec in map(json.loads, filter(None, lines)) if rec.get("event") == "merged")
+    total = 0.0
+    for t, rec in merges:
+        total += sum(c[3] for c in rec.get("contributors", [])) / fragments
+        curve.append((t - merges[0][0], total))
+    return curve
+
+
+def time_to_tokens(curve: list[tuple[float, float]], tokens: float) -> float | None:
+    """The first time on `curve` at which `tokens` were merged (None: never)."""
+    return next((t for t, total in curve if total >= tokens), None)
+
+
+def add_token_milestones(out: dict, workdir: pathlib.Path) -> None:
+    """Adds the wall time each run took to merge a fixed number of tokens: half of the smallest
+    total that any run (any mode, with or without faults) merged, so that every run reaches it."""
+    fragments = out["config"]["num_fragments"]
+    curves = {(mode, run): merged_token_curve(workdir / name / "history" / "syncer.jsonl", fragments)
+              for mode in out["modes"] for run, name in (("faulty", mode), ("fault-free", f"{mode}-baseline"))}
+    finals = [curve[-1][1] for curve in curves.values() if curve]
+    if not finals:
+        return
+    target = 0.5 * min(finals)
+    out["tokens_target"] = target
+    for mode, r in out["modes"].items():
+        r["time_to_tokens_s"] = time_to_tokens(curves[(mode, "faulty")], target)
+        r["baseline_time_to_tokens_s"] = time_to_tokens(curves[(mode, "fault-free")], target)
+
+
+def _seconds(faulty: float | None, fault_free: float | None) -> str:
+    return f"{faulty:.0f} s ({fault_free:.0f} s)" if faulty is not None and fault_free is not None else "-"
+
+
 def _pct(v: float | None) -> str:
     return f"{100 * v:.1f} %" if v is not None else "-"
 
@@ -138,10 +181,13 @@ def render_markdown(result: dict) -> str:
                      f"{_pct(r['goodput_tokens'])} ({_pct(r['baseline_goodput_tokens'])})",
                      _pct(r["learner_wait_fraction"]),
                      f"{r['training_s']:.0f} s ({r['baseline_training_s']:.0f} s)" if r["training_s"] else "-",
+                     _seconds(r.get("time_to_tokens_s"), r.get("baseline_time_to_tokens_s")),
                      loss, "PASS" if r["ok"] else "FAIL"])
+    target = result.get("tokens_target")
     table = results_lib.markdown_table(
         ["mode", "faults", "goodput (time)", "learner time lost", "tokens merged (fault-free)", "learner wait",
-         "training (fault-free)", "final loss (fault-free)", "invariants"], rows)
+         "training (fault-free)", f"time to {target:,.0f} merged tokens (fault-free)" if target else "time to merged tokens",
+         "final loss (fault-free)", "invariants"], rows)
     schedule = "\n".join(
         f"| {e['at_step']} | {e['target']} | {e['kind']} | "
         + (f"restart after {e['params'].get('restart_after_s')} s" if e["kind"] == "kill"
@@ -173,7 +219,9 @@ def render_markdown(result: dict) -> str:
         f"merges / (P x tokens processed), faulty (fault-free): not a goodput but a token efficiency; with "
         f"overwrite-on-receipt a fragment's local steps that no merge pulled in are overwritten by the next "
         f"broadcast, so decoupled with K = {cfg['decoupled_quorum']} sits below 100 % with or without faults, "
-        f"while the synchronous modes merge every learner in every round.\n\n"
+        f"while the synchronous modes merge every learner in every round. *Time to N merged tokens*: wall time "
+        f"from a run's first merge until its merges held N tokens (a fragment's merge counts its contributors' "
+        f"tokens / P), N = half of the smallest total any run merged, so that every run reaches it.\n\n"
         f"{table}\n\n"
         f"Report lines (faulty runs):\n\n" + "\n".join(f"- `{r['report']}`" for r in result["modes"].values())
         + "\n\n" + results_lib.provenance_markdown(result["provenance"])
@@ -226,10 +274,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out", default=str(results_lib.DEFAULT_OUT_DIR))
     parser.add_argument("--workdir", default="runs/bench-goodput", help="the runs' processes, logs and histories")
+    parser.add_argument("--render-only", action="store_true",
+                        help="run nothing: rewrite the report from --out's goodput.json and --workdir's histories")
 
 
 def run(args: argparse.Namespace) -> int:
     from ddiloco.chaos import harness
+
+    if args.render_only:
+        return _render_only(pathlib.Path(args.out), pathlib.Path(args.workdir))
 
     cfg = GoodputConfig(learners=args.learners, steps=args.steps, step_delay_s=args.step_delay_s,
                         mtbf_steps=args.mtbf_steps, max_fault_s=args.max_fault_s, start_step=args.start_step,
@@ -255,7 +308,21 @@ def run(args: argparse.Namespace) -> int:
                                       jax_cache_dir=workdir / ".jax-cache", on_event=lambda line: None)
         print(result.report_line, flush=True)
         out["modes"][mode] = _summary(result, baseline)
-    json_path, md_path = results_lib.write_result(pathlib.Path(args.out), "goodput", out, render_markdown(out))
-    plot(out, pathlib.Path(args.out) / "goodput.png")
+    return _write(out, pathlib.Path(args.out), workdir)
+
+
+def _render_only(out_dir: pathlib.Path, workdir: pathlib.Path) -> int:
+    try:
+        out = json.loads((out_dir / "goodput.json").read_text())
+    except (OSError, ValueError) as exc:
+        print(f"--render-only needs a goodput.json from an earlier run in {out_dir}: {exc}", file=sys.stderr)
+        return 2
+    return _write(out, out_dir, workdir)
+
+
+def _write(out: dict, out_dir: pathlib.Path, workdir: pathlib.Path) -> int:
+    add_token_milestones(out, workdir)
+    json_path, md_path = results_lib.write_result(out_dir, "goodput", out, render_markdown(out))
+    plot(out, out_dir / "goodput.png")
     print(f"wrote {json_path}, {md_path} and goodput.png")
     return 0 if all(r["ok"] for r in out["modes"].values()) else 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -268,3 +269,31 @@ def test_goodput_benchmark_gives_every_mode_the_same_faults():
     # A synchronous straggler cannot progress once a peer finished: not charged a 90 s wait.
     assert scenarios["diloco"].finish_grace_s == scenarios["dp"].finish_grace_s < scenarios["decoupled"].finish_grace_s
     assert len(goodput.failure_schedule(goodput.GoodputConfig(learners=6, steps=300, mtbf_steps=15, seed=2))) > len(events)
+
+
+def test_goodput_time_to_merged_tokens_reads_the_syncer_histories(tmp_path):
+    from ddiloco.bench import goodput
+
+    def history(name: str, merges: list[tuple[float, list[int]]]) -> None:
+        path = tmp_path / name / "history" / "syncer.jsonl"
+        path.parent.mkdir(parents=True)
+        lines = [{"event": "joined", "t": 0.5}]
+        lines += [{"event": "merged", "t": t, "fragment": i % 2,
+                   "contributors": [[f"learner-{k}", 1, 0, tokens] for k, tokens in enumerate(contrib)]}
+                  for i, (t, contrib) in enumerate(merges)]
+        path.write_text("\n".join(json.dumps(rec) for rec in lines) + "\n")
+
+    # Two fragments: a merge counts its contributors' tokens / 2.
+    history("decoupled", [(10.0, [100]), (11.0, [100, 100]), (14.0, [300])])  # 50, 150, 300
+    history("decoupled-baseline", [(5.0, [200]), (6.0, [200]), (7.0, [200])])  # 100, 200, 300
+    history("dp", [(3.0, [400, 400])])  # 400
+    history("dp-baseline", [(2.0, [200]), (3.5, [800])])  # 100, 500
+    curve = goodput.merged_token_curve(tmp_path / "decoupled" / "history" / "syncer.jsonl", fragments=2)
+    assert curve == [(0.0, 50.0), (1.0, 150.0), (4.0, 300.0)]
+    assert goodput.time_to_tokens(curve, 150.0) == 1.0 and goodput.time_to_tokens(curve, 301.0) is None
+
+    out = {"config": {"num_fragments": 2}, "modes": {"decoupled": {}, "dp": {}}}
+    goodput.add_token_milestones(out, tmp_path)
+    assert out["tokens_target"] == 150.0  # half of the smallest total (300)
+    assert out["modes"]["decoupled"] == {"time_to_tokens_s": 1.0, "baseline_time_to_tokens_s": 1.0}
+    assert out["modes"]["dp"] == {"time_to_tokens_s": 0.0, "baseline_time_to_tokens_s": 1.5}
