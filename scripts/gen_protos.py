@@ -7,6 +7,7 @@ Run with `make protos`; CI runs `make check-protos`, which fails when the commit
 
 import argparse
 import filecmp
+import os
 import pathlib
 import shutil
 import sys
@@ -41,8 +42,13 @@ def generate(out_root: pathlib.Path) -> int:
         f"--mypy_grpc_out={out_root}",
         *protos,
     ]
+    # protoc finds its plugins on PATH. `make` runs this script as .venv/bin/python without activating
+    # the venv, so the interpreter's own bin directory (where mypy-protobuf installs protoc-gen-mypy)
+    # goes first; CI's PATH has no venv on it.
+    bin_dir = str(pathlib.Path(sys.executable).parent)
+    os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     if shutil.which("protoc-gen-mypy") is None:
-        print("protoc-gen-mypy not found: pip install mypy-protobuf", file=sys.stderr)
+        print(f"protoc-gen-mypy not found in {bin_dir} or on PATH: pip install mypy-protobuf", file=sys.stderr)
         return 1
     code = protoc.main(args)
     if code != 0:
