@@ -88,6 +88,10 @@ class Scenario:
     # cleanly): in the synchronous modes a learner with steps left would wait at a barrier forever.
     finish_grace_s: float = 90.0
     max_wall_s: float = 300.0
+    # Learners share <workdir>/jax-cache (--compilation-cache-dir): a restart loads its compiled
+    # programs instead of spending seconds of CPU compiling, CPU the other learners on this machine
+    # would lose (a deployment keeps the cache on the node or a volume).
+    compilation_cache: bool = True
     syncer_args: tuple[str, ...] = ()
     learner_args: tuple[str, ...] = ()
 
@@ -465,6 +469,7 @@ class Harness:
                 "--step-delay-s", str(sc.step_delay_s), "--log-every-steps", "50",
                 "--call-timeout-s", str(sc.call_timeout_s), "--retry-bound-s", str(sc.retry_bound_s),
                 "--summary-file", str(self._summary_path(name)), "--history-file", str(self._history_path(name)),
+                *(["--compilation-cache-dir", str(self.workdir / "jax-cache")] if sc.compilation_cache else []),
                 *sc.learner_args,
             ])
             extra = ["--steps", str(sc.steps)]

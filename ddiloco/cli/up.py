@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per inner step")
     parser.add_argument("--eval-interval-s", type=float, default=20.0, help="seconds between held-out evaluations")
     parser.add_argument("--workdir", default="", help="logs, store and summaries (default runs/<time>)")
+    parser.add_argument("--compilation-cache-dir", default="runs/jax-cache",
+                        help="the learners' shared XLA compilation cache (the next run starts faster); empty: off")
     parser.add_argument("--summary-json", default="", help="also write the summary here")
     parser.add_argument("--no-live", action="store_true", help="print one status line every few seconds instead")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
@@ -133,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.learners):
             cluster.start_learner(i, region="region-a" if i % 2 == 0 else "region-b", extra=[
                 "--steps", str(args.steps), "--num-shards", str(args.learners), "--batch-size", str(args.batch_size),
+                *(["--compilation-cache-dir", args.compilation_cache_dir] if args.compilation_cache_dir else []),
             ])
         stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address, cluster.client_security()))
         in_main_loop = True

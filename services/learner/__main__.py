@@ -44,6 +44,8 @@ def core_hash(values: np.ndarray) -> str:
 
 
 def run(cfg: config_lib.LearnerConfig) -> int:
+    if cfg.compilation_cache_dir:
+        train_lib.enable_compilation_cache(cfg.compilation_cache_dir)
     # The unit's devices and mesh (and jax.distributed for a multi-host unit), before any JAX use.
     try:
         unit = distributed_lib.init_unit_from_config(cfg)
@@ -109,7 +111,8 @@ def run(cfg: config_lib.LearnerConfig) -> int:
     )
     # Start from zeros of the right shapes; the global fragments overwrite every tensor before
     # the first step (client.start waited for all of them).
-    params = {k: np.zeros(v.shape, np.float32) for k, v in model.init(jax.random.PRNGKey(0)).items()}
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0))  # shapes only: nothing runs
+    params = {k: np.zeros(v.shape, np.float32) for k, v in shapes.items()}
     rng = random.Random(incarnation)
     delay = None
     if cfg.step_delay_s:
@@ -169,7 +172,9 @@ def _initial_fragments(run_config) -> dict[int, np.ndarray]:
     """The run's initial fragments as this learner computes them (the syncer initializes the same
     model with the same seed); the sync client skips downloading those whose hash matches."""
     model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
-    params = model.init(jax.random.PRNGKey(run_config.init_seed))
+    # One jitted program (cached with the others under --compilation-cache-dir), not one eager
+    # dispatch per initializer op: ~1.3 CPU-s less at each start of the tiny model.
+    params = jax.jit(model.init)(jax.random.PRNGKey(run_config.init_seed))
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
     return {f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments}
 

@@ -49,6 +49,9 @@ class LearnerConfig:
     process_id: int = 0  # this process's index in the unit; only 0 talks to the syncer
     log_every_steps: int = 25
     summary_file: str = ""  # write a JSON summary here at exit
+    # XLA executables persisted here (JAX's compilation cache): a restarted learner on the same
+    # disk loads its compiled step instead of compiling it again. Empty: off.
+    compilation_cache_dir: str = ""
     metrics_bind: str = ""  # host:port for Prometheus /metrics; empty disables
     # Transport security towards the syncer (ddiloco.rpc.security): TLS, or explicit plaintext.
     tls_ca: str = ""  # CA bundle that signed the syncer's certificate
@@ -195,6 +198,9 @@ _HELP = {
     "process_id": "this process's index in the unit, 0..num_processes-1; only process 0 talks to the syncer",
     "log_every_steps": "log a progress line every this many steps",
     "summary_file": "write a JSON summary of the run here at exit",
+    "compilation_cache_dir": "persist compiled XLA programs here (JAX's compilation cache, bounded to 512 MiB and "
+                             "safe to share between learners): a restart loads them instead of compiling again; "
+                             "empty: off",
     "metrics_bind": "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9093); empty: no metrics endpoint",
     "tls_ca": "TLS: CA bundle (PEM) to verify the syncer's certificate",
     "tls_cert": "mutual TLS: this process's certificate (PEM), whose identity must match its id",

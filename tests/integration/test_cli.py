@@ -34,7 +34,8 @@ def test_up_trains_and_prints_a_summary(tmp_path):
     workdir = tmp_path / "run"
     result = subprocess.run(
         [*_DDILOCO, "up", "--preset", "tiny", "--learners", "2", "--steps", "60", "--sync-period-steps", "4",
-         "--no-live", "--eval-interval-s", "3", "--workdir", str(workdir), "--summary-json", str(tmp_path / "s.json")],
+         "--no-live", "--eval-interval-s", "3", "--workdir", str(workdir), "--summary-json", str(tmp_path / "s.json"),
+         "--compilation-cache-dir", str(tmp_path / "jax-cache")],
         capture_output=True, text=True, timeout=280,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -44,6 +45,7 @@ def test_up_trains_and_prints_a_summary(tmp_path):
     assert summary["heldout_loss_end"] < summary["heldout_loss_start"] - 0.5, summary
     assert summary["merges"] > 0 and summary["tokens_merged"] > 0 and summary["bytes_in"] > 0
     assert [ls["steps"] for ls in summary["learners"]] == [60, 60]
+    assert list((tmp_path / "jax-cache").glob("*-cache")), "the learners wrote no compiled programs"
     pids = json.loads((workdir / "pids.json").read_text())
     assert set(pids) == {"checkpoint", "syncer", "evaluator", "learner-0", "learner-1"}
     assert not [p for ps in pids.values() for p in ps if _pid_alive(p)], "up left processes behind"
