@@ -166,6 +166,12 @@ class LearnerLoop:
         while not self._client.wait_for_arrivals(after, timeout_s=1.0):
             if self._should_stop() or getattr(self._client, "fenced", None):
                 break
+            if self._bases_superseded(jobs):
+                # A newer version arrived while the step ran (counted in `arrivals` before the
+                # barrier began): the round these uploads were for closed without them, and the
+                # syncer refuses them as stale. Waiting for one more version would wait forever
+                # (that round needs this learner); fold in what arrived and step again.
+                break
             if time.monotonic() - last_send >= self._barrier_resend_s:
                 # The merge has not come back: the upload may have been lost (a syncer restart,
                 # a refused retry). Sending it again is idempotent on the syncer.
@@ -175,6 +181,17 @@ class LearnerLoop:
                 last_send = time.monotonic()
         self.stats.wait_s += time.monotonic() - started
         self.apply_updates()
+
+    def _bases_superseded(self, jobs: list) -> bool:
+        """True when the client holds a newer version from the same syncer life of every job's fragment
+        (a new life is waited for as before: its fragments arrive with the re-join)."""
+        held_values = getattr(self._client, "held_values", None)
+        if held_values is None:
+            return False
+        held = held_values()
+        instance = getattr(self._client, "instance", None)
+        return all(job.syncer_instance == instance and held.get(job.fragment_id, (-1, None))[0] > job.base_version
+                   for job in jobs)
 
     def _queue_upload(self, fid: int, grads: dict | None = None) -> client_lib.UploadJob | None:
         take_refused = getattr(self._client, "take_refused", None)

@@ -109,3 +109,65 @@ def test_a_refusal_of_an_older_base_does_not_reopen_the_current_one():
     for _ in range(2 * plan.num_fragments):
         loop.step()
     assert [j.base_version for j in _uploads_of(client, 0)] == [0, 1]
+
+
+class _BarrierClient(_Client):
+    """A synchronous-mode client whose next version arrived while the step ran: it is already
+    counted in `arrivals()` when the barrier begins, and no version after it will come (the syncer
+    refuses this learner's upload on the older base as stale)."""
+
+    instance = "inst"
+
+    def __init__(self, held: dict[int, int]) -> None:
+        super().__init__()
+        self.held = held
+
+    def arrivals(self):
+        return {fid: 2 for fid in self.held}
+
+    def wait_for_arrivals(self, after, timeout_s):
+        return False
+
+    def held_values(self):
+        return {fid: (version, None) for fid, version in self.held.items()}
+
+
+def test_a_barrier_whose_base_was_superseded_during_the_step_ends():
+    # A restarted learner joined at version 0 of a round that then closed without it (version 1).
+    # Before the fix its barrier waited for a version after 1 forever, re-sending the stale upload.
+    import threading
+
+    specs = [fragments_lib.TensorSpec("a", (4, 4))]
+    plan = fragments_lib.plan_fragments(specs, 1, 1)
+    params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
+    client = _BarrierClient({0: 1})
+    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
+                                learner_id="l", incarnation=1, sync_mode="diloco")
+    client.inbox = [client_lib.GlobalFragment(0, 0, "inst", fragments_lib.flatten_fragment(params, plan.fragments[0]))]
+    loop.apply_updates()
+    stepper = threading.Thread(target=loop.step, daemon=True)
+    stepper.start()
+    stepper.join(timeout=15)
+    assert not stepper.is_alive(), "the barrier waits for a version that cannot come"
+    assert [job.base_version for job in client.uploads] == [0]
+
+
+def test_a_barrier_waits_while_its_base_is_the_newest_version():
+    import threading
+
+    specs = [fragments_lib.TensorSpec("a", (4, 4))]
+    plan = fragments_lib.plan_fragments(specs, 1, 1)
+    params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
+    client = _BarrierClient({0: 0})
+    stop = threading.Event()
+    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
+                                learner_id="l", incarnation=1, sync_mode="diloco", should_stop=stop.is_set)
+    client.inbox = [client_lib.GlobalFragment(0, 0, "inst", fragments_lib.flatten_fragment(params, plan.fragments[0]))]
+    loop.apply_updates()
+    stepper = threading.Thread(target=loop.step, daemon=True)
+    stepper.start()
+    stepper.join(timeout=2.5)
+    assert stepper.is_alive(), "the barrier ended without a newer version"
+    stop.set()
+    stepper.join(timeout=15)
+    assert not stepper.is_alive()
