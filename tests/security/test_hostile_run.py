@@ -68,6 +68,17 @@ def _run(workdir, hostile: str | None, learners: int = 4) -> dict:
         cluster.stop_all(timeout_s=10.0)
 
 
+def _members_line(state) -> str:
+    """Merges, and each learner's accepted uploads and refusals: what a loss outside the margin is
+    read from (a learner none of whose uploads got in trains nothing into the model)."""
+    members = ", ".join(
+        f"{m.learner_id} {m.uploads_accepted} accepted"
+        + (" (refused: " + ", ".join(f"{k} {v}" for k, v in sorted(m.rejections.items()) if v) + ")"
+           if any(m.rejections.values()) else "")
+        for m in sorted(state.members, key=lambda m: m.learner_id))
+    return f"{state.outer_steps} merges; {members}"
+
+
 def test_hostile_learners_against_an_honest_run(tmp_path, capsys):
     honest = _run(tmp_path / "honest", None)
     # The defence refuses every upload of the hostile learner, so what it is answerable for is the
@@ -96,6 +107,8 @@ def test_hostile_learners_against_an_honest_run(tmp_path, capsys):
         f"; direction agreement " + ", ".join(
             f"{lid} {m.direction_agreement:+.2f}" for lid, m in sorted(flip_members.items()))
         + f"\nwall s: {honest['wall_s']:.0f} / {honest3['wall_s']:.0f} / {huge['wall_s']:.0f} / {flip['wall_s']:.0f}"
+        + "".join(f"\n{name} run: {_members_line(run['state'])}"
+                  for name, run in (("honest", honest), ("honest3", honest3), ("x1e4", huge), ("signflip", flip)))
     )
     with capsys.disabled():
         print("\n" + report)
