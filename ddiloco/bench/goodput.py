@@ -65,6 +65,9 @@ class GoodputConfig:
     start_step: int = 60
     max_fault_s: float = 4.0  # restart delays and hang durations are drawn from [0.5 or 1, this]
     seed: int = 1
+    # A run still training after this long is stopped; its goodput is then an upper bound (see
+    # learner_time). The synchronous modes under a heavy schedule take 2-3x their fault-free time.
+    max_wall_s: float = 2400.0
 
 
 def mode_scenario(cfg: GoodputConfig, mode: str):
@@ -82,7 +85,7 @@ def mode_scenario(cfg: GoodputConfig, mode: str):
     return Scenario(name=f"goodput-{mode}", seed=cfg.seed, learners=cfg.learners, min_quorum=quorum, steps=cfg.steps,
                     step_delay_s=cfg.step_delay_s, num_fragments=cfg.num_fragments,
                     sync_period_steps=cfg.sync_period_steps, finish_grace_s=finish_grace_s,
-                    syncer_args=(*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", mode), max_wall_s=900.0)
+                    syncer_args=(*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", mode), max_wall_s=cfg.max_wall_s)
 
 
 def failure_schedule(cfg: GoodputConfig):
@@ -94,6 +97,21 @@ def failure_schedule(cfg: GoodputConfig):
                                   start_step=cfg.start_step)
 
 
+def learner_time(result) -> tuple[float | None, bool]:
+    """(summed learner time from the schedule's start to each learner's finish, whether all finished).
+
+    A run stopped at max_wall_s counts each unfinished learner until the stop: a lower bound of its
+    allocated time, so fault-free time / this sum is an upper bound of the run's goodput.
+    """
+    if not result.t0:
+        return None, False
+    unfinished = result.scenario.learners - len(result.learner_finished_at)
+    if unfinished and not result.stopped_at:
+        return None, False
+    total = sum(t - result.t0 for t in result.learner_finished_at.values())
+    return total + unfinished * (result.stopped_at - result.t0), unfinished == 0
+
+
 def _summary(result, baseline) -> dict:
     wait = sum((s or {}).get("wait_s", 0.0) for s in result.summaries.values())
     compute = sum((s or {}).get("compute_s", 0.0) for s in result.summaries.values())
@@ -101,21 +119,21 @@ def _summary(result, baseline) -> dict:
     def train_s(r) -> float | None:
         return r.training_end - r.t0 if r.training_end and r.t0 else None
 
-    def learner_s(r) -> float | None:  # summed per-learner time to finish its steps
-        if not r.t0 or len(r.learner_finished_at) < r.scenario.learners:
-            return None
-        return sum(t - r.t0 for t in r.learner_finished_at.values())
-
-    faulty_s, healthy_s = train_s(result), train_s(baseline)
-    faulty_ls, healthy_ls = learner_s(result), learner_s(baseline)
+    faulty_ls, finished = learner_time(result)
+    healthy_ls, healthy_finished = learner_time(baseline)
+    healthy_ls = healthy_ls if healthy_finished else None
+    ratio = healthy_ls / faulty_ls if faulty_ls and healthy_ls else None
     return {
         "ok": result.ok, "violations": result.violations()[:10], "report": result.report_line,
         "baseline_report": baseline.report_line,
         "faults_injected": len(result.faults), "not_injected": len(result.not_injected),
         "faults": [f"{f.kind} {f.target}" for f in result.faults],
-        "training_s": faulty_s, "baseline_training_s": healthy_s,
-        "learner_s": faulty_ls, "baseline_learner_s": healthy_ls,
-        "goodput_time": healthy_ls / faulty_ls if faulty_ls and healthy_ls else None,
+        "training_s": train_s(result), "baseline_training_s": train_s(baseline),
+        "learner_s": faulty_ls if finished else None, "baseline_learner_s": healthy_ls,
+        "goodput_time": ratio if finished else None,
+        # Stopped at max_wall_s with learners still training: goodput is at most this.
+        "goodput_time_at_most": ratio if not finished else None,
+        "stopped_after_s": None if finished or not result.stopped_at else result.stopped_at - result.t0,
         "goodput_tokens": result.goodput, "baseline_goodput_tokens": baseline.goodput,
         "learner_wait_fraction": wait / (wait + compute) if wait + compute else None,
         "loss": result.loss, "baseline_loss": baseline.loss,
@@ -169,6 +187,18 @@ def _pct(v: float | None) -> str:
     return f"{100 * v:.1f} %" if v is not None else "-"
 
 
+def _goodput_cell(r: dict) -> str:
+    if r.get("goodput_time") is not None:
+        return f"**{_pct(r['goodput_time'])}**"
+    if r.get("goodput_time_at_most") is not None:
+        return f"**<= {_pct(r['goodput_time_at_most'])}** (stopped {r['stopped_after_s']:.0f} s into the schedule)"
+    return "-"
+
+
+def _goodput_value(r: dict) -> float:
+    return r.get("goodput_time") or r.get("goodput_time_at_most") or 0.0
+
+
 def render_markdown(result: dict) -> str:
     cfg = result["config"]
     rows = []
@@ -177,7 +207,7 @@ def render_markdown(result: dict) -> str:
                 else "-")
         lost = (f"{r['learner_s'] - r['baseline_learner_s']:.0f} s"
                 if r.get("learner_s") and r.get("baseline_learner_s") else "-")
-        rows.append([mode, f"{r['faults_injected']} (+{r['not_injected']} not)", f"**{_pct(r['goodput_time'])}**", lost,
+        rows.append([mode, f"{r['faults_injected']} (+{r['not_injected']} not)", _goodput_cell(r), lost,
                      f"{_pct(r['goodput_tokens'])} ({_pct(r['baseline_goodput_tokens'])})",
                      _pct(r["learner_wait_fraction"]),
                      f"{r['training_s']:.0f} s ({r['baseline_training_s']:.0f} s)" if r["training_s"] else "-",
@@ -221,7 +251,10 @@ def render_markdown(result: dict) -> str:
         f"broadcast, so decoupled with K = {cfg['decoupled_quorum']} sits below 100 % with or without faults, "
         f"while the synchronous modes merge every learner in every round. *Time to N merged tokens*: wall time "
         f"from a run's first merge until its merges held N tokens (a fragment's merge counts its contributors' "
-        f"tokens / P), N = half of the smallest total any run merged, so that every run reaches it.\n\n"
+        f"tokens / P), N = half of the smallest total any run merged, so that every run reaches it. A run still "
+        f"training at the wall-clock limit ({cfg.get('max_wall_s', 900.0):.0f} s from launch) is stopped; each "
+        f"unfinished learner is then counted until the stop, a lower bound of its allocated time, so its goodput "
+        f"is shown as an upper bound (<=) and its invariants fail on the unfinished learners.\n\n"
         f"{table}\n\n"
         f"Report lines (faulty runs):\n\n" + "\n".join(f"- `{r['report']}`" for r in result["modes"].values())
         + "\n\n" + results_lib.provenance_markdown(result["provenance"])
@@ -237,10 +270,11 @@ def plot(result: dict, path: pathlib.Path) -> None:
 
     modes = list(result["modes"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    vals = [100 * (result["modes"][m]["goodput_time"] or 0.0) for m in modes]
+    vals = [100 * _goodput_value(result["modes"][m]) for m in modes]
     ax1.bar(modes, vals, color=["tab:green", "tab:orange", "tab:red"][:len(modes)])
     for x, v in enumerate(vals):
-        ax1.text(x, v + 1, f"{v:.1f} %", ha="center")
+        bound = result["modes"][modes[x]].get("goodput_time") is None and v
+        ax1.text(x, v + 1, f"{'<= ' if bound else ''}{v:.1f} %", ha="center")
     ax1.axhline(90, ls="--", c="k", lw=0.8)
     ax1.axhline(50, ls=":", c="k", lw=0.8)
     ax1.set_ylim(0, 105)
@@ -272,6 +306,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-step", type=int, default=d.start_step, help="no fault before this inner step")
     parser.add_argument("--quorum", type=int, default=d.decoupled_quorum, help="decoupled mode's K")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--max-wall-s", type=float, default=d.max_wall_s,
+                        help="stop a run still training after this long (its goodput is then an upper bound)")
     parser.add_argument("--out", default=str(results_lib.DEFAULT_OUT_DIR))
     parser.add_argument("--workdir", default="runs/bench-goodput", help="the runs' processes, logs and histories")
     parser.add_argument("--render-only", action="store_true",
@@ -286,8 +322,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = GoodputConfig(learners=args.learners, steps=args.steps, step_delay_s=args.step_delay_s,
                         mtbf_steps=args.mtbf_steps, max_fault_s=args.max_fault_s, start_step=args.start_step,
-                        decoupled_quorum=args.quorum,
-                        seed=args.seed)
+                        decoupled_quorum=args.quorum, seed=args.seed, max_wall_s=args.max_wall_s)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - set(MODES)
     if unknown:

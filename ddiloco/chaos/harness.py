@@ -156,6 +156,7 @@ class Result:
     proxy_samples: dict[str, list[tuple[float, int, int, int]]] = dataclasses.field(default_factory=dict)
     member_samples: list[tuple[float, dict[str, str]]] = dataclasses.field(default_factory=list)
     learner_finished_at: dict[str, float] = dataclasses.field(default_factory=dict)  # learner -> unix s
+    stopped_at: float = 0.0  # unix seconds when the run stopped driving: training ended or max_wall_s hit
     error: str = ""
 
     @property
@@ -405,6 +406,7 @@ class Harness:
         self._summaries: dict[str, dict | None] = {}
         self._phase_faults: dict[int, list[InjectedFault]] = {}
         self.training_end = 0.0
+        self.stopped_at = 0.0
         self._first_finish = 0.0
         self.finished_at: dict[str, float] = {}  # learner -> unix s when it finished its steps
         self.proxy_samples: dict[str, list[tuple[float, int, int, int]]] = {}  # (t, up, down, connections)
@@ -729,13 +731,14 @@ class Harness:
                     st = proxy.stats
                     self.proxy_samples.setdefault(name, []).append((now, st.bytes_up, st.bytes_down, st.connections))
             if all(self.procs[n].state == "finished" for n in self.learner_names()):
-                self.training_end = now
+                self.training_end = self.stopped_at = now
                 break
             self._end_stragglers(now)
             for name, proc in self.procs.items():  # a SIGTERMed process that hangs is killed
                 if proc.state == "terming" and now - proc.term_at > 30:
                     self.cluster.services[name].signal(signal.SIGKILL)
             if now - started > sc.max_wall_s:
+                self.stopped_at = now
                 return f"timed out after {sc.max_wall_s:.0f} s (learners not finished)"
             time.sleep(0.05)
         self.not_injected += pending
@@ -826,7 +829,7 @@ class Harness:
             scenario=self.scenario, workdir=self.workdir, faults=self.faults, not_injected=self.not_injected,
             checks=checks, goodput=goodput, loss=loss, baseline_loss=self.baseline_loss,
             wall_s=time.time() - started, t0=self.t0, training_end=self.training_end,
-            learner_finished_at=dict(self.finished_at), syncer_history=syncer_history,
+            learner_finished_at=dict(self.finished_at), stopped_at=self.stopped_at, syncer_history=syncer_history,
             learner_histories=learner_histories, summaries=summaries, final_state=final_state,
             proxy_stats={n: dataclasses.asdict(p.stats) for n, p in self.proxies.items()},
             proxy_samples=self.proxy_samples, member_samples=self._poller.samples if self._poller else [], error=error,

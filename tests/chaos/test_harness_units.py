@@ -297,3 +297,25 @@ def test_goodput_time_to_merged_tokens_reads_the_syncer_histories(tmp_path):
     assert out["tokens_target"] == 150.0  # half of the smallest total (300)
     assert out["modes"]["decoupled"] == {"time_to_tokens_s": 1.0, "baseline_time_to_tokens_s": 1.0}
     assert out["modes"]["dp"] == {"time_to_tokens_s": 0.0, "baseline_time_to_tokens_s": 1.5}
+
+
+def test_goodput_of_a_run_stopped_at_the_wall_limit_is_an_upper_bound():
+    from types import SimpleNamespace
+
+    from ddiloco.bench import goodput
+
+    def run(finished: dict[str, float], stopped_at: float):
+        return SimpleNamespace(t0=100.0, stopped_at=stopped_at, learner_finished_at=finished,
+                               scenario=SimpleNamespace(learners=3))
+
+    done = run({"learner-0": 110.0, "learner-1": 120.0, "learner-2": 130.0}, stopped_at=130.0)
+    assert goodput.learner_time(done) == (60.0, True)
+    # One learner still training when the run was stopped at t = 200: counted until the stop.
+    stopped = run({"learner-0": 150.0, "learner-1": 160.0}, stopped_at=200.0)
+    assert goodput.learner_time(stopped) == (50.0 + 60.0 + 100.0, False)
+    # No stop time and learners missing (the schedule never started, or the driver crashed): unknown.
+    assert goodput.learner_time(run({"learner-0": 150.0}, stopped_at=0.0)) == (None, False)
+
+    row = {"goodput_time": None, "goodput_time_at_most": 60.0 / 210.0, "stopped_after_s": 100.0}
+    assert goodput._goodput_cell(row) == "**<= 28.6 %** (stopped 100 s into the schedule)"
+    assert goodput._goodput_cell({"goodput_time": 0.922}) == "**92.2 %**"
