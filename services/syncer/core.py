@@ -448,6 +448,14 @@ class SyncerCore:
         _LOG.warning("learner quarantined", extra={"fields": {"learner": member.learner_id, "reason": reason,
                                                               "seconds": duration_s}})
         self._notify()
+        # Rounds that were waiting for this learner may now be complete, as on leave: left to their
+        # grace timer, they held every other learner's next upload of the fragment (already
+        # pending) for the whole window; a short run ended with one merge per fragment.
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop (unit tests of pure parts)
+            return
+        self.tick()
 
     # -------------------------------------------------------------------------------- uploads
 

@@ -247,6 +247,31 @@ def test_quarantine_after_repeated_rejections_is_visible_and_sticky():
     asyncio.run(run())
 
 
+def test_a_round_waiting_only_for_a_learner_that_gets_quarantined_merges_at_once():
+    async def run():
+        core = make_core(FakeClock(), min_quorum=1)
+        core.grace_window_s = lambda: 5.0  # as measured on a run with slack (none measured here)
+        for lid in ("h1", "h2", "x"):
+            join(core, lid)
+        n = core.plan.fragments[0].numel
+        await upload(core, "h1", 0, honest_delta(n, 1))
+        await upload(core, "h2", 0, honest_delta(n, 2))
+        await settle()
+        # Quorum reached, x expected: the round holds for the grace window (seconds; the fake
+        # clock does not move, so only a re-evaluation can close it here).
+        assert core.slots[0].version == 0 and len(core.slots[0].round.contributions) == 2
+        for i in range(3):  # x is refused on the other fragment until quarantined
+            with pytest.raises(errors.InvalidArgument):
+                await upload(core, "x", 1, 1e4 * honest_delta(core.plan.fragments[1].numel, i))
+        assert member(core, "x").quarantined
+        await settle()
+        # Everyone the round waits for has contributed: merged now, not at the end of the window
+        # (meanwhile h1's and h2's next uploads of fragment 0 would be refused as already pending).
+        assert core.slots[0].version == 1 and core.slots[0].round is None
+
+    asyncio.run(run())
+
+
 def test_honest_refusals_never_quarantine():
     async def run():
         core = make_core(FakeClock(), quarantine_after=2)
