@@ -34,7 +34,9 @@ The raw bytes travel as one zstd frame with its content size in the header, so a
 can reject a decompression bomb from the header alone.
 
 Speed: the block absmax, the scales, int8/int4 quantize-and-pack and unpack-and-dequantize
-are compiled loops (``_kernels``, numba; same bytes and values); int2 runs as numpy. Decoding
+are compiled loops (``_kernels``, numba; same bytes and values), imported on first use: numba's
+import and kernel loading take ~0.5 CPU-s, which a learner encoding with ``jax_codec`` never
+pays at a restart. int2 runs as numpy. Decoding
 goes over cache-sized chunks of whole blocks. A non-finite input is found from the block absmax (NaN
 and inf propagate through it), not by a separate pass. `ddiloco bench perf` measures them against the machine's memory bandwidth.
 
@@ -52,8 +54,6 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 import zstandard
-
-from ddiloco.wire import _kernels
 
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2")
 QUANTIZED_CODECS: tuple[str, ...] = ("int8", "int4", "int2")
@@ -219,6 +219,13 @@ def encode(
 
     raw = _serialize(values, codec, block_size, absmax)
     return finish_encoding(raw, codec, values.size, block_size, zstd_level)
+
+
+def _compiled():
+    """The compiled kernels (``_kernels``), imported on the first call: see the module docstring."""
+    from ddiloco.wire import _kernels
+
+    return _kernels
 
 
 def warm_up() -> None:
@@ -448,7 +455,7 @@ def block_absmax(values: np.ndarray, block_size: int) -> np.ndarray:
     One compiled pass (``_kernels.block_absmax``).
     """
     out = np.empty(-(-values.size // block_size), np.float32)
-    _kernels.block_absmax(np.ascontiguousarray(values, dtype=np.float32), block_size, out)
+    _compiled().block_absmax(np.ascontiguousarray(values, dtype=np.float32), block_size, out)
     return out
 
 
@@ -469,7 +476,7 @@ def _scales_and_inverse(absmax: np.ndarray, codec: str) -> tuple[np.ndarray, np.
     absmax = np.ascontiguousarray(absmax, dtype=np.float32)
     scales, inverse = np.empty_like(absmax), np.empty_like(absmax)
     max_scale = _INT2_MAX_SCALE if codec == "int2" else np.float32(np.finfo(np.float32).max)
-    _kernels.scales_from_absmax(absmax, np.float32(_QMAX[codec]), _MIN_SCALE, max_scale, scales, inverse)
+    _compiled().scales_from_absmax(absmax, np.float32(_QMAX[codec]), _MIN_SCALE, max_scale, scales, inverse)
     return scales, inverse
 
 
@@ -519,9 +526,9 @@ def _serialize(values: np.ndarray, codec: str, block_size: int, absmax: np.ndarr
     rows = _rows_per_chunk(block_size)
     n_main = main_blocks(numel, block_size, per_byte)
     if n_main and codec == "int4" and block_size % 2 == 0:
-        _kernels.quantize_int4(values, inv[:n_main], block_size, body[: n_main * block_size // 2])
+        _compiled().quantize_int4(values, inv[:n_main], block_size, body[: n_main * block_size // 2])
     elif n_main and codec == "int8":
-        _kernels.quantize_int8(values, inv[:n_main], block_size, body[: n_main * block_size].view(np.int8))
+        _compiled().quantize_int8(values, inv[:n_main], block_size, body[: n_main * block_size].view(np.int8))
     elif n_main:
         work = np.empty(min(rows, n_main) * block_size, np.float32)
         codes = np.empty(min(rows, n_main) * block_size, np.uint8)
@@ -667,6 +674,7 @@ def _deserialize(raw: bytes, codec: str, numel: int, block_size: int,
 
     rows = _rows_per_chunk(block_size)
     n_main = main_blocks(numel, block_size, per_byte)
+    kernels = _compiled()
 
     def blocks(first: int, stop: int) -> int:
         """Dequantizes (and visits) whole blocks [first, stop) chunk by chunk; returns the
@@ -677,9 +685,9 @@ def _deserialize(raw: bytes, codec: str, numel: int, block_size: int,
             seg = out[b0 * block_size : b1 * block_size]
             packed = body[b0 * block_size // per_byte : b1 * block_size // per_byte]
             if codec == "int4" and block_size % 2 == 0:
-                least = min(least, _kernels.dequantize_int4(packed, scales[b0:b1], block_size, seg))
+                least = min(least, kernels.dequantize_int4(packed, scales[b0:b1], block_size, seg))
             elif codec == "int8":
-                least = min(least, _kernels.dequantize_int8(packed.view(np.int8), scales[b0:b1], block_size, seg))
+                least = min(least, kernels.dequantize_int8(packed.view(np.int8), scales[b0:b1], block_size, seg))
             else:
                 least = min(least, _unpack_levels(packed, codec, seg))
                 seg2d = seg.reshape(b1 - b0, block_size)

@@ -64,6 +64,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             progress_interval_s=cfg.progress_interval_s, security=cfg.client_security(),
             hostile_factor=config_lib.parse_hostile(cfg.hostile),
             failpoints=cfg.failpoints, history_file=cfg.history_file, initial_values=_initial_fragments,
+            encode=_upload_encoder(cfg),
         )
     ), stop)
     collector = learner_metrics.LearnerCollector(cfg.learner_id, cfg.region, client)
@@ -168,6 +169,19 @@ def run(cfg: config_lib.LearnerConfig) -> int:
 
 
 
+def _upload_encoder(cfg: config_lib.LearnerConfig):
+    """The upload quantizer --upload-encoder asks for. The host codec's numba kernels take ~0.5
+    CPU-s to import and load at every process start; jax_codec's programs come from the
+    compilation cache in ~0.15 CPU-s but compile per fragment size without one (hence "auto")."""
+    if cfg.resolved_upload_encoder == "jax":
+        from ddiloco.wire import jax_codec
+
+        return jax_codec.encode
+    # Loaded while the model compiles, not at the first upload.
+    threading.Thread(target=codec_lib.warm_up, name="codec-warm-up", daemon=True).start()
+    return codec_lib.encode
+
+
 def _initial_fragments(run_config) -> dict[int, np.ndarray]:
     """The run's initial fragments as this learner computes them (the syncer initializes the same
     model with the same seed); the sync client skips downloading those whose hash matches."""
@@ -183,8 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     # Plaintext must be asked for: refuse to start with neither a CA nor --insecure.
     security_lib.require_choice("ddiloco learner", cfg.client_security)
     logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
-    # The upload encoder's compiled kernels load while the model compiles, not at the first upload.
-    threading.Thread(target=codec_lib.warm_up, name="codec-warm-up", daemon=True).start()
     return run(cfg)
 
 

@@ -74,6 +74,9 @@ class ClientConfig:
     # (its own initialization with RunConfig.init_seed). At the first join, fragments whose
     # values hash to the syncer's published sha256 are held without being downloaded.
     initial_values: Callable[[syncer_pb2.RunConfig], Mapping[int, np.ndarray]] | None = None
+    # Quantizes uploads: codec.encode (the host codec) or jax_codec.encode (same signature, same
+    # bytes). The learner's --upload-encoder chooses; the client itself never imports JAX.
+    encode: Callable[..., codec_lib.EncodedPayload] = codec_lib.encode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +349,13 @@ class SyncClient:
         """Holds every fragment whose own initial values hash to what the syncer publishes."""
         if not response.published_sha256:
             return  # a syncer that does not publish hashes: download everything
+        versions = serde.versions_from_proto(response.fragment_versions)
+        with self._lock:
+            held = set(self._held)
+        if not any(versions.get(fid) == 0 for fid in response.published_sha256 if fid not in held):
+            # Only a fragment at version 0 (never merged in this syncer life) can hold the initial
+            # values: a mid-run (re)start skips computing the model (~0.2 CPU-s of the tiny one).
+            return
         try:
             local = await asyncio.to_thread(self.cfg.initial_values, response.config)
             hashes = await asyncio.to_thread(
@@ -353,7 +363,6 @@ class SyncClient:
         except Exception as exc:  # noqa: BLE001 - the download is the fallback, never a failure
             _LOG.warning(f"own initial values unavailable ({exc!r}); downloading every fragment")
             return
-        versions = serde.versions_from_proto(response.fragment_versions)
         seeded = []
         with self._arrived:
             for fid, sha in response.published_sha256.items():
@@ -476,12 +485,8 @@ class SyncClient:
         if self.cfg.hostile_factor is not None:  # chaos knob for tests: a hostile learner
             delta = (delta * np.float32(self.cfg.hostile_factor)).astype(np.float32)
         try:
-            # The host codec, not the jitted ddiloco.wire.jax_codec (same bytes): its compiled
-            # loops are faster on host values (ddiloco bench perf), and jax_codec compiled once per
-            # fragment size, which delayed a fresh learner's first uploads by seconds on a loaded
-            # machine (tests/integration/test_cli.py trains for ~6 s).
             encoded = await asyncio.to_thread(
-                codec_lib.encode, delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
+                self.cfg.encode, delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
             )
         except codec_lib.NonFiniteError as exc:
             self.stats.uploads_refused += 1

@@ -77,3 +77,23 @@ def test_the_flag_and_its_environment_variable():
     assert parse(["--compilation-cache-dir", "/var/cache/x"], {}, "host").compilation_cache_dir == "/var/cache/x"
     env = {"DDILOCO_LEARNER_COMPILATION_CACHE_DIR": "/cache"}
     assert parse([], env, "host").compilation_cache_dir == "/cache"
+
+
+_NUMBA_CHILD = """
+import sys
+import numpy as np
+import services.learner.__main__ as learner_main
+from services.learner import config as config_lib
+cfg = config_lib.parse_learner_config(["--learner-id", "l0", "--compilation-cache-dir", sys.argv[1]], {})
+encode = learner_main._upload_encoder(cfg)
+encoded = encode(np.linspace(-1, 1, 1000, dtype=np.float32), "int4")
+print(encode.__module__, "numba" in sys.modules, len(encoded.payload))
+"""
+
+
+def test_a_learner_with_a_compilation_cache_never_loads_numba(tmp_path):
+    """With --compilation-cache-dir the learner encodes uploads with jax_codec (same bytes, see
+    tests/unit/test_jax_codec.py): numba's import and kernel loading (~0.5 CPU-s) leave a restart."""
+    out = subprocess.run([sys.executable, "-c", _NUMBA_CHILD, str(tmp_path / "cache")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out[:2] == ["ddiloco.wire.jax_codec", "False"] and int(out[2]) > 0

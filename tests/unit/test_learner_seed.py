@@ -54,3 +54,26 @@ def test_without_hashes_or_with_a_failing_initializer_everything_is_downloaded()
         asyncio.run(client._seed_from_initial_values(response))
         assert client.stats.fragments_seeded == 0 and client.held_values() == {} and client.take_updates() == []
     assert len(calls) == 1
+
+
+def test_a_mid_run_join_does_not_compute_the_initial_model():
+    """Every fragment merged since the start (version > 0), or already held: the learner's own
+    initialization cannot match, so it is not computed (a restart's CPU goes to training)."""
+    calls = []
+
+    def initial(run_config):
+        calls.append(run_config)
+        return {0: np.zeros(4, np.float32), 1: np.zeros(4, np.float32)}
+
+    zeros_sha = serde.params_sha256(np.zeros(4, np.float32))
+    client = _client(initial)
+    client.instance = "s1"
+    asyncio.run(client._seed_from_initial_values(_join_response({0: "a" * 64, 1: "b" * 64}, {0: 5, 1: 2})))
+    assert calls == [] and client.stats.fragments_seeded == 0 and client.held_values() == {}
+    # One fragment still at version 0: computed, and that fragment is held.
+    asyncio.run(client._seed_from_initial_values(_join_response({0: zeros_sha, 1: "b" * 64}, {0: 0, 1: 2})))
+    assert len(calls) == 1 and client.stats.fragments_seeded == 1
+    assert {f: v for f, (v, _) in client.held_values().items()} == {0: 0}
+    # Its only version-0 fragment already held: not computed again.
+    asyncio.run(client._seed_from_initial_values(_join_response({0: zeros_sha, 1: "b" * 64}, {0: 0, 1: 2})))
+    assert len(calls) == 1
