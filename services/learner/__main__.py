@@ -172,8 +172,8 @@ def run(cfg: config_lib.LearnerConfig) -> int:
 def _upload_encoder(cfg: config_lib.LearnerConfig):
     """The upload quantizer --upload-encoder asks for. The host codec's numba kernels take ~0.5
     CPU-s to import and load at every process start; jax_codec's programs come from the
-    compilation cache in ~0.15 CPU-s but compile per fragment size without one (hence "auto")."""
-    if cfg.resolved_upload_encoder == "jax":
+    compilation cache in ~0.15 CPU-s but compile per fragment size when the cache is cold."""
+    if cfg.upload_encoder == "jax":
         from ddiloco.wire import jax_codec
 
         return jax_codec.encode

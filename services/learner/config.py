@@ -13,7 +13,7 @@ from ddiloco.rpc import security
 # In a container the hostname is the container id, so every replica of a scaled compose service
 # gets its own identity, and keeps it when the same container restarts.
 AUTO_LEARNER_ID = "auto"
-UPLOAD_ENCODERS = ("auto", "host", "jax")
+UPLOAD_ENCODERS = ("host", "jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +54,10 @@ class LearnerConfig:
     # disk loads its compiled step instead of compiling it again. Empty: off.
     compilation_cache_dir: str = ""
     # Which implementation encodes uploads (same bytes): "host" (numba loops, fastest per call,
-    # ~0.5 CPU-s to load at each process start), "jax" (jax_codec, loaded from the compilation
-    # cache in ~0.15 CPU-s, compiled per fragment size without it), "auto": jax with a cache dir.
-    upload_encoder: str = "auto"
+    # ~0.5 CPU-s to load at each process start), "jax" (jax_codec: ~0.15 CPU-s when its programs
+    # are in a warm --compilation-cache-dir, for restart-heavy runs; compiled per fragment size
+    # otherwise, which delayed the first uploads of a cold `ddiloco up` by seconds).
+    upload_encoder: str = "host"
     metrics_bind: str = ""  # host:port for Prometheus /metrics; empty disables
     # Transport security towards the syncer (ddiloco.rpc.security): TLS, or explicit plaintext.
     tls_ca: str = ""  # CA bundle that signed the syncer's certificate
@@ -109,13 +110,6 @@ class LearnerConfig:
             parts = self.mesh_shape.lower().split("x")
             if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
                 raise ValueError(f"LearnerConfig.mesh_shape={self.mesh_shape!r}: use DATAxFSDP, e.g. '4x1' or '2x2'")
-
-    @property
-    def resolved_upload_encoder(self) -> str:
-        """"host" or "jax": what "auto" means for this configuration (see upload_encoder)."""
-        if self.upload_encoder != "auto":
-            return self.upload_encoder
-        return "jax" if self.compilation_cache_dir else "host"
 
     @property
     def resolved_shard_index(self) -> int:
@@ -215,8 +209,8 @@ _HELP = {
     "compilation_cache_dir": "persist compiled XLA programs here (JAX's compilation cache, bounded to 512 MiB and "
                              "safe to share between learners): a restart loads them instead of compiling again; "
                              "empty: off",
-    "upload_encoder": "auto, host or jax: the implementation that quantizes uploads (same bytes); auto uses jax "
-                      "when --compilation-cache-dir is set (a restart loads it faster than host's numba kernels)",
+    "upload_encoder": "host or jax: the implementation that quantizes uploads (same bytes); jax with a warm "
+                      "--compilation-cache-dir makes restarts ~0.4 CPU-s cheaper (numba is never loaded)",
     "metrics_bind": "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9093); empty: no metrics endpoint",
     "tls_ca": "TLS: CA bundle (PEM) to verify the syncer's certificate",
     "tls_cert": "mutual TLS: this process's certificate (PEM), whose identity must match its id",

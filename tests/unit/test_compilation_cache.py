@@ -84,7 +84,8 @@ import sys
 import numpy as np
 import services.learner.__main__ as learner_main
 from services.learner import config as config_lib
-cfg = config_lib.parse_learner_config(["--learner-id", "l0", "--compilation-cache-dir", sys.argv[1]], {})
+cfg = config_lib.parse_learner_config(["--learner-id", "l0", "--compilation-cache-dir", sys.argv[1],
+                                      "--upload-encoder", "jax"], {})
 encode = learner_main._upload_encoder(cfg)
 encoded = encode(np.linspace(-1, 1, 1000, dtype=np.float32), "int4")
 print(encode.__module__, "numba" in sys.modules, len(encoded.payload))
@@ -92,7 +93,7 @@ print(encode.__module__, "numba" in sys.modules, len(encoded.payload))
 
 
 def test_a_learner_with_a_compilation_cache_never_loads_numba(tmp_path):
-    """With --compilation-cache-dir the learner encodes uploads with jax_codec (same bytes, see
+    """With --upload-encoder jax the learner encodes uploads with jax_codec (same bytes, see
     tests/unit/test_jax_codec.py): numba's import and kernel loading (~0.5 CPU-s) leave a restart."""
     out = subprocess.run([sys.executable, "-c", _NUMBA_CHILD, str(tmp_path / "cache")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, check=True).stdout.split()

@@ -41,12 +41,9 @@ def test_auto_without_hostname_fails():
         config_lib.parse_learner_config(["--learner-id", "auto"], {}, "")
 
 
-def test_upload_encoder_auto_is_jax_only_with_a_compilation_cache():
+def test_upload_encoder_is_host_unless_jax_is_asked_for():
     base = ["--learner-id", "l0"]
-    assert config_lib.parse_learner_config(base, {}).resolved_upload_encoder == "host"
-    cached = [*base, "--compilation-cache-dir", "/tmp/cache"]
-    assert config_lib.parse_learner_config(cached, {}).resolved_upload_encoder == "jax"
-    assert config_lib.parse_learner_config([*cached, "--upload-encoder", "host"], {}).resolved_upload_encoder == "host"
-    assert config_lib.parse_learner_config([*base, "--upload-encoder", "jax"], {}).resolved_upload_encoder == "jax"
+    assert config_lib.parse_learner_config(base, {}).upload_encoder == "host"
+    assert config_lib.parse_learner_config([*base, "--upload-encoder", "jax"], {}).upload_encoder == "jax"
     with pytest.raises((ValueError, SystemExit)):
         config_lib.parse_learner_config([*base, "--upload-encoder", "gpu"], {})
