@@ -246,9 +246,13 @@ class OuterStepper:
             )
         bounds = np.ascontiguousarray(bounds, dtype=np.int64)
         scales = np.ascontiguousarray(scales, dtype=np.float32)
+        # A fragment has a few segments: Python on the list is ~4 us cheaper per step than
+        # numpy's diff and any (a few % of the step of a 131K-value fragment).
+        offsets = bounds.tolist() if bounds.ndim == 1 else []
         if (
-            bounds.ndim != 1 or scales.ndim != 1 or bounds.size != scales.size + 1
-            or bounds[0] != 0 or bounds[-1] != values.size or np.any(np.diff(bounds) < 0)
+            scales.ndim != 1 or len(offsets) != scales.size + 1
+            or offsets[0] != 0 or offsets[-1] != values.size
+            or any(lo > hi for lo, hi in zip(offsets, offsets[1:]))
         ):
             raise ValueError(
                 f"bounds {bounds.tolist()[:8]} and {scales.size} scales do not split a vector "

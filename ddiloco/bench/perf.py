@@ -325,15 +325,15 @@ def _micro_zstd(values: np.ndarray, repeats: int, min_time_s: float, real: bool)
     return out
 
 
-def _micro_upload_path(values: np.ndarray, repeats: int, min_time_s: float) -> dict:
-    """The syncer's per-upload work, stage by stage, as `SyncerCore._accept_upload` runs it on
-    one int4 contribution (GB/s of float32 values, against memory-copy bandwidth)."""
+def _upload_path_stages(values: np.ndarray) -> dict[str, Callable[[], object]]:
+    """The syncer's per-upload work on one int4 contribution of `values`, stage by stage, as
+    `SyncerCore._accept_upload` runs it (callables to time; `memcpy` of the values for scale)."""
     from ddiloco.algo import fragments as fragments_lib
     from ddiloco.algo import merge as merge_lib
     from ddiloco.algo import robust as robust_lib
     from ddiloco.wire import codec as codec_lib
 
-    numel, gbytes = values.size, values.nbytes / 1e9
+    numel = values.size
     sizes = [numel // 4, numel // 4, numel // 4, numel - 3 * (numel // 4)]
     fragment = fragments_lib.Fragment(
         fragment_id=0, offset_steps=0,
@@ -358,14 +358,29 @@ def _micro_upload_path(values: np.ndarray, repeats: int, min_time_s: float) -> d
         norms = stats.tensor_norms(decoded)
         return stats.cosine(decoded, norms)
 
-    best = interleaved_best({
+    return {
         "memcpy": _memcpy(values),
         "decode (sha256, zstd, dequantize)": decode,
         "decode with norms and cosine (what the syncer runs)": decode_with_stats,
         "fold-in (merge)": lambda: acc.add(values, 1.0),
         "params norm (once per fragment version)": lambda: merge_lib.vector_norm(params),
-    }, repeats, min_time_s)
-    return {k: gbytes / v for k, v in best.items()} | {"memcpy_gbps": gbytes / best["memcpy"]}
+    }
+
+
+def _micro_upload_path(values: np.ndarray, repeats: int, min_time_s: float) -> dict:
+    """The syncer's per-upload work, stage by stage (GB/s of float32 values, against
+    memory-copy bandwidth)."""
+    best = interleaved_best(_upload_path_stages(values), repeats, min_time_s)
+    return {k: values.nbytes / 1e9 / v for k, v in best.items()} | {"memcpy_gbps": values.nbytes / 1e9 / best["memcpy"]}
+
+
+def upload_work_s(values: np.ndarray, repeats: int) -> float:
+    """Seconds of the syncer's own CPU work on one int4 upload of `values` (decode with norms
+    and cosine, then fold-in; best of `repeats`, one thread): what the servicer must add to a
+    bare stream whatever its transport does."""
+    stages = _upload_path_stages(values)
+    best = interleaved_best({k: stages[k] for k in _UPLOAD_PATH}, repeats)
+    return sum(best.values())
 
 
 def _micro_merge(values: np.ndarray, repeats: int, min_time_s: float) -> dict:
@@ -385,15 +400,24 @@ def _micro_merge(values: np.ndarray, repeats: int, min_time_s: float) -> dict:
     stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer())
     params = (np.random.default_rng(1).standard_normal(numel) * 0.02).astype(np.float32)
     state = stepper.init(params)
+    # The outer step reads three vectors (sums, params, momentum) and writes three (delta,
+    # params, momentum): a copy of three vectors touches the same bytes, so its speed bounds the
+    # step at a third of it in GB/s of params (the plain memcpy of one vector may stay in cache
+    # where the step's working set does not).
+    step_set = np.concatenate([values, params, values])
     best = interleaved_best({
         "memcpy": _memcpy(values),
+        "memcpy_step_set": _memcpy(step_set),
         "fold_in": lambda: acc.add(values, 2.0),
         # What SyncerCore._merge_locked runs: the factored delta, stepped on in one pass.
         "outer_step": lambda: stepper.step_scaled(params, state, *acc.scaled_result()),
         "result_only": acc.result,
         "stepper_only": lambda: stepper.step(params, state, values),
     }, repeats, min_time_s)
-    return {k: gbytes / v for k, v in best.items()} | {"memcpy_gbps": gbytes / best["memcpy"]}
+    out = {k: gbytes / v for k, v in best.items() if k != "memcpy_step_set"} | {"memcpy_gbps": gbytes / best["memcpy"]}
+    # GB/s of params at which the step's six streams would move at the copy's speed.
+    out["outer_step_traffic_bound"] = step_set.nbytes / 1e9 / best["memcpy_step_set"] / 3
+    return out
 
 
 def run_micro(sizes: dict[str, int], captured: str | None, quick: bool, timeout_s: float) -> dict:
@@ -829,10 +853,21 @@ def run_transport(workdir: pathlib.Path, model: dict, uploads: int, tag: str, re
     finally:
         bare.stop()
     numel = sum(f.numel for f in plan.fragments)
+    # The ceiling any servicer design has here: a bare stream that also does the syncer's own
+    # work on each upload (decode with norms and cosine, fold-in; measured now, in this process,
+    # on the largest fragment), serially or perfectly overlapped with the transfer.
+    largest = max(payloads, key=lambda f: deltas[f].size)
+    upload_bytes = sum(len(c) for c in payloads[largest][1])
+    bare_s = upload_bytes / best_bare if best_bare else 0.0
+    work_s = upload_work_s(deltas[largest], repeats=3 if repeats == 1 else 7)
     return {"model": model, "params": numel, "fragment_numels": [f.numel for f in plan.fragments],
             "uploads": uploads, "servicer_bytes_per_s": best_real, "bare_bytes_per_s": best_bare,
             "ratio": best_real / best_bare if best_bare else 0.0, "servicer_run": real, "syncer_peak_rss_bytes": syncer_rss,
-            "servicer_fp32_bytes_per_s": best_fp32, "ratio_fp32": best_fp32 / best_bare if best_bare else 0.0}
+            "servicer_fp32_bytes_per_s": best_fp32, "ratio_fp32": best_fp32 / best_bare if best_bare else 0.0,
+            "upload_bytes": upload_bytes, "bare_s_per_upload": bare_s, "work_s_per_upload": work_s,
+            "servicer_s_per_upload": upload_bytes / best_real if best_real else 0.0,
+            "ceiling_serial": bare_s / (bare_s + work_s) if bare_s + work_s > 0 else 0.0,
+            "ceiling_overlapped": bare_s / max(bare_s, work_s) if max(bare_s, work_s) > 0 else 0.0}
 
 
 # ----------------------------------------------------------------------------- scale (replay processes)
@@ -1063,6 +1098,12 @@ def _markdown(result: dict) -> str:
         md.append(results_lib.markdown_table(
             ["merge", "GB/s params", "of memcpy"],
             [[k, f"{mg[k]:.2f}", f"{mg[k] / mg['memcpy_gbps']:.0%}"] for k in ("fold_in", "outer_step", "result_only", "stepper_only")]))
+        bound = mg.get("outer_step_traffic_bound")
+        if bound:
+            md.append(f"\nThe outer step reads three vectors and writes three; a memcpy of three vectors (the step's "
+                      f"working set, {3 * m['numel'] * 4 / 2**20:.1f} MiB) in the same run bounds it at {bound:.2f} GB/s "
+                      f"of params, {bound / mg['memcpy_gbps']:.0%} of the one-vector memcpy above. The step runs at "
+                      f"{mg['outer_step'] / bound:.0%} of that bound.")
         up = m.get("upload_path")
         if up:
             md.append("")
@@ -1095,6 +1136,16 @@ def _markdown(result: dict) -> str:
                  ["bare gRPC bytes stream", f"{t['bare_bytes_per_s'] / 1e6:.1f}", "100%"]]))
             md.append(f"\nUploads accepted/refused: {t['servicer_run'].get('accepted')}/{t['servicer_run'].get('refused')}; "
                       f"syncer peak RSS {t['syncer_peak_rss_bytes'] / 2**20:.0f} MiB.")
+            if t.get("work_s_per_upload"):
+                md.append(
+                    f"\nCeiling, measured in the same run: one upload of the largest fragment is "
+                    f"{t['upload_bytes'] / 1e6:.2f} MB on the wire, {t['bare_s_per_upload'] * 1e3:.2f} ms on the bare "
+                    f"stream; the syncer's own work on it (decode with norms and cosine, then fold-in, one thread, "
+                    f"this process) takes {t['work_s_per_upload'] * 1e3:.2f} ms, and the real servicer "
+                    f"{t['servicer_s_per_upload'] * 1e3:.2f} ms per upload. A servicer that added nothing but that "
+                    f"work to a bare stream would reach {t['ceiling_serial']:.1%} of it doing the work after the "
+                    f"transfer and {t['ceiling_overlapped']:.1%} overlapping the two perfectly; the measured "
+                    f"{t['ratio']:.1%} is {t['ratio'] / t['ceiling_serial']:.0%} of the serial ceiling.")
     ov = result.get("overlap")
     if ov:
         md += ["", "## Learner overlap", "", ov["definition"], ""]

@@ -32,6 +32,12 @@ from ddiloco.wire import codec as codec_lib
 _ALIGN = 64
 _MIN_SCALE = np.float32(np.finfo(np.float32).tiny)
 _ZERO_CODE = {"int8": 0, "int4": 8, "int2": 2}
+# XLA:CPU compiles for 256-bit vectors by default, also where the CPU has 512-bit ones (LLVM's
+# preference for AVX-512 machines, against clock throttling in compute-heavy code). These kernels
+# are memory-bound: 512-bit vectors took the int4 encode of 131,072 values from 65 to 54 us on the
+# 2-core Xeon VM (`ddiloco bench perf`). A preference only: CPUs without them, and other
+# backends, ignore it. It changes no result (tests/unit/test_jax_codec*.py hold the bytes equal).
+_KERNEL_OPTIONS = {"xla_cpu_prefer_vector_width": 512}
 # Vectors with a tail at least this long are split into whole blocks and tail on the host
 # (zero-copy views) before the kernel; below it the host-side split costs more than it saves.
 _MIN_SPLIT_VALUES = 1 << 20
@@ -108,7 +114,7 @@ def _pack(codes: jax.Array, codec: str) -> jax.Array:
     return codes
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "block_size"))
+@functools.partial(jax.jit, static_argnames=("codec", "block_size"), compiler_options=_KERNEL_OPTIONS)
 def _quantize_kernel(main: jax.Array, tail: jax.Array, qvec: jax.Array, *, codec: str, block_size: int):
     # main: the whole blocks (codec.main_blocks), tail: the rest zero-padded to whole blocks.
     # They arrive as separate arguments: slicing one vector inside the kernel made XLA copy the
@@ -120,12 +126,14 @@ def _quantize_kernel(main: jax.Array, tail: jax.Array, qvec: jax.Array, *, codec
             blocks = part.reshape(-1, block_size)
             absmax, scales = _scales(blocks, qpart, codec)
             outputs.append((absmax, scales, _pack(_codes(blocks, scales, codec), codec)))
-    absmax = jnp.concatenate([o[0] for o in outputs]) if len(outputs) > 1 else outputs[0][0]
+    # Only whether every block absmax is finite leaves the kernel (NaN and inf propagate through
+    # it): one flag instead of an n_blocks vector is one output buffer less per call.
+    finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(o[0])) for o in outputs])
     scales = jnp.concatenate([o[1] for o in outputs]) if len(outputs) > 1 else outputs[0][1]
-    return absmax, scales, tuple(o[2] for o in outputs)
+    return finite, scales, tuple(o[2] for o in outputs)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "block_size"))
+@functools.partial(jax.jit, static_argnames=("codec", "block_size"), compiler_options=_KERNEL_OPTIONS)
 def _quantize_whole(x: jax.Array, qvec: jax.Array, *, codec: str, block_size: int):
     """The kernel on one vector, split into whole blocks and tail inside: for vectors without a
     tail (no copy then) and small ones (a host-side split costs more than XLA's copy)."""
@@ -153,10 +161,11 @@ def _split_blocks(values: np.ndarray | jax.Array, codec: str, block_size: int) -
 
 
 def quantize(values: np.ndarray | jax.Array, codec: str, block_size: int = codec_lib.DEFAULT_BLOCK_SIZE):
-    """Runs the quantize+pack kernel; returns device arrays (block absmax, scales, packed parts).
+    """Runs the quantize+pack kernel; returns device arrays (whether every block absmax is
+    finite, scales, packed parts).
 
     The raw layout is ``scales`` then the packed parts concatenated, cut to the payload's level
-    bytes (the last part may carry padding codes). No finiteness check here.
+    bytes (the last part may carry padding codes). The caller raises on a non-finite input.
     """
     if not isinstance(values, jax.Array):
         values = np.asarray(values, np.float32)
@@ -191,8 +200,8 @@ def encode(
     shape, dtype = (values_np.shape, values_np.dtype) if values_np is not None else (values.shape, values.dtype)
     if len(shape) != 1 or dtype != np.float32:
         raise codec_lib.CodecError(f"values is {dtype}{list(shape)}: pass a 1-D float32 vector")
-    absmax, scales, parts = quantize(values if values_np is None else values_np, codec, block_size)
-    if not np.isfinite(np.asarray(absmax)).all():
+    finite, scales, parts = quantize(values if values_np is None else values_np, codec, block_size)
+    if not bool(finite):
         codec_lib.raise_non_finite(np.asarray(values))
     numel = shape[0]
     level_bytes = -(-numel // _per_byte(codec))
@@ -221,7 +230,7 @@ def _levels(body: jax.Array, codec: str):
     return codes.astype(jnp.float32) * 2 - 3, jnp.bool_(False)
 
 
-@functools.partial(jax.jit, static_argnames=("codec", "numel", "block_size"))
+@functools.partial(jax.jit, static_argnames=("codec", "numel", "block_size"), compiler_options=_KERNEL_OPTIONS)
 def _dequantize_kernel(scales: jax.Array, body: jax.Array, *, codec: str, numel: int, block_size: int):
     n_blocks = scales.shape[0]
     per_byte = _per_byte(codec)

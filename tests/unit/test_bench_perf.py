@@ -47,7 +47,7 @@ def test_codec_and_merge_figures_are_ratios_to_a_measured_memcpy(result):
             assert z["ratio"] > 0.9  # quantized or not, zstd never expands much
             assert _positive(z["compress_gbps_raw"]) and _positive(z["sha256_gbps"])
         m = size["merge"]
-        for key in ("fold_in", "outer_step", "memcpy_gbps"):
+        for key in ("fold_in", "outer_step", "memcpy_gbps", "outer_step_traffic_bound"):
             assert _positive(m[key]), key
     # The default size is a pseudo-gradient captured from the overlap section's training run.
     assert result["micro"]["sizes"]["default"]["zstd"]["int4"]["real_pseudo_gradients"] is True
@@ -71,6 +71,12 @@ def test_transport_compares_the_servicer_with_a_bare_stream(result):
     assert _positive(t["servicer_bytes_per_s"]) and _positive(t["bare_bytes_per_s"])
     assert t["ratio"] == pytest.approx(t["servicer_bytes_per_s"] / t["bare_bytes_per_s"])
     assert t["servicer_run"]["accepted"] == t["uploads"]  # every measured upload went through
+    # The ceiling: the bare stream's time per upload plus the syncer's own work on one, measured.
+    assert _positive(t["bare_s_per_upload"]) and _positive(t["work_s_per_upload"]) and t["upload_bytes"] > 0
+    assert t["bare_s_per_upload"] == pytest.approx(t["upload_bytes"] / t["bare_bytes_per_s"])
+    assert 0 < t["ceiling_serial"] <= t["ceiling_overlapped"] <= 1
+    assert t["ceiling_serial"] == pytest.approx(
+        t["bare_s_per_upload"] / (t["bare_s_per_upload"] + t["work_s_per_upload"]))
 
 
 def test_overlap_measures_a_real_learner_with_and_without_a_bandwidth_cap(result):
