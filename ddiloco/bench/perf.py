@@ -488,6 +488,7 @@ def _learner_run(target: str, steps: int, warmup: int, capture: dict | None, bat
     from ddiloco.algo import fragments as fragments_lib
     from ddiloco.data import corpus
     from ddiloco.rpc import security as security_lib
+    from ddiloco.wire import codec as codec_lib
     from ddiloco.wire import serde
     from services.learner import client as client_lib
     from services.learner import loop as loop_lib
@@ -534,6 +535,9 @@ def _learner_run(target: str, steps: int, warmup: int, capture: dict | None, bat
                 original_submit(job)
 
             client.submit_upload = capturing_submit
+        # As the learner's __main__ does at start-up (in a thread there): the host codec's
+        # compiled kernels are loaded before training, not by the first upload in the timed steps.
+        codec_lib.warm_up()
         for _ in range(warmup):
             loop.step()
         timers = {"apply_updates": _Timed(loop.apply_updates), "queue_upload": _Timed(loop._queue_upload),
