@@ -148,6 +148,8 @@ def test_diloco_mode_fixes_grace_and_codecs_and_plans_unstaggered():
                                                              sync_period_steps=6))
     assert (cfg.grace_gamma, cfg.max_grace_s, cfg.upload_codec, cfg.download_codec) == (0.0, 0.0, "fp32", "fp32")
     assert (cfg.num_fragments, cfg.sync_period_steps, cfg.min_quorum) == (3, 6, 4)  # kept
+    # With the quorum at every learner a refused honest learner would stall every round.
+    assert cfg.direction_check == "off" and cfg.norm_bound_factor == config_lib.SyncerConfig().norm_bound_factor
     plan = fragments_lib.plan_fragments(SPECS, 3, 6, staggered=False)
     assert [plan.due(t) for t in (1, 6, 12)] == [[], [0, 1, 2], [0, 1, 2]]
     staggered = fragments_lib.plan_fragments(SPECS, 3, 6)
