@@ -35,7 +35,7 @@ _ZERO_CODE = {"int8": 0, "int4": 8, "int2": 2}
 # XLA:CPU compiles for 256-bit vectors by default, also where the CPU has 512-bit ones (LLVM's
 # preference for AVX-512 machines, against clock throttling in compute-heavy code). These kernels
 # are memory-bound: 512-bit vectors took the int4 encode of 131,072 values from 65 to 54 us on the
-# 2-core Xeon VM (`ddiloco bench perf`). A preference only: CPUs without them, and other
+# 2-core Xeon VM (one core, interleaved micro-benchmark). A preference only: CPUs without them, and other
 # backends, ignore it. It changes no result (tests/unit/test_jax_codec*.py hold the bytes equal).
 _KERNEL_OPTIONS = {"xla_cpu_prefer_vector_width": 512}
 # Vectors with a tail at least this long are split into whole blocks and tail on the host
