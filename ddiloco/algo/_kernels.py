@@ -1,7 +1,9 @@
-"""Compiled element-wise loops (numba) for the syncer's per-merge work.
+"""Compiled element-wise loops (numba) for the syncer's per-upload and per-merge work.
 
-Owns: the fused outer step, which turns the merge accumulator's per-segment scaled sums into
-the outer gradient and applies SGD with (Nesterov) momentum in one pass over memory.
+Owns: the fused fold-in (a contribution added to the merge accumulator's sums, per segment,
+with the sums' new squared norms taken in the same pass), the per-segment squared norms of a
+contribution, and the fused outer step, which turns the accumulator's per-segment scaled sums
+into the outer gradient and applies SGD with (Nesterov) momentum in one pass over memory.
 Must not: validate inputs (callers do), allocate, or hold state.
 
 Why compiled: the same step as numpy ufuncs is six passes per chunk (mul, add, mul, add,
@@ -25,7 +27,7 @@ from ddiloco._jit import njit
 
 
 # Values per block: the block's outputs are still in L1 cache when they are summed.
-_BLOCK = 2048
+BLOCK = 2048
 
 
 @njit(fastmath={"reassoc"})
@@ -39,6 +41,53 @@ def _block_sums(grad: np.ndarray, params: np.ndarray) -> tuple[float, float]:
         grad_sq += g * g
         params_sum += np.float64(params[i])
     return grad_sq, params_sum
+
+
+@njit(fastmath={"reassoc"})
+def _square_sum(values: np.ndarray) -> float:
+    """Σ x² in float64 (reassociated so that LLVM vectorizes it). float32 squares summed in
+    float64 neither overflow nor underflow for any fragment size: no careful fallback needed."""
+    total = 0.0
+    for i in range(values.size):
+        v = np.float64(values[i])
+        total += v * v
+    return total
+
+
+@njit()
+def segment_square_sums(values: np.ndarray, bounds: np.ndarray, out: np.ndarray) -> None:
+    """out[k] = Σ values[bounds[k]:bounds[k+1]]² in float64 (non-finite iff a value is)."""
+    for k in range(out.size):
+        total = 0.0
+        for lo in range(bounds[k], bounds[k + 1], BLOCK):
+            total += _square_sum(values[lo : min(lo + BLOCK, bounds[k + 1])])
+        out[k] = total
+
+
+@njit()
+def fold_segments(
+    values: np.ndarray, bounds: np.ndarray, coefs: np.ndarray, sums: np.ndarray, sum_squares: np.ndarray,
+) -> None:
+    """sums[seg k] += coefs[k] · values[seg k] for every segment k with coefs[k] != 0, then
+    sum_squares[k] = Σ sums[seg k]² (float64) of the updated sums; other segments untouched.
+
+    One pass: each block of the sums is squared while it is still in L1 after the update, so
+    the merge never re-reads the sums for their norms. The update is a float32 multiply, then
+    a float32 add (no FMA: numba compiles without fast-math), bit for bit numpy's
+    ``sums += np.float32(c) * values``.
+    """
+    for k in range(coefs.size):
+        coef = coefs[k]
+        if coef == 0:
+            continue
+        total = 0.0
+        for lo in range(bounds[k], bounds[k + 1], BLOCK):
+            hi = min(lo + BLOCK, bounds[k + 1])
+            x, y = values[lo:hi], sums[lo:hi]  # views from 0: see scaled_sgd_step
+            for i in range(x.size):
+                y[i] = y[i] + coef * x[i]
+            total += _square_sum(y)
+        sum_squares[k] = total
 
 
 @njit()
@@ -61,17 +110,23 @@ def scaled_sgd_step(
     ``buf_out`` (all float32, caller-allocated). Returns (Σ Δ², Σ new params) in float64:
     the first gives ‖Δ‖, the second is non-finite iff a new parameter is (float32 values
     summed in float64 cannot overflow for any realistic fragment size).
+
+    A ``grad_out`` of ``BLOCK`` values (shorter than the fragment) is scratch: each block's Δ
+    goes there, stays in L1 for its sum of squares and is overwritten by the next block, so a
+    caller that keeps Δ in factored form saves one of the step's six streams over memory.
     """
     grad_sq = 0.0
     params_sum = 0.0
+    scratch = grad_out.size < params.size
     for k in range(scales.size):
         scale = scales[k]
-        for lo in range(bounds[k], bounds[k + 1], _BLOCK):
-            hi = min(lo + _BLOCK, bounds[k + 1])
+        for lo in range(bounds[k], bounds[k + 1], BLOCK):
+            hi = min(lo + BLOCK, bounds[k + 1])
             # Loops over block views indexed from 0: an index numba cannot prove >= 0 gets a
             # negative-index wrap-around check, which keeps LLVM from vectorizing the loop.
             s, p0, b0 = sums[lo:hi], params[lo:hi], buf[lo:hi]
-            g1, p1, b1 = grad_out[lo:hi], params_out[lo:hi], buf_out[lo:hi]
+            g1 = grad_out[: hi - lo] if scratch else grad_out[lo:hi]
+            p1, b1 = params_out[lo:hi], buf_out[lo:hi]
             if nesterov:
                 for i in range(s.size):
                     g = s[i] * scale
@@ -96,6 +151,9 @@ def warm_up() -> None:
     """Compiles the kernels for the argument types callers use (numba compiles on first
     call; later calls in the process reuse the machine code)."""
     one = np.zeros(1, np.float32)
+    whole = np.array([0, 1], np.int64)
+    segment_square_sums(one, whole, np.empty(1, np.float64))
+    fold_segments(one, whole, np.ones(1, np.float32), np.zeros(1, np.float32), np.empty(1, np.float64))
     scaled_sgd_step(
         one, np.array([0, 1], np.int64), np.ones(1, np.float32), one, one,
         np.float32(0.9), np.float32(-0.7), True, np.empty_like(one), np.empty_like(one), np.empty_like(one),

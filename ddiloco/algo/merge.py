@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ddiloco.algo import _kernels
 from ddiloco.algo import fragments as fragments_lib
 
 RULES: tuple[str, ...] = ("rda", "mean")
@@ -124,15 +125,20 @@ class MergeAccumulator:
     flagged ``is_embedding`` use ``embedding_rule`` instead of ``rule``. Kept per tensor:
     Σ w·‖v‖ (float64) and Σ w·φ(v) for RDA tensors, Σ w·v for mean tensors.
 
-    The vector sums are float32, folded in over cache-sized chunks (y += a·x, two numpy
-    passes in L2): with C contributions their relative rounding error is at most about C·2**-24
-    (4e-6 for 64 learners), far below the quantization error of what learners upload. float64
-    sums took three times the memory traffic plus a float64 copy of every contribution:
-    a fold-in of a 33 MB fragment went from 0.8 GB/s to several GB/s on a 2-core VM (see
-    ``ddiloco bench perf``). Norms are float32 dot products over chunks (below OpenBLAS's
-    threading threshold), added in float64, with an exact float64 fallback when they overflow or
-    underflow. Not BLAS saxpy for the fold: on a busy 2-core machine OpenBLAS's threads spin,
-    and it ran 50x slower than the numpy loop there.
+    The vector sums are float32: with C contributions their relative rounding error is at
+    most about C·2**-24 (4e-6 for 64 learners), far below the quantization error of what
+    learners upload. float64 sums took three times the memory traffic plus a float64 copy of
+    every contribution (a fold-in of a 33 MB fragment ran at 0.8 GB/s on a 2-core VM).
+
+    A fold-in is one compiled pass (``_kernels.fold_segments``): y += c·x per tensor, and the
+    squared norm of every updated sum taken while its block is in cache, so the merge never
+    reads the sums again for RDA's norms. Measured on a 2-core VM against a memcpy of the
+    contribution: 51 % (131K values) and 91 % (25M) where the numpy version (multiply, then add,
+    over L2-sized chunks) reached 32 % and 54 %. A contribution's own per-tensor norms are a
+    second read-only pass, unless the caller already has them (the syncer gathers them while
+    decoding). Norms are float32 squares summed in float64, which neither overflow nor
+    underflow. Not BLAS saxpy: on a busy 2-core machine OpenBLAS's threads spin, and it ran 50x
+    slower than a numpy loop there.
     """
 
     def __init__(
@@ -160,7 +166,10 @@ class MergeAccumulator:
             (where, embedding_rule if spec.is_embedding else rule)
             for spec, where in zip(fragment.tensors, fragment.slices().values(), strict=True)
         ]
+        self._bounds = np.array([0] + [where.stop for where, _ in self._segments], np.int64)
         self._sums = np.zeros(fragment.numel, dtype=np.float32)
+        # Σ sums² of every segment (float64), kept up to date by each fold-in.
+        self._sum_squares = np.zeros(len(self._segments), dtype=np.float64)
         self._radial_sums = np.zeros(len(self._segments), dtype=np.float64)
         self._count = 0
         self._total_weight = 0.0
@@ -179,16 +188,20 @@ class MergeAccumulator:
         """Sum of the weights passed to ``add``."""
         return self._total_weight
 
-    def add(self, delta_flat: np.ndarray, weight: float) -> None:
+    def add(self, delta_flat: np.ndarray, weight: float, norms: np.ndarray | None = None) -> None:
         """Folds one learner's pseudo-gradient into the merge.
 
         Args:
             delta_flat: 1-D array of ``fragment.numel`` finite values (the flat delta).
             weight: finite weight >= 0, usually ``contribution_weight(tokens, steps)``.
+            norms: the delta's per-tensor norms if the caller has them (the syncer gathers
+                them while decoding, ``robust.DecodedStats``); they must be those of
+                ``delta_flat``, which is then trusted to be finite. None: computed here, in
+                one read-only pass that also checks every value is finite.
 
         Raises:
-            ValueError: on a wrong size, non-finite values, or a negative or non-finite
-                weight. The accumulator is unchanged.
+            ValueError: on a wrong size, non-finite values (or norms), or a negative or
+                non-finite weight. The accumulator is unchanged.
         """
         delta = np.asarray(delta_flat)
         if delta.ndim != 1 or delta.size != self._fragment.numel:
@@ -199,9 +212,18 @@ class MergeAccumulator:
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"weight={weight} is invalid: must be finite and >= 0")
         delta = np.ascontiguousarray(delta, dtype=np.float32)
-        # One read-only pass: every tensor's norm, which is non-finite if a value is.
-        norms = [_norm(delta[where]) for where, _ in self._segments]
-        if not all(math.isfinite(n) for n in norms):
+        if norms is None:
+            squares = np.empty(len(self._segments), np.float64)
+            _kernels.segment_square_sums(delta, self._bounds, squares)  # non-finite iff a value is
+            norms = np.sqrt(squares)
+        else:
+            norms = np.asarray(norms, dtype=np.float64)
+            if norms.shape != (len(self._segments),) or (norms < 0).any():
+                raise ValueError(
+                    f"norms has shape {norms.shape} for a fragment of {len(self._segments)} tensors: "
+                    "pass one norm >= 0 per tensor"
+                )
+        if not np.isfinite(norms).all():
             raise ValueError(
                 f"delta_flat for fragment {self._fragment.fragment_id} has non-finite values: "
                 "reject the contribution"
@@ -215,6 +237,7 @@ class MergeAccumulator:
                 # Earlier contributions all had weight 0 and were folded in with equal
                 # weights as the fallback; now they must count for nothing.
                 self._sums[:] = 0.0
+                self._sum_squares[:] = 0.0
                 self._radial_sums[:] = 0.0
                 self._folded_weight = 0.0
         fold = weight / self._weight_unit if weight > 0 or self._total_weight > 0 else 1.0
@@ -223,20 +246,22 @@ class MergeAccumulator:
         if fold == 0:
             return
         self._folded_weight += fold
-        for index, ((where, rule), norm) in enumerate(zip(self._segments, norms, strict=True)):
+        coefs = np.zeros(len(self._segments), np.float32)
+        for index, ((_, rule), norm) in enumerate(zip(self._segments, norms.tolist(), strict=True)):
             if rule == "mean":
-                _axpy(fold, delta[where], self._sums[where])
+                coefs[index] = fold
             elif norm > 0:  # φ(0) = 0: a zero tensor adds nothing to either sum.
                 self._radial_sums[index] += fold * norm
-                _axpy(fold / norm, delta[where], self._sums[where])
+                coefs[index] = fold / norm
+        _kernels.fold_segments(delta, self._bounds, coefs, self._sums, self._sum_squares)
 
     def scaled_result(self) -> ScaledResult:
         """Returns the merged flat delta in factored form, without writing it out.
 
         Every tensor's merge is its sum scaled by one number (1/Σw for the mean; the mean
         radius over the sum's norm for RDA), so the outer step can multiply as it goes and
-        never store the delta twice (``OuterStepper.step_scaled``). One read pass: the norms
-        of the RDA sums.
+        never store the delta twice (``OuterStepper.step_scaled``). No pass over the sums: the
+        norms of the RDA sums were taken by the last fold-in.
 
         Returns:
             ``ScaledResult``. ``values`` is the accumulator's own sum vector (read it, do
@@ -261,7 +286,7 @@ class MergeAccumulator:
                 scales[index] = np.float32(1.0 / self._folded_weight)
                 continue
             radius = self._radial_sums[index] / self._folded_weight
-            norm = _norm(self._sums[where])
+            norm = math.sqrt(self._sum_squares[index])  # taken by the last fold-in, no pass here
             if norm == 0:
                 scales[index] = 0.0
             elif 1e-30 < norm < 1e30 and 1e-30 < radius / norm < 1e30:
@@ -343,17 +368,6 @@ def _norm(vector: np.ndarray) -> float:
         # flush to 0 would look like the zero vector): recompute exactly
         return float(np.linalg.norm(vector.astype(np.float64)))
     return math.sqrt(total)
-
-
-def _axpy(a: float, x: np.ndarray, y: np.ndarray) -> None:
-    """y += a·x in place for float32 vectors, over cache-sized chunks."""
-    a32 = np.float32(a)
-    work = np.empty(min(_NORM_CHUNK, x.size), np.float32)
-    for start in range(0, x.size, _NORM_CHUNK):
-        end = start + _NORM_CHUNK
-        scaled = work[: min(end, x.size) - start]
-        np.multiply(x[start:end], a32, out=scaled)
-        np.add(y[start:end], scaled, out=y[start:end])
 
 
 def _unit(vector: np.ndarray) -> np.ndarray:

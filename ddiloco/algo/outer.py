@@ -56,7 +56,7 @@ class OuterStepResult(NamedTuple):
 
     params: np.ndarray  # the new global params Θ'
     state: list[np.ndarray]  # the new optimizer state
-    outer_grad: np.ndarray  # the merged delta Δ the step applied, written out
+    outer_grad: np.ndarray | None  # the merged delta Δ the step applied, written out (None if not asked)
     outer_grad_norm: float  # ‖Δ‖
     finite: bool  # whether every new parameter is finite
 
@@ -155,6 +155,9 @@ class OuterStepper:
         self._pool: dict[int, list[np.ndarray]] = {}
         self._pool_lock = threading.Lock()
         self._pool_free_arrays = pool_free_arrays if _POOL_SAFE else 0
+        # Δ's per-block scratch when a step need not write it out: one per thread, since the
+        # syncer steps different fragments with one stepper from several threads at once.
+        self._scratch_local = threading.local()
         if self._sgd is not None:
             _kernels.warm_up()  # compile now (~0.5 s once per process), not in the first merge
 
@@ -215,13 +218,16 @@ class OuterStepper:
         values: np.ndarray,
         bounds: np.ndarray,
         scales: np.ndarray,
+        *,
+        write_grad: bool = True,
     ) -> OuterStepResult:
         """Applies one outer step to a delta given in factored form (``merge.ScaledResult``):
         Δ[bounds[k]:bounds[k+1]] = values[...] · scales[k].
 
         Bit for bit the same as ``step(params_flat, state, Δ)`` with Δ written out first,
-        in one pass over memory for SGD; Δ is also returned written out (the syncer keeps
-        the last one), with its norm and whether the new params are all finite.
+        in one pass over memory for SGD; Δ is also returned written out unless
+        ``write_grad`` is False (a caller that keeps the factored form saves a sixth of the
+        step's memory traffic), with its norm and whether the new params are all finite.
 
         Args:
             params_flat: the fragment's 1-D float32 global params Θ.
@@ -258,7 +264,7 @@ class OuterStepper:
                 f"bounds {bounds.tolist()[:8]} and {scales.size} scales do not split a vector "
                 f"of {values.size} values: need len(scales) + 1 increasing offsets from 0"
             )
-        return self._step_checked(params, self._check_state(params.size, state), values, bounds, scales)
+        return self._step_checked(params, self._check_state(params.size, state), values, bounds, scales, write_grad)
 
     def _check_state(self, numel: int, state: list[np.ndarray]) -> list[np.ndarray]:
         self._check_layout(numel)
@@ -279,17 +285,21 @@ class OuterStepper:
         return leaves
 
     def _step_checked(
-        self, params: np.ndarray, leaves: list[np.ndarray], values: np.ndarray, bounds: np.ndarray, scales: np.ndarray
+        self, params: np.ndarray, leaves: list[np.ndarray], values: np.ndarray, bounds: np.ndarray, scales: np.ndarray,
+        write_grad: bool = True,
     ) -> OuterStepResult:
         if self._sgd is not None:
             lr, mu, nesterov = self._sgd
             buf = np.ascontiguousarray(leaves[0])
-            grad_out, params_out, buf_out = (self._take(params.size) for _ in range(3))
+            params_out, buf_out = self._take(params.size), self._take(params.size)
+            # Without write_grad, Δ goes block by block to an L1-sized scratch (for its norm).
+            grad_out = self._take(params.size) if write_grad or params.size <= _kernels.BLOCK else self._scratch
             grad_sq, params_sum = _kernels.scaled_sgd_step(
                 np.ascontiguousarray(values), bounds, scales, np.ascontiguousarray(params), buf,
                 np.float32(mu), np.float32(-lr), nesterov, grad_out, params_out, buf_out,
             )
-            return OuterStepResult(params_out, [buf_out], grad_out, math.sqrt(grad_sq), math.isfinite(params_sum))
+            grad = grad_out if write_grad else None
+            return OuterStepResult(params_out, [buf_out], grad, math.sqrt(grad_sq), math.isfinite(params_sum))
         grad = merge_lib.ScaledResult(values, bounds, scales).materialize()
         _, treedef = self._structure(params.size)
         tree = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(leaf) for leaf in leaves])
@@ -300,6 +310,13 @@ class OuterStepper:
             new_params, [np.array(x) for x in jax.tree_util.tree_leaves(new_state)], grad,
             float(np.linalg.norm(grad.astype(np.float64))), bool(np.isfinite(new_params).all()),
         )
+
+    @property
+    def _scratch(self) -> np.ndarray:
+        scratch = getattr(self._scratch_local, "array", None)
+        if scratch is None:
+            scratch = self._scratch_local.array = np.empty(_kernels.BLOCK, np.float32)
+        return scratch
 
     def _take(self, numel: int) -> np.ndarray:
         """An output array of ``numel`` float32 values: a pooled one that nobody else

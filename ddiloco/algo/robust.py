@@ -126,16 +126,27 @@ class DecodedStats:
     two threads: totals are added in index order at the end, so they do not depend on timing.
     """
 
-    def __init__(self, fragment: fragments_lib.Fragment, reference: np.ndarray | None = None,
+    def __init__(self, fragment: fragments_lib.Fragment,
+                 reference: np.ndarray | merge_lib.ScaledResult | None = None,
                  reference_norm: float | None = None) -> None:
-        """`reference`: the vector to take the cosine with (None: no cosine). `reference_norm`:
-        its norm if the caller has it cached (it changes once per merge, not per upload)."""
+        """`reference`: the vector to take the cosine with (None: no cosine), written out or
+        in the merge's factored form (the syncer keeps its last merged delta that way, never
+        written out). `reference_norm`: its norm if the caller has it (it changes once per
+        merge, not per upload)."""
         self._bounds = [(where.start, where.stop) for where in fragment.slices().values()]
-        self._reference = None if reference is None else np.ascontiguousarray(reference, np.float32)
+        if reference is not None and not isinstance(reference, merge_lib.ScaledResult):
+            whole = np.ascontiguousarray(reference, np.float32)
+            reference = merge_lib.ScaledResult(whole, np.array([0, whole.size], np.int64), np.ones(1, np.float32))
+        self._reference = reference
+        # (start, stop, scale) of each factor of the reference
+        self._reference_parts = [] if reference is None else [
+            (int(lo), int(hi), float(scale))
+            for lo, hi, scale in zip(reference.bounds[:-1], reference.bounds[1:], reference.scales, strict=True)
+        ]
         self._reference_norm = reference_norm
-        # (start of the piece, tensor index) -> float32 sum of squares; start -> dot product.
+        # (start of the piece, tensor index) -> float32 sum of squares; (start, factor) -> dot product.
         self._squares: dict[tuple[int, int], float] = {}
-        self._dots: dict[int, float] = {}
+        self._dots: dict[tuple[int, int], float] = {}
 
     def update(self, start: int, values: np.ndarray) -> None:
         """Adds one decoded piece: values[i] is element start + i of the contribution."""
@@ -145,8 +156,11 @@ class DecodedStats:
             if lo < hi:
                 piece = values[lo - start : hi - start]
                 self._squares[(start, index)] = float(np.dot(piece, piece))
-        if self._reference is not None:
-            self._dots[start] = float(np.dot(values, self._reference[start:stop]))
+        for index, (r0, r1, scale) in enumerate(self._reference_parts):
+            lo, hi = max(r0, start), min(r1, stop)
+            if lo < hi:
+                dot = float(np.dot(values[lo - start : hi - start], self._reference.values[lo:hi]))
+                self._dots[(start, index)] = dot * scale
 
     def tensor_norms(self, values: np.ndarray) -> np.ndarray:
         """‖Δ_t‖ of every tensor (float64), as `tensor_norms(values, fragment)` gives it.
@@ -169,9 +183,9 @@ class DecodedStats:
             return None
         dot = math.fsum(d for _, d in sorted(self._dots.items()))
         if not math.isfinite(dot):
-            dot = merge_lib.vector_dot(values, self._reference)
+            dot = merge_lib.vector_dot(values, self._reference.materialize())
         norm = float(np.sqrt(np.sum(np.square(norms))))
-        reference_norm = (merge_lib.vector_norm(self._reference) if self._reference_norm is None
+        reference_norm = (merge_lib.vector_norm(self._reference.materialize()) if self._reference_norm is None
                           else self._reference_norm)
         denominator = norm * reference_norm
         return float(dot / denominator) if denominator > 0 else None

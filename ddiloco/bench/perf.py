@@ -343,6 +343,7 @@ def _upload_path_stages(values: np.ndarray) -> dict[str, Callable[[], object]]:
     params = (np.random.default_rng(2).standard_normal(numel) * 0.02).astype(np.float32)
     last = (values * 0.5).astype(np.float32)
     acc = merge_lib.MergeAccumulator(fragment)
+    norms = robust_lib.tensor_norms(values, fragment)  # what the decode hands the fold-in
 
     last_norm = merge_lib.vector_norm(last)
 
@@ -362,7 +363,7 @@ def _upload_path_stages(values: np.ndarray) -> dict[str, Callable[[], object]]:
         "memcpy": _memcpy(values),
         "decode (sha256, zstd, dequantize)": decode,
         "decode with norms and cosine (what the syncer runs)": decode_with_stats,
-        "fold-in (merge)": lambda: acc.add(values, 1.0),
+        "fold-in (merge)": lambda: acc.add(values, 1.0, norms=norms),
         "params norm (once per fragment version)": lambda: merge_lib.vector_norm(params),
     }
 
@@ -397,6 +398,7 @@ def _micro_merge(values: np.ndarray, repeats: int, min_time_s: float) -> dict:
     )
     acc = merge_lib.MergeAccumulator(fragment)
     acc.add(values, 1.0)
+    norms = np.array([np.linalg.norm(values[where]) for where in fragment.slices().values()])
     stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer())
     params = (np.random.default_rng(1).standard_normal(numel) * 0.02).astype(np.float32)
     state = stepper.init(params)
@@ -408,7 +410,9 @@ def _micro_merge(values: np.ndarray, repeats: int, min_time_s: float) -> dict:
     best = interleaved_best({
         "memcpy": _memcpy(values),
         "memcpy_step_set": _memcpy(step_set),
-        "fold_in": lambda: acc.add(values, 2.0),
+        # What the syncer runs: the tensors' norms come from the decode (robust.DecodedStats).
+        "fold_in": lambda: acc.add(values, 2.0, norms=norms),
+        "fold_in_own_norms": lambda: acc.add(values, 2.0),
         # What SyncerCore._merge_locked runs: the factored delta, stepped on in one pass.
         "outer_step": lambda: stepper.step_scaled(params, state, *acc.scaled_result()),
         "result_only": acc.result,
@@ -1101,7 +1105,8 @@ def _markdown(result: dict) -> str:
         mg = m["merge"]
         md.append(results_lib.markdown_table(
             ["merge", "GB/s params", "of memcpy"],
-            [[k, f"{mg[k]:.2f}", f"{mg[k] / mg['memcpy_gbps']:.0%}"] for k in ("fold_in", "outer_step", "result_only", "stepper_only")]))
+            [[k, f"{mg[k]:.2f}", f"{mg[k] / mg['memcpy_gbps']:.0%}"] for k in ("fold_in", "fold_in_own_norms", "outer_step", "result_only", "stepper_only")
+             if k in mg]))
         bound = mg.get("outer_step_traffic_bound")
         if bound:
             md.append(f"\nThe outer step reads three vectors and writes three; a memcpy of three vectors (the step's "

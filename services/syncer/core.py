@@ -19,6 +19,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import uuid
@@ -138,7 +139,9 @@ class _Slot:
     timer: asyncio.TimerHandle | None = None
     merging: bool = False  # a merge task is scheduled or running
     norms: robust_lib.NormHistory | None = None  # recent accepted contributions (norm bound)
-    last_outer_grad: np.ndarray | None = None  # the last merged outer gradient (direction agreement)
+    # The last merged outer gradient in factored form (the round's sums x per-tensor scales, never
+    # written out) and its norm: the cosine's reference for direction agreement.
+    last_outer_grad: tuple[merge_lib.ScaledResult, float] | None = None
     # (params_sha256, norm of params): the norm bound's reference, computed once per version, not
     # once per upload (a float64 pass over the fragment under its lock).
     params_norm: tuple[str, float] | None = None
@@ -212,9 +215,6 @@ class SyncerCore:
         # The second thread of each large decode (codec.decode's executor): an upload's decode
         # then uses two cores. One thread: a decode whose half finds it busy does that half itself.
         self._decode_helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="syncer-decode")
-        # fragment id -> (last merged outer gradient, its norm): the cosine's reference norm
-        # changes once per merge, not per upload.
-        self._reference_norms: dict[int, tuple[np.ndarray, float]] = {}
         self._quarantine_after = quarantine_after
         self._quarantine_window_s = quarantine_window_s
         self._quarantine_s = quarantine_s
@@ -565,16 +565,6 @@ class SyncerCore:
         finally:  # a proposal waiting for its judgment never outlives the upload
             self.directions.withdraw(ticket.header.learner_id, ticket.header.fragment_id)
 
-    def _reference_norm(self, fragment_id: int, reference: np.ndarray | None) -> float | None:
-        """‖reference‖ of a fragment's last merged outer gradient, computed once per merge."""
-        if reference is None:
-            return None
-        cached = self._reference_norms.get(fragment_id)
-        if cached is None or cached[0] is not reference:
-            cached = (reference, merge_lib.vector_norm(reference))
-            self._reference_norms[fragment_id] = cached  # one atomic store: decode threads race benignly
-        return cached[1]
-
     async def _await_direction_references(self, header, heading: np.ndarray | None, wait_budget_s: float | None) -> None:
         """Holds a contribution that has too few others to be compared with (robust.DirectionPolicy
         .judge_wait_s) while other learners who could send them are live; proposes it as a
@@ -625,10 +615,10 @@ class SyncerCore:
         info = header.payload
 
         def decode() -> tuple[np.ndarray, np.ndarray, float | None, np.ndarray | None]:
-            last = slot.last_outer_grad  # read once: a merge may replace it meanwhile
+            last, last_norm = slot.last_outer_grad or (None, None)  # read once: a merge may replace it
             # Norms and the dot with the last merge are gathered while each decoded piece is in
             # cache (one pass, not three), and the decode itself is shared with a second thread.
-            stats = robust_lib.DecodedStats(slot.fragment, last, self._reference_norm(header.fragment_id, last))
+            stats = robust_lib.DecodedStats(slot.fragment, last, last_norm)
             values = serde.decode_payload(info, payload, on_chunk=stats.update, executor=self._decode_helper)
             norms = stats.tensor_norms(values)
             return (values, norms, stats.cosine(values, norms), self.directions.direction(header.fragment_id, values))
@@ -708,8 +698,11 @@ class SyncerCore:
                 # fragment is base - delta, so its outer gradient against the current version is
                 # current - (base - delta).
                 # Learners hold the published values, so the correction is in that space.
-                corrected = delta if base is slot.published else delta + (slot.published - base)
-                rnd.accumulator.add(corrected, weight)
+                if base is slot.published:
+                    # The norms gathered while decoding are this delta's: no second pass over it.
+                    rnd.accumulator.add(delta, weight, norms=norms)
+                else:
+                    rnd.accumulator.add(delta + (slot.published - base), weight)
 
             try:
                 await asyncio.to_thread(fold)
@@ -822,9 +815,11 @@ class SyncerCore:
             stepper = self._steppers[slot.fragment.fragment_id]
             # The delta stays factored (sums x per-tensor scales) until the step writes it out.
             merged = await asyncio.to_thread(rnd.accumulator.scaled_result)
-            stepped = await asyncio.to_thread(stepper.step_scaled, slot.params, slot.opt_state, *merged)
-            new_params, new_state, outer_grad = stepped.params, stepped.state, stepped.outer_grad
-            slot.last_outer_grad = outer_grad
+            # Δ is kept factored (the round's sums are not written again): one stream less.
+            stepped = await asyncio.to_thread(functools.partial(
+                stepper.step_scaled, slot.params, slot.opt_state, *merged, write_grad=False))
+            new_params, new_state = stepped.params, stepped.state
+            slot.last_outer_grad = (merged, stepped.outer_grad_norm)
             if not stepped.finite:
                 # Never publish a non-finite global fragment; drop the round instead.
                 _LOG.error("outer step produced non-finite values; round dropped", extra={"fields": {"fragment": slot.fragment.fragment_id}})

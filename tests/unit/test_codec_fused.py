@@ -15,6 +15,7 @@ import pytest
 import zstandard
 
 from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import robust as robust_lib
 from ddiloco.wire import codec as codec_lib
 
@@ -120,8 +121,12 @@ def test_decoded_stats_match_the_separate_passes(sizes, codec, threaded, executo
     values = (rng.standard_normal(fragment.numel) * 1e-3).astype(np.float32)
     reference = (values * 0.5 + rng.standard_normal(fragment.numel).astype(np.float32) * 1e-3).astype(np.float32)
     enc = codec_lib.encode(values, codec)
+    # The syncer's form of the reference: its last merge's sums times one scale per tensor.
+    cuts = np.array([0, fragment.numel // 3, fragment.numel], np.int64)
+    factor = np.array([0.5, 4.0], np.float32)
+    factored = merge_lib.ScaledResult((reference / np.repeat(factor, np.diff(cuts))).astype(np.float32), cuts, factor)
     for ref, ref_norm in ((reference, None), (reference, float(np.linalg.norm(reference.astype(np.float64)))),
-                          (None, None)):
+                          (factored, None), (None, None)):
         stats = robust_lib.DecodedStats(fragment, ref, ref_norm)
         decoded = codec_lib.decode(enc.payload, **_kwargs(enc), on_chunk=stats.update,
                                    executor=executor if threaded else None)
@@ -133,7 +138,8 @@ def test_decoded_stats_match_the_separate_passes(sizes, codec, threaded, executo
         if ref is None:
             assert cos is None
         else:
-            assert cos == pytest.approx(robust_lib.cosine(decoded, ref), abs=1e-6)
+            written = ref.materialize() if isinstance(ref, merge_lib.ScaledResult) else ref
+            assert cos == pytest.approx(robust_lib.cosine(decoded, written), abs=1e-6)
 
 
 def test_decoded_stats_extreme_magnitudes_and_zero_vectors():

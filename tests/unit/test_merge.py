@@ -285,3 +285,70 @@ def test_batch_rules_reject_bad_inputs(merge):
         merge([np.array([np.nan])], [1.0])
     with pytest.raises(ValueError, match="finite and >= 0"):
         merge([np.zeros(2)], [-1.0])
+
+
+def test_fold_kernel_is_numpys_multiply_then_add_and_tracks_each_sums_squared_norm():
+    from ddiloco.algo import _kernels
+
+    rng = np.random.default_rng(5)
+    numel = 3 * 2048 + 77  # several kernel blocks and a partial one
+    values = rng.standard_normal(numel).astype(np.float32)
+    sums = rng.standard_normal(numel).astype(np.float32)
+    bounds = np.array([0, 100, 100, 5000, numel], np.int64)  # an empty segment too
+    coefs = np.array([0.37, 2.5, 0.0, -1.25], np.float32)  # coefficient 0: segment untouched
+    squares = np.full(4, -1.0)
+    expected = sums.copy()
+    for k in (0, 1, 3):
+        lo, hi = bounds[k], bounds[k + 1]
+        expected[lo:hi] = expected[lo:hi] + np.multiply(values[lo:hi], coefs[k])
+    _kernels.fold_segments(values, bounds, coefs, sums, squares)
+    np.testing.assert_array_equal(sums, expected)  # bit for bit, no FMA
+    for k in (0, 3):
+        lo, hi = bounds[k], bounds[k + 1]
+        assert squares[k] == pytest.approx(float(np.sum(sums[lo:hi].astype(np.float64) ** 2)), rel=1e-12)
+    assert squares[1] == 0.0 and squares[2] == -1.0  # empty segment: sum 0; coefficient 0: not written
+
+
+def test_scaled_result_norms_come_from_the_fold_and_match_a_fresh_pass():
+    fragment = _fragment(TensorSpec("a", (5000,)), TensorSpec("b", (3000,)))
+    rng = np.random.default_rng(9)
+    acc = merge_lib.MergeAccumulator(fragment)
+    deltas = [rng.standard_normal(fragment.numel).astype(np.float32) for _ in range(3)]
+    for delta, weight in zip(deltas, (1.0, 2.0, 0.5), strict=True):
+        acc.add(delta, weight)
+    merged = acc.scaled_result()
+    batch = merge_lib.radial_directional_average([d[:5000] for d in deltas], [1.0, 2.0, 0.5])
+    np.testing.assert_allclose(merged.values[:5000] * merged.scales[0], batch, rtol=1e-5, atol=1e-7)
+    # The factor is radius / ‖sums‖ with ‖sums‖ tracked by the fold: the merged tensor has the radius.
+    radius = (1.0 * np.linalg.norm(deltas[0][:5000]) + 2.0 * np.linalg.norm(deltas[1][:5000])
+              + 0.5 * np.linalg.norm(deltas[2][:5000])) / 3.5
+    assert np.linalg.norm(acc.result()[:5000].astype(np.float64)) == pytest.approx(radius, rel=1e-6)
+
+
+def test_add_with_the_callers_norms_equals_add_without_them():
+    fragment = _fragment(TensorSpec("emb", (700,), is_embedding=True), TensorSpec("w", (1300,)), TensorSpec("z", (50,)))
+    rng = np.random.default_rng(4)
+    plain, given_norms = merge_lib.MergeAccumulator(fragment), merge_lib.MergeAccumulator(fragment)
+    for weight in (3.0, 1.0, 0.25):
+        delta = rng.standard_normal(fragment.numel).astype(np.float32)
+        delta[2000:] = 0.0  # a zero tensor: φ(0) = 0
+        norms = np.array([np.linalg.norm(delta[where].astype(np.float64)) for where in fragment.slices().values()])
+        plain.add(delta, weight)
+        given_norms.add(delta, weight, norms=norms)
+    np.testing.assert_allclose(given_norms.result(), plain.result(), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("norms, match", [
+    (np.array([1.0]), "one norm >= 0 per tensor"),
+    (np.array([1.0, -2.0]), "one norm >= 0 per tensor"),
+    (np.array([1.0, np.nan]), "non-finite"),
+])
+def test_add_rejects_bad_norms_and_stays_unchanged(norms, match):
+    fragment = _fragment(TensorSpec("a", (3,)), TensorSpec("b", (2,)))
+    acc = merge_lib.MergeAccumulator(fragment)
+    acc.add(np.ones(5, np.float32), 1.0)
+    before = acc.result()
+    with pytest.raises(ValueError, match=match):
+        acc.add(np.ones(5, np.float32), 1.0, norms=norms)
+    assert acc.count == 1
+    np.testing.assert_array_equal(acc.result(), before)

@@ -248,3 +248,22 @@ def test_pool_can_be_switched_off():
         ids |= {id(out[0])}
         outs.append(out)  # keep them alive so ids are not recycled by the allocator
     assert len(ids) == 5
+
+
+@pytest.mark.parametrize("numel", [1000, 3 * 2048 + 5])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_step_scaled_without_writing_the_delta_steps_the_same(numel, nesterov):
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(momentum=0.9, nesterov=nesterov))
+    rng = np.random.default_rng(3)
+    params = rng.standard_normal(numel).astype(np.float32)
+    state = stepper.step(params, stepper.init(params), rng.standard_normal(numel).astype(np.float32))[1]
+    values = rng.standard_normal(numel).astype(np.float32)
+    bounds, scales = np.array([0, 400, numel], np.int64), np.array([0.5, 2.0], np.float32)
+    written = stepper.step_scaled(params, state, values, bounds, scales)
+    factored = stepper.step_scaled(params, state, values, bounds, scales, write_grad=False)
+    assert factored.outer_grad is None
+    np.testing.assert_array_equal(factored.params, written.params)
+    np.testing.assert_array_equal(factored.state[0], written.state[0])
+    assert factored.outer_grad_norm == written.outer_grad_norm  # same blocks, same float64 sums
+    assert factored.outer_grad_norm == pytest.approx(float(np.linalg.norm(written.outer_grad.astype(np.float64))))
+    assert factored.finite and written.finite
