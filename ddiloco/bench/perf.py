@@ -665,7 +665,10 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
-async def _bare_uploads(address: str, payload_chunks: list[bytes], uploads: int, deadline_s: float) -> tuple[float, int]:
+async def _bare_uploads(address: str, payload_chunks: list[bytes], uploads: int, deadline_s: float,
+                        in_flight: int = 1) -> tuple[float, int]:
+    """Seconds and bytes for `uploads` streams of `payload_chunks` to the bare sink, at most
+    `in_flight` at a time."""
     import grpc
 
     from ddiloco.rpc import channel as channel_lib
@@ -674,12 +677,15 @@ async def _bare_uploads(address: str, payload_chunks: list[bytes], uploads: int,
     try:
         call = channel.stream_unary("/bench.Bare/Upload", request_serializer=None, response_deserializer=None)
         await call(iter(payload_chunks[:1]), timeout=deadline_s)  # connect and warm up
-        sent = 0
+        gate = asyncio.Semaphore(in_flight)
+
+        async def one() -> None:
+            async with gate:
+                await call(iter(payload_chunks), timeout=deadline_s)
+
         started = _now()
-        for _ in range(uploads):
-            await call(iter(payload_chunks), timeout=deadline_s)
-            sent += sum(len(c) for c in payload_chunks)
-        return _now() - started, sent
+        await asyncio.gather(*(one() for _ in range(uploads)))
+        return _now() - started, uploads * sum(len(c) for c in payload_chunks)
     except grpc.RpcError as exc:
         raise RuntimeError(f"bare gRPC upload failed: {exc}") from None
     finally:
@@ -773,9 +779,11 @@ def _prepare_payloads(deltas: dict[int, np.ndarray], chunk_size: int, codec: str
 
 
 async def _servicer_uploads(address: str, payloads: dict[int, tuple], uploads: int, identities: int,
-                            deadline_s: float) -> dict:
-    """Sequential uploads through the real syncer, cycling identities and fragments (identity n
-    uploads to fragment (n // identities) % P, based on the version it last heard of)."""
+                            deadline_s: float, in_flight: int = 1) -> dict:
+    """Uploads through the real syncer, at most `in_flight` at a time, cycling identities and
+    fragments (upload n comes from identity n % identities, to fragment n % P, based on the
+    version that identity last heard of). With `in_flight` up to P, uploads in flight are to
+    different fragments, as one learner's are."""
     import grpc
 
     from ddiloco.rpc import channel as channel_lib
@@ -790,30 +798,33 @@ async def _servicer_uploads(address: str, payloads: dict[int, tuple], uploads: i
             await ident.join(deadline_s)
         fids = sorted(payloads)
         results = {"accepted": 0, "refused": 0, "codes": {}}
-        sent = 0
         latencies = []
-        # Warm-up upload (first-call costs), then the measured ones.
-        started = None
-        for n in range(uploads + 1):
-            if n == 1:
-                started = _now()
+        gate = asyncio.Semaphore(in_flight)
+
+        async def one(n: int) -> int:
+            """Upload n; returns its wire bytes (0 for the warm-up upload)."""
             ident = ids[n % len(ids)]
             fid = fids[n % len(fids)]
             info, chunks = payloads[fid]
-            msgs = ident.messages(fid, ident.versions.get(fid, 0), info, chunks, steps=8, tokens=8 * 2048)
-            t0 = _now()
-            try:
-                resp = await stub.UploadFragment(iter(msgs), timeout=deadline_s)
-                ident.versions[fid] = max(ident.versions.get(fid, 0), resp.current_version)
-                results["accepted"] += n > 0
-            except grpc.aio.AioRpcError as exc:
-                results["refused"] += n > 0
-                results["codes"][exc.code().name] = results["codes"].get(exc.code().name, 0) + 1
-                # Learn the current version for the next try.
-                await ident.join(deadline_s)
-            if n > 0:
-                latencies.append(_now() - t0)
-                sent += sum(m.ByteSize() for m in msgs)
+            async with gate:
+                msgs = ident.messages(fid, ident.versions.get(fid, 0), info, chunks, steps=8, tokens=8 * 2048)
+                t0 = _now()
+                try:
+                    resp = await stub.UploadFragment(iter(msgs), timeout=deadline_s)
+                    ident.versions[fid] = max(ident.versions.get(fid, 0), resp.current_version)
+                    results["accepted"] += n > 0
+                except grpc.aio.AioRpcError as exc:
+                    results["refused"] += n > 0
+                    results["codes"][exc.code().name] = results["codes"].get(exc.code().name, 0) + 1
+                    # Learn the current version for the next try.
+                    await ident.join(deadline_s)
+                if n > 0:
+                    latencies.append(_now() - t0)
+            return sum(m.ByteSize() for m in msgs) if n > 0 else 0
+
+        await one(0)  # warm-up upload (first-call costs), then the measured ones
+        started = _now()
+        sent = sum(await asyncio.gather(*(one(n) for n in range(1, uploads + 1))))
         results["seconds"] = _now() - started
         results["wire_bytes"] = sent
         results["latency_p50_s"] = percentile(latencies, 50)
@@ -844,11 +855,20 @@ def run_transport(workdir: pathlib.Path, model: dict, uploads: int, tag: str, re
             payloads_fp32 = _prepare_payloads(deltas, 512 * 1024, "fp32")
             deadline = 120.0
             best_real, best_bare, best_fp32, real = 0.0, 0.0, 0.0, {}
+            # As a syncer sees them: one learner has one upload per fragment in flight, and
+            # many learners upload at once. The bare stream gets the same concurrency.
+            in_flight = len(plan.fragments)
+            best_conc, best_bare_conc, conc = 0.0, 0.0, {}
             for _ in range(repeats):  # interleaved: both see the same machine load
                 res = asyncio.run(_servicer_uploads(syncer.address, payloads, uploads, uploads + 1, deadline))
                 rate = res["wire_bytes"] / res["seconds"] if res["seconds"] > 0 else 0.0
                 if rate > best_real:
                     best_real, real = rate, res
+                res_conc = asyncio.run(_servicer_uploads(syncer.address, payloads, uploads, uploads + 1, deadline,
+                                                         in_flight=in_flight))
+                rate = res_conc["wire_bytes"] / res_conc["seconds"] if res_conc["seconds"] > 0 else 0.0
+                if rate > best_conc:
+                    best_conc, conc = rate, res_conc
                 # fp32 uploads: 7.5x the wire bytes for the same decode-and-fold work per value.
                 res32 = asyncio.run(_servicer_uploads(syncer.address, payloads_fp32, max(2, uploads // 4),
                                                       uploads + 1, deadline))
@@ -857,6 +877,8 @@ def run_transport(workdir: pathlib.Path, model: dict, uploads: int, tag: str, re
                 info, chunks = payloads[max(payloads, key=lambda f: len(payloads[f][1]))]
                 seconds, sent = asyncio.run(_bare_uploads(bare.address, chunks, uploads, deadline))
                 best_bare = max(best_bare, sent / seconds)
+                seconds, sent = asyncio.run(_bare_uploads(bare.address, chunks, uploads, deadline, in_flight))
+                best_bare_conc = max(best_bare_conc, sent / seconds)
             syncer_rss = vm_hwm_bytes(syncer.pid)
     finally:
         bare.stop()
@@ -875,7 +897,10 @@ def run_transport(workdir: pathlib.Path, model: dict, uploads: int, tag: str, re
             "upload_bytes": upload_bytes, "bare_s_per_upload": bare_s, "work_s_per_upload": work_s,
             "servicer_s_per_upload": upload_bytes / best_real if best_real else 0.0,
             "ceiling_serial": bare_s / (bare_s + work_s) if bare_s + work_s > 0 else 0.0,
-            "ceiling_overlapped": bare_s / max(bare_s, work_s) if max(bare_s, work_s) > 0 else 0.0}
+            "ceiling_overlapped": bare_s / max(bare_s, work_s) if max(bare_s, work_s) > 0 else 0.0,
+            "in_flight": in_flight, "servicer_concurrent_bytes_per_s": best_conc, "servicer_concurrent_run": conc,
+            "bare_concurrent_bytes_per_s": best_bare_conc,
+            "ratio_concurrent": best_conc / best_bare_conc if best_bare_conc else 0.0}
 
 
 # ----------------------------------------------------------------------------- scale (replay processes)
@@ -1052,6 +1077,11 @@ def _headline(result: dict) -> list[dict]:
         if t:
             rows.append(figure(f"upload through the servicer, {t['params']:,}-param model", t["servicer_bytes_per_s"] / 1e6, "MB/s wire",
                                t["bare_bytes_per_s"] / 1e6, "bare gRPC stream", TARGETS["transport"]))
+            if t.get("servicer_concurrent_bytes_per_s"):
+                rows.append(figure(f"upload through the servicer, {t['in_flight']} in flight, {t['params']:,}-param model",
+                                   t["servicer_concurrent_bytes_per_s"] / 1e6, "MB/s wire",
+                                   t["bare_concurrent_bytes_per_s"] / 1e6, f"bare gRPC stream, {t['in_flight']} in flight",
+                                   TARGETS["transport"]))
             if t.get("servicer_fp32_bytes_per_s"):
                 rows.append(figure(f"upload through the servicer, fp32 uploads, {t['params']:,}-param model",
                                    t["servicer_fp32_bytes_per_s"] / 1e6, "MB/s wire", t["bare_bytes_per_s"] / 1e6,
@@ -1143,7 +1173,11 @@ def _markdown(result: dict) -> str:
                   f"{t['servicer_bytes_per_s'] / 1e6:.1f}", f"{t['ratio']:.1%}"],
                  ["real servicer, fp32 uploads (same work per value, 7.5x the bytes)",
                   f"{t.get('servicer_fp32_bytes_per_s', 0) / 1e6:.1f}", f"{t.get('ratio_fp32', 0):.1%}"],
-                 ["bare gRPC bytes stream", f"{t['bare_bytes_per_s'] / 1e6:.1f}", "100%"]]))
+                 ["bare gRPC bytes stream", f"{t['bare_bytes_per_s'] / 1e6:.1f}", "100%"]]
+                + ([[f"real servicer, int4 uploads, {t['in_flight']} in flight (one per fragment, as a learner sends them)",
+                     f"{t['servicer_concurrent_bytes_per_s'] / 1e6:.1f}", f"{t['ratio_concurrent']:.1%}"],
+                    [f"bare gRPC bytes stream, {t['in_flight']} in flight", f"{t['bare_concurrent_bytes_per_s'] / 1e6:.1f}",
+                     "100%"]] if t.get("servicer_concurrent_bytes_per_s") else [])))
             md.append(f"\nUploads accepted/refused: {t['servicer_run'].get('accepted')}/{t['servicer_run'].get('refused')}; "
                       f"syncer peak RSS {t['syncer_peak_rss_bytes'] / 2**20:.0f} MiB.")
             if t.get("work_s_per_upload"):

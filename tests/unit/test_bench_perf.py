@@ -47,7 +47,7 @@ def test_codec_and_merge_figures_are_ratios_to_a_measured_memcpy(result):
             assert z["ratio"] > 0.9  # quantized or not, zstd never expands much
             assert _positive(z["compress_gbps_raw"]) and _positive(z["sha256_gbps"])
         m = size["merge"]
-        for key in ("fold_in", "outer_step", "memcpy_gbps", "outer_step_traffic_bound"):
+        for key in ("fold_in", "fold_in_own_norms", "outer_step", "memcpy_gbps", "outer_step_traffic_bound"):
             assert _positive(m[key]), key
     # The default size is a pseudo-gradient captured from the overlap section's training run.
     assert result["micro"]["sizes"]["default"]["zstd"]["int4"]["real_pseudo_gradients"] is True
@@ -77,6 +77,12 @@ def test_transport_compares_the_servicer_with_a_bare_stream(result):
     assert 0 < t["ceiling_serial"] <= t["ceiling_overlapped"] <= 1
     assert t["ceiling_serial"] == pytest.approx(
         t["bare_s_per_upload"] / (t["bare_s_per_upload"] + t["work_s_per_upload"]))
+    # The same uploads with one per fragment in flight, against the bare stream at that concurrency.
+    assert t["in_flight"] == len(t["fragment_numels"]) > 1
+    assert _positive(t["servicer_concurrent_bytes_per_s"]) and _positive(t["bare_concurrent_bytes_per_s"])
+    assert t["servicer_concurrent_run"]["accepted"] == t["uploads"]
+    assert t["ratio_concurrent"] == pytest.approx(t["servicer_concurrent_bytes_per_s"] / t["bare_concurrent_bytes_per_s"])
+    assert len(t["servicer_concurrent_run"]["codes"]) == 0  # nothing refused while uploads overlapped
 
 
 def test_overlap_measures_a_real_learner_with_and_without_a_bandwidth_cap(result):
