@@ -107,6 +107,8 @@ class ScaledResult(NamedTuple):
     values: np.ndarray  # float32, the whole fragment
     bounds: np.ndarray  # int64, len(scales) + 1 offsets from 0 to values.size
     scales: np.ndarray  # float32
+    # Σ values² per segment (float64) when known, so ‖Δ‖² = Σ scales² · sum_squares needs no pass.
+    sum_squares: np.ndarray | None = None
 
     def materialize(self) -> np.ndarray:
         """Δ as a fresh float32 vector."""
@@ -293,7 +295,7 @@ class MergeAccumulator:
                 scales[index] = np.float32(radius / norm)
             else:  # extreme magnitudes: materialize with the careful, slower path
                 return self._careful_result(scales, bounds, index)
-        return ScaledResult(self._sums, bounds, scales)
+        return ScaledResult(self._sums, bounds, scales, self._sum_squares.copy())
 
     def result(self) -> np.ndarray:
         """Returns the merged flat delta (the accumulator stays usable).

@@ -218,6 +218,7 @@ class OuterStepper:
         values: np.ndarray,
         bounds: np.ndarray,
         scales: np.ndarray,
+        sum_squares: np.ndarray | None = None,
         *,
         write_grad: bool = True,
     ) -> OuterStepResult:
@@ -235,6 +236,9 @@ class OuterStepper:
             values: 1-D float32 vector, same size as ``params_flat``.
             bounds: int64 offsets, increasing from 0 to ``values.size``.
             scales: float32, one per segment (``len(bounds) - 1``).
+            sum_squares: Σ values² per segment (float64), if known (``ScaledResult``
+                carries the merge's): ‖Δ‖ then comes from them, and the step's pass needs
+                only a cheap finiteness probe instead of float64 sums (~25 % of its time).
 
         Returns:
             ``OuterStepResult``, all arrays fresh or recycled from this stepper's pool.
@@ -264,7 +268,14 @@ class OuterStepper:
                 f"bounds {bounds.tolist()[:8]} and {scales.size} scales do not split a vector "
                 f"of {values.size} values: need len(scales) + 1 increasing offsets from 0"
             )
-        return self._step_checked(params, self._check_state(params.size, state), values, bounds, scales, write_grad)
+        grad_sq = None
+        if sum_squares is not None:
+            squares = np.asarray(sum_squares, dtype=np.float64)
+            if squares.shape != scales.shape:
+                raise ValueError(f"sum_squares has shape {squares.shape}: pass one per segment ({scales.size})")
+            grad_sq = float(np.dot(squares, np.square(scales.astype(np.float64))))
+        return self._step_checked(params, self._check_state(params.size, state), values, bounds, scales, write_grad,
+                                  grad_sq)
 
     def _check_state(self, numel: int, state: list[np.ndarray]) -> list[np.ndarray]:
         self._check_layout(numel)
@@ -286,7 +297,7 @@ class OuterStepper:
 
     def _step_checked(
         self, params: np.ndarray, leaves: list[np.ndarray], values: np.ndarray, bounds: np.ndarray, scales: np.ndarray,
-        write_grad: bool = True,
+        write_grad: bool = True, grad_sq: float | None = None,
     ) -> OuterStepResult:
         if self._sgd is not None:
             lr, mu, nesterov = self._sgd
@@ -294,10 +305,11 @@ class OuterStepper:
             params_out, buf_out = self._take(params.size), self._take(params.size)
             # Without write_grad, Δ goes block by block to an L1-sized scratch (for its norm).
             grad_out = self._take(params.size) if write_grad or params.size <= _kernels.BLOCK else self._scratch
-            grad_sq, params_sum = _kernels.scaled_sgd_step(
+            kernel_sq, params_sum = _kernels.scaled_sgd_step(
                 np.ascontiguousarray(values), bounds, scales, np.ascontiguousarray(params), buf,
-                np.float32(mu), np.float32(-lr), nesterov, grad_out, params_out, buf_out,
+                np.float32(mu), np.float32(-lr), nesterov, grad_out, params_out, buf_out, grad_sq is None,
             )
+            grad_sq = kernel_sq if grad_sq is None else grad_sq
             grad = grad_out if write_grad else None
             return OuterStepResult(params_out, [buf_out], grad, math.sqrt(grad_sq), math.isfinite(params_sum))
         grad = merge_lib.ScaledResult(values, bounds, scales).materialize()

@@ -352,3 +352,17 @@ def test_add_rejects_bad_norms_and_stays_unchanged(norms, match):
         acc.add(np.ones(5, np.float32), 1.0, norms=norms)
     assert acc.count == 1
     np.testing.assert_array_equal(acc.result(), before)
+
+
+def test_scaled_result_carries_each_segments_sum_of_squares():
+    fragment = _fragment(TensorSpec("a", (300,), is_embedding=True), TensorSpec("b", (4100,)))
+    rng = np.random.default_rng(12)
+    acc = merge_lib.MergeAccumulator(fragment)
+    for weight in (1.0, 0.5):
+        acc.add(rng.standard_normal(fragment.numel).astype(np.float32), weight)
+    merged = acc.scaled_result()
+    expected = [np.sum(merged.values[:300].astype(np.float64) ** 2), np.sum(merged.values[300:].astype(np.float64) ** 2)]
+    np.testing.assert_allclose(merged.sum_squares, expected, rtol=1e-12)
+    # ‖Δ‖ from them, without a pass: what the outer step reports.
+    norm = math.sqrt(float(np.dot(merged.sum_squares, merged.scales.astype(np.float64) ** 2)))
+    assert norm == pytest.approx(float(np.linalg.norm(acc.result().astype(np.float64))), rel=1e-6)

@@ -267,3 +267,26 @@ def test_step_scaled_without_writing_the_delta_steps_the_same(numel, nesterov):
     assert factored.outer_grad_norm == written.outer_grad_norm  # same blocks, same float64 sums
     assert factored.outer_grad_norm == pytest.approx(float(np.linalg.norm(written.outer_grad.astype(np.float64))))
     assert factored.finite and written.finite
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_step_scaled_with_known_sum_squares_steps_the_same_and_still_catches_non_finite_params(bad):
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer())
+    rng = np.random.default_rng(8)
+    numel = 3 * 2048 + 11
+    params = rng.standard_normal(numel).astype(np.float32)
+    state = stepper.init(params)
+    values = rng.standard_normal(numel).astype(np.float32)
+    bounds, scales = np.array([0, 5000, numel], np.int64), np.array([0.25, 3.0], np.float32)
+    squares = np.array([np.sum(values[:5000].astype(np.float64) ** 2), np.sum(values[5000:].astype(np.float64) ** 2)])
+    plain = stepper.step_scaled(params, state, values, bounds, scales, write_grad=False)
+    known = stepper.step_scaled(params, state, values, bounds, scales, squares, write_grad=False)
+    np.testing.assert_array_equal(known.params, plain.params)
+    np.testing.assert_array_equal(known.state[0], plain.state[0])
+    assert known.outer_grad_norm == pytest.approx(plain.outer_grad_norm, rel=1e-6)
+    assert known.finite and plain.finite
+    params[6000] = bad  # in the last, partial block
+    broken = stepper.step_scaled(params, state, values, bounds, scales, squares, write_grad=False)
+    assert not broken.finite
+    with pytest.raises(ValueError, match="sum_squares"):
+        stepper.step_scaled(params, state, values, bounds, scales, squares[:1])
