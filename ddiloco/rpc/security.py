@@ -9,7 +9,8 @@ What this module decides (the README's "Security model" section explains why):
 * **Identity.** `Identity(kind, name)`, carried by a certificate as the URI SAN
   `spiffe://ddiloco/<kind>/<name>` (written by `ddiloco certs`), or by a bearer token listed in a
   token file (`{"tokens": {token: "kind/name"}, "revoked": [token, ...]}`, tokens may be given as
-  `sha256:<hex>`; the file is re-read when it changes, so revoking takes effect without a
+  `sha256:<hex>`, the digest of the token, which clients still present in full: a digest is never
+  itself a credential; the file is re-read when it changes, so revoking takes effect without a
   restart). Kinds: `learner`, `evaluator`, `reader` (read-only), `syncer` (the store's only
   writer), `checkpoint`. With neither mTLS nor a token file, every caller is `ANONYMOUS`, which may
   do anything (local runs).
@@ -239,16 +240,37 @@ class ClientSecurity:
 # ------------------------------------------------------------------------------------ tokens
 
 
-def _token_key(token: str) -> str:
-    if token.startswith("sha256:"):
-        return token[len("sha256:"):].lower()
+_DIGEST_PREFIX = "sha256:"
+_HEX_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def _presented_key(token: str) -> str:
+    """The table key of a token a client presents: always the sha256 of the token as a raw secret.
+
+    A presented credential is never read as a digest, even when it looks like `sha256:<hex>`:
+    otherwise the digests stored in the token file would themselves be credentials (pass-the-hash),
+    and anyone who can read the file could act as anyone in it.
+    """
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _file_key(entry: str) -> str:
+    """The table key of a token file entry: a plaintext token is hashed, a `sha256:<hex>` entry is
+    already the digest of the token its holder presents (ValueError if it is not 64 hex digits)."""
+    if entry.startswith(_DIGEST_PREFIX):
+        digest = entry[len(_DIGEST_PREFIX):].strip().lower()
+        if not _HEX_DIGEST_RE.fullmatch(digest):
+            raise ValueError("a token entry starting with sha256: must be followed by 64 hex digits")
+        return digest
+    return _presented_key(entry)
 
 
 class TokenTable:
     """Bearer tokens -> identities, with a revocation list; re-read when the file changes.
 
     File: `{"tokens": {"<token or sha256:hex>": "learner/learner-0", ...}, "revoked": [...]}`.
+    A `sha256:<hex>` entry is the digest of the token its holder presents; a client always presents
+    the token itself, which is hashed (a presented `sha256:...` string is just an unknown token).
     Only sha256 digests of tokens are kept in memory. A file that fails to parse on re-read is
     reported and the previous table stays in force (so a half-written file never opens the door).
     """
@@ -269,8 +291,8 @@ class TokenTable:
             if mtime_ns == self._mtime_ns:
                 return
             data = json.loads(_read(self.path, "token file"))
-            tokens = {_token_key(t): Identity.parse(i) for t, i in dict(data.get("tokens", {})).items()}
-            revoked = {_token_key(t) for t in data.get("revoked", [])}
+            tokens = {_file_key(t): Identity.parse(i) for t, i in dict(data.get("tokens", {})).items()}
+            revoked = {_file_key(t) for t in data.get("revoked", [])}
         except (OSError, ValueError, TypeError, AttributeError) as exc:
             if initial:
                 raise ValueError(f"token file {self.path!r}: {exc}") from None
@@ -287,7 +309,12 @@ class TokenTable:
             if now - self._checked_at >= self._interval_s:
                 self._checked_at = now
                 self._load(initial=False)
-            key = _token_key(token)
+            # The presented token is hashed as a raw secret (never taken as a digest; see
+            # `_presented_key`) and looked up by its digest. A hash lookup is not a constant-time
+            # comparison, but what its timing could reveal is how the sha256 of the attacker's own
+            # guess relates to the stored digests; steering a guess towards a stored digest would
+            # take a sha256 preimage, so the timing says nothing about any real token.
+            key = _presented_key(token)
             if key in self._revoked:
                 raise errors.Unauthenticated("bearer token has been revoked", reason="revoked_token")
             identity = self._tokens.get(key)
