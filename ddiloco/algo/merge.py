@@ -1,7 +1,8 @@
 """Merging learners' pseudo-gradients for one fragment (Decoupled DiLoCo §1.4, Sec. 3.2).
 
-Owns: the contribution weight (tokens² / steps), the batch merge rules (weighted mean and
-Radial-Directional Averaging) and ``MergeAccumulator``, their streaming per-tensor form.
+Owns: the contribution weight (tokens² / steps), the batch merge rules (weighted mean,
+Radial-Directional Averaging and the equal-weight mean) and ``MergeAccumulator``, their
+streaming per-tensor form.
 Must not: apply the outer optimizer, decode payloads, read clocks or do I/O.
 
 RDA({v_m, w_m}) = (Σ w_m‖v_m‖ / Σ w_m) · φ(Σ w_m φ(v_m) / Σ w_m), with φ(x) = x/‖x‖,
@@ -10,9 +11,19 @@ mean of M vectors of norm R has norm ≈ R/√M; RDA keeps the norm at R whateve
 outer learning rate need not be retuned with the number of learners. Embedding tensors,
 whose outer gradients are not orthogonal, use the weighted mean instead.
 
-Zero weights: a contribution of weight 0 (a learner that processed no tokens) counts for
-nothing, unless every contribution has weight 0; then all are merged with equal weights,
-so a merge always has a well-defined result.
+Rules (``RULES``), per tensor:
+
+* ``"rda"``: RDA with the contributions' weights (the Decoupled DiLoCo default for
+  non-embedding tensors).
+* ``"mean"``: the weighted mean Σ w·v / Σ w (the default for embedding tensors).
+* ``"equal_mean"``: the plain arithmetic mean Σ v / M of the M contributions, every weight
+  ignored (a weight of 0 counts as much as any other): classic synchronous DiLoCo
+  (Douillard et al., 2023), whose outer gradient is the average of the learners'
+  pseudo-gradients. The syncer's ``diloco`` baseline uses it for every tensor.
+
+Zero weights (weighted rules): a contribution of weight 0 (a learner that processed no
+tokens) counts for nothing, unless every contribution has weight 0; then all are merged
+with equal weights, so a merge always has a well-defined result.
 """
 
 from __future__ import annotations
@@ -26,7 +37,8 @@ import numpy as np
 from ddiloco.algo import _kernels
 from ddiloco.algo import fragments as fragments_lib
 
-RULES: tuple[str, ...] = ("rda", "mean")
+EQUAL_MEAN = "equal_mean"
+RULES: tuple[str, ...] = ("rda", "mean", EQUAL_MEAN)
 
 
 def contribution_weight(tokens: int, steps: int) -> float:
@@ -67,6 +79,24 @@ def weighted_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np
     """
     stacked, w = _check_batch(vectors, weights)
     return (np.tensordot(w, stacked, axes=1) / w.sum()).astype(np.float32)
+
+
+def equal_mean(vectors: Sequence[np.ndarray], weights: Sequence[float] | None = None) -> np.ndarray:
+    """Returns the plain mean Σ v / M of the M vectors: rule ``"equal_mean"`` (classic DiLoCo).
+
+    Args:
+        vectors: one or more arrays of the same shape, all finite.
+        weights: ignored, apart from being checked like the other rules' (one finite weight
+            >= 0 per vector) when given.
+
+    Returns:
+        A float32 array of the vectors' shape, computed in float64.
+
+    Raises:
+        ValueError: on empty or mismatched inputs, non-finite values or bad weights.
+    """
+    stacked, _ = _check_batch(vectors, [1.0] * len(vectors) if weights is None else weights)
+    return stacked.mean(axis=0).astype(np.float32)
 
 
 def radial_directional_average(
@@ -125,7 +155,9 @@ class MergeAccumulator:
 
     Each tensor of the fragment is merged on its own: RDA norms are per tensor, and tensors
     flagged ``is_embedding`` use ``embedding_rule`` instead of ``rule``. Kept per tensor:
-    Σ w·‖v‖ (float64) and Σ w·φ(v) for RDA tensors, Σ w·v for mean tensors.
+    Σ w·‖v‖ (float64) and Σ w·φ(v) for RDA tensors, Σ w·v for mean tensors, Σ v for
+    equal-mean tensors (their merge is Σ v / count: the weights passed to ``add`` are
+    checked, summed into ``total_weight``, and otherwise ignored).
 
     The vector sums are float32: with C contributions their relative rounding error is at
     most about C·2**-24 (4e-6 for 64 learners), far below the quantization error of what
@@ -169,14 +201,17 @@ class MergeAccumulator:
             for spec, where in zip(fragment.tensors, fragment.slices().values(), strict=True)
         ]
         self._bounds = np.array([0] + [where.stop for where, _ in self._segments], np.int64)
+        # Segments merged with the contributions' weights (not "equal_mean").
+        self._weighted = [index for index, (_, r) in enumerate(self._segments) if r != EQUAL_MEAN]
         self._sums = np.zeros(fragment.numel, dtype=np.float32)
         # Σ sums² of every segment (float64), kept up to date by each fold-in.
         self._sum_squares = np.zeros(len(self._segments), dtype=np.float64)
         self._radial_sums = np.zeros(len(self._segments), dtype=np.float64)
         self._count = 0
         self._total_weight = 0.0
-        # Weights are folded into the sums as weight / _weight_unit (the first positive
-        # weight), or as 1 while every weight so far is 0 (equal-weight fallback).
+        # Weights are folded into the weighted segments' sums as weight / _weight_unit (the
+        # first positive weight), or as 1 while every weight so far is 0 (equal-weight
+        # fallback). Equal-mean segments fold every contribution with 1 and divide by _count.
         self._weight_unit = 1.0
         self._folded_weight = 0.0
 
@@ -195,7 +230,8 @@ class MergeAccumulator:
 
         Args:
             delta_flat: 1-D array of ``fragment.numel`` finite values (the flat delta).
-            weight: finite weight >= 0, usually ``contribution_weight(tokens, steps)``.
+            weight: finite weight >= 0, usually ``contribution_weight(tokens, steps)``;
+                checked but not used by ``"equal_mean"`` tensors.
             norms: the delta's per-tensor norms if the caller has them (the syncer gathers
                 them while decoding, ``robust.DecodedStats``); they must be those of
                 ``delta_flat``, which is then trusted to be finite. None: computed here, in
@@ -237,20 +273,26 @@ class MergeAccumulator:
             self._weight_unit = float(weight)
             if self._count:
                 # Earlier contributions all had weight 0 and were folded in with equal
-                # weights as the fallback; now they must count for nothing.
-                self._sums[:] = 0.0
-                self._sum_squares[:] = 0.0
-                self._radial_sums[:] = 0.0
+                # weights as the fallback; now they must count for nothing (in the weighted
+                # segments: equal-mean segments keep them).
+                for index in self._weighted:
+                    self._sums[self._segments[index][0]] = 0.0
+                    self._sum_squares[index] = 0.0
+                    self._radial_sums[index] = 0.0
                 self._folded_weight = 0.0
         fold = weight / self._weight_unit if weight > 0 or self._total_weight > 0 else 1.0
         self._count += 1
         self._total_weight += float(weight)
-        if fold == 0:
+        if fold == 0 and len(self._weighted) == len(self._segments):
             return
         self._folded_weight += fold
         coefs = np.zeros(len(self._segments), np.float32)
         for index, ((_, rule), norm) in enumerate(zip(self._segments, norms.tolist(), strict=True)):
-            if rule == "mean":
+            if rule == EQUAL_MEAN:
+                coefs[index] = 1.0  # the weight is ignored: Σ v, divided by the count
+            elif fold == 0:
+                continue  # weight 0 among positive weights: counts for nothing here
+            elif rule == "mean":
                 coefs[index] = fold
             elif norm > 0:  # φ(0) = 0: a zero tensor adds nothing to either sum.
                 self._radial_sums[index] += fold * norm
@@ -260,10 +302,10 @@ class MergeAccumulator:
     def scaled_result(self) -> ScaledResult:
         """Returns the merged flat delta in factored form, without writing it out.
 
-        Every tensor's merge is its sum scaled by one number (1/Σw for the mean; the mean
-        radius over the sum's norm for RDA), so the outer step can multiply as it goes and
-        never store the delta twice (``OuterStepper.step_scaled``). No pass over the sums: the
-        norms of the RDA sums were taken by the last fold-in.
+        Every tensor's merge is its sum scaled by one number (1/Σw for the mean; 1/count for
+        the equal mean; the mean radius over the sum's norm for RDA), so the outer step can
+        multiply as it goes and never store the delta twice (``OuterStepper.step_scaled``). No
+        pass over the sums: the norms of the RDA sums were taken by the last fold-in.
 
         Returns:
             ``ScaledResult``. ``values`` is the accumulator's own sum vector (read it, do
@@ -286,6 +328,9 @@ class MergeAccumulator:
             bounds[index + 1] = where.stop
             if rule == "mean":
                 scales[index] = np.float32(1.0 / self._folded_weight)
+                continue
+            if rule == EQUAL_MEAN:
+                scales[index] = np.float32(1.0 / self._count)
                 continue
             radius = self._radial_sums[index] / self._folded_weight
             norm = math.sqrt(self._sum_squares[index])  # taken by the last fold-in, no pass here
@@ -320,6 +365,9 @@ class MergeAccumulator:
                 continue
             if rule == "mean":
                 np.multiply(sums, np.float32(1.0 / self._folded_weight), out=out[where])
+                continue
+            if rule == EQUAL_MEAN:
+                np.multiply(sums, np.float32(1.0 / self._count), out=out[where])
                 continue
             radius = self._radial_sums[index] / self._folded_weight
             norm = _norm(sums)

@@ -12,7 +12,7 @@ from ddiloco.cli import flags
 from ddiloco.rpc import security
 from ddiloco.wire import codec as codec_lib
 
-_RULES = ("rda", "mean")
+_RULES = ("rda", "mean", "equal_mean")  # ddiloco.algo.merge.RULES
 SYNC_MODES = ("decoupled", "diloco", "dp")
 
 
@@ -175,9 +175,16 @@ class SyncerConfig:
 def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
     """The effective configuration of a sync mode: what makes each baseline what it is.
 
-    * diloco: no grace window (merge as soon as the quorum is in), lossless fp32 both ways,
-      overwrite on arrival; fragments are planned unstaggered (all due together) and learners
-      wait for each merge. Set --min-quorum to the number of learners for the classic algorithm.
+    * diloco: classic synchronous DiLoCo as published (Douillard et al., 2023): the outer
+      gradient is the plain mean of the learners' pseudo-gradients with equal weights (merge
+      rule "equal_mean" for every tensor, embeddings included: no radial-directional averaging,
+      no tokens²/steps weights). No grace window (merge as soon as the quorum is in), lossless
+      fp32 both ways, overwrite on arrival; fragments are planned unstaggered (all due together)
+      and learners wait for each merge. Set --min-quorum to the number of learners for the
+      classic algorithm (all learners every H steps). The merge rules are forced, whatever
+      --merge-rule and --embedding-merge-rule say: the earlier variant of this baseline
+      (token-weighted RDA with synchronous rounds) is dropped, as the flags cannot tell an
+      explicit "--merge-rule rda" from the default.
       No direction check, as in the classic algorithm: with the quorum at every learner, one
       refused or quarantined learner stops every later round, and an honest learner on an
       outlying data shard can point away from the others (a 32-learner run of `ddiloco bench
@@ -192,7 +199,8 @@ def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
     """
     if cfg.sync_mode == "diloco":
         return dataclasses.replace(cfg, grace_gamma=0.0, max_grace_s=0.0, upload_codec="fp32",
-                                   download_codec="fp32", mixing_alpha=0.0, direction_check="off")
+                                   download_codec="fp32", mixing_alpha=0.0, direction_check="off",
+                                   merge_rule="equal_mean", embedding_merge_rule="equal_mean")
     if cfg.sync_mode == "dp":
         return dataclasses.replace(cfg, num_fragments=1, sync_period_steps=1, overlap_steps=0, grace_gamma=0.0,
                                    max_grace_s=0.0, upload_codec="fp32", download_codec="fp32", mixing_alpha=0.0,
@@ -205,9 +213,11 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
     """Parses flags (with DDILOCO_SYNCER_* environment defaults) into a SyncerConfig."""
     helps = {
         "bind": "host:port to serve gRPC on (port 0: any free port)",
-        "sync_mode": "decoupled (Decoupled DiLoCo); baselines: diloco (synchronous DiLoCo: all fragments together, "
-                     "learners wait, no grace, fp32, no direction check) or dp (data-parallel: gradients every step, AdamW on the "
-                     "syncer, learners wait); set --min-quorum to the number of learners for the baselines",
+        "sync_mode": "decoupled (Decoupled DiLoCo); baselines: diloco (classic synchronous DiLoCo: plain mean of the "
+                     "pseudo-gradients with equal weights, i.e. merge rule equal_mean for every tensor whatever "
+                     "--merge-rule says, all fragments together, learners wait, no grace, fp32, no direction check) "
+                     "or dp (data-parallel: gradients every step, AdamW on the syncer, learners wait); set "
+                     "--min-quorum to the number of learners for the baselines",
         "dp_learning_rate": "dp mode: AdamW peak learning rate on the syncer",
         "dp_warmup_steps": "dp mode: AdamW linear warmup steps",
         "dp_weight_decay": "dp mode: AdamW weight decay (matrices only)",
@@ -235,8 +245,9 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "max_staleness_versions": "refuse contributions based more than this many versions back when their upload "
                                   "starts (merges while it streams in and waits do not make it stale)",
         "mixing_alpha": "0: learners overwrite a fragment on arrival; else local*alpha + global*(1-alpha)",
-        "merge_rule": "merge of non-embedding tensors: rda (radial-directional) or mean",
-        "embedding_merge_rule": "merge of embedding tensors: mean or rda",
+        "merge_rule": "merge of non-embedding tensors: rda (radial-directional, weighted), mean (weighted by "
+                      "tokens^2/steps) or equal_mean (plain mean, weights ignored); diloco mode forces equal_mean",
+        "embedding_merge_rule": "merge of embedding tensors: mean, rda or equal_mean; diloco mode forces equal_mean",
         "outer_lr": "outer Nesterov SGD learning rate",
         "outer_momentum": "outer Nesterov SGD momentum",
         "liveness_timeout_s": "a learner silent this long stops counting towards a round's expected size",

@@ -1,4 +1,4 @@
-"""Tests for ddiloco.algo.merge: weights, RDA and weighted mean, the streaming accumulator."""
+"""Tests for ddiloco.algo.merge: weights, RDA, weighted and equal-weight means, the streaming accumulator."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import merge as merge_lib
 
 TensorSpec = fragments_lib.TensorSpec
-_BATCH_RULES = {"rda": merge_lib.radial_directional_average, "mean": merge_lib.weighted_mean}
+_BATCH_RULES = {"rda": merge_lib.radial_directional_average, "mean": merge_lib.weighted_mean,
+                "equal_mean": merge_lib.equal_mean}
 
 
 def _fragment(*specs: TensorSpec) -> fragments_lib.Fragment:
@@ -219,7 +220,7 @@ def test_result_is_repeatable_and_fresh():
 
 
 @settings(max_examples=40, deadline=None)
-@given(_contributions(), st.sampled_from(["rda", "mean"]))
+@given(_contributions(), st.sampled_from(merge_lib.RULES))
 def test_scaled_result_is_one_factor_per_tensor_and_materializes_to_result(contributions, rule):
     fragment, deltas, weights = contributions
     acc = _accumulate(fragment, deltas, weights, rule=rule)
@@ -366,3 +367,112 @@ def test_scaled_result_carries_each_segments_sum_of_squares():
     # ‖Δ‖ from them, without a pass: what the outer step reports.
     norm = math.sqrt(float(np.dot(merged.sum_squares, merged.scales.astype(np.float64) ** 2)))
     assert norm == pytest.approx(float(np.linalg.norm(acc.result().astype(np.float64))), rel=1e-6)
+
+
+# Very different weights: what contribution_weight gives learners of very different batches
+# and step counts, a learner with no tokens, and a tiny one.
+_SKEWED_WEIGHTS = [1e6, 1.0, 0.0, 3e-4, 2.5e3]
+
+
+def _skewed_deltas(fragment: fragments_lib.Fragment, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(fragment.numel) * scale).astype(np.float32) for scale in (0.1, 3.0, 1.0, 7.0, 0.5)]
+
+
+def test_equal_mean_is_the_plain_mean_whatever_the_weights():
+    assert "equal_mean" in merge_lib.RULES and merge_lib.EQUAL_MEAN == "equal_mean"
+    fragment = _fragment(TensorSpec("embed", (40, 3), is_embedding=True), TensorSpec("w", (2500,)),
+                         TensorSpec("zero", (7,)))
+    deltas = _skewed_deltas(fragment, 21)
+    for delta in deltas[1:]:
+        delta[fragment.slices()["zero"]] = 0.0  # φ(0) matters not: a zero tensor is averaged like any other
+    plain = np.mean(np.stack(deltas).astype(np.float64), axis=0)
+
+    acc = _accumulate(fragment, deltas, _SKEWED_WEIGHTS, rule="equal_mean", embedding_rule="equal_mean")
+    merged = acc.result()
+
+    np.testing.assert_allclose(merged, plain, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(merge_lib.equal_mean(deltas, _SKEWED_WEIGHTS), plain, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(merge_lib.equal_mean(deltas), plain, rtol=1e-6, atol=1e-7)
+    # The weights are still checked and summed, the count is every contribution.
+    assert acc.count == 5 and acc.total_weight == pytest.approx(sum(_SKEWED_WEIGHTS))
+    # Any other weights, in any order: the same mean.
+    again = _accumulate(fragment, deltas[::-1], [0.0, 1.0, 0.0, 5e7, 1e-9], rule="equal_mean",
+                        embedding_rule="equal_mean").result()
+    np.testing.assert_allclose(again, merged, rtol=1e-5, atol=1e-6)
+    # All weights 0 (no fallback needed): still the plain mean.
+    zeros = _accumulate(fragment, deltas, [0.0] * 5, rule="equal_mean", embedding_rule="equal_mean").result()
+    np.testing.assert_allclose(zeros, merged, rtol=1e-6, atol=1e-7)
+
+
+def test_rda_and_the_weighted_mean_differ_from_the_equal_mean():
+    fragment = _fragment(TensorSpec("embed", (40, 3), is_embedding=True), TensorSpec("w", (2500,)))
+    deltas = _skewed_deltas(fragment, 22)
+    equal = _accumulate(fragment, deltas, _SKEWED_WEIGHTS, rule="equal_mean", embedding_rule="equal_mean").result()
+    default = _accumulate(fragment, deltas, _SKEWED_WEIGHTS).result()  # rda + weighted mean of embeddings
+    unweighted_rda = _accumulate(fragment, deltas, [1.0] * 5, rule="rda", embedding_rule="rda").result()
+
+    embed, w = fragment.slices().values()
+    for where in (embed, w):
+        assert not np.allclose(default[where], equal[where], rtol=1e-2, atol=1e-3)
+    # Not only the weights: RDA with equal weights keeps the mean norm, the plain mean of nearly
+    # orthogonal deltas shrinks it (here to two thirds: one delta of norm 7 dominates it).
+    assert np.linalg.norm(unweighted_rda[w]) > 1.3 * np.linalg.norm(equal[w])
+    np.testing.assert_allclose(
+        np.linalg.norm(unweighted_rda[w]), np.mean([np.linalg.norm(d[w].astype(np.float64)) for d in deltas]),
+        rtol=1e-5)
+
+
+def test_equal_mean_beside_weighted_rules_keeps_zero_weight_contributions_in_its_tensors():
+    fragment = _fragment(TensorSpec("embed", (6,), is_embedding=True), TensorSpec("w", (5,)))
+    embed, w = fragment.slices().values()
+    deltas = _skewed_deltas(fragment, 23)
+    # Weights 0 first (the weighted tensors' equal-weight fallback, then reset), 0 among positive ones.
+    weights = [0.0, 0.0, 4.0, 0.0, 1.0]
+
+    acc = _accumulate(fragment, deltas, weights, rule="rda", embedding_rule="equal_mean")
+    merged = acc.result()
+
+    np.testing.assert_allclose(merged[embed], np.mean([d[embed] for d in deltas], axis=0), rtol=1e-5, atol=1e-6)
+    expected_w = merge_lib.radial_directional_average([d[w] for d in deltas], weights)
+    np.testing.assert_allclose(merged[w], expected_w, rtol=1e-5, atol=1e-6)
+    swapped = _accumulate(fragment, deltas, weights, rule="equal_mean", embedding_rule="mean").result()
+    np.testing.assert_allclose(swapped[w], np.mean([d[w] for d in deltas], axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(swapped[embed], merge_lib.weighted_mean([d[embed] for d in deltas], weights),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_equal_mean_scaled_result_is_sums_over_count_with_their_sum_of_squares():
+    fragment = _fragment(TensorSpec("a", (300,), is_embedding=True), TensorSpec("b", (4100,)))
+    deltas = _skewed_deltas(fragment, 24)
+    given_norms = merge_lib.MergeAccumulator(fragment, rule="equal_mean", embedding_rule="equal_mean")
+    for delta, weight in zip(deltas, _SKEWED_WEIGHTS, strict=True):
+        norms = np.array([np.linalg.norm(delta[where].astype(np.float64)) for where in fragment.slices().values()])
+        given_norms.add(delta, weight, norms=norms)
+    plain = _accumulate(fragment, deltas, _SKEWED_WEIGHTS, rule="equal_mean", embedding_rule="equal_mean")
+
+    merged = plain.scaled_result()
+    assert merged.scales.tolist() == [np.float32(1 / 5)] * 2 and merged.bounds.tolist() == [0, 300, 4400]
+    np.testing.assert_allclose(merged.values, np.sum(deltas, axis=0), rtol=1e-5, atol=1e-5)
+    expected = [np.sum(merged.values[:300].astype(np.float64) ** 2), np.sum(merged.values[300:].astype(np.float64) ** 2)]
+    np.testing.assert_allclose(merged.sum_squares, expected, rtol=1e-12)
+    # ‖Δ‖ from the fold's sums of squares, as the outer step takes it.
+    norm = math.sqrt(float(np.dot(merged.sum_squares, merged.scales.astype(np.float64) ** 2)))
+    assert norm == pytest.approx(float(np.linalg.norm(plain.result().astype(np.float64))), rel=1e-6)
+    assert given_norms.result().tobytes() == plain.result().tobytes()
+
+
+def test_equal_mean_of_extreme_magnitudes_is_written_out_carefully():
+    fragment = _fragment(TensorSpec("tiny", (4,)), TensorSpec("w", (2,)))
+    a = np.array([1e-35, -2e-35, 3e-35, 0.0, 1.0, 2.0], np.float32)
+    b = np.array([3e-35, 2e-35, 1e-35, 0.0, 3.0, 0.0], np.float32)
+    # RDA on "tiny" takes the careful path; the equal-mean tensor is written out beside it.
+    acc = _accumulate(fragment, [a, b], [1.0, 100.0], rule="rda", embedding_rule="equal_mean")
+    mixed = _accumulate(fragment, [a, b], [1.0, 100.0], rule="equal_mean")
+    scaled = acc.scaled_result()
+    assert scaled.bounds.tolist() == [0, 6]
+    np.testing.assert_allclose(scaled.values[:4], merge_lib.radial_directional_average([a[:4], b[:4]], [1.0, 100.0]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(scaled.values[4:], merge_lib.radial_directional_average([a[4:], b[4:]], [1.0, 100.0]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(mixed.result(), (a.astype(np.float64) + b) / 2, rtol=1e-5, atol=0)

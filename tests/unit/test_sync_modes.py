@@ -5,7 +5,8 @@
   values, and error feedback keeps them within one quantization step of the true parameters.
 * dp mode: the syncer's AdamW on the mean of the learners' gradients equals optax AdamW applied
   to that mean directly (the data-parallel baseline is real data parallelism).
-* diloco mode: unstaggered plan, no grace window, fp32.
+* diloco mode: unstaggered plan, no grace window, fp32, and classic DiLoCo's merge: the plain
+  mean of the pseudo-gradients with equal weights (rule equal_mean), whatever the tokens.
 """
 
 from __future__ import annotations
@@ -158,3 +159,43 @@ def test_diloco_mode_fixes_grace_and_codecs_and_plans_unstaggered():
         cfg, sync_mode="decoupled")
     with pytest.raises(ValueError, match="sync_mode"):
         config_lib.SyncerConfig(sync_mode="allreduce")
+
+
+def test_diloco_mode_merges_with_the_equal_weight_mean_whatever_the_flags(capsys):
+    for rules in ({}, {"merge_rule": "rda"}, {"merge_rule": "mean", "embedding_merge_rule": "rda"}):
+        cfg = config_lib.apply_sync_mode(config_lib.SyncerConfig(sync_mode="diloco", min_quorum=2, **rules))
+        assert (cfg.merge_rule, cfg.embedding_merge_rule) == ("equal_mean", "equal_mean")
+    assert config_lib.SyncerConfig(merge_rule="equal_mean").merge_rule == "equal_mean"  # valid in any mode
+    with pytest.raises(ValueError, match="merge_rule"):
+        config_lib.SyncerConfig(merge_rule="median")
+    decoupled = config_lib.apply_sync_mode(config_lib.SyncerConfig())
+    assert (decoupled.merge_rule, decoupled.embedding_merge_rule) == ("rda", "mean")  # unchanged
+    with pytest.raises(SystemExit):
+        config_lib.parse_config(["--help"], {})
+    assert "equal_mean" in " ".join(capsys.readouterr().out.split())
+    parsed = config_lib.parse_config(["--sync-mode", "diloco", "--merge-rule", "rda", "--insecure"], {})
+    assert (parsed.merge_rule, parsed.embedding_merge_rule) == ("equal_mean", "equal_mean")
+
+
+def test_diloco_mode_outer_gradient_is_the_plain_mean_of_very_differently_weighted_contributions():
+    async def run():
+        clock = FakeClock()
+        cfg = config_lib.apply_sync_mode(config_lib.SyncerConfig(sync_mode="diloco", min_quorum=2, num_fragments=2,
+                                                                 sync_period_steps=2, norm_bound_factor=0.0))
+        core = _core(clock, cfg, staggered=False)
+        join(core, "l1")
+        join(core, "l2")
+        slot = core.slots[0]
+        rng = np.random.default_rng(3)
+        d1, d2 = (rng.normal(scale=0.01, size=slot.fragment.numel).astype(np.float32) for _ in range(2))
+        # tokens = 100 x steps: weights tokens²/steps of 1e4 and 6.4e5, 64 times apart.
+        first = await upload(core, "l1", 0, 0, d1, steps=1)
+        second = await upload(core, "l2", 0, 0, d2, steps=64)
+        assert second.weight == pytest.approx(64 * first.weight)
+        core.tick()
+        await settle()
+        assert slot.version == 1
+        merged, _ = slot.last_outer_grad
+        np.testing.assert_allclose(merged.materialize(), (d1.astype(np.float64) + d2) / 2, rtol=1e-5, atol=1e-8)
+
+    asyncio.run(run())
