@@ -63,6 +63,8 @@ class RunConfig(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     SYNC_MODE_FIELD_NUMBER: _builtins.int
     INIT_SEED_FIELD_NUMBER: _builtins.int
+    ON_ARRIVAL_FIELD_NUMBER: _builtins.int
+    ROUND_TRIGGER_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     model_name: _builtins.str
     """Model registry name and its complete JSON configuration."""
@@ -107,6 +109,16 @@ class RunConfig(_message.Message):
     learner that computes the same initial fragment (same sha256 as JoinResponse.published_sha256)
     holds version 0 without downloading it.
     """
+    on_arrival: _builtins.str
+    """What a learner does with a new global version (ddiloco.algo.arrival): "rebase" (keep its
+    un-merged work), "overwrite" (the paper's rule) or "mix" (alpha-blend with mixing_alpha).
+    Empty: "overwrite" if mixing_alpha is 0, else "mix" (syncers before rounds were scheduled).
+    """
+    round_trigger: _builtins.str
+    """"schedule": the syncer opens each fragment's rounds and calls the learners (RoundCall);
+    "upload": learners contribute when their own step counter says a fragment is due and a round
+    opens with its first contribution (the synchronous modes, and the previous design).
+    """
     @_builtins.property
     def fragments(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FragmentInfo]:
         """The fragment plan (balanced tensor fragmentation)."""
@@ -135,10 +147,12 @@ class RunConfig(_message.Message):
         protocol_version: _builtins.int = ...,
         sync_mode: _builtins.str = ...,
         init_seed: _builtins.int = ...,
+        on_arrival: _builtins.str = ...,
+        round_trigger: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size_bytes", b"chunk_size_bytes", "download_codec", b"download_codec", "embedding_merge_rule", b"embedding_merge_rule", "fragments", b"fragments", "init_seed", b"init_seed", "max_staleness_versions", b"max_staleness_versions", "merge_rule", b"merge_rule", "min_quorum", b"min_quorum", "mixing_alpha", b"mixing_alpha", "model_config_json", b"model_config_json", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "num_fragments", b"num_fragments", "overlap_steps", b"overlap_steps", "protocol_version", b"protocol_version", "run_id", b"run_id", "sync_mode", b"sync_mode", "sync_period_steps", b"sync_period_steps", "upload_block_size", b"upload_block_size", "upload_codec", b"upload_codec", "zstd_level", b"zstd_level"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size_bytes", b"chunk_size_bytes", "download_codec", b"download_codec", "embedding_merge_rule", b"embedding_merge_rule", "fragments", b"fragments", "init_seed", b"init_seed", "max_staleness_versions", b"max_staleness_versions", "merge_rule", b"merge_rule", "min_quorum", b"min_quorum", "mixing_alpha", b"mixing_alpha", "model_config_json", b"model_config_json", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "num_fragments", b"num_fragments", "on_arrival", b"on_arrival", "overlap_steps", b"overlap_steps", "protocol_version", b"protocol_version", "round_trigger", b"round_trigger", "run_id", b"run_id", "sync_mode", b"sync_mode", "sync_period_steps", b"sync_period_steps", "upload_block_size", b"upload_block_size", "upload_codec", b"upload_codec", "zstd_level", b"zstd_level"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -284,6 +298,7 @@ class ReportProgressRequest(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _builtins.int
     INNER_LOSS_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     learner_id: _builtins.str
     incarnation: _builtins.int
@@ -294,6 +309,10 @@ class ReportProgressRequest(_message.Message):
     """Smoothed wall time of one inner step (EMA), seconds."""
     inner_loss: _builtins.float
     """Smoothed training loss of the local model, nats per token."""
+    finished: _builtins.bool
+    """The learner has taken its last step: it is flushing its remaining work (final uploads) and
+    will leave. A finished learner is not waited for in new rounds.
+    """
     @_builtins.property
     def fragments(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentProgress]: ...
     @_builtins.property
@@ -312,10 +331,11 @@ class ReportProgressRequest(_message.Message):
         step_time_s: _builtins.float = ...,
         inner_loss: _builtins.float = ...,
         held: _abc.Iterable[_common_pb2.FragmentVersion] | None = ...,
+        finished: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragments", b"fragments", "held", b"held", "incarnation", b"incarnation", "inner_loss", b"inner_loss", "learner_id", b"learner_id", "local_step", b"local_step", "protocol_version", b"protocol_version", "step_time_s", b"step_time_s", "tokens_total", b"tokens_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "fragments", b"fragments", "held", b"held", "incarnation", b"incarnation", "inner_loss", b"inner_loss", "learner_id", b"learner_id", "local_step", b"local_step", "protocol_version", b"protocol_version", "step_time_s", b"step_time_s", "tokens_total", b"tokens_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -354,6 +374,8 @@ class UploadHeader(_message.Message):
     STEPS_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     PAYLOAD_FIELD_NUMBER: _builtins.int
+    LOCAL_STEP_FIELD_NUMBER: _builtins.int
+    FINAL_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     learner_id: _builtins.str
     incarnation: _builtins.int
@@ -362,8 +384,19 @@ class UploadHeader(_message.Message):
     """The global version the pseudo-gradient is taken against, and the syncer life it came from."""
     syncer_instance: _builtins.str
     steps: _builtins.int
-    """Inner steps and tokens the learner processed on this fragment since it received base_version."""
+    """Inner steps and tokens in this contribution: the learner's whole progress on the fragment
+    since its last merged contribution (kept across global versions that did not include it).
+    """
     tokens: _builtins.int
+    local_step: _builtins.int
+    """The learner's local step at which the contribution was taken (its mark). When this
+    contribution is merged, the learner's MergeReceipt for the fragment reports this mark, so the
+    learner knows exactly which of its work the new global version holds.
+    """
+    final: _builtins.bool
+    """The learner's last contribution of this fragment (end of training): the syncer opens the
+    fragment's round at once instead of waiting for its schedule.
+    """
     @_builtins.property
     def payload(self) -> _common_pb2.PayloadInfo: ...
     def __init__(
@@ -378,10 +411,12 @@ class UploadHeader(_message.Message):
         steps: _builtins.int = ...,
         tokens: _builtins.int = ...,
         payload: _common_pb2.PayloadInfo | None = ...,
+        local_step: _builtins.int = ...,
+        final: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "fragment_id", b"fragment_id", "incarnation", b"incarnation", "learner_id", b"learner_id", "payload", b"payload", "protocol_version", b"protocol_version", "steps", b"steps", "syncer_instance", b"syncer_instance", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "final", b"final", "fragment_id", b"fragment_id", "incarnation", b"incarnation", "learner_id", b"learner_id", "local_step", b"local_step", "payload", b"payload", "protocol_version", b"protocol_version", "steps", b"steps", "syncer_instance", b"syncer_instance", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -542,28 +577,97 @@ class GlobalFragmentHeader(_message.Message):
 Global___GlobalFragmentHeader: _TypeAlias = GlobalFragmentHeader  # noqa: Y015
 
 @_typing.final
+class RoundCall(_message.Message):
+    """The syncer asks every live learner for its contribution to fragment `fragment_id`: the
+    fragment's round `round` is open (rounds are scheduled by the syncer, not by each learner).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAGMENT_ID_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    fragment_id: _builtins.int
+    round: _builtins.int
+    version: _builtins.int
+    """The fragment's version when the round opened: the merge will produce version + 1."""
+    def __init__(
+        self,
+        *,
+        fragment_id: _builtins.int = ...,
+        round: _builtins.int = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragment_id", b"fragment_id", "round", b"round", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoundCall: _TypeAlias = RoundCall  # noqa: Y015
+
+@_typing.final
+class MergeReceipt(_message.Message):
+    """Sent to one learner right before a new version of a fragment: the highest local_step mark of
+    this learner's (this incarnation's) contributions that the version holds, 0 if none.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAGMENT_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    MERGED_THROUGH_STEP_FIELD_NUMBER: _builtins.int
+    fragment_id: _builtins.int
+    version: _builtins.int
+    merged_through_step: _builtins.int
+    def __init__(
+        self,
+        *,
+        fragment_id: _builtins.int = ...,
+        version: _builtins.int = ...,
+        merged_through_step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragment_id", b"fragment_id", "merged_through_step", b"merged_through_step", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MergeReceipt: _TypeAlias = MergeReceipt  # noqa: Y015
+
+@_typing.final
 class WatchFragmentsResponse(_message.Message):
-    """Each fragment version is one header followed by its payload chunks."""
+    """Each fragment version is one header followed by its payload chunks (preceded by the
+    watcher's MergeReceipt); round calls come between versions.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    ROUND_CALL_FIELD_NUMBER: _builtins.int
+    RECEIPT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___GlobalFragmentHeader: ...
     @_builtins.property
     def chunk(self) -> _common_pb2.PayloadChunk: ...
+    @_builtins.property
+    def round_call(self) -> Global___RoundCall: ...
+    @_builtins.property
+    def receipt(self) -> Global___MergeReceipt: ...
     def __init__(
         self,
         *,
         header: Global___GlobalFragmentHeader | None = ...,
         chunk: _common_pb2.PayloadChunk | None = ...,
+        round_call: Global___RoundCall | None = ...,
+        receipt: Global___MergeReceipt | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "kind", b"kind", "receipt", b"receipt", "round_call", b"round_call"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header", "kind", b"kind", "receipt", b"receipt", "round_call", b"round_call"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["header", "chunk", "round_call", "receipt"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -892,6 +996,8 @@ class FragmentState(_message.Message):
     PENDING_CONTRIBUTIONS_FIELD_NUMBER: _builtins.int
     PARAMS_SHA256_FIELD_NUMBER: _builtins.int
     PUBLISHED_SHA256_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
+    ROUND_OPEN_FIELD_NUMBER: _builtins.int
     fragment_id: _builtins.int
     version: _builtins.int
     numel: _builtins.int
@@ -904,6 +1010,11 @@ class FragmentState(_message.Message):
     download codec is lossy, in which case learners hold the syncer's error-fed reconstruction
     (see GlobalFragmentHeader.delta) and this is its hash.
     """
+    round: _builtins.int
+    """The fragment's round: rounds opened so far, and whether the latest is open (its learners
+    have been called and it merges at quorum plus grace).
+    """
+    round_open: _builtins.bool
     def __init__(
         self,
         *,
@@ -913,10 +1024,12 @@ class FragmentState(_message.Message):
         pending_contributions: _builtins.int = ...,
         params_sha256: _builtins.str = ...,
         published_sha256: _builtins.str = ...,
+        round: _builtins.int = ...,
+        round_open: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragment_id", b"fragment_id", "numel", b"numel", "params_sha256", b"params_sha256", "pending_contributions", b"pending_contributions", "published_sha256", b"published_sha256", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragment_id", b"fragment_id", "numel", b"numel", "params_sha256", b"params_sha256", "pending_contributions", b"pending_contributions", "published_sha256", b"published_sha256", "round", b"round", "round_open", b"round_open", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -932,12 +1045,15 @@ class Contribution(_message.Message):
     STEPS_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     WEIGHT_FIELD_NUMBER: _builtins.int
+    LOCAL_STEP_FIELD_NUMBER: _builtins.int
     learner_id: _builtins.str
     incarnation: _builtins.int
     base_version: _builtins.int
     steps: _builtins.int
     tokens: _builtins.int
     weight: _builtins.float
+    local_step: _builtins.int
+    """The contribution's mark (UploadHeader.local_step)."""
     def __init__(
         self,
         *,
@@ -947,10 +1063,11 @@ class Contribution(_message.Message):
         steps: _builtins.int = ...,
         tokens: _builtins.int = ...,
         weight: _builtins.float = ...,
+        local_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "incarnation", b"incarnation", "learner_id", b"learner_id", "steps", b"steps", "tokens", b"tokens", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "incarnation", b"incarnation", "learner_id", b"learner_id", "local_step", b"local_step", "steps", b"steps", "tokens", b"tokens", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -969,19 +1086,27 @@ class MergeRecord(_message.Message):
     GRACE_USED_S_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     OUTER_GRAD_NORM_FIELD_NUMBER: _builtins.int
+    EXPECTED_CONTRIBUTORS_FIELD_NUMBER: _builtins.int
+    ROUND_FIELD_NUMBER: _builtins.int
     fragment_id: _builtins.int
     version: _builtins.int
     """The version this merge produced."""
     merged_at_unix_s: _builtins.float
     quorum_wait_s: _builtins.float
-    """Time from the round's first contribution to quorum, the grace window granted, and the time
-    actually waited after quorum.
+    """Time from the round's opening (the syncer's call) to quorum, the grace window granted, and the
+    time actually waited after quorum.
     """
     grace_window_s: _builtins.float
     grace_used_s: _builtins.float
     reason: _builtins.str
     outer_grad_norm: _builtins.float
     """Norm of the merged outer gradient."""
+    expected_contributors: _builtins.int
+    """Live learners the round waited for when it merged (not left, not silent, not quarantined,
+    not finished).
+    """
+    round: _builtins.int
+    """The syncer's round number of this fragment that this merge closed."""
     @_builtins.property
     def contributors(self) -> _containers.RepeatedCompositeFieldContainer[Global___Contribution]: ...
     def __init__(
@@ -996,10 +1121,12 @@ class MergeRecord(_message.Message):
         grace_used_s: _builtins.float = ...,
         reason: _builtins.str = ...,
         outer_grad_norm: _builtins.float = ...,
+        expected_contributors: _builtins.int = ...,
+        round: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["contributors", b"contributors", "fragment_id", b"fragment_id", "grace_used_s", b"grace_used_s", "grace_window_s", b"grace_window_s", "merged_at_unix_s", b"merged_at_unix_s", "outer_grad_norm", b"outer_grad_norm", "quorum_wait_s", b"quorum_wait_s", "reason", b"reason", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["contributors", b"contributors", "expected_contributors", b"expected_contributors", "fragment_id", b"fragment_id", "grace_used_s", b"grace_used_s", "grace_window_s", b"grace_window_s", "merged_at_unix_s", b"merged_at_unix_s", "outer_grad_norm", b"outer_grad_norm", "quorum_wait_s", b"quorum_wait_s", "reason", b"reason", "round", b"round", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1121,6 +1248,7 @@ class TrainingState(_message.Message):
     AUTH_FAILURES_FIELD_NUMBER: _builtins.int
     QUARANTINES_FIELD_NUMBER: _builtins.int
     DIRECTION_JUDGMENTS_FIELD_NUMBER: _builtins.int
+    TOKENS_PROCESSED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     syncer_instance: _builtins.str
     started_at_unix_s: _builtins.float
@@ -1143,6 +1271,11 @@ class TrainingState(_message.Message):
     sync_time_s: _builtins.float
     quarantines: _builtins.int
     """Learners quarantined since this syncer started (restored quarantines included)."""
+    tokens_processed: _builtins.int
+    """Tokens processed by every life of every learner that reported progress to this run (restored
+    across syncer restarts). Work merged = tokens_merged / (num_fragments x tokens_processed):
+    the share of the learners' work that reached the global model.
+    """
     @_builtins.property
     def fragments(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentState]: ...
     @_builtins.property
@@ -1200,10 +1333,11 @@ class TrainingState(_message.Message):
         auth_failures: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         quarantines: _builtins.int = ...,
         direction_judgments: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        tokens_processed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "tokens_merged", b"tokens_merged", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -121,7 +121,8 @@ def run(cfg: config_lib.LearnerConfig) -> int:
     loop = loop_lib.LearnerLoop(
         plan=plan, params=params, train_step=train_lib.TrainStep(model, optimizer, unit.mesh), sampler=sampler, client=client,
         learner_id=cfg.learner_id, incarnation=incarnation, mixing_alpha=run_config.mixing_alpha, step_delay_s=delay,
-        sync_mode=sync_mode, should_stop=stop.is_set,
+        sync_mode=sync_mode, should_stop=stop.is_set, on_arrival=run_config.on_arrival,
+        round_trigger=run_config.round_trigger or "schedule",
     )
     collector.loop = loop
     loop.apply_updates()
@@ -144,7 +145,11 @@ def run(cfg: config_lib.LearnerConfig) -> int:
                                   "step_s": round(loop.stats.step_time_ema.value or 0.0, 3),
                                   "held": {f: v for f, (_, v) in sorted(loop.held.items())}}},
             )
-    # Let the last queued uploads go out (bounded) before leaving.
+    # The end of training merges everything: the last progress on every fragment goes out and the
+    # learner waits (bounded) until the global model holds it; then queued uploads drain.
+    finish_started = time.monotonic()
+    all_merged = loop.finish(timeout_s=cfg.finish_timeout_s) if not client.fenced else False
+    finish_s = time.monotonic() - finish_started
     client.flush(timeout_s=min(10.0, cfg.retry_bound_s))
     client.close(leave=True)
     summary = {
@@ -154,6 +159,9 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         "fragments_applied": loop.stats.fragments_applied, "client": vars(client.stats),
         "sync_mode": sync_mode, "wait_s": round(loop.stats.wait_s, 3), "compute_s": round(loop.stats.compute_s, 3),
         "barrier_resends": loop.stats.barrier_resends,
+        "merged_contributions": loop.stats.merged_contributions,
+        "unmerged_contributions": loop.stats.unmerged_contributions,
+        "finish": {"all_merged": all_merged, "wait_s": round(finish_s, 3)},
         "tokens_per_step": sampler.tokens_per_batch, "params_sha256": distributed_lib.params_sha256(loop.params),
         # The global values this learner holds, per fragment: compare with the syncer's published_sha256.
         "held": {str(f): {"version": v, "sha256": core_hash(loop.global_copy[f])}

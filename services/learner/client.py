@@ -39,6 +39,8 @@ from ddiloco.wire import serde
 
 _LOG = logging.getLogger("ddiloco.learner")
 
+MIN_PROGRESS_INTERVAL_S = 0.02  # the fastest a learner reports progress (see _progress_interval_s)
+
 # Refusals after which the same base may be sent again (the contribution was not taken, and a later
 # try can succeed); INVALID_ARGUMENT, PERMISSION_DENIED, ALREADY_EXISTS and the like are final.
 _RESENDABLE = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -79,7 +81,7 @@ class ClientConfig:
     encode: Callable[..., codec_lib.EncodedPayload] = codec_lib.encode
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class UploadJob:
     fragment_id: int
     base_version: int
@@ -87,6 +89,25 @@ class UploadJob:
     steps: int
     tokens: int
     delta: np.ndarray  # flat float32: global base - local
+    local_step: int = 0  # the learner's step when the delta was taken (UploadHeader.local_step)
+    final: bool = False  # the learner's last contribution of this fragment
+    # Set by the client once encoded: the values the syncer will decode (the delta through a lossy
+    # upload codec), which is what a merge adds to the global model (ddiloco.algo.arrival).
+    sent_values: np.ndarray | None = None
+
+
+# UploadOutcome.result values.
+OUTCOME_ACCEPTED = "accepted"  # in the fragment's next merge (unless that round is dropped)
+OUTCOME_DUPLICATE = "duplicate"  # accepted before (a retry)
+OUTCOME_NOT_TAKEN = "not_taken"  # refused, failed, superseded or for another syncer life: never merged
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadOutcome:
+    fragment_id: int
+    local_step: int
+    result: str
+    current_version: int = 0  # the fragment's version when the syncer accepted it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +116,8 @@ class GlobalFragment:
     version: int
     syncer_instance: str
     values: np.ndarray  # flat float32
+    # The MergeReceipt: the highest local_step mark of this learner's contributions the version holds.
+    merged_through_step: int = 0
 
 
 @dataclasses.dataclass
@@ -138,6 +161,9 @@ class SyncClient:
         # (fragment, syncer instance, base version) of uploads the syncer refused without taking
         # them: the loop may send that base again (see take_refused).
         self._refused: set[tuple[int, str, int]] = set()
+        self._outcomes: list[UploadOutcome] = []
+        self._calls: dict[int, syncer_pb2.RoundCall] = {}  # fragment -> the newest round call
+        self._receipts: dict[int, syncer_pb2.MergeReceipt] = {}  # received ahead of their version
         self._progress: syncer_pb2.ReportProgressRequest | None = None
         self._progress_sent: syncer_pb2.ReportProgressRequest | None = None
         self.fenced: FencedError | None = None
@@ -182,7 +208,10 @@ class SyncClient:
     def submit_upload(self, job: UploadJob) -> None:
         """Queues an upload; a queued, not yet started upload of the same fragment is replaced."""
         with self._lock:
+            replaced = self._uploads.get(job.fragment_id)
             self._uploads[job.fragment_id] = job
+            if replaced is not None and replaced is not job:
+                self._outcomes.append(UploadOutcome(replaced.fragment_id, replaced.local_step, OUTCOME_NOT_TAKEN))
         if self._upload_wakeup is not None:
             self._loop.call_soon_threadsafe(self._upload_wakeup.set)
 
@@ -195,6 +224,22 @@ class SyncClient:
         with self._lock:
             out, self._refused = self._refused, set()
         return out
+
+    def take_outcomes(self) -> list[UploadOutcome]:
+        """What became of submitted uploads since the last call, in order."""
+        with self._lock:
+            out, self._outcomes = self._outcomes, []
+        return out
+
+    def take_calls(self) -> dict[int, syncer_pb2.RoundCall]:
+        """The syncer's round calls received since the last call (the newest per fragment)."""
+        with self._lock:
+            out, self._calls = self._calls, {}
+        return out
+
+    def _outcome(self, job: UploadJob, result: str, current_version: int = 0) -> None:
+        with self._lock:
+            self._outcomes.append(UploadOutcome(job.fragment_id, job.local_step, result, current_version))
 
     def take_updates(self) -> list[GlobalFragment]:
         """The newest received version of each fragment since the last call (never blocks)."""
@@ -393,7 +438,16 @@ class SyncClient:
         try:
             async for msg in call:
                 self.stats.bytes_received += msg.ByteSize()
-                if msg.WhichOneof("kind") == "header":
+                kind = msg.WhichOneof("kind")
+                if kind == "round_call":
+                    with self._lock:
+                        self._calls[msg.round_call.fragment_id] = msg.round_call
+                    continue
+                if kind == "receipt":
+                    with self._lock:
+                        self._receipts[msg.receipt.fragment_id] = msg.receipt
+                    continue
+                if kind == "header":
                     header = msg.header
                     assembler = serde.ChunkAssembler(header.payload.payload_size_bytes)
                     continue
@@ -423,8 +477,10 @@ class SyncClient:
                                      f"but this learner holds {held}")
             values = serde.apply_delta(base, values)
             self.stats.delta_fragments_received += 1
-        update = GlobalFragment(fid, header.version, header.syncer_instance, values)
         with self._arrived:
+            receipt = self._receipts.pop(fid, None)
+            mark = receipt.merged_through_step if receipt is not None and receipt.version == header.version else 0
+            update = GlobalFragment(fid, header.version, header.syncer_instance, values, mark)
             if header.syncer_instance != self.instance:
                 return
             self._inbox[fid] = update
@@ -448,7 +504,18 @@ class SyncClient:
                         raise _SessionBroken(f"progress refused: {exc.details()}") from None
                     # Transient: the next snapshot is sent on the next tick; the watch stream
                     # notices a dead syncer on its own.
-            await asyncio.sleep(self.cfg.progress_interval_s)
+            await asyncio.sleep(self._progress_interval_s(request))
+
+    def _progress_interval_s(self, request: syncer_pb2.ReportProgressRequest | None) -> float:
+        """How long until the next progress report: the syncer's round schedule advances with the
+        reports, so a learner reports at least twice per round slot (H / P steps) when its steps are
+        fast, never more often than every MIN_PROGRESS_INTERVAL_S, and at most every
+        `progress_interval_s`."""
+        cfg = self.run_config
+        if request is None or cfg is None or request.step_time_s <= 0 or not cfg.num_fragments:
+            return self.cfg.progress_interval_s
+        slot_s = request.step_time_s * cfg.sync_period_steps / cfg.num_fragments
+        return min(self.cfg.progress_interval_s, max(MIN_PROGRESS_INTERVAL_S, 0.5 * slot_s))
 
     async def _upload_loop(self) -> None:
         # One upload in flight per fragment, fragments side by side. Sent one after another, an
@@ -470,6 +537,11 @@ class SyncClient:
     async def _send(self, job: UploadJob) -> None:
         try:
             await self._upload(job)
+        except asyncio.CancelledError:
+            # The session broke mid-upload: the syncer may or may not have taken it; the learner
+            # keeps the work (a MergeReceipt still tells it if a version holds it).
+            self._outcome(job, OUTCOME_NOT_TAKEN)
+            raise
         finally:
             with self._lock:
                 self._sending.discard(job.fragment_id)
@@ -479,6 +551,7 @@ class SyncClient:
         cfg = self.run_config
         if job.syncer_instance != self.instance:
             self.stats.uploads_refused += 1
+            self._outcome(job, OUTCOME_NOT_TAKEN)
             return  # based on another syncer life: worthless
         codec = serde.codec_from_proto(cfg.upload_codec)
         delta = job.delta
@@ -490,12 +563,17 @@ class SyncClient:
             )
         except codec_lib.NonFiniteError as exc:
             self.stats.uploads_refused += 1
+            self._outcome(job, OUTCOME_NOT_TAKEN)
             _LOG.error(f"fragment {job.fragment_id} not sent: {exc}")
             return
+        if encoded.codec != "fp32":
+            job.sent_values = await asyncio.to_thread(serde.decode_payload, serde.payload_info_to_proto(encoded),
+                                                      encoded.payload)
         header = syncer_pb2.UploadHeader(
             protocol_version=serde.PROTOCOL_VERSION, learner_id=self.cfg.learner_id, incarnation=self.cfg.incarnation,
             fragment_id=job.fragment_id, base_version=job.base_version, syncer_instance=job.syncer_instance,
             steps=job.steps, tokens=job.tokens, payload=serde.payload_info_to_proto(encoded),
+            local_step=job.local_step, final=job.final,
         )
         messages = [syncer_pb2.UploadFragmentRequest(header=header)] + [
             syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(encoded.payload, cfg.chunk_size_bytes)
@@ -512,6 +590,7 @@ class SyncClient:
                     with self._lock:
                         superseded = job.fragment_id in self._uploads
                     if superseded:
+                        self._outcome(job, OUTCOME_NOT_TAKEN)
                         return  # a newer pseudo-gradient of this fragment is queued; send that one
                     self.stats.bytes_sent += wire_bytes
                     if self._header_ack:
@@ -521,11 +600,13 @@ class SyncClient:
                         response = await self._stub.UploadFragment(self._request_stream(messages), timeout=timeout_s)
         except retry_lib.RetriesExhausted as exc:
             self.stats.uploads_failed += 1
+            self._outcome(job, OUTCOME_NOT_TAKEN)
             self._record("failed", job, sent_at)
             _LOG.warning(str(exc))
             raise _SessionBroken("uploads keep failing") from None
         except grpc.aio.AioRpcError as exc:
             self.stats.uploads_refused += 1
+            self._outcome(job, OUTCOME_NOT_TAKEN)
             code = exc.code()
             _LOG.info(f"fragment {job.fragment_id} base {job.base_version} refused: {code.name}: {exc.details()}")
             self._record("refused", job, sent_at, code=code.name)
@@ -536,6 +617,7 @@ class SyncClient:
                     self._refused.add((job.fragment_id, job.syncer_instance, job.base_version))
             return
         duplicate = response.result == syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE
+        self._outcome(job, OUTCOME_DUPLICATE if duplicate else OUTCOME_ACCEPTED, response.current_version)
         self._record("ack", job, sent_at, result="duplicate" if duplicate else "accepted")
         if duplicate:
             self.stats.uploads_duplicate += 1

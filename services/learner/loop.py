@@ -1,9 +1,16 @@
-"""The learner's training loop: inner AdamW steps plus the Decoupled DiLoCo fragment schedule.
+"""The learner's training loop: inner AdamW steps plus the Decoupled DiLoCo fragment rounds.
 
-Per step (paper Alg. 1, learner side): fold in any global fragments that arrived (overwrite, or
-alpha-mix), take one inner step, advance the per-fragment step and token counters, and for each
-fragment due at this step queue its pseudo-gradient (global fragment last received minus the
-local fragment) for upload. Nothing here waits on the network: the SyncClient does that.
+Per step (paper Alg. 1, learner side): fold in any global fragments that arrived (by the run's
+on-arrival rule, ddiloco.algo.arrival: rebase by default, which keeps un-merged work), take one
+inner step, advance the per-fragment step and token counters, and answer the syncer's round calls:
+for each fragment whose round is open, queue its pseudo-gradient (the global fragment held minus
+the local fragment: all of this learner's progress on it since its last merged contribution) for
+upload. A fragment with an uploaded contribution whose fate is unknown answers once the version
+that decides it arrives (one contribution in flight per fragment, so no work is sent twice).
+Nothing here waits on the network: the SyncClient does that. With the run's round_trigger
+"upload" the learner's own counter decides instead (the previous design, kept for comparison).
+At the end, `finish` contributes the remaining progress on every fragment and waits (bounded)
+until the global model holds it.
 
 The parameters live wherever the train step keeps them (one device, or sharded over a learner
 unit's mesh). Fragments move between host and devices one tensor at a time through the train
@@ -24,11 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from ddiloco.algo import arrival as arrival_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import grace as grace_lib
 from ddiloco.v1 import syncer_pb2
@@ -50,6 +59,8 @@ class LoopStats:
     wait_s: float = 0.0  # blocked on the syncer (synchronous modes only)
     compute_s: float = 0.0  # everything else inside step()
     barrier_resends: int = 0
+    merged_contributions: int = 0  # own contributions a received version held (MergeReceipt)
+    unmerged_contributions: int = 0  # ... that a version showed were never merged (work kept)
     first_loss: float | None = None
     loss_ema: grace_lib.Ema = dataclasses.field(default_factory=lambda: grace_lib.Ema(0.1))
     step_time_ema: grace_lib.Ema = dataclasses.field(default_factory=lambda: grace_lib.Ema(0.2))
@@ -73,11 +84,15 @@ class LearnerLoop:
         sync_mode: str = "decoupled",
         should_stop: Callable[[], bool] = lambda: False,
         barrier_resend_s: float = 15.0,
+        on_arrival: str = "",
+        round_trigger: str = "schedule",
     ) -> None:
         """`sync_mode` comes from the syncer's RunConfig (see the module docstring). In the
         synchronous modes `should_stop` ends a barrier wait (SIGTERM), and an upload whose merge
         has not come back within `barrier_resend_s` is sent again (idempotent on the syncer), so
-        a lost upload cannot deadlock a quorum that needs every learner."""
+        a lost upload cannot deadlock a quorum that needs every learner. `on_arrival` and
+        `round_trigger` come from the RunConfig (decoupled mode only; the synchronous modes
+        overwrite, or mix with `mixing_alpha`, and upload on their own schedule)."""
         if sync_mode not in SYNC_MODES:
             raise ValueError(f"sync_mode={sync_mode!r}: this learner knows {SYNC_MODES}; upgrade it")
         self.plan = plan
@@ -102,24 +117,66 @@ class LearnerLoop:
         self._gradient_mode = sync_mode == "dp"
         self._should_stop = should_stop
         self._barrier_resend_s = barrier_resend_s
+        default_rule = "mix" if mixing_alpha else "overwrite"
+        self.on_arrival = (on_arrival or default_rule) if sync_mode == "decoupled" else default_rule
+        if self.on_arrival not in arrival_lib.ON_ARRIVAL_RULES:
+            raise ValueError(f"on_arrival={on_arrival!r}: this learner knows {arrival_lib.ON_ARRIVAL_RULES}")
+        self._called = sync_mode == "decoupled" and round_trigger != "upload"
+        self.pending: dict[int, arrival_lib.PendingContribution] = {}
+        self._jobs: dict[int, client_lib.UploadJob] = {}  # the job behind each pending contribution
+        self._calls: dict[int, syncer_pb2.RoundCall] = {}
+        self.finished = False
+
+    def _take_outcomes(self) -> None:
+        take = getattr(self._client, "take_outcomes", None)
+        for outcome in take() if take else ():
+            pending = self.pending.get(outcome.fragment_id)
+            if pending is None or pending.mark_step != outcome.local_step:
+                continue
+            if outcome.result == client_lib.OUTCOME_NOT_TAKEN:
+                del self.pending[outcome.fragment_id]  # never merged: the work stays in the progress
+            else:
+                pending.accepted = True
+                pending.accepted_version = outcome.current_version
 
     def apply_updates(self) -> int:
         """Folds in every global fragment that arrived; returns how many."""
+        self._take_outcomes()
         updates = self._client.take_updates()
         for update in updates:
-            frag = self.plan.fragments[update.fragment_id]
+            fid = update.fragment_id
+            frag = self.plan.fragments[fid]
             values = update.values
-            if self._alpha and update.fragment_id in self.global_copy:
-                local = fragments_lib.flatten_fragment(self._host_params(frag), frag)
-                values_to_set = self._alpha * local + (1.0 - self._alpha) * values
+            pending = self.pending.get(fid)
+            job = self._jobs.get(fid)
+            if pending is not None and pending.sent is None and job is not None and job.local_step == pending.mark_step:
+                pending.sent = job.sent_values  # what the syncer decoded (None: lossless upload)
+            if fid not in self.global_copy:  # the first copy: nothing local to keep
+                new_local, merged, reset = values, None, True
             else:
-                values_to_set = values
-            for name, arr in fragments_lib.unflatten_fragment(values_to_set.astype(np.float32), frag).items():
+                folded = arrival_lib.fold_in(
+                    rule=self.on_arrival, local=fragments_lib.flatten_fragment(self._host_params(frag), frag),
+                    held=self.global_copy[fid], new=values, pending=pending,
+                    merged_through_step=update.merged_through_step, alpha=self._alpha)
+                new_local, merged, reset = folded.local, folded.merged, folded.reset_counters
+            for name, arr in fragments_lib.unflatten_fragment(np.asarray(new_local, np.float32), frag).items():
                 self.params[name] = self._train_step.place(name, arr)
-            self.global_copy[update.fragment_id] = values
-            self.held[update.fragment_id] = (update.syncer_instance, update.version)
-            self.c_steps[update.fragment_id] = 0
-            self.c_tokens[update.fragment_id] = 0
+            self.global_copy[fid] = values
+            self.held[fid] = (update.syncer_instance, update.version)
+            if merged is not None:
+                self.stats.merged_contributions += 1
+                del self.pending[fid]
+                if not reset:  # keep the counts of the steps taken after the merged contribution
+                    self.c_steps[fid] = max(0, int(self.c_steps[fid]) - merged.steps)
+                    self.c_tokens[fid] = max(0, int(self.c_tokens[fid]) - merged.tokens)
+            elif pending is not None and pending.resolved_unmerged(update.version, update.syncer_instance,
+                                                                   update.merged_through_step):
+                self.stats.unmerged_contributions += 1
+                del self.pending[fid]
+            if reset:
+                self.c_steps[fid] = 0
+                self.c_tokens[fid] = 0
+                self.pending.pop(fid, None)
         self.stats.fragments_applied += len(updates)
         return len(updates)
 
@@ -146,9 +203,13 @@ class LearnerLoop:
         if self.stats.first_loss is None:
             self.stats.first_loss = loss
         self.stats.loss_ema.update(loss)
-        due = self.plan.due(self.stats.steps)
-        arrivals = self._client.arrivals() if self._barrier and due else {}
-        jobs = [job for job in (self._queue_upload(fid, grads) for fid in due) if job is not None]
+        if self.sync_mode == "decoupled":
+            jobs = [job for job in (self._contribute(fid) for fid in self._due_fragments()) if job is not None]
+            arrivals = {}
+        else:
+            due = self.plan.due(self.stats.steps)
+            arrivals = self._client.arrivals() if self._barrier and due else {}
+            jobs = [job for job in (self._queue_upload(fid, grads) for fid in due) if job is not None]
         compute_s = time.monotonic() - started
         self.stats.compute_s += compute_s
         self.stats.step_time_ema.update(compute_s)
@@ -157,14 +218,97 @@ class LearnerLoop:
             self._wait_for_merges(jobs, arrivals)
         return loss
 
-    def _wait_for_merges(self, jobs: list, arrivals: dict[int, int]) -> None:
+    def _due_fragments(self) -> list[int]:
+        """Fragments to contribute now (decoupled mode): those the syncer called (or, with the
+        "upload" round trigger, those the local counter says are due) that have progress and no
+        contribution in flight. A call whose round has closed (its version arrived) is dropped:
+        the work waits, whole, for the fragment's next round."""
+        if not self._called:
+            return [fid for fid in self.plan.due(self.stats.steps) if fid not in self.pending]
+        take = getattr(self._client, "take_calls", None)
+        self._calls.update(take() if take else {})
+        due = []
+        for fid, call in list(self._calls.items()):
+            held = self.held.get(fid)
+            if held is not None and held[1] > call.version:
+                del self._calls[fid]
+            elif fid not in self.pending and self.c_steps[fid] > 0:
+                del self._calls[fid]
+                due.append(fid)
+        return sorted(due)
+
+    def _contribute(self, fid: int, *, final: bool = False) -> client_lib.UploadJob | None:
+        """Queues this learner's whole un-merged progress on a fragment (decoupled mode)."""
+        base = self.held.get(fid)
+        if base is None or self.c_steps[fid] == 0 or fid in self.pending:
+            return None
+        frag = self.plan.fragments[fid]
+        delta = self.global_copy[fid] - fragments_lib.flatten_fragment(self._host_params(frag), frag)
+        if not np.all(np.isfinite(delta)):
+            self._reset_nonfinite(fid)
+            return None
+        job = client_lib.UploadJob(
+            fragment_id=fid, base_version=base[1], syncer_instance=base[0], steps=int(self.c_steps[fid]),
+            tokens=int(self.c_tokens[fid]), delta=delta, local_step=self.stats.steps, final=final,
+        )
+        self.pending[fid] = arrival_lib.PendingContribution(
+            mark_step=job.local_step, delta=delta, steps=job.steps, tokens=job.tokens, syncer_instance=base[0])
+        self._jobs[fid] = job
+        self._client.submit_upload(job)
+        self.stats.uploads_queued += 1
+        return job
+
+    def _reset_nonfinite(self, fid: int) -> None:
+        # Diverged locally: never send it; start this fragment again from the global copy.
+        _LOG.error("non-finite local fragment; resetting it to the global copy", extra={"fields": {"fragment": fid}})
+        frag = self.plan.fragments[fid]
+        for name, arr in fragments_lib.unflatten_fragment(self.global_copy[fid], frag).items():
+            self.params[name] = self._train_step.place(name, arr)
+        self.c_steps[fid] = 0
+        self.c_tokens[fid] = 0
+        self.stats.resets_nonfinite += 1
+
+    def finish(self, timeout_s: float) -> bool:
+        """Ends training without losing work: contributes the remaining progress on every fragment
+        (marked final, so the syncer opens those rounds at once) and waits until the global model
+        holds it, at most `timeout_s`. Returns True when nothing of this learner's work is left
+        outside the global model (decoupled), or the last barrier completed (synchronous modes)."""
+        self.finished = True
+        deadline = time.monotonic() + timeout_s
+        self.apply_updates()
+        self._client.set_progress(self.progress_request())
+        if self.sync_mode != "decoupled":
+            arrivals = self._client.arrivals()
+            jobs = [job for job in (self._queue_upload(fid) for fid in range(self.plan.num_fragments)
+                                    if self.c_steps[fid] > 0) if job is not None]
+            if jobs:
+                self._wait_for_merges(jobs, arrivals, deadline_s=deadline)
+            return not jobs or all(self.c_steps[job.fragment_id] == 0 for job in jobs)
+        while True:
+            left = [fid for fid in range(self.plan.num_fragments) if self.c_steps[fid] > 0 or fid in self.pending]
+            if not left:
+                return True
+            if time.monotonic() >= deadline or self._should_stop_finish():
+                _LOG.warning("finished with work not yet merged", extra={"fields": {"fragments": left}})
+                return False
+            for fid in left:
+                self._contribute(fid, final=True)
+            arrivals = self._client.arrivals()
+            self._client.wait_for_arrivals({fid: arrivals.get(fid, 0) for fid in left}, timeout_s=0.1)
+            self.apply_updates()
+            self._client.set_progress(self.progress_request())
+
+    def _should_stop_finish(self) -> bool:
+        return bool(getattr(self._client, "fenced", None))
+
+    def _wait_for_merges(self, jobs: list, arrivals: dict[int, int], deadline_s: float = math.inf) -> None:
         """The synchronous modes' barrier: block until a new version of every uploaded fragment
         arrived, then fold them in."""
         started = time.monotonic()
         after = {job.fragment_id: arrivals.get(job.fragment_id, 0) for job in jobs}
         last_send = started
         while not self._client.wait_for_arrivals(after, timeout_s=1.0):
-            if self._should_stop() or getattr(self._client, "fenced", None):
+            if self._should_stop() or getattr(self._client, "fenced", None) or time.monotonic() >= deadline_s:
                 break
             if self._bases_superseded(jobs):
                 # A newer version arrived while the step ran (counted in `arrivals` before the
@@ -212,15 +356,11 @@ class LearnerLoop:
             local = fragments_lib.flatten_fragment(self._host_params(frag), frag)
             delta = self.global_copy[fid] - local
         if not np.all(np.isfinite(delta)):
-            # Diverged locally: never send it; start this fragment again from the global copy.
-            _LOG.error("non-finite local fragment; resetting it to the global copy", extra={"fields": {"fragment": fid}})
-            for name, arr in fragments_lib.unflatten_fragment(self.global_copy[fid], frag).items():
-                self.params[name] = self._train_step.place(name, arr)
-            self.stats.resets_nonfinite += 1
+            self._reset_nonfinite(fid)
             return None
         job = client_lib.UploadJob(
             fragment_id=fid, base_version=base[1], syncer_instance=base[0],
-            steps=int(self.c_steps[fid]), tokens=int(self.c_tokens[fid]), delta=delta,
+            steps=int(self.c_steps[fid]), tokens=int(self.c_tokens[fid]), delta=delta, local_step=self.stats.steps,
         )
         self._client.submit_upload(job)
         self._last_upload_base[fid] = base
@@ -241,4 +381,5 @@ class LearnerLoop:
             step_time_s=self.stats.step_time_ema.value or 0.0,
             inner_loss=self.stats.loss_ema.value or 0.0,
             held=serde.versions_to_proto({f: v for f, (_, v) in self.held.items()}),
+            finished=self.finished,
         )

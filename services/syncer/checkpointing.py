@@ -33,6 +33,7 @@ def encode_snapshot(snapshot: dict) -> tuple[dict[str, bytes], dict]:
                 "version": frag["version"],
                 "params_sha256": frag["params_sha256"],
                 "opt_state_len": len(frag["opt_state"]),
+                "merged_marks": frag.get("merged_marks", {}),
             }
         )
     state = {k: v for k, v in snapshot.items() if k != "fragments"}

@@ -35,7 +35,7 @@ class SyncerConfig:
     seed: int = 0  # seed of the initial global parameters
     num_fragments: int = 4  # P
     sync_period_steps: int = 8  # H
-    overlap_steps: int = 2  # tau
+    overlap_steps: int = 4  # tau: steps a round may take from its call to the broadcast (grace window)
     min_quorum: int = 1  # K
     grace_gamma: float = 0.8  # safety factor of the adaptive grace window
     max_grace_s: float = 10.0  # upper bound on the grace window, whatever the measurements say
@@ -45,7 +45,13 @@ class SyncerConfig:
     zstd_level: int = 3
     chunk_size_bytes: int = 512 * 1024
     max_staleness_versions: int = 4  # versions kept to correct stale contributions
-    mixing_alpha: float = 0.0  # 0 = overwrite on arrival
+    mixing_alpha: float = 0.0  # the "mix" on-arrival rule's weight of the local fragment
+    # What learners do with a new global version (ddiloco.algo.arrival): rebase keeps their
+    # un-merged work; overwrite is the paper's rule; mix blends with mixing_alpha.
+    on_arrival: str = "rebase"
+    # schedule: the syncer opens rounds and calls every learner (ddiloco.algo.rounds); upload: a
+    # round opens with its first contribution, learners follow their own counters (the old design).
+    round_trigger: str = "schedule"
     merge_rule: str = "rda"  # non-embedding tensors
     embedding_merge_rule: str = "mean"
     outer_lr: float = 0.7
@@ -100,7 +106,13 @@ class SyncerConfig:
         if not 0.0 <= self.grace_gamma <= 1.0:
             raise bad("grace_gamma", "must be in [0, 1]")
         if not 0.0 <= self.mixing_alpha < 1.0:
-            raise bad("mixing_alpha", "must be in [0, 1); 0 overwrites the local fragment")
+            raise bad("mixing_alpha", "must be in [0, 1)")
+        if self.on_arrival not in ("rebase", "overwrite", "mix"):
+            raise bad("on_arrival", "must be rebase, overwrite or mix")
+        if self.on_arrival == "mix" and self.mixing_alpha == 0.0:
+            raise bad("on_arrival", "mix needs --mixing-alpha in (0, 1)")
+        if self.round_trigger not in ("schedule", "upload"):
+            raise bad("round_trigger", "must be schedule or upload")
         for name in ("upload_codec", "download_codec"):
             if getattr(self, name) not in codec_lib.CODECS:
                 raise bad(name, f"must be one of {codec_lib.CODECS}")
@@ -244,7 +256,12 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
                             "most 128 KiB (gRPC buffers one chunk per watcher)",
         "max_staleness_versions": "refuse contributions based more than this many versions back when their upload "
                                   "starts (merges while it streams in and waits do not make it stale)",
-        "mixing_alpha": "0: learners overwrite a fragment on arrival; else local*alpha + global*(1-alpha)",
+        "mixing_alpha": "the mix on-arrival rule: local*alpha + global*(1-alpha)",
+        "on_arrival": "what learners do with a new global version: rebase (keep un-merged work; default), "
+                      "overwrite (the paper's rule) or mix (alpha-blend, --mixing-alpha)",
+        "round_trigger": "schedule: the syncer opens each fragment's rounds and calls every learner (default); "
+                         "upload: learners contribute on their own counters and a round opens at its first "
+                         "contribution (the previous design, for comparison)",
         "merge_rule": "merge of non-embedding tensors: rda (radial-directional, weighted), mean (weighted by "
                       "tokens^2/steps) or equal_mean (plain mean, weights ignored); diloco mode forces equal_mean",
         "embedding_merge_rule": "merge of embedding tensors: mean, rda or equal_mean; diloco mode forces equal_mean",

@@ -32,6 +32,7 @@ from ddiloco.algo import grace as grace_lib
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import outer as outer_lib
 from ddiloco.algo import robust as robust_lib
+from ddiloco.algo import rounds as rounds_lib
 from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
@@ -43,6 +44,8 @@ _LOG = logging.getLogger("ddiloco.syncer")
 _IDEMPOTENCY_KEYS_PER_LEARNER = 64
 _JUDGE_POLL_S = 0.02  # how often a contribution waiting for direction references looks again
 _EVAL_HISTORY = 512
+_RECEIPT_HISTORY = 16  # (version, mark) entries kept per learner and fragment for MergeReceipts
+ROUND_TRIGGERS = ("schedule", "upload")
 _MAX_ID_CHARS = 128
 
 # MemberState.flags bits (syncer.proto): suspicious events seen from a learner, never cleared.
@@ -103,6 +106,19 @@ class Member:
     # sign-flipping learner does not (observability only).
     direction_sum: float = 0.0
     direction_count: int = 0
+    # Finished its steps (ReportProgressRequest.finished): flushing its last work, not waited for.
+    finished: bool = False
+    tokens_prev_lives: int = 0  # tokens processed by this learner's earlier incarnations
+    # fragment -> (version, highest merged local_step mark of this life) per merge that held one.
+    merged_marks: dict = dataclasses.field(default_factory=dict)
+
+    def mark_at(self, fragment_id: int, version: int) -> int:
+        """The highest mark of this life's contributions that `version` of the fragment holds."""
+        best = 0
+        for merged_version, mark in self.merged_marks.get(fragment_id, ()):
+            if merged_version <= version:
+                best = max(best, mark)
+        return best
 
 
 @dataclasses.dataclass
@@ -114,6 +130,10 @@ class _Round:
     quorum_reached_at_s: float | None = None
     contributions: list = dataclasses.field(default_factory=list)  # syncer_pb2.Contribution
     learners: set = dataclasses.field(default_factory=set)
+    # Opened by the schedule (its learners were called); before that, early contributions only
+    # gather. The round number is the slot's count of rounds opened.
+    open: bool = False
+    number: int = 0
 
 
 @dataclasses.dataclass
@@ -145,6 +165,10 @@ class _Slot:
     # (params_sha256, norm of params): the norm bound's reference, computed once per version, not
     # once per upload (a float64 pass over the fragment under its lock).
     params_norm: tuple[str, float] | None = None
+    rounds_opened: int = 0
+    # The latest merge's broadcast: (version, merge start, learners it has not reached yet); sync
+    # time (grace window input) is measured when the last of them was sent the version.
+    broadcast: tuple[int, float, set] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,12 +209,17 @@ class SyncerCore:
         direction: robust_lib.DirectionPolicy | None = None,
         stepper_factory: Callable[[fragments_lib.Fragment], outer_lib.OuterStepper] | None = None,
         max_decoding: int | None = None,
+        round_trigger: str = "schedule",
     ) -> None:
         """See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
         `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own
         outer optimizer (the data-parallel baseline's AdamW); by default every fragment shares
         Nesterov SGD with `outer_lr` and `outer_momentum`. `max_decoding`: contributions between
-        decode and fold-in at once (default below)."""
+        decode and fold-in at once (default below). `round_trigger`: "schedule" (decoupled mode: rounds
+        open on the syncer's schedule, ddiloco.algo.rounds) or "upload" (a round opens with its first
+        contribution; the synchronous modes, whose learners upload together, always use it)."""
+        if round_trigger not in ROUND_TRIGGERS:
+            raise ValueError(f"round_trigger={round_trigger!r} is not one of {ROUND_TRIGGERS}")
         self.config = run_config
         self.plan = plan
         self.instance = uuid.uuid4().hex
@@ -249,6 +278,8 @@ class SyncerCore:
                 )
             )
         self.members: dict[str, Member] = {}
+        self.scheduled = round_trigger == "schedule" and run_config.sync_mode in ("", "decoupled")
+        self.schedule = rounds_lib.RoundSchedule(plan)
         self.merges: collections.deque = collections.deque(maxlen=merge_history)
         self.evals: collections.deque = collections.deque(maxlen=_EVAL_HISTORY)
         self.outer_steps = 0
@@ -321,6 +352,8 @@ class SyncerCore:
                 member.quarantined_until_s = previous.quarantined_until_s
                 member.quarantined_until_unix_s = previous.quarantined_until_unix_s
                 member.direction_sum, member.direction_count = previous.direction_sum, previous.direction_count
+                member.tokens_prev_lives = previous.tokens_prev_lives + previous.tokens_total
+                self.schedule.forget((previous.learner_id, previous.incarnation))
             self.members[req.learner_id] = member
             _LOG.info("learner joined", extra={"fields": {"learner": req.learner_id, "incarnation": req.incarnation, "region": req.region}})
         else:  # same incarnation re-joining after a broken connection
@@ -361,17 +394,28 @@ class SyncerCore:
         member.left = False
         member.local_step = req.local_step
         member.tokens_total = req.tokens_total
+        if req.finished and not member.finished:
+            member.finished = True
+            for slot in self.slots:  # its early contributions must not wait for a schedule nobody advances
+                if slot.round is not None and member.learner_id in slot.round.learners:
+                    self._open_round(slot, "finished")
+            self.tick()  # rounds that waited for it may be complete
         if math.isfinite(req.step_time_s) and req.step_time_s > 0:
             member.step_time_s = req.step_time_s
         if math.isfinite(req.inner_loss):
             member.inner_loss = req.inner_loss
         self.count_bytes(member, inbound=wire_bytes)
+        if self.scheduled and not member.finished:
+            self.schedule.observe((member.learner_id, member.incarnation), req.local_step,
+                                  len(self.expected_learners()))
+            self.open_due_rounds()
         return syncer_pb2.ReportProgressResponse(fragment_versions=serde.versions_to_proto(self.versions()))
 
     def leave(self, req: syncer_pb2.LeaveRequest) -> None:
         self.check_protocol(req.protocol_version)
         member = self.require_member(req.learner_id, req.incarnation)
         member.left = True
+        self.schedule.forget((member.learner_id, member.incarnation))
         _LOG.info("learner left", extra={"fields": {"learner": req.learner_id}})
         self._notify()
         # Rounds that were waiting for this learner may now be complete.
@@ -384,11 +428,17 @@ class SyncerCore:
             member.bytes_in += inbound
             member.bytes_out += outbound
 
-    def _live_members(self) -> int:
-        """Members a round waits for: live, not left, not quarantined."""
+    def expected_learners(self) -> set[str]:
+        """Learners a round waits for: live (seen within the liveness timeout), not left, not
+        quarantined, not finished."""
         now = self._clock()
-        return sum(1 for m in self.members.values()
-                   if not m.left and now - m.last_seen_s <= self._liveness_s and now >= m.quarantined_until_s)
+        return {m.learner_id for m in self.members.values()
+                if not m.left and not m.finished and now - m.last_seen_s <= self._liveness_s
+                and now >= m.quarantined_until_s}
+
+    def tokens_processed(self) -> int:
+        """Tokens processed by every life of every learner known to this run."""
+        return sum(m.tokens_prev_lives + m.tokens_total for m in self.members.values())
 
     # ------------------------------------------------------------------------------ security
 
@@ -496,7 +546,9 @@ class SyncerCore:
                 f"fragment_id {header.fragment_id} out of range (P = {len(self.slots)})", reason="fragment_id"
             )
         slot = self.slots[header.fragment_id]
-        key = (header.fragment_id, header.base_version)
+        # The mark is part of the key: a learner whose accepted contribution was never merged (a
+        # dropped round) sends its progress again on the same base version.
+        key = (header.fragment_id, header.base_version, header.local_step)
         seen = member.accepted_keys.get(key)
         if seen is not None:
             if seen == header.payload.checksum:
@@ -685,12 +737,7 @@ class SyncerCore:
                     f"mean {turned.score:+.3f}, both < {self.direction.min_cosine:+g}): a sign-flipped update?",
                     reason="direction")
             if slot.round is None:
-                slot.round = _Round(
-                    accumulator=merge_lib.MergeAccumulator(
-                        slot.fragment, rule=self.config.merge_rule, embedding_rule=self.config.embedding_merge_rule
-                    ),
-                    opened_at_s=self._clock(),
-                )
+                self._new_round(slot)
             rnd = slot.round
 
             def fold() -> None:
@@ -722,17 +769,18 @@ class SyncerCore:
                     steps=header.steps,
                     tokens=header.tokens,
                     weight=weight,
+                    local_step=header.local_step,
                 )
             )
-            member.accepted_keys[(header.fragment_id, header.base_version)] = bytes(info.checksum)
+            member.accepted_keys[(header.fragment_id, header.base_version, header.local_step)] = bytes(info.checksum)
             while len(member.accepted_keys) > _IDEMPOTENCY_KEYS_PER_LEARNER:
                 member.accepted_keys.popitem(last=False)
             member.uploads_accepted += 1
             self.uploads["accepted"] += 1
             self._emit("upload_accepted", header)
-            if rnd.quorum_reached_at_s is None and len(rnd.contributions) >= self.config.min_quorum:
-                rnd.quorum_reached_at_s = self._clock()
-                self._quorum_time.update(rnd.quorum_reached_at_s - rnd.opened_at_s)
+            if header.final and not rnd.open:
+                self._open_round(slot, "final")  # the learner's last work: no need to wait for the schedule
+            self._note_quorum(rnd)
             version_at_accept = slot.version
         self.tick()
         return syncer_pb2.UploadFragmentResponse(
@@ -761,22 +809,98 @@ class SyncerCore:
         )
         return min(window, self._max_grace_s)
 
+    # -------------------------------------------------------------------------------- rounds
+
+    def _new_round(self, slot: _Slot) -> _Round:
+        """Starts gathering contributions for the slot's next merge. With the schedule, the round
+        opens (calls its learners, may merge) only when the schedule says; until then early
+        contributions (a learner's final work, an answer that came after its round closed) wait."""
+        slot.round = _Round(
+            accumulator=merge_lib.MergeAccumulator(
+                slot.fragment, rule=self.config.merge_rule, embedding_rule=self.config.embedding_merge_rule
+            ),
+            opened_at_s=self._clock(),
+        )
+        if not self.scheduled:
+            self._open_round(slot, "upload")
+        return slot.round
+
+    def _open_round(self, slot: _Slot, why: str) -> None:
+        rnd = slot.round if slot.round is not None else self._new_round(slot)
+        if rnd.open:
+            return
+        rnd.open = True
+        rnd.opened_at_s = self._clock()
+        slot.rounds_opened += 1
+        rnd.number = slot.rounds_opened
+        self._note_quorum(rnd)
+        _LOG.debug("round opened", extra={"fields": {"fragment": slot.fragment.fragment_id, "round": rnd.number,
+                                                     "why": why, "early": len(rnd.contributions)}})
+        self._notify()  # watch streams call every learner
+
+    def _note_quorum(self, rnd: _Round) -> None:
+        """Marks when an open round first holds K contributions; ξ_quorum is measured from the
+        round's opening (the syncer's call), as the paper means it."""
+        if rnd.open and rnd.quorum_reached_at_s is None and len(rnd.contributions) >= self.config.min_quorum:
+            rnd.quorum_reached_at_s = self._clock()
+            self._quorum_time.update(rnd.quorum_reached_at_s - rnd.opened_at_s)
+
+    def open_due_rounds(self) -> list[int]:
+        """Opens the rounds the schedule says are due; returns their fragment ids."""
+        if not self.scheduled:
+            return []
+        due = self.schedule.due(lambda fid: self.slots[fid].round is not None and self.slots[fid].round.open)
+        for fid in due:
+            self._open_round(self.slots[fid], "schedule")
+        if due:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop (unit tests of pure parts)
+                return due
+            self.tick()
+        return due
+
+    def round_call(self, fragment_id: int, learner_id: str) -> syncer_pb2.RoundCall | None:
+        """The call to send this learner for the fragment's open round, if it has not contributed."""
+        slot = self.slots[fragment_id]
+        rnd = slot.round
+        if rnd is None or not rnd.open or learner_id in rnd.learners:
+            return None
+        return syncer_pb2.RoundCall(fragment_id=fragment_id, round=rnd.number, version=slot.version)
+
+    def receipt(self, learner_id: str, incarnation: int, fragment_id: int, version: int) -> syncer_pb2.MergeReceipt:
+        """This learner life's MergeReceipt for a version of a fragment."""
+        member = self.members.get(learner_id)
+        mark = member.mark_at(fragment_id, version) if member is not None and member.incarnation == incarnation else 0
+        return syncer_pb2.MergeReceipt(fragment_id=fragment_id, version=version, merged_through_step=mark)
+
+    def broadcast_sent(self, learner_id: str, fragment_id: int, version: int) -> None:
+        """A watch stream sent `version` to a learner: once every learner the merge was broadcast
+        to has it, the merge's sync time (merge + publish + broadcast) is measured."""
+        pending = self.slots[fragment_id].broadcast
+        if pending is None or version < pending[0]:
+            return
+        pending[2].discard(learner_id)
+        if not pending[2]:
+            self._sync_time.update(self._clock() - pending[1])
+            self.slots[fragment_id].broadcast = None
+
     def tick(self) -> None:
         """Re-evaluates every open round at the current time; merges those that are due."""
         now = self._clock()
         grace_s = self.grace_window_s()
-        expected = self._live_members()
+        expected = self.expected_learners()
         for slot in self.slots:
             rnd = slot.round
-            if rnd is None or slot.merging or slot.lock.locked():
+            if rnd is None or not rnd.open or slot.merging or slot.lock.locked():
                 continue
             decision = grace_lib.decide_merge(
                 now,
                 grace_lib.RoundView(
                     opened_at_s=rnd.opened_at_s,
-                    contributors=len(rnd.contributions),
+                    contributors=len(rnd.learners),
                     quorum_reached_at_s=rnd.quorum_reached_at_s,
-                    expected_contributors=max(expected, 1),
+                    expected_contributors=max(len(expected | rnd.learners), 1),
                 ),
                 min_quorum=self.config.min_quorum,
                 grace_s=grace_s,
@@ -800,7 +924,8 @@ class SyncerCore:
         self._notify()
         if self.on_merge is not None:
             self.on_merge()
-        self.tick()  # contributions that arrived during the merge may already form a round
+        if not self.open_due_rounds():  # a round the schedule held back while this one was open
+            self.tick()  # contributions that arrived during the merge may already form a round
 
     async def _merge_locked(self, slot: _Slot, reason: str, grace_s: float) -> None:
         async with slot.lock:
@@ -843,6 +968,14 @@ class SyncerCore:
             slot.round = None
             self.outer_steps += 1
             self.tokens_merged += sum(c.tokens for c in rnd.contributions)
+            fid = slot.fragment.fragment_id
+            for c in rnd.contributions:  # what each contributor's MergeReceipt will say
+                member = self.members.get(c.learner_id)
+                if member is not None and member.incarnation == c.incarnation:
+                    marks = member.merged_marks.setdefault(fid, collections.deque(maxlen=_RECEIPT_HISTORY))
+                    marks.append((slot.version, c.local_step))
+            expected = self.expected_learners()
+            slot.broadcast = (slot.version, started, set(expected))
             quorum_at = rnd.quorum_reached_at_s if rnd.quorum_reached_at_s is not None else started
             record = syncer_pb2.MergeRecord(
                 fragment_id=slot.fragment.fragment_id,
@@ -854,10 +987,14 @@ class SyncerCore:
                 grace_used_s=max(0.0, started - quorum_at),
                 reason=reason,
                 outer_grad_norm=stepped.outer_grad_norm,
+                expected_contributors=len(expected | rnd.learners),
+                round=rnd.number,
             )
             self.merges.append(record)
             await self.encoded_payload(slot)
-            self._sync_time.update(self._clock() - started)
+            if self._sync_time.value is None or not expected:
+                # Until a broadcast has been measured (broadcast_sent), merge and publish time.
+                self._sync_time.update(self._clock() - started)
             # This merge's record: after the await above, merges[-1] may be another fragment's.
             self._emit("merged", record)
             _LOG.info(
@@ -997,6 +1134,8 @@ class SyncerCore:
                     pending_contributions=len(s.round.contributions) if s.round else 0,
                     params_sha256=s.params_sha256,
                     published_sha256=s.published_sha256,
+                    round=s.rounds_opened,
+                    round_open=bool(s.round is not None and s.round.open),
                 )
                 for s in self.slots
             ],
@@ -1018,6 +1157,7 @@ class SyncerCore:
             auth_failures=dict(self.auth_failures),
             quarantines=self.quarantines,
             direction_judgments=dict(self.direction_judgments),
+            tokens_processed=self.tokens_processed(),
         )
 
     # -------------------------------------------------------------------------- checkpoints
@@ -1034,6 +1174,11 @@ class SyncerCore:
                         "params": slot.params.copy(),
                         "opt_state": [np.array(a, copy=True) for a in slot.opt_state],
                         "params_sha256": slot.params_sha256,
+                        # Receipts survive a restart: the checkpointed version holds these marks
+                        # (read under the same lock as the values, so they agree).
+                        "merged_marks": {m.learner_id: [m.incarnation, m.mark_at(slot.fragment.fragment_id, slot.version)]
+                                         for m in self.members.values()
+                                         if m.mark_at(slot.fragment.fragment_id, slot.version)},
                     }
                 )
         return {
@@ -1045,6 +1190,7 @@ class SyncerCore:
             "uploads": dict(self.uploads),
             "members": {m.learner_id: {"incarnation": m.incarnation, "region": m.region, "joins": m.joins,
                                        "flags": m.flags, "rejections": dict(m.rejections),
+                                       "tokens_total": m.tokens_total, "tokens_prev_lives": m.tokens_prev_lives,
                                        # the time left, so a restart keeps it ("until restart" ones end)
                                        "quarantine_remaining_s": _remaining(m.quarantined_until_s - self._clock())}
                         for m in self.members.values()},
@@ -1055,6 +1201,8 @@ class SyncerCore:
             ],
             "quorum_time_s": self._quorum_time.value,
             "sync_time_s": self._sync_time.value,
+            "global_step": self.schedule.global_step,
+            "rounds_opened": [s.rounds_opened for s in self.slots],
         }
 
     def restore(self, state: dict) -> None:
@@ -1091,7 +1239,13 @@ class SyncerCore:
                 learner_id=learner_id, incarnation=int(m["incarnation"]), region=m.get("region", ""),
                 tokens_per_step=0, last_seen_s=-math.inf, last_seen_unix_s=0.0, joins=int(m.get("joins", 1)),
                 flags=int(m.get("flags", 0)), rejections=collections.Counter(m.get("rejections", {})),
+                tokens_total=int(m.get("tokens_total", 0)), tokens_prev_lives=int(m.get("tokens_prev_lives", 0)),
             )
+            for frag in state["fragments"]:
+                incarnation, mark = frag.get("merged_marks", {}).get(learner_id, (-1, 0))
+                if int(incarnation) == member.incarnation and mark:
+                    member.merged_marks[int(frag["fragment_id"])] = collections.deque(
+                        [(int(frag["version"]), int(mark))], maxlen=_RECEIPT_HISTORY)
             # Quarantine survives restarts too.
             remaining_s = float(m.get("quarantine_remaining_s", 0.0))
             if remaining_s > 0:
@@ -1104,6 +1258,9 @@ class SyncerCore:
             self._quorum_time.update(state["quorum_time_s"])
         if state.get("sync_time_s") is not None:
             self._sync_time.update(state["sync_time_s"])
+        self.schedule = rounds_lib.RoundSchedule(self.plan, global_step=float(state.get("global_step", 0.0)))
+        for slot, opened in zip(self.slots, state.get("rounds_opened", ()), strict=False):
+            slot.rounds_opened = int(opened)
         self.restored_from_checkpoint = True
         self.last_checkpoint_outer_step = self.outer_steps
         _LOG.info("restored", extra={"fields": {"outer_step": self.outer_steps,
@@ -1132,6 +1289,8 @@ def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, m
         chunk_size_bytes=cfg.chunk_size_bytes,
         max_staleness_versions=cfg.max_staleness_versions,
         mixing_alpha=cfg.mixing_alpha,
+        on_arrival=cfg.on_arrival,
+        round_trigger=cfg.round_trigger,
         fragments=serde.plan_to_proto(plan),
         zstd_level=cfg.zstd_level,
         merge_rule=cfg.merge_rule,

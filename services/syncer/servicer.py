@@ -233,12 +233,19 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         sent = {s.fragment.fragment_id: held.get(s.fragment.fragment_id, -1) for s in core.slots}
         chunk_size = min(core.config.chunk_size_bytes, WATCH_CHUNK_BYTES)
         member = core.members.get(request.learner_id)
+        called = {s.fragment.fragment_id: 0 for s in core.slots}  # the last round this learner was called to
         seen = -1
         while True:
             if not observer and not core.is_current(request.learner_id, request.incarnation):
                 # A newer life of this learner joined (or it left): end this stream.
                 return
             seen = core.change_counter
+            if not observer:
+                for slot in core.slots:
+                    call = core.round_call(slot.fragment.fragment_id, request.learner_id)
+                    if call is not None and call.round > called[call.fragment_id]:
+                        called[call.fragment_id] = call.round
+                        yield syncer_pb2.WatchFragmentsResponse(round_call=call)
             for slot in core.slots:
                 fid = slot.fragment.fragment_id
                 if slot.version <= sent[fid]:
@@ -252,10 +259,16 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                     version, encoded = await core.encoded_payload(slot)
                 messages, out_bytes = self._watch_messages.get(core.instance, fid, version, encoded,
                                                                 delta is not None, chunk_size)
+                if not observer:  # which of this learner's work the version holds (rebase on arrival)
+                    receipt = core.receipt(request.learner_id, request.incarnation, fid, version)
+                    yield syncer_pb2.WatchFragmentsResponse(receipt=receipt)
+                    out_bytes += receipt.ByteSize()
                 for msg in messages:
                     yield msg
                 core.count_bytes(member, outbound=out_bytes)
                 sent[fid] = version
+                if not observer:
+                    core.broadcast_sent(request.learner_id, fid, version)
             await core.wait_for_change(seen, _WATCH_POLL_S)
 
     async def ReportEval(self, request, context):

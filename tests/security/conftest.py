@@ -189,7 +189,7 @@ class Harness:
         self.core = core_lib.SyncerCore(
             run_config=run_config, plan=self.plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
             grace_gamma=0.8, max_grace_s=1.0, liveness_timeout_s=30.0, merge_history=64,
-            clock=time.monotonic, wall_clock=time.time, **kwargs,
+            clock=time.monotonic, wall_clock=time.time, **kwargs, round_trigger="upload",
         )
         self.store_channel = channel_lib.aio_channel(self.store_handle.address, cfg.checkpoint_security())
         client = checkpoint_client_lib.CheckpointClient(

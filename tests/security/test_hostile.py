@@ -47,7 +47,7 @@ def make_core(clock, *, action: str = "reject", factor: float = 20.0, quarantine
     initial = {f.fragment_id: (0.02 * rng.standard_normal(f.numel)).astype(np.float32) for f in plan.fragments}
     return core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.5,
-        max_grace_s=10.0, liveness_timeout_s=1e9, merge_history=64, clock=clock, wall_clock=clock,
+        max_grace_s=10.0, liveness_timeout_s=1e9, merge_history=64, clock=clock, wall_clock=clock, round_trigger="upload",
         norm_bound=robust_lib.NormBoundPolicy(factor=factor, action=action), quarantine_after=quarantine_after,
         quarantine_window_s=300.0, quarantine_s=quarantine_s,
     )
@@ -223,7 +223,7 @@ def test_quarantine_after_repeated_rejections_is_visible_and_sticky():
         # h1 alone completes rounds (x would otherwise hold them for the grace window).
         with pytest.raises(errors.PermissionDenied, match="quarantined"):
             await upload(core, "x", 1, honest_delta(core.plan.fragments[1].numel, 1))
-        assert core._live_members() == 1
+        assert len(core.expected_learners()) == 1
         await upload(core, "h1", 1, honest_delta(core.plan.fragments[1].numel, 2))
         await settle()
         assert core.slots[1].version == 1

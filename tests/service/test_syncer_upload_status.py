@@ -46,7 +46,7 @@ def _core() -> core_lib.SyncerCore:
     return core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
         grace_gamma=0.0, max_grace_s=0.0, liveness_timeout_s=30.0, merge_history=16,
-        clock=time.monotonic, wall_clock=time.time)
+        clock=time.monotonic, wall_clock=time.time, round_trigger="upload")
 
 
 def _messages(core, *, base_version: int, instance: str | None = None, seed: int = 0) -> list:

@@ -39,7 +39,7 @@ def _core() -> core_lib.SyncerCore:
     return core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
         grace_gamma=0.0, max_grace_s=0.0, liveness_timeout_s=30.0, merge_history=16,
-        clock=time.monotonic, wall_clock=time.time)
+        clock=time.monotonic, wall_clock=time.time, round_trigger="upload")
 
 
 async def _first_fragment(stub, learner_id: str, core) -> tuple[np.ndarray, list[int]]:
@@ -50,6 +50,8 @@ async def _first_fragment(stub, learner_id: str, core) -> tuple[np.ndarray, list
     header, assembler, sizes = None, None, []
     try:
         async for msg in call:
+            if msg.WhichOneof("kind") in ("receipt", "round_call"):
+                continue
             if msg.WhichOneof("kind") == "header":
                 header = msg.header
                 assembler = serde.ChunkAssembler(header.payload.payload_size_bytes)

@@ -38,7 +38,7 @@ def _core(clock, cfg: config_lib.SyncerConfig, *, stepper_factory=None, staggere
     return core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
-        liveness_timeout_s=30.0, merge_history=16, clock=clock, wall_clock=clock, stepper_factory=stepper_factory,
+        liveness_timeout_s=30.0, merge_history=16, clock=clock, wall_clock=clock, stepper_factory=stepper_factory, round_trigger="upload",
     )
 
 

@@ -43,7 +43,7 @@ def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamm
     initial = {f.fragment_id: rng.normal(size=f.numel).astype(np.float32) for f in plan.fragments}
     return core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
-        grace_gamma=gamma, max_grace_s=10.0, liveness_timeout_s=30.0, merge_history=16, clock=clock, wall_clock=clock,
+        grace_gamma=gamma, max_grace_s=10.0, liveness_timeout_s=30.0, merge_history=16, clock=clock, wall_clock=clock, round_trigger="upload",
         direction=direction,
     )
 

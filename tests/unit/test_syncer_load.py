@@ -150,7 +150,7 @@ def test_decoded_contributions_waiting_at_once_are_bounded(monkeypatch):
         core = core_lib.SyncerCore(
             run_config=core.config, plan=plan, initial_params={s.fragment.fragment_id: s.params for s in core.slots},
             outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.0, max_grace_s=10.0, liveness_timeout_s=30.0,
-            merge_history=16, clock=clock, wall_clock=clock, max_decoding=2)
+            merge_history=16, clock=clock, wall_clock=clock, max_decoding=2, round_trigger="upload")
         learners = [f"l{i}" for i in range(5)]
         uploads = []
         for i, lid in enumerate(learners):
