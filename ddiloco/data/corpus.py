@@ -8,7 +8,11 @@ touch JAX.
 
 Documents are ``(relative_path, bytes)`` pairs. A document's split is decided by
 a hash of its path alone, so adding or removing other files never moves it
-between the training and held-out sets.
+between the training and held-out sets. The training documents are dealt to the
+learners' shards in a permutation drawn from ``SHARD_SEED`` (the same for every
+learner of a run, so shards are disjoint and together cover the training split):
+each shard is a random sample of the corpus, not a run of neighbouring paths (in
+the stdlib, sorted paths put e.g. every ``encodings/`` codec table in one shard).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ _EXCLUDED_STDLIB_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 )
 STDLIB_SOURCE_NAME = f"python{sys.version_info.major}.{sys.version_info.minor} stdlib"
+# Seed of the permutation that deals training documents to shards. Fixed: every learner and the
+# evaluator of a run must draw the same permutation, or shards would overlap and miss documents.
+SHARD_SEED = 0
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields make == ambiguous
@@ -146,20 +153,27 @@ def split_corpus(
     num_shards: int,
     heldout_fraction: float = 0.05,
     *,
+    shard_seed: int = SHARD_SEED,
     source_name: str = "documents",
 ) -> CorpusSplit:
     """Splits documents into a held-out set and ``num_shards`` equal training shards.
 
     A document is held out when a sha256 of its path falls in the first
-    ``heldout_fraction`` of the hash range. The remaining documents, in the given
-    order and each followed by ``DOCUMENT_SEPARATOR``, are concatenated and cut
-    into ``num_shards`` contiguous shards of equal length (the last
-    ``< num_shards`` bytes are dropped). Shards are zero-copy views.
+    ``heldout_fraction`` of the hash range; the held-out set keeps the given order.
+    The remaining documents are put in a seeded random order (a permutation drawn
+    from ``shard_seed``), each followed by ``DOCUMENT_SEPARATOR``, concatenated and
+    cut into ``num_shards`` shards of equal length (the last ``< num_shards`` bytes
+    are dropped). So each shard holds whole documents drawn at random from the
+    training split, except that at most ``num_shards - 1`` documents are cut at a
+    shard boundary (their two parts go to neighbouring shards; no byte is in two
+    shards). Shards are zero-copy views of one buffer.
 
     Args:
         documents: ``(relative_path, bytes)`` pairs, e.g. from ``load_stdlib_documents``.
         num_shards: number of learner shards.
         heldout_fraction: expected fraction of documents held out, in [0, 1).
+        shard_seed: seed of the document permutation; every learner of a run must use
+            the same one (the default), or shards overlap.
         source_name: label for ``CorpusSplit.source``, e.g. ``STDLIB_SOURCE_NAME``.
 
     Returns:
@@ -183,7 +197,8 @@ def split_corpus(
             f"no document of {len(documents)} fell in heldout_fraction={heldout_fraction}: "
             "add documents or raise heldout_fraction"
         )
-    train_tokens = _concat(train)
+    order = np.random.default_rng(shard_seed).permutation(len(train))
+    train_tokens = _concat([train[i] for i in order])
     shard_bytes = len(train_tokens) // num_shards
     if shard_bytes == 0:
         raise ValueError(f"{len(train_tokens)} training bytes cannot fill num_shards={num_shards}: add data")
@@ -287,7 +302,9 @@ def split_tokens(
 ) -> CorpusSplit:
     """Splits a flat token array: the held-out set is ``heldout`` when given (nanoGPT's
     ``val.bin``), else the last ``heldout_fraction`` of the tokens; the rest is cut into
-    ``num_shards`` contiguous equal shards (zero-copy views)."""
+    ``num_shards`` contiguous equal shards (zero-copy views of the memory map). A token file
+    has no document boundaries to shuffle by: its preparation is expected to have shuffled
+    the documents (nanoGPT's ``prepare.py`` does)."""
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards}: use at least 1")
     if not 0 <= heldout_fraction < 1:
@@ -311,7 +328,8 @@ def load_split(data_path: str, max_bytes: int, num_shards: int, heldout_fraction
     * empty: the Python standard library's sources (bytes);
     * a ``.bin`` file: uint16 tokens, the last ``heldout_fraction`` held out;
     * a directory holding ``train.bin`` (and optionally ``val.bin``, then the held-out set);
-    * any other directory: its files as text documents (bytes), split by path hash.
+    * any other directory: its files as text documents (bytes), held out by path hash, dealt
+      to shards in the ``SHARD_SEED`` permutation.
 
     ``max_bytes`` caps what is read (for token files: ``max_bytes // 2`` tokens of train.bin).
     """

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 from collections.abc import Mapping, Sequence
 
 from ddiloco.chaos import failpoints as failpoints_lib
@@ -14,6 +16,10 @@ from ddiloco.rpc import security
 # gets its own identity, and keeps it when the same container restarts.
 AUTO_LEARNER_ID = "auto"
 UPLOAD_ENCODERS = ("host", "jax")
+# An id ending in a separator and a decimal number (learner-3, ddiloco-learner-12): that number
+# picks the shard. A hex container id (region-a-3f2a9c1b0e12) is not a number, even where it ends
+# in digits.
+_NUMBERED_ID = re.compile(r"(?:^|[^0-9A-Za-z])([0-9]+)\Z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +36,7 @@ class LearnerConfig:
     data_dir: str = ""  # text directory, uint16 .bin token file or train.bin/val.bin directory; empty: stdlib
     max_corpus_bytes: int = 24 * 2**20
     num_shards: int = 4
-    shard_index: int = -1  # -1: the trailing number of learner_id, modulo num_shards
+    shard_index: int = -1  # -1: learner_id's number (learner-3: 3) or else a sha256 of it, modulo num_shards
     heldout_fraction: float = 0.05
     learning_rate: float = 3e-3
     warmup_steps: int = 20
@@ -113,14 +119,18 @@ class LearnerConfig:
 
     @property
     def resolved_shard_index(self) -> int:
+        """This learner's data shard: ``shard_index``, else the number ending ``learner_id`` after
+        a separator (``learner-3``: 3, as a StatefulSet ordinal), else a sha256 of ``learner_id``
+        (uniform over the shards and the same in every process, unlike ``hash()``); modulo
+        ``num_shards``. Hashed ids (``--learner-id auto`` in compose) can share a shard: give each
+        learner its own ``shard_index`` or a numbered id for one shard each."""
         if self.shard_index >= 0:
             return self.shard_index % self.num_shards
-        digits = ""
-        for ch in reversed(self.learner_id):
-            if not ch.isdigit():
-                break
-            digits = ch + digits
-        return int(digits or 0) % self.num_shards
+        numbered = _NUMBERED_ID.search(self.learner_id)
+        if numbered:
+            return int(numbered.group(1)) % self.num_shards
+        digest = hashlib.sha256(self.learner_id.encode("utf-8")).digest()
+        return int.from_bytes(digest[:8], "big") % self.num_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +196,8 @@ _HELP = {
                 "nanoGPT's train.bin (+ val.bin, held out); empty uses the Python standard library sources",
     "max_corpus_bytes": "read at most this many bytes of corpus",
     "num_shards": "number of data shards (normally the number of learners)",
-    "shard_index": "this learner's shard; -1 derives it from learner_id's trailing number",
+    "shard_index": "this learner's shard; -1: the number ending learner_id (learner-3: 3), else a sha256 of "
+                   "learner_id (--learner-id auto), modulo num_shards",
     "heldout_fraction": "fraction of documents held out for evaluation (never trained on)",
     "learning_rate": "inner AdamW peak learning rate",
     "warmup_steps": "inner learning-rate warmup steps",

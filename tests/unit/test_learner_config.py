@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import collections
+import hashlib
+import random
+
 import pytest
 
 from services.learner import config as config_lib
+
+
+def _sha256_shard(learner_id: str, num_shards: int) -> int:
+    return int.from_bytes(hashlib.sha256(learner_id.encode()).digest()[:8], "big") % num_shards
 
 
 def test_explicit_id_is_kept():
@@ -22,8 +30,9 @@ def test_explicit_id_is_kept():
 def test_auto_id_is_region_and_hostname(argv, environ):
     cfg = config_lib.parse_learner_config([*argv, "--region", "region-a"], environ, "3f2a9c1b0e12.example")
     assert cfg.learner_id == "region-a-3f2a9c1b0e12"
-    # The shard still derives from the id's trailing number.
-    assert cfg.resolved_shard_index == 12 % cfg.num_shards
+    # A hex container id is not a number, even where it ends in digits: the shard is a sha256 of
+    # the id (not 12 % 4 == 0, the old reading of its trailing digits).
+    assert cfg.resolved_shard_index == _sha256_shard("region-a-3f2a9c1b0e12", cfg.num_shards) == 3
 
 
 def test_distinct_hostnames_give_distinct_ids():
@@ -47,3 +56,37 @@ def test_upload_encoder_is_host_unless_jax_is_asked_for():
     assert config_lib.parse_learner_config([*base, "--upload-encoder", "jax"], {}).upload_encoder == "jax"
     with pytest.raises((ValueError, SystemExit)):
         config_lib.parse_learner_config([*base, "--upload-encoder", "gpu"], {})
+
+
+@pytest.mark.parametrize("learner_id, num_shards, shard", [
+    ("learner-3", 4, 3), ("learner-6", 4, 2), ("ddiloco-learner-12", 8, 4), ("node_5", 4, 1), ("host.7", 4, 3),
+    ("9", 4, 1), ("learner-0", 1, 0),
+])
+def test_a_numbered_id_trains_the_shard_of_its_number(learner_id, num_shards, shard):
+    assert config_lib.LearnerConfig(learner_id=learner_id, num_shards=num_shards).resolved_shard_index == shard
+
+
+def test_an_explicit_shard_index_wins():
+    cfg = config_lib.LearnerConfig(learner_id="learner-3", num_shards=4, shard_index=6)
+    assert cfg.resolved_shard_index == 2
+
+
+def test_auto_ids_spread_evenly_over_the_shards():
+    # Issue 26: `region-<hex container id>` ids took their shard from trailing decimal digits, so
+    # every id ending in a letter (6 of 16 hex digits) trained shard 0, about half of them in all.
+    rng = random.Random(26)
+    for num_shards, learners in ((4, 40), (4, 400), (8, 400)):
+        ids = {f"region-{rng.getrandbits(48):012x}" for _ in range(learners)}
+        counts = collections.Counter(
+            config_lib.LearnerConfig(learner_id=i, num_shards=num_shards).resolved_shard_index for i in ids)
+        share = len(ids) / num_shards
+        assert set(counts) == set(range(num_shards))
+        assert max(counts.values()) <= (2.0 if learners < 100 else 1.35) * share, counts
+
+
+def test_hashed_shard_is_stable_across_processes():
+    # sha256, not the per-process salted hash(): every process of a learner unit (and a restart)
+    # must pick the same shard. Pinned values.
+    shards = [config_lib.LearnerConfig(learner_id=f"region-a-{h}", num_shards=4).resolved_shard_index
+              for h in ("3f2a9c1b0e1a", "c0ffee000abc", "deadbeefcafe")]
+    assert shards == [1, 2, 1]
