@@ -44,6 +44,8 @@ class LearnerConfig:
     join_timeout_s: float = 120.0  # wait this long for the syncer at start, then exit non-zero
     call_timeout_s: float = 10.0
     retry_bound_s: float = 30.0
+    # At the end (or on SIGTERM): how long to wait for the last contributions to be merged.
+    finish_timeout_s: float = 30.0
     progress_interval_s: float = 0.25
     step_delay_s: float = 0.0  # extra seconds per step: simulates slower hardware
     step_jitter: float = 0.0  # relative jitter of step_delay_s
@@ -96,7 +98,7 @@ class LearnerConfig:
         for name in ("batch_size", "num_shards", "log_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LearnerConfig.{name}={getattr(self, name)!r}: must be >= 1")
-        for name in ("steps", "incarnation", "step_delay_s", "step_jitter"):
+        for name in ("steps", "incarnation", "step_delay_s", "step_jitter", "finish_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LearnerConfig.{name}={getattr(self, name)!r}: must be >= 0")
         if not self.learner_id:
@@ -205,6 +207,8 @@ _HELP = {
     "join_timeout_s": "wait this long for the syncer at start, then exit with status 3",
     "call_timeout_s": "deadline of each unary call to the syncer",
     "retry_bound_s": "overall bound on retrying one call",
+    "finish_timeout_s": "at the end of training (or on SIGTERM), how long to wait until the global model holds "
+                        "this learner's last contributions",
     "progress_interval_s": "how often progress metadata is sent (coalesced)",
     "step_delay_s": "extra seconds per inner step, to simulate slower hardware",
     "step_jitter": "relative jitter of step_delay_s (0.1 = +-10%)",
