@@ -608,6 +608,7 @@ def run(args: argparse.Namespace) -> int:
     prov = results_lib.provenance()
     workdir = pathlib.Path(args.workdir)
     out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     print(f"ddiloco bench quality: {len(specs)} runs of {cfg.learners} learners x {cfg.steps} steps ({cfg.preset}); "
           f"logs under {workdir}")
     runs: dict[str, dict] = {}
@@ -618,6 +619,10 @@ def run(args: argparse.Namespace) -> int:
                                 and math.isfinite(r["step_s"])), None)
         key = run_key(spec.name, spec.seed)
         runs[key] = run_one(spec, cfg, workdir / key.replace("/", "-"), base_step_s=base_step_s)
+        partial = {"benchmark": "quality", "config": dataclasses.asdict(cfg), "runs": runs, "summary": summarize(runs),
+                   "provenance": prov, "notes": [f"partial: {len(runs)} of {len(specs)} runs done"]}
+        # Written after every run: a long invocation that is stopped keeps what it measured.
+        results_lib.write_result(out_dir, "quality-partial", partial, render_markdown(partial))
     result = {
         "benchmark": "quality",
         "config": dataclasses.asdict(cfg),
@@ -631,7 +636,8 @@ def run(args: argparse.Namespace) -> int:
             "exact fp32 values.",
         ] if not args.quick else ["--quick smoke configuration: not a result."],
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("quality-partial.json", "quality-partial.md"):
+        (out_dir / stale).unlink(missing_ok=True)
     result["plot"] = str(plot(result, out_dir / "quality.png"))
     json_path, md_path = results_lib.write_result(out_dir, "quality", result, render_markdown(result))
     print(f"wrote {json_path}, {md_path} and {result['plot']}")
