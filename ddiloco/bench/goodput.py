@@ -1,4 +1,4 @@
-"""`ddiloco bench goodput`: goodput under one seeded failure schedule, Decoupled DiLoCo vs its baselines.
+"""`ddiloco bench goodput`: goodput under seeded failure schedules, Decoupled DiLoCo vs its baselines.
 
 Every mode trains the same model on the same data with the same seed and steps per learner,
 through the real services on 127.0.0.1 (the chaos harness, ddiloco/chaos/harness.py), twice: once
@@ -12,26 +12,46 @@ differs:
   * dp: data-parallel through the syncer (`--sync-mode dp`, quorum = every learner): a barrier at
     every step.
 
+With `--seeds 0,1,2` every mode runs (fault-free, then faulty) for each seed: the seed sets the
+failure schedule, the data order and the initial model. The report gives each figure per run and,
+per mode, its mean and spread (min-max, population std) over the seeds.
+
 The failure schedule is placed in training progress, not in wall time (`schedule.step_loop`):
 SIGKILL (restart after restart_after_s) and SIGSTOP/SIGCONT (a hang of duration_s) of learners,
 each at a learner's own inner step (`at_step`), with exponential gaps of mean --mtbf-steps on
 the step axis. Every mode therefore gets the same faults, the same count, the same targets at
 the same points of its training, however long it runs (a wall-time schedule hands more faults
-to the slower modes).
+to the slower modes). The rate (--mtbf-steps) is a flag fixed before running and the same for
+every seed and mode; the report states it.
 
-Figures per mode (the paper's headline is the first: 88 % for Decoupled DiLoCo vs 27 % for
-data-parallel under heavy failures, arXiv 2604.21428):
-  * goodput (time), the paper's definition: the share of allocated learner time that ends up in
-    the global model. Each learner identity is allocated from the start of the schedule until it
-    has run its steps (dead, hung and waiting time included); the useful part is what the same
-    steps take without faults. So: sum over learners of the fault-free time to finish / the same
-    sum under the faults (a learner that waits for a dead peer loses time; one that trains on
-    does not);
-  * tokens merged: tokens in surviving merges / (P x tokens the learners processed), with and
-    without faults. Not a goodput: with overwrite-on-receipt (alpha = 0) a fragment's local steps
-    that no merge pulled in are overwritten by the next broadcast, so decoupled with a small
-    quorum K sits well below 100 % even fault-free (an algorithmic token efficiency, not a
-    fault loss); the synchronous modes merge every learner every round (100 %);
+Figures per run (see DEFINITIONS, written into goodput.json and goodput.md next to the numbers):
+  * goodput, as the paper means it (arXiv 2604.21428: 88 % for Decoupled DiLoCo vs 27 % for
+    data-parallel under heavy failures): useful work / allocated capacity =
+        tokens merged into the global model
+        / (learners x fault-free per-learner token rate x wall time of the faulty run),
+    with
+      - tokens merged into the global model = TrainingState.tokens_merged / num_fragments at the
+        end of the faulty run. tokens_merged sums the tokens of every merged contribution, and a
+        contribution to one fragment carries the tokens of the inner steps it holds, so each inner
+        step's tokens are counted once per fragment: dividing by num_fragments (dp: 1) gives model
+        tokens, i.e. tokens whose update reached every fragment of the global model;
+      - fault-free per-learner token rate = TrainingState.tokens_processed of the *same mode's*
+        fault-free run / (learners x that run's wall time). The same mode's: a system's allocated
+        capacity is what its learners process per second when nothing fails, so the fault-free run
+        scores its own tokens-merged share (~100 %) and the goodput measures what the faults cost.
+        One machine-wide rate (decoupled's, whose learners never wait) would also charge the
+        synchronous modes their fault-free barrier waits, a communication cost of this CPU host,
+        not a failure loss; that reading is in the JSON as `goodput_vs_decoupled_rate`;
+      - wall time = from the schedule's start (every learner has contributed, `Result.t0`) until
+        the last learner finished (its remaining progress merged, process exited), or until the
+        run was stopped at --max-wall-s. Token counts are whole-run totals (warm-up included):
+        both runs of a mode process the same steps, so warm-up tokens raise numerator and rate
+        alike.
+  * slowdown ratio (the figure this benchmark called "goodput (time)" before): sum over learners
+    of the fault-free time to finish / the same sum under the faults, each learner counted from
+    the schedule's start until it has run its steps (dead, hung and waiting time included);
+  * tokens merged share: tokens_merged / (num_fragments x tokens_processed) of a run, faulty and
+    fault-free: the share of processed work that reached the global model;
   * learner wait: time the learners spent blocked on the syncer / (blocked + computing);
   * final held-out loss, faulty vs fault-free, and the invariants I1-I4 of the faulty run.
 
@@ -44,11 +64,36 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import statistics
 import sys
 
 from ddiloco.bench import results as results_lib
 
 MODES = ("decoupled", "diloco", "dp")
+
+# How each number of goodput.json / goodput.md is computed (written into both, next to the numbers).
+DEFINITIONS = {
+    "goodput": "tokens merged into the global model / (learners x fault-free per-learner token rate x wall "
+               "time of the faulty run): useful work over allocated capacity (the paper's goodput)",
+    "model_tokens_merged": "TrainingState.tokens_merged / num_fragments at the end of the run (tokens_merged "
+                           "counts each inner step's tokens once per fragment its contribution reached; "
+                           "/ num_fragments gives model tokens; dp has 1 fragment)",
+    "fault_free_rate": "fault-free per-learner token rate, tokens/s: TrainingState.tokens_processed of the same "
+                       "mode's fault-free run (same seed, whole run) / (learners x that run's wall time). Warm-up "
+                       "tokens (before the schedule's start) are in it, as they are in the faulty run's tokens "
+                       "merged: a capacity scale for the same work, above the steady per-step speed",
+    "wall_s": "wall time of a run: from the schedule's start (every learner has contributed) until the last "
+              "learner finished its steps and its remaining progress was merged, or the stop at --max-wall-s",
+    "goodput_vs_decoupled_rate": "goodput with the decoupled mode's fault-free rate (same seed) as every mode's "
+                                 "capacity: also charges a mode its fault-free waits",
+    "baseline_goodput": "the fault-free run's goodput against its own rate (= its tokens merged share)",
+    "slowdown_ratio": "sum over learners of the fault-free time to finish / the same sum under the faults, each "
+                      "learner from the schedule's start until it ran its steps (formerly called 'goodput (time)')",
+    "tokens_merged_share": "tokens_merged / (num_fragments x tokens_processed) of the faulty run (baseline_: of "
+                           "the fault-free run): the share of processed work that reached the global model",
+    "learner_wait_fraction": "time learners spent blocked on the syncer / (blocked + computing), faulty run",
+    "aggregate": "per mode over the seeds: mean, min, max and population std of each run's figure",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +110,8 @@ class GoodputConfig:
     start_step: int = 60
     max_fault_s: float = 4.0  # restart delays and hang durations are drawn from [0.5 or 1, this]
     seed: int = 1
-    # A run still training after this long is stopped; its goodput is then an upper bound (see
-    # learner_time). The synchronous modes under a heavy schedule take 2-3x their fault-free time.
+    # A run still training after this long is stopped; its slowdown ratio is then an upper bound
+    # (see learner_time). The synchronous modes under a heavy schedule take 2-3x their fault-free time.
     max_wall_s: float = 2400.0
 
 
@@ -101,7 +146,7 @@ def learner_time(result) -> tuple[float | None, bool]:
     """(summed learner time from the schedule's start to each learner's finish, whether all finished).
 
     A run stopped at max_wall_s counts each unfinished learner until the stop: a lower bound of its
-    allocated time, so fault-free time / this sum is an upper bound of the run's goodput.
+    allocated time, so fault-free time / this sum is an upper bound of the run's slowdown ratio.
     """
     if not result.t0:
         return None, False
@@ -110,6 +155,46 @@ def learner_time(result) -> tuple[float | None, bool]:
         return None, False
     total = sum(t - result.t0 for t in result.learner_finished_at.values())
     return total + unfinished * (result.stopped_at - result.t0), unfinished == 0
+
+
+def run_wall_s(result) -> float | None:
+    """Wall time of a run: the schedule's start to the last learner's finish (or the stop)."""
+    end = result.training_end or result.stopped_at
+    return end - result.t0 if result.t0 and end > result.t0 else None
+
+
+def token_counts(result) -> dict:
+    """The syncer's final counters of a run: tokens_processed (every life of every learner),
+    tokens_merged (fragment-tokens of merged contributions) and num_fragments (dp: 1)."""
+    state = result.final_state or {}
+    starts = [r for r in result.syncer_history if r.get("event") == "start"]
+    fragments = (len(starts[-1]["fragments"]) if starts and starts[-1].get("fragments")
+                 else len(state.get("fragments") or []) or result.scenario.num_fragments)
+    # MessageToDict renders uint64 as strings and leaves zeros out.
+    return {"tokens_processed": int(state.get("tokens_processed", 0)),
+            "tokens_merged": int(state.get("tokens_merged", 0)), "num_fragments": fragments}
+
+
+def goodput_figures(*, learners: int, fragments: int, tokens_merged: int, wall_s: float | None,
+                    baseline_tokens_processed: int, baseline_wall_s: float | None) -> dict:
+    """The paper's goodput of one run, with the quantities it is made of.
+
+    model tokens merged = tokens_merged / fragments;
+    fault-free rate = baseline_tokens_processed / (learners x baseline_wall_s)  (tokens/s per learner);
+    goodput = model tokens merged / (learners x fault-free rate x wall_s).
+    """
+    model_tokens = tokens_merged / fragments if fragments else None
+    rate = (baseline_tokens_processed / (learners * baseline_wall_s)
+            if baseline_tokens_processed and baseline_wall_s and learners else None)
+    capacity = learners * rate * wall_s if rate and wall_s else None
+    return {"model_tokens_merged": model_tokens, "fault_free_rate": rate, "capacity_tokens": capacity,
+            "goodput": model_tokens / capacity if capacity and model_tokens is not None else None}
+
+
+def merged_share(counts: dict) -> float | None:
+    """tokens_merged / (num_fragments x tokens_processed)."""
+    denom = counts["num_fragments"] * counts["tokens_processed"]
+    return counts["tokens_merged"] / denom if denom else None
 
 
 def _summary(result, baseline) -> dict:
@@ -123,22 +208,85 @@ def _summary(result, baseline) -> dict:
     healthy_ls, healthy_finished = learner_time(baseline)
     healthy_ls = healthy_ls if healthy_finished else None
     ratio = healthy_ls / faulty_ls if faulty_ls and healthy_ls else None
+    stopped = bool(result.stopped_at and not result.training_end)
+    counts, base_counts = token_counts(result), token_counts(baseline)
+    wall_s, base_wall_s = run_wall_s(result), run_wall_s(baseline)
+    learners = result.scenario.learners
+    figures = goodput_figures(learners=learners, fragments=counts["num_fragments"],
+                              tokens_merged=counts["tokens_merged"], wall_s=wall_s,
+                              baseline_tokens_processed=base_counts["tokens_processed"], baseline_wall_s=base_wall_s)
+    base_figures = goodput_figures(learners=learners, fragments=base_counts["num_fragments"],
+                                   tokens_merged=base_counts["tokens_merged"], wall_s=base_wall_s,
+                                   baseline_tokens_processed=base_counts["tokens_processed"],
+                                   baseline_wall_s=base_wall_s)
     return {
         "ok": result.ok, "violations": result.violations()[:10], "report": result.report_line,
         "baseline_report": baseline.report_line,
         "faults_injected": len(result.faults), "not_injected": len(result.not_injected),
         "faults": [f"{f.kind} {f.target}" for f in result.faults],
-        "training_s": train_s(result), "baseline_training_s": train_s(baseline),
+        # Stopped at --max-wall-s with learners still training (the harness set no training end).
+        "finished": finished, "stopped": stopped,
+        "stopped_after_s": result.stopped_at - result.t0 if stopped and result.t0 else None,
+        # The paper's goodput and what it is made of.
+        "goodput": figures["goodput"], "model_tokens_merged": figures["model_tokens_merged"],
+        "fault_free_rate": figures["fault_free_rate"], "capacity_tokens": figures["capacity_tokens"],
+        "wall_s": wall_s, "baseline_wall_s": base_wall_s,
+        "tokens_processed": counts["tokens_processed"], "tokens_merged": counts["tokens_merged"],
+        "num_fragments": counts["num_fragments"],
+        "baseline_tokens_processed": base_counts["tokens_processed"],
+        "baseline_tokens_merged": base_counts["tokens_merged"],
+        "baseline_goodput": base_figures["goodput"],
+        "tokens_merged_share": merged_share(counts), "baseline_tokens_merged_share": merged_share(base_counts),
+        # Secondary: the slowdown ratio (summed learner time to finish, fault-free / faulty).
+        "slowdown_ratio": ratio if finished else None,
+        # Stopped at max_wall_s with learners still training: the slowdown ratio is at most this.
+        "slowdown_ratio_at_most": ratio if not finished else None,
         "learner_s": faulty_ls if finished else None, "baseline_learner_s": healthy_ls,
-        "goodput_time": ratio if finished else None,
-        # Stopped at max_wall_s with learners still training: goodput is at most this.
-        "goodput_time_at_most": ratio if not finished else None,
-        "stopped_after_s": None if finished or not result.stopped_at else result.stopped_at - result.t0,
-        "goodput_tokens": result.goodput, "baseline_goodput_tokens": baseline.goodput,
+        "training_s": train_s(result), "baseline_training_s": train_s(baseline),
         "learner_wait_fraction": wait / (wait + compute) if wait + compute else None,
         "loss": result.loss, "baseline_loss": baseline.loss,
         "recovery_s": sorted(result.recoveries),
     }
+
+
+def add_decoupled_rate(modes: dict) -> None:
+    """goodput_vs_decoupled_rate: each mode's goodput with the decoupled fault-free rate as capacity."""
+    ref = (modes.get("decoupled") or {}).get("fault_free_rate")
+    for r in modes.values():
+        cap = r["capacity_tokens"] * ref / r["fault_free_rate"] if ref and r.get("capacity_tokens") else None
+        r["goodput_vs_decoupled_rate"] = (r["model_tokens_merged"] / cap
+                                          if cap and r.get("model_tokens_merged") is not None else None)
+
+
+def spread(values: list[float | None]) -> dict:
+    """mean, min, max and population std of the known values (n: how many)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return {"mean": None, "min": None, "max": None, "std": None, "n": 0, "values": list(values)}
+    return {"mean": statistics.fmean(known), "min": min(known), "max": max(known),
+            "std": statistics.pstdev(known), "n": len(known), "values": list(values)}
+
+
+AGGREGATED = ("goodput", "goodput_vs_decoupled_rate", "slowdown_ratio", "tokens_merged_share",
+              "baseline_tokens_merged_share", "baseline_goodput", "learner_wait_fraction", "faults_injected")
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Per mode, over the seeds' runs: spread() of each figure, and whether every run passed."""
+    modes: dict[str, dict] = {}
+    for run in runs:
+        for mode, r in run["modes"].items():
+            modes.setdefault(mode, {"seeds": [], "runs": []})
+            modes[mode]["seeds"].append(run["seed"])
+            modes[mode]["runs"].append(r)
+    out = {}
+    for mode, m in modes.items():
+        agg = {k: spread([r.get(k) for r in m["runs"]]) for k in AGGREGATED}
+        # A stopped run has only an upper bound of its slowdown ratio: kept apart.
+        agg["slowdown_ratio_at_most"] = spread([r.get("slowdown_ratio_at_most") for r in m["runs"]])
+        out[mode] = {"seeds": m["seeds"], "ok": all(r["ok"] for r in m["runs"]),
+                     "stopped": sum(1 for r in m["runs"] if r.get("stopped")), **agg}
+    return out
 
 
 def merged_token_curve(history_path: pathlib.Path, fragments: int) -> list[tuple[float, float]]:
@@ -165,9 +313,11 @@ def time_to_tokens(curve: list[tuple[float, float]], tokens: float) -> float | N
 
 def add_token_milestones(out: dict, workdir: pathlib.Path) -> None:
     """Adds the wall time each run took to merge a fixed number of tokens: half of the smallest
-    total that any run (any mode, with or without faults) merged, so that every run reaches it."""
+    total that any run (any mode, with or without faults) merged, so that every run reaches it.
+    `out` is one seed's run ({"modes": ...}); `fragments` is the config's (dp's runs: see below)."""
     fragments = out["config"]["num_fragments"]
-    curves = {(mode, run): merged_token_curve(workdir / name / "history" / "syncer.jsonl", fragments)
+    curves = {(mode, run): merged_token_curve(workdir / name / "history" / "syncer.jsonl",
+                                              out["modes"][mode].get("num_fragments") or fragments)
               for mode in out["modes"] for run, name in (("faulty", mode), ("fault-free", f"{mode}-baseline"))}
     finals = [curve[-1][1] for curve in curves.values() if curve]
     if not finals:
@@ -187,109 +337,156 @@ def _pct(v: float | None) -> str:
     return f"{100 * v:.1f} %" if v is not None else "-"
 
 
-def _goodput_cell(r: dict) -> str:
-    if r.get("goodput_time") is not None:
-        return f"**{_pct(r['goodput_time'])}**"
-    if r.get("goodput_time_at_most") is not None:
-        return f"**<= {_pct(r['goodput_time_at_most'])}** (stopped {r['stopped_after_s']:.0f} s into the schedule)"
+def _slowdown_cell(r: dict) -> str:
+    if r.get("slowdown_ratio") is not None:
+        return _pct(r["slowdown_ratio"])
+    if r.get("slowdown_ratio_at_most") is not None:
+        stop = r.get("stopped_after_s")
+        where = f" (stopped {stop:.0f} s into the schedule)" if stop else ""
+        return f"<= {_pct(r['slowdown_ratio_at_most'])}{where}"
     return "-"
 
 
-def _goodput_value(r: dict) -> float:
-    return r.get("goodput_time") or r.get("goodput_time_at_most") or 0.0
+def _spread_cell(s: dict, bold: bool = False) -> str:
+    """'mean (min-max)' in percent over the seeds."""
+    if not s or s.get("mean") is None:
+        return "-"
+    mean = f"**{_pct(s['mean'])}**" if bold else _pct(s["mean"])
+    of = f", {s['n']} of {len(s['values'])} runs" if s["n"] < len(s["values"]) else ""
+    if s["n"] == 1:
+        return f"{mean} (1 of {len(s['values'])} runs)" if of else mean
+    return f"{mean} ({100 * s['min']:.1f}-{100 * s['max']:.1f}, std {100 * s['std']:.1f}{of})"
+
+
+def _fault_rate_text(cfg: dict) -> str:
+    window = max(0, cfg["steps"] - 20 - cfg["start_step"])
+    return (f"MTBF {cfg['mtbf_steps']:g} inner steps (`--mtbf-steps {cfg['mtbf_steps']:g}`): one learner fault per "
+            f"{cfg['mtbf_steps']:g} steps of training progress on average, fleet-wide, exponential gaps, between "
+            f"step {cfg['start_step']} and step {cfg['steps'] - 20} (~{window / cfg['mtbf_steps']:.1f} faults expected "
+            f"per run); fixed before running, the same for every seed and every mode")
+
+
+def _run_table(run: dict) -> str:
+    rows = []
+    for mode, r in run["modes"].items():
+        known = r["loss"] is not None and r["baseline_loss"] is not None
+        loss = f"{r['loss']:.3f} ({r['baseline_loss']:.3f})" if known else "-"
+        rate = f"{r['fault_free_rate']:,.0f}" if r.get("fault_free_rate") else "-"
+        merged = f"{r['model_tokens_merged']:,.0f}" if r.get("model_tokens_merged") is not None else "-"
+        rows.append([mode, f"{r['faults_injected']} (+{r['not_injected']} not)", f"**{_pct(r.get('goodput'))}**",
+                     merged, rate, _seconds(r.get("wall_s"), r.get("baseline_wall_s")),
+                     _slowdown_cell(r),
+                     f"{_pct(r.get('tokens_merged_share'))} ({_pct(r.get('baseline_tokens_merged_share'))})",
+                     _pct(r.get("learner_wait_fraction")),
+                     _seconds(r.get("time_to_tokens_s"), r.get("baseline_time_to_tokens_s")),
+                     loss, "PASS" if r["ok"] else "FAIL"])
+    target = run.get("tokens_target")
+    return results_lib.markdown_table(
+        ["mode", "faults", "goodput", "model tokens merged", "fault-free rate (tokens/s/learner)",
+         "wall time (fault-free)", "slowdown ratio", "tokens merged share (fault-free)", "learner wait",
+         f"time to {target:,.0f} merged tokens (fault-free)" if target else "time to merged tokens",
+         "final loss (fault-free)", "invariants"], rows)
+
+
+def _schedule_table(schedule: list[dict]) -> str:
+    return "| at step | learner | fault | heal |\n|---|---|---|---|\n" + "\n".join(
+        f"| {e['at_step']} | {e['target']} | {e['kind']} | "
+        + (f"restart after {e['params'].get('restart_after_s')} s" if e["kind"] == "kill"
+           else f"SIGCONT after {e['params'].get('duration_s')} s") + " |"
+        for e in schedule)
 
 
 def render_markdown(result: dict) -> str:
     cfg = result["config"]
-    rows = []
-    for mode, r in result["modes"].items():
-        loss = (f"{r['loss']:.3f} ({r['baseline_loss']:.3f})" if r["loss"] is not None and r["baseline_loss"] is not None
-                else "-")
-        lost = (f"{r['learner_s'] - r['baseline_learner_s']:.0f} s"
-                if r.get("learner_s") and r.get("baseline_learner_s") else "-")
-        rows.append([mode, f"{r['faults_injected']} (+{r['not_injected']} not)", _goodput_cell(r), lost,
-                     f"{_pct(r['goodput_tokens'])} ({_pct(r['baseline_goodput_tokens'])})",
-                     _pct(r["learner_wait_fraction"]),
-                     f"{r['training_s']:.0f} s ({r['baseline_training_s']:.0f} s)" if r["training_s"] else "-",
-                     _seconds(r.get("time_to_tokens_s"), r.get("baseline_time_to_tokens_s")),
-                     loss, "PASS" if r["ok"] else "FAIL"])
-    target = result.get("tokens_target")
-    table = results_lib.markdown_table(
-        ["mode", "faults", "goodput (time)", "learner time lost", "tokens merged (fault-free)", "learner wait",
-         "training (fault-free)", f"time to {target:,.0f} merged tokens (fault-free)" if target else "time to merged tokens",
-         "final loss (fault-free)", "invariants"], rows)
-    schedule = "\n".join(
-        f"| {e['at_step']} | {e['target']} | {e['kind']} | "
-        + (f"restart after {e['params'].get('restart_after_s')} s" if e["kind"] == "kill"
-           else f"SIGCONT after {e['params'].get('duration_s')} s") + " |"
-        for e in result["schedule"])
+    seeds = result["seeds"]
+    agg_rows = [[mode, ", ".join(map(str, a["seeds"])), _spread_cell(a["goodput"], bold=True),
+                 _spread_cell(a["slowdown_ratio"]), _spread_cell(a["tokens_merged_share"]),
+                 _spread_cell(a["baseline_tokens_merged_share"]), _spread_cell(a["goodput_vs_decoupled_rate"]),
+                 "/".join(str(v) for v in a["faults_injected"]["values"]),
+                 ("PASS" if a["ok"] else "FAIL") + (f", {a['stopped']} stopped" if a["stopped"] else "")]
+                for mode, a in result["modes"].items()]
+    headline = results_lib.markdown_table(
+        ["mode", "seeds", "goodput", "slowdown ratio", "tokens merged share", "tokens merged share, fault-free",
+         "goodput vs decoupled's fault-free rate", "faults per seed", "invariants"], agg_rows)
+    d = result.get("definitions", DEFINITIONS)
+    per_seed = "\n\n".join(
+        f"### Seed {run['seed']}\n\n{_run_table(run)}\n\n"
+        f"<details><summary>Schedule of seed {run['seed']}: {len(run['schedule'])} learner faults</summary>\n\n"
+        f"{_schedule_table(run['schedule'])}\n\n</details>\n\n"
+        "Report lines (faulty runs):\n\n" + "\n".join(f"- `{r['report']}`" for r in run["modes"].values())
+        for run in result["runs"])
     return (
         f"# Goodput under failures: decoupled vs synchronous DiLoCo vs data-parallel\n\n"
         f"{cfg['learners']} learners x {cfg['steps']} inner steps each (tiny transformer, step pacing "
         f"{cfg['step_delay_s']} s, {cfg['num_fragments']} fragments, H = {cfg['sync_period_steps']}), "
         f"decoupled quorum K = {cfg['decoupled_quorum']}; diloco and dp: quorum = all {cfg['learners']} "
-        f"learners, no grace. Each mode runs once without faults and once under the same seeded failure "
-        f"schedule (seed {cfg['seed']}). The step pacing is a sleep after each inner step that stands for "
-        f"an accelerator's step time: without it, every learner process competes for this machine's "
-        f"cores, a restarted learner waits tens of seconds for CPU, and the benchmark measures CPU "
-        f"contention rather than the protocols.\n\n"
-        f"**Schedule (fair by construction).** {len(result['schedule'])} learner faults placed in training "
-        f"progress, not wall time: exponential gaps of mean {cfg['mtbf_steps']:g} inner steps (MTBF, on the "
-        f"step axis that every learner runs), each on a seeded random learner, firing when that learner has run "
-        f"`at_step` inner steps (all its lives together). Every mode gets the same faults, the same targets, at "
-        f"the same points of the training, whatever its speed. Kill = SIGKILL, then a new learner process after "
-        f"the delay (it rejoins and runs the steps its earlier lives did not report); stop = SIGSTOP, then "
-        f"SIGCONT (a hung learner).\n\n"
-        f"| at step | learner | fault | heal |\n|---|---|---|---|\n{schedule}\n\n"
-        f"**Goodput (time)**, the paper's definition: the share of allocated learner time that ends up in the "
-        f"global model. Each learner is allocated from the start of the schedule (every learner contributing) "
-        f"until it has run its steps, dead, hung and waiting time included; the useful part is what the same steps "
-        f"take without faults. Goodput = sum over learners of the fault-free time to finish / the same sum under "
-        f"the faults. *Learner time lost* is the difference of the sums. **Tokens merged** = tokens in surviving "
-        f"merges / (P x tokens processed), faulty (fault-free): not a goodput but a token efficiency; with "
-        f"overwrite-on-receipt a fragment's local steps that no merge pulled in are overwritten by the next "
-        f"broadcast, so decoupled with K = {cfg['decoupled_quorum']} sits below 100 % with or without faults, "
-        f"while the synchronous modes merge every learner in every round. *Time to N merged tokens*: wall time "
-        f"from a run's first merge until its merges held N tokens (a fragment's merge counts its contributors' "
-        f"tokens / P), N = half of the smallest total any run merged, so that every run reaches it. A run still "
-        f"training at the wall-clock limit ({cfg.get('max_wall_s', 900.0):.0f} s from launch) is stopped; each "
-        f"unfinished learner is then counted until the stop, a lower bound of its allocated time, so its goodput "
-        f"is shown as an upper bound (<=) and its invariants fail on the unfinished learners.\n\n"
-        f"{table}\n\n"
-        f"Report lines (faulty runs):\n\n" + "\n".join(f"- `{r['report']}`" for r in result["modes"].values())
-        + "\n\n" + results_lib.provenance_markdown(result["provenance"])
+        f"learners, no grace. Seeds {', '.join(map(str, seeds))}: for each, every mode runs once without faults "
+        f"and once under that seed's failure schedule. The step pacing is a sleep after each inner step that "
+        f"stands for an accelerator's step time: without it, every learner process competes for this machine's "
+        f"cores, a restarted learner waits tens of seconds for CPU, and the benchmark measures CPU contention "
+        f"rather than the protocols.\n\n"
+        f"**Fault rate: {_fault_rate_text(cfg)}.**\n\n"
+        f"{headline}\n\n"
+        f"Each cell: mean over the seeds (min-max, population std). How each figure is computed:\n\n"
+        f"- **goodput** (the paper's): {d['goodput']}. Model tokens merged = {d['model_tokens_merged']}. "
+        f"Fault-free rate = {d['fault_free_rate']}; the same mode's rate because goodput measures what the faults "
+        f"cost a system: its fault-free run scores its own tokens merged share. Wall time = {d['wall_s']}. Token "
+        f"counts are whole-run totals (warm-up included; both runs of a mode process the same steps, so warm-up "
+        f"tokens raise numerator and rate alike).\n"
+        f"- **slowdown ratio** (secondary, not a goodput): "
+        f"{d['slowdown_ratio']}. A run stopped at the wall-clock limit ({cfg.get('max_wall_s', 900.0):.0f} s from "
+        f"launch) counts each unfinished learner until the stop, so its ratio is an upper bound (<=).\n"
+        f"- **tokens merged share**: {d['tokens_merged_share']}.\n"
+        f"- **goodput vs decoupled's fault-free rate**: {d['goodput_vs_decoupled_rate']}.\n"
+        f"- *learner wait*: {d['learner_wait_fraction']}. *Time to N merged tokens*: wall time from a run's first "
+        f"merge until its merges held N model tokens, N = half of the smallest total any run of that seed merged.\n\n"
+        f"**Schedule (fair by construction).** Faults are placed in training progress, not wall time: exponential "
+        f"gaps of mean {cfg['mtbf_steps']:g} inner steps (on the step axis that every learner runs), each on a "
+        f"seeded random learner, firing when that learner has run `at_step` inner steps (all its lives together). "
+        f"Every mode of a seed gets the same faults, the same targets, at the same points of the training, "
+        f"whatever its speed. Kill = SIGKILL, then a new learner process after the delay (it rejoins and runs the "
+        f"steps its earlier lives did not report); stop = SIGSTOP, then SIGCONT (a hung learner).\n\n"
+        f"## Per seed\n\n{per_seed}\n\n"
+        + results_lib.provenance_markdown(result["provenance"])
     )
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
-    """goodput.png: goodput (time) per mode, and the summed learner time with and without faults."""
+    """goodput.png: goodput and slowdown ratio per mode (mean over the seeds, min-max bars)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = list(result["modes"])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    vals = [100 * _goodput_value(result["modes"][m]) for m in modes]
-    ax1.bar(modes, vals, color=["tab:green", "tab:orange", "tab:red"][:len(modes)])
-    for x, v in enumerate(vals):
-        bound = result["modes"][modes[x]].get("goodput_time") is None and v
-        ax1.text(x, v + 1, f"{'<= ' if bound else ''}{v:.1f} %", ha="center")
-    ax1.axhline(90, ls="--", c="k", lw=0.8)
-    ax1.axhline(50, ls=":", c="k", lw=0.8)
-    ax1.set_ylim(0, 105)
-    ax1.set_ylabel("goodput (time), %")
-    ax1.set_title(f"{len(result['schedule'])} faults, MTBF {result['config']['mtbf_steps']:g} steps")
+    fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(modes))
-    ax2.bar([x - 0.2 for x in xs], [result["modes"][m].get("baseline_learner_s") or 0 for m in modes], 0.4,
-            label="fault-free")
-    ax2.bar([x + 0.2 for x in xs], [result["modes"][m].get("learner_s") or 0 for m in modes], 0.4, label="faults")
-    ax2.set_xticks(list(xs), modes)
-    ax2.set_ylabel("summed learner time to finish, s")
-    ax2.legend()
+    for offset, key, label in ((-0.2, "goodput", "goodput"), (0.2, "slowdown_ratio", "slowdown ratio")):
+        s = [result["modes"][m][key] for m in modes]
+        means = [100 * (v["mean"] or 0.0) for v in s]
+        lo = [m - 100 * (v["min"] if v["min"] is not None else 0.0) for m, v in zip(means, s)]
+        hi = [100 * (v["max"] if v["max"] is not None else 0.0) - m for m, v in zip(means, s)]
+        ax.bar([x + offset for x in xs], means, 0.4, yerr=[lo, hi], capsize=4, label=label)
+        for x, m in zip(xs, means):
+            ax.text(x + offset, m + 1, f"{m:.1f}", ha="center", fontsize=8)
+    ax.axhline(88, ls="--", c="k", lw=0.8)
+    ax.axhline(50, ls=":", c="k", lw=0.8)
+    ax.set_xticks(list(xs), modes)
+    ax.set_ylim(0, 110)
+    ax.set_ylabel("%")
+    ax.set_title(f"seeds {', '.join(map(str, result['seeds']))}, MTBF {result['config']['mtbf_steps']:g} steps")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0,1,2' -> [0, 1, 2] (order kept, duplicates refused)."""
+    seeds = [int(s) for s in text.split(",") if s.strip()]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: a comma-separated list of distinct integers, not {text!r}")
+    return seeds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -300,16 +497,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-delay-s", type=float, default=d.step_delay_s,
                         help="sleep after each inner step, standing for an accelerator's step time")
     parser.add_argument("--mtbf-steps", type=float, default=d.mtbf_steps,
-                        help="mean gap between learner faults, in inner steps")
+                        help="the fault rate, fixed before running: mean gap between learner faults, in inner "
+                             "steps of training progress (fleet-wide); the same for every seed and mode")
     parser.add_argument("--max-fault-s", type=float, default=d.max_fault_s,
                         help="upper bound of a kill's restart delay and a hang's duration")
     parser.add_argument("--start-step", type=int, default=d.start_step, help="no fault before this inner step")
     parser.add_argument("--quorum", type=int, default=d.decoupled_quorum, help="decoupled mode's K")
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated seeds, e.g. 0,1,2: every mode runs (fault-free and faulty) for each; "
+                             "the report gives mean and spread per mode (default: --seed)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="the one seed when --seeds is not given")
     parser.add_argument("--max-wall-s", type=float, default=d.max_wall_s,
-                        help="stop a run still training after this long (its goodput is then an upper bound)")
+                        help="stop a run still training after this long (its slowdown ratio is then an upper bound)")
     parser.add_argument("--out", default=str(results_lib.DEFAULT_OUT_DIR))
-    parser.add_argument("--workdir", default="runs/bench-goodput", help="the runs' processes, logs and histories")
+    parser.add_argument("--workdir", default="runs/bench-goodput",
+                        help="the runs' processes, logs and histories (one seed-<n> folder per seed)")
     parser.add_argument("--render-only", action="store_true",
                         help="run nothing: rewrite the report from --out's goodput.json and --workdir's histories")
 
@@ -320,9 +522,14 @@ def run(args: argparse.Namespace) -> int:
     if args.render_only:
         return _render_only(pathlib.Path(args.out), pathlib.Path(args.workdir))
 
+    try:
+        seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     cfg = GoodputConfig(learners=args.learners, steps=args.steps, step_delay_s=args.step_delay_s,
                         mtbf_steps=args.mtbf_steps, max_fault_s=args.max_fault_s, start_step=args.start_step,
-                        decoupled_quorum=args.quorum, seed=args.seed, max_wall_s=args.max_wall_s)
+                        decoupled_quorum=args.quorum, seed=seeds[0], max_wall_s=args.max_wall_s)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - set(MODES)
     if unknown:
@@ -330,19 +537,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     prov = results_lib.provenance()
     workdir = pathlib.Path(args.workdir)
-    events = failure_schedule(cfg)
-    out = {"config": dataclasses.asdict(cfg), "provenance": prov, "schedule": [e.to_json() for e in events], "modes": {}}
-    for mode in modes:
-        scenario = mode_scenario(cfg, mode)
-        print(f"[{mode}] fault-free run", file=sys.stderr, flush=True)
-        baseline = harness.run_scenario(scenario.fault_free(), [], workdir / f"{mode}-baseline",
-                                        jax_cache_dir=workdir / ".jax-cache", on_event=lambda line: None)
-        print(baseline.report_line, flush=True)
-        print(f"[{mode}] under the failure schedule ({len(events)} faults planned)", file=sys.stderr, flush=True)
-        result = harness.run_scenario(scenario, events, workdir / mode, baseline_loss=None,
-                                      jax_cache_dir=workdir / ".jax-cache", on_event=lambda line: None)
-        print(result.report_line, flush=True)
-        out["modes"][mode] = _summary(result, baseline)
+    print(f"fault rate fixed before running: MTBF {cfg.mtbf_steps:g} inner steps; seeds {seeds}; modes {modes}",
+          file=sys.stderr, flush=True)
+    out = {"config": dataclasses.asdict(cfg), "seeds": seeds,
+           "fault_rate": {"mtbf_steps": cfg.mtbf_steps, "fixed_before_running": True,
+                          "text": _fault_rate_text(dataclasses.asdict(cfg))},
+           "definitions": DEFINITIONS, "provenance": prov, "runs": [], "modes": {}}
+    for seed in seeds:
+        seed_cfg = dataclasses.replace(cfg, seed=seed)
+        events = failure_schedule(seed_cfg)
+        run_out = {"seed": seed, "schedule": [e.to_json() for e in events], "modes": {}}
+        seed_dir = workdir / f"seed-{seed}"
+        for mode in modes:
+            scenario = mode_scenario(seed_cfg, mode)
+            print(f"[seed {seed}] [{mode}] fault-free run", file=sys.stderr, flush=True)
+            baseline = harness.run_scenario(scenario.fault_free(), [], seed_dir / f"{mode}-baseline",
+                                            jax_cache_dir=workdir / ".jax-cache", on_event=lambda line: None)
+            print(baseline.report_line, flush=True)
+            print(f"[seed {seed}] [{mode}] under the failure schedule ({len(events)} faults planned)",
+                  file=sys.stderr, flush=True)
+            result = harness.run_scenario(scenario, events, seed_dir / mode, baseline_loss=None,
+                                          jax_cache_dir=workdir / ".jax-cache", on_event=lambda line: None)
+            print(result.report_line, flush=True)
+            run_out["modes"][mode] = _summary(result, baseline)
+        add_decoupled_rate(run_out["modes"])
+        out["runs"].append(run_out)
     return _write(out, pathlib.Path(args.out), workdir)
 
 
@@ -352,12 +571,24 @@ def _render_only(out_dir: pathlib.Path, workdir: pathlib.Path) -> int:
     except (OSError, ValueError) as exc:
         print(f"--render-only needs a goodput.json from an earlier run in {out_dir}: {exc}", file=sys.stderr)
         return 2
+    if "runs" not in out:
+        print(f"{out_dir / 'goodput.json'} is from before --seeds and the paper's goodput (no 'runs'): re-run the "
+              "benchmark", file=sys.stderr)
+        return 2
     return _write(out, out_dir, workdir)
 
 
 def _write(out: dict, out_dir: pathlib.Path, workdir: pathlib.Path) -> int:
-    add_token_milestones(out, workdir)
+    for run in out["runs"]:
+        run_view = {"config": out["config"], "modes": run["modes"]}
+        add_token_milestones(run_view, workdir / f"seed-{run['seed']}")
+        if "tokens_target" in run_view:
+            run["tokens_target"] = run_view["tokens_target"]
+    out["modes"] = aggregate(out["runs"])
     json_path, md_path = results_lib.write_result(out_dir, "goodput", out, render_markdown(out))
     plot(out, out_dir / "goodput.png")
     print(f"wrote {json_path}, {md_path} and goodput.png")
-    return 0 if all(r["ok"] for r in out["modes"].values()) else 1
+    for mode, a in out["modes"].items():
+        print(f"{mode}: goodput {_spread_cell(a['goodput'])}, slowdown ratio {_spread_cell(a['slowdown_ratio'])}, "
+              f"tokens merged share {_spread_cell(a['tokens_merged_share'])}")
+    return 0 if all(a["ok"] for a in out["modes"].values()) else 1

@@ -299,7 +299,7 @@ def test_goodput_time_to_merged_tokens_reads_the_syncer_histories(tmp_path):
     assert out["modes"]["dp"] == {"time_to_tokens_s": 0.0, "baseline_time_to_tokens_s": 1.5}
 
 
-def test_goodput_of_a_run_stopped_at_the_wall_limit_is_an_upper_bound():
+def test_slowdown_ratio_of_a_run_stopped_at_the_wall_limit_is_an_upper_bound():
     from types import SimpleNamespace
 
     from ddiloco.bench import goodput
@@ -316,6 +316,6 @@ def test_goodput_of_a_run_stopped_at_the_wall_limit_is_an_upper_bound():
     # No stop time and learners missing (the schedule never started, or the driver crashed): unknown.
     assert goodput.learner_time(run({"learner-0": 150.0}, stopped_at=0.0)) == (None, False)
 
-    row = {"goodput_time": None, "goodput_time_at_most": 60.0 / 210.0, "stopped_after_s": 100.0}
-    assert goodput._goodput_cell(row) == "**<= 28.6 %** (stopped 100 s into the schedule)"
-    assert goodput._goodput_cell({"goodput_time": 0.922}) == "**92.2 %**"
+    row = {"slowdown_ratio": None, "slowdown_ratio_at_most": 60.0 / 210.0, "stopped_after_s": 100.0}
+    assert goodput._slowdown_cell(row) == "<= 28.6 % (stopped 100 s into the schedule)"
+    assert goodput._slowdown_cell({"slowdown_ratio": 0.922}) == "92.2 %"
