@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import time
 
+import json
+
 from google.protobuf import json_format
 from rich.console import Group
 from rich.table import Table
 
+from ddiloco.cli import status_derived
 from ddiloco.v1 import syncer_pb2
 
 _STATUS = {
@@ -18,7 +21,20 @@ _STATUS = {
 
 
 def to_json(state: syncer_pb2.TrainingState) -> str:
+    """The TrainingState alone, in proto JSON (json_format.Parse reads it back)."""
     return json_format.MessageToJson(state, preserving_proto_field_name=True, indent=None)
+
+
+def status_json(state: syncer_pb2.TrainingState) -> str:
+    """`ddiloco status --json`: the TrainingState in proto JSON (uint64 as strings), every fragment
+    with its `round` and `round_open` even when 0/false, plus `derived` (status_derived.derived:
+    tokens_processed, work_merged as a 0-1 share, merge_participation)."""
+    out = json_format.MessageToDict(state, preserving_proto_field_name=True)
+    for f in out.get("fragments", []):
+        f.setdefault("round", "0")
+        f.setdefault("round_open", False)
+    out["derived"] = status_derived.derived(state)
+    return json.dumps(out, separators=(",", ":"))
 
 
 def human_bytes(n: float) -> str:
@@ -34,10 +50,17 @@ def state_renderable(state: syncer_pb2.TrainingState, *, target: str = ""):
     now = state.now_unix_s or time.time()
     last_eval = f"{state.evals[-1].heldout_loss:.4f}" if state.evals else "-"
     first_eval = f"{state.evals[0].heldout_loss:.4f}" if state.evals else "-"
+    d = status_derived.derived(state)
     head = Table.grid(padding=(0, 2))
     head.add_row(
         f"run [bold]{state.run_id}[/]", f"syncer {target or state.syncer_instance[:8]}",
         f"outer steps [bold]{state.outer_steps}[/]", f"tokens merged {state.tokens_merged:,}",
+    )
+    head.add_row(
+        f"work merged [bold]{status_derived.fmt_share(d['work_merged'])}[/]",
+        f"tokens processed {d['tokens_processed']:,} x P={d['num_fragments']}"
+        + (" (members, this life)" if d["tokens_processed_source"] == "members" else ""),
+        f"contributors/merge {status_derived.fmt_participation(d['merge_participation'])}", "",
     )
     head.add_row(
         f"held-out loss {first_eval} -> [bold]{last_eval}[/]",
@@ -55,18 +78,22 @@ def state_renderable(state: syncer_pb2.TrainingState, *, target: str = ""):
             f"{max(0.0, now - m.last_seen_unix_s):.1f}s ago" if m.last_seen_unix_s else "-",
         )
     frags = Table(title="fragments")
-    for col in ("id", "version", "params", "pending", "sha256"):
+    for col in ("id", "version", "round", "params", "pending", "sha256"):
         frags.add_column(col)
     for f in state.fragments:
-        frags.add_row(str(f.fragment_id), str(f.version), f"{f.numel:,}", str(f.pending_contributions), f.params_sha256[:12])
+        rnd = f"{f.round} [green]open[/]" if f.round_open else f"{f.round} [dim]closed[/]"
+        frags.add_row(str(f.fragment_id), str(f.version), rnd, f"{f.numel:,}", str(f.pending_contributions),
+                      f.params_sha256[:12])
     parts = [head, members, frags]
     if state.recent_merges:
         merges = Table(title="recent merges")
-        for col in ("fragment", "version", "contributors", "quorum s", "grace used/window s", "reason"):
+        for col in ("fragment", "version", "round", "held/expected", "contributors", "quorum s",
+                    "grace used/window s", "reason"):
             merges.add_column(col)
         for r in list(state.recent_merges)[-6:]:
             who = ", ".join(f"{c.learner_id}(w={c.weight:.3g})" for c in r.contributors)
-            merges.add_row(str(r.fragment_id), str(r.version), who, f"{r.quorum_wait_s:.2f}",
-                           f"{r.grace_used_s:.2f}/{r.grace_window_s:.2f}", r.reason)
+            held = f"{len(r.contributors)}/{r.expected_contributors}" if r.expected_contributors else str(len(r.contributors))
+            merges.add_row(str(r.fragment_id), str(r.version), str(r.round) if r.round else "-", held, who,
+                           f"{r.quorum_wait_s:.2f}", f"{r.grace_used_s:.2f}/{r.grace_window_s:.2f}", r.reason)
         parts.append(merges)
     return Group(*parts)

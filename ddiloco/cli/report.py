@@ -3,7 +3,7 @@
 `ddiloco up` records one compact snapshot of the training state per poll in `state.jsonl` and
 the final state in `final_state.json`; this module owns that record format and the plots:
 held-out loss of the global model and inner loss per learner against tokens, bytes on the wire,
-fragment versions and goodput over time.
+fragment versions and work merged (tokens merged / (P x tokens processed)) over time.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ def snapshot_record(state: syncer_pb2.TrainingState) -> dict:
         "t": state.now_unix_s,
         "outer_steps": state.outer_steps,
         "tokens_merged": state.tokens_merged,
+        "tokens_processed": state.tokens_processed,
         "bytes_in": state.bytes_in,
         "bytes_out": state.bytes_out,
         "versions": [f.version for f in state.fragments],
@@ -103,20 +104,21 @@ def make_plots(run_dir: pathlib.Path, out_dir: pathlib.Path | None = None) -> li
     ax.legend(fontsize=7)
     save(fig, "versions.png")
 
-    # 4. Goodput: the share of the learners' work merged into the global model. Each of the P
-    # fragments' contributions counts the tokens since that fragment was last received, so
-    # fully merged work sums to P x tokens processed.
+    # 4. Work merged: the share of the learners' work merged into the global model (not the paper's
+    # goodput, a share of wall time). Each of the P fragments' contributions carries that
+    # fragment's tokens, so fully merged work sums to P x tokens processed. Tokens processed are the
+    # syncer's count over every learner life; records without it (older syncers) sum the members'.
     fig, ax = plt.subplots(figsize=(7, 4))
-    goodput = []
+    share = []
     for r in records:
-        processed = sum(m["tokens"] for m in r["members"]) * max(1, len(r["versions"]))
-        goodput.append(min(1.0, r["tokens_merged"] / processed) if processed else 0.0)
-    ax.plot(times, goodput)
-    ax.set_ylim(0, 1.05)
+        processed = r.get("tokens_processed") or sum(m["tokens"] for m in r["members"])
+        share.append(100 * r["tokens_merged"] / (processed * max(1, len(r["versions"]))) if processed else float("nan"))
+    ax.plot(times, share)
+    ax.set_ylim(0, max([105.0, *(v + 5 for v in share if v == v)]))
     ax.set_xlabel("seconds")
-    ax.set_ylabel("tokens merged / (P x tokens processed)")
-    ax.set_title("Goodput")
-    save(fig, "goodput.png")
+    ax.set_ylabel("tokens merged / (P x tokens processed), %")
+    ax.set_title("Work merged")
+    save(fig, "work_merged.png")
 
     index = out_dir / "index.md"
     index.write_text(f"# ddiloco run {run_dir.name}\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in written) + "\n")

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[red]{escape(explain(exc, security, args.target))}[/]")
             return 2
         if args.json:
-            print(render.to_json(state), flush=True)
+            print(render.status_json(state), flush=True)
         else:
             console.print(render.state_renderable(state, target=args.target))
         return 0
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 for response in stream:
                     backoff_s = 0.5
                     if args.json:
-                        print(render.to_json(response.state), flush=True)
+                        print(render.status_json(response.state), flush=True)
                     else:
                         live.update(render.state_renderable(response.state, target=args.target))
             except grpc.RpcError as exc:

@@ -23,6 +23,7 @@ from rich.live import Live
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.cli import render
 from ddiloco.cli import report as report_lib
+from ddiloco.cli import status_derived
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
@@ -198,12 +199,18 @@ def _summary(state, final_loss, cluster, wall_s: float) -> dict:
         if path.exists():
             learner_summaries.append(json.loads(path.read_text()))
     evals = [e.heldout_loss for e in state.evals] if state else []
+    derived = status_derived.derived(state) if state else None
     return {
         "wall_s": round(wall_s, 1),
         "heldout_loss_start": evals[0] if evals else None,
         "heldout_loss_end": final_loss if final_loss is not None else (evals[-1] if evals else None),
         "merges": state.outer_steps if state else None,
         "tokens_merged": state.tokens_merged if state else None,
+        # Work merged = tokens_merged / (num_fragments x tokens_processed) (status_derived).
+        "tokens_processed": derived["tokens_processed"] if derived else None,
+        "num_fragments": derived["num_fragments"] if derived else None,
+        "work_merged": derived["work_merged"] if derived else None,
+        "merge_participation": derived["merge_participation"] if derived else None,
         "bytes_in": state.bytes_in if state else None,
         "bytes_out": state.bytes_out if state else None,
         "uploads": dict(state.uploads) if state else {},
@@ -218,6 +225,10 @@ def _print_summary(console: Console, s: dict, interrupted: bool, failed: list[st
         console.print(f"held-out loss of the global model: {start:.4f} -> [bold]{end:.4f}[/] nats/byte")
     console.print(f"merges (outer steps): {s['merges']}   tokens merged: {s['tokens_merged']:,}" if s["merges"] is not None
                   else "syncer state unavailable")
+    if s["merges"] is not None:
+        console.print(f"work merged: {status_derived.fmt_share(s['work_merged'])} (tokens merged / ({s['num_fragments']} "
+                      f"fragments x {s['tokens_processed']:,} tokens processed)); contributors per recent merge: "
+                      f"{status_derived.fmt_participation(s['merge_participation'])}")
     if s["bytes_in"] is not None:
         console.print(f"bytes on the wire: in {render.human_bytes(s['bytes_in'])}, out {render.human_bytes(s['bytes_out'])}")
     for ls in s["learners"]:

@@ -5,8 +5,12 @@ loads /api/history once (so curves appear at once), then polls /api/state every 
 series client-side (bandwidth rates are computed from successive snapshots) and draws the plots as
 SVG with its own small line-plot function. Text from the syncer (learner ids, regions, reasons) is
 only ever inserted as text nodes, never as HTML. Elements tests rely on have stable ids:
-outer-steps, tokens-merged, goodput, heldout-loss (each with a raw `data-value`), learners,
-fragments, merges, plot-heldout, plot-goodput, plot-bandwidth, plot-inner, conn.
+outer-steps, tokens-merged, work-merged, heldout-loss (each with a raw `data-value`),
+contributors-per-merge, learners, fragments, merges, plot-heldout, plot-work-merged, plot-bandwidth,
+plot-inner, conn.
+
+"Work merged" is tokens merged / (P x tokens processed): the share of the learners' work that reached
+the global model (not the paper's goodput, which is a share of wall time).
 """
 
 HTML = r"""<!doctype html>
@@ -83,8 +87,8 @@ HTML = r"""<!doctype html>
       <div class="sub" id="merge-rate">-</div></div>
     <div class="kpi"><div class="label">tokens merged</div><div class="value" id="tokens-merged">-</div>
       <div class="sub" id="tokens-processed">-</div></div>
-    <div class="kpi" title="tokens merged / (P fragments x tokens processed by all learners): the share of the learners' work that reached the global model"><div class="label">goodput</div><div class="value" id="goodput">-</div>
-      <div class="sub">merged / (P&middot;processed)</div></div>
+    <div class="kpi" title="tokens merged / (P fragments x tokens processed by every life of every learner): the share of the learners' work that reached the global model. Below: contributors per merge of the learners each round waited for (recent merges)"><div class="label">work merged</div><div class="value" id="work-merged">-</div>
+      <div class="sub" id="contributors-per-merge">-</div></div>
     <div class="kpi"><div class="label">held-out loss</div><div class="value" id="heldout-loss">-</div>
       <div class="sub" id="heldout-first">-</div></div>
     <div class="kpi"><div class="label">bytes in (uploads)</div><div class="value" id="bytes-in">-</div>
@@ -99,7 +103,7 @@ HTML = r"""<!doctype html>
   <section class="grid4">
     <div class="panel"><h2>Held-out loss<small>global model, vs tokens merged</small></h2>
       <svg class="plot" id="plot-heldout"></svg></div>
-    <div class="panel"><h2>Goodput<small>over time</small></h2><svg class="plot" id="plot-goodput"></svg></div>
+    <div class="panel"><h2>Work merged<small>tokens merged / (P&middot;processed), over time</small></h2><svg class="plot" id="plot-work-merged"></svg></div>
     <div class="panel"><h2>Bandwidth<small>bytes/s, in and out</small></h2><svg class="plot" id="plot-bandwidth"></svg></div>
     <div class="panel"><h2>Inner loss<small>per learner, over time</small></h2><svg class="plot" id="plot-inner"></svg></div>
   </section>
@@ -110,18 +114,20 @@ HTML = r"""<!doctype html>
         <th class="num" title="uploads accepted">accepted</th><th class="num" title="uploads rejected">rejected</th>
         <th class="num">joins</th><th class="num">bytes in / out</th></tr></thead><tbody></tbody></table></div>
     <div class="panel"><h2>Fragments<small>versions of the global fragments</small></h2>
-      <table id="fragments"><thead><tr><th>fragment</th><th class="num">version</th><th class="num">params</th>
+      <table id="fragments"><thead><tr><th>fragment</th><th class="num">version</th>
+        <th class="num" title="rounds the syncer has opened for this fragment; open: its learners were called and it merges at quorum plus grace">round</th><th class="num">params</th>
         <th class="num">pending</th><th>sha256</th></tr></thead><tbody></tbody></table>
       <div class="uploads" id="uploads" style="margin-top:8px"></div></div>
   </section>
   <section class="panel"><h2>Recent merges<small>newest first; contributors with their share of the merge weight (tokens&sup2; / steps)</small></h2>
-    <table id="merges"><thead><tr><th>fragment</th><th class="num">version</th><th class="num">ago</th>
+    <table id="merges"><thead><tr><th>fragment</th><th class="num">version</th><th class="num">round</th><th class="num">ago</th>
+      <th class="num" title="contributors / live learners the round waited for">held / expected</th>
       <th>contributors (share of weight, weight)</th><th class="num">quorum wait</th>
       <th class="num">grace used / window</th><th>reason</th></tr></thead><tbody></tbody></table>
   </section>
 </main>
 <footer>Polls <span class="mono">/api/state</span> every second; history from <span class="mono">/api/history</span>.
-  Goodput: the share of the learners' work (tokens &times; fragments) that was merged into the global model.</footer>
+  Work merged: the share of the learners' work (tokens &times; fragments) that was merged into the global model.</footer>
 <script>
 "use strict";
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d"];
@@ -287,8 +293,13 @@ function renderState(st) {
   $("merge-rate").textContent = up > 0 ? (outer / up * 60).toFixed(1) + " merges/min" : "-";
   setKpi("tokens-merged", fmtSI(merged), merged);
   $("tokens-processed").textContent = fmtSI(num(d.tokens_processed)) + " processed, P=" + (d.num_fragments || "?");
-  const g = num(d.goodput);
-  setKpi("goodput", Number.isFinite(g) ? (100 * g).toFixed(1) + " %" : "-", g);
+  const g = num(d.work_merged);
+  setKpi("work-merged", Number.isFinite(g) ? (100 * g).toFixed(1) + " %" : "-", g);
+  const mp = d.merge_participation || {}, held = num(mp.contributors_mean), expd = num(mp.expected_contributors_mean);
+  $("contributors-per-merge").textContent = !Number.isFinite(held) ? "no merge yet"
+    : Number.isFinite(expd) ? held.toFixed(1) + " of " + expd.toFixed(1) + " learners per merge ("
+      + (100 * num(mp.contributors_per_expected)).toFixed(0) + " %)"
+    : held.toFixed(1) + " contributors per merge";
   const evals = [...S.evals.values()].sort((a, b) => a.t - b.t);
   const lastEval = evals[evals.length - 1];
   setKpi("heldout-loss", lastEval ? lastEval.heldout_loss.toFixed(4) : "-", lastEval ? lastEval.heldout_loss : NaN);
@@ -327,7 +338,9 @@ function renderState(st) {
   const fb = $("fragments").tBodies[0]; fb.replaceChildren();
   for (const f of st.fragments || []) {
     fb.append(el("tr", { "data-fragment": f.fragment_id }, el("td", {}, String(f.fragment_id)),
-      el("td", { class: "num" }, fmtInt(num(f.version))), el("td", { class: "num" }, fmtInt(num(f.numel))),
+      el("td", { class: "num" }, fmtInt(num(f.version))),
+      el("td", { class: "num", "data-open": f.round_open ? "1" : "0" }, fmtInt(num(f.round)) + (f.round_open ? " open" : "")),
+      el("td", { class: "num" }, fmtInt(num(f.numel))),
       el("td", { class: "num" }, fmtInt(num(f.pending_contributions))),
       el("td", { class: "mono muted" }, (f.params_sha256 || "").slice(0, 12))));
   }
@@ -349,13 +362,16 @@ function renderState(st) {
         el("span", { class: "bar" }, el("i", { style: "width:" + (100 * share).toFixed(0) + "%" })),
         el("span", { class: "muted" }, (100 * share).toFixed(0) + "%, w " + fmtSI(num(c.weight)))));
     }
+    const expected = num(r.expected_contributors);
     mb.append(el("tr", {}, el("td", {}, String(r.fragment_id)), el("td", { class: "num" }, fmtInt(num(r.version))),
-      el("td", { class: "num" }, fmtAgo(now - num(r.merged_at_unix_s)).replace(" ago", "")), who,
+      el("td", { class: "num" }, num(r.round) > 0 ? fmtInt(num(r.round)) : "-"),
+      el("td", { class: "num" }, fmtAgo(now - num(r.merged_at_unix_s)).replace(" ago", "")),
+      el("td", { class: "num held" }, expected > 0 ? cs.length + " / " + expected : String(cs.length)), who,
       el("td", { class: "num" }, num(r.quorum_wait_s).toFixed(2) + " s"),
       el("td", { class: "num" }, num(r.grace_used_s).toFixed(2) + " / " + num(r.grace_window_s).toFixed(2) + " s"),
       el("td", { class: "muted" }, (r.reason || "-").replace(/_/g, " "))));
   }
-  if (!merges.length) mb.append(el("tr", {}, el("td", { colspan: 7, class: "muted" }, "no merge yet")));
+  if (!merges.length) mb.append(el("tr", {}, el("td", { colspan: 9, class: "muted" }, "no merge yet")));
   renderPlots(evals, rin, rout);
 }
 
@@ -363,7 +379,7 @@ function renderPlots(evals, rin, rout) {
   const tfmt = (t) => fmtClock(t);
   plot($("plot-heldout"), [{ name: "held-out loss", color: COLORS[0], pts: evals.map((e) => [e.tokens_merged, e.heldout_loss]) }],
     { xfmt: fmtSI, yfmt: (v) => v.toFixed(2), empty: "no held-out evaluation yet (start an evaluator)" });
-  plot($("plot-goodput"), [{ name: "goodput", color: COLORS[2], pts: S.samples.map((s) => [s.t, s.goodput === null ? NaN : 100 * num(s.goodput)]) }],
+  plot($("plot-work-merged"), [{ name: "work merged", color: COLORS[2], pts: S.samples.map((s) => [s.t, s.work_merged === null ? NaN : 100 * num(s.work_merged)]) }],
     { xfmt: tfmt, yfmt: (v) => v.toFixed(0) + " %", y0: 0, y1: 100, xticks: 3, time: true });
   const peak = Math.max(0, ...rin.concat(rout).map((p) => p[1]).filter(Number.isFinite));
   const [unit, div] = peak >= 2 ** 30 ? ["GiB", 2 ** 30] : peak >= 2 ** 20 ? ["MiB", 2 ** 20] : peak >= 2 ** 10 ? ["KiB", 2 ** 10] : ["B", 1];

@@ -9,18 +9,22 @@ syncer is unreachable it keeps polling with capped exponential backoff and repor
 - `GET /api/state`    the latest TrainingState as JSON (MessageToDict, proto field names, every
                       field present, uint64 as numbers) plus `available`, `target`, `fetched_at`
                       (unix s of the last poll), `last_ok_at`, `error`, `derived`
-                      (tokens_processed, goodput) and `sample` (this poll's entry of the history).
-                      While the syncer is unreachable the state fields are the last ones seen.
+                      (tokens_processed and its source, num_fragments, work_merged,
+                      merge_participation: see ddiloco.cli.status_derived) and `sample` (this
+                      poll's entry of the history). While the syncer is unreachable the state
+                      fields are the last ones seen.
 - `GET /api/history`  the recorded series (a bounded ring of per-poll samples, oldest first) and
                       the held-out evaluations seen so far, so a freshly opened page has curves.
 - `GET /healthz`      200 while the server runs, with the syncer's availability.
 
-Goodput is the share of the work done by the learners that ended up in the global model:
+Work merged is the share of the work done by the learners that ended up in the global model:
 tokens_merged / (P * tokens processed). Each inner step trains all P fragments and a fragment's
-contribution carries the tokens since the learner last received that fragment, so a run in which
-every contribution is merged has tokens_merged = P * tokens processed (goodput 1). Tokens
-processed sum every life (learner id, incarnation) seen, so a restarted learner, whose counter
-starts again at 0, does not make the ratio jump.
+contribution carries that fragment's tokens, so a run in which every contribution is merged has
+tokens_merged = P * tokens processed (work merged 1). It is not the paper's goodput, which is a
+share of wall time. Tokens processed are the syncer's TrainingState.tokens_processed (every life
+of every learner, kept across syncer restarts); for a syncer that predates the field (0 there) the
+dashboard sums every life (learner id, incarnation) it has seen, so a restarted learner, whose
+counter starts again at 0, does not make the ratio jump.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 from google.protobuf import json_format
 
+from ddiloco.cli import status_derived
 from ddiloco.dashboard import page
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
@@ -192,18 +197,22 @@ class Dashboard:
                     }
             while len(self._evals) > self.max_samples:
                 self._evals.popitem(last=False)
-            tokens_processed = sum(self._lives.values())
-            num_fragments = state.config.num_fragments or len(state.fragments) or 1
-            goodput = state.tokens_merged / (num_fragments * tokens_processed) if tokens_processed else None
+            if state.tokens_processed:
+                tokens_processed, source = state.tokens_processed, "syncer"
+            else:  # a syncer without the field: every life seen by this dashboard
+                tokens_processed, source = sum(self._lives.values()), "members"
+            derived = status_derived.derived(state, tokens_processed, source)
+            participation = derived["merge_participation"]
             sample = {
                 "t": fetched_at, "syncer_instance": state.syncer_instance, "outer_steps": state.outer_steps,
-                "tokens_merged": state.tokens_merged, "tokens_processed": tokens_processed, "goodput": goodput,
+                "tokens_merged": state.tokens_merged, "tokens_processed": tokens_processed,
+                "work_merged": derived["work_merged"],
+                "contributors_per_expected": participation["contributors_per_expected"],
                 "bytes_in": state.bytes_in, "bytes_out": state.bytes_out,
                 "inner_loss": {m.learner_id: m.inner_loss for m in state.members if m.local_step > 0},
             }
             self._samples.append(sample)
-            as_dict["derived"] = {"tokens_processed": tokens_processed, "num_fragments": num_fragments,
-                                  "goodput": goodput}
+            as_dict["derived"] = derived
             as_dict["sample"] = sample
             self._state = as_dict
             if not self._available:

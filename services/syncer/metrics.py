@@ -3,6 +3,10 @@
 Two sources: a collector that reads SyncerCore's state at scrape time (versions, members,
 counters; nothing to keep in sync), and an observer that records per-event distributions
 (quorum size, grace used vs window, staleness, compression ratio, rejoin times) as they happen.
+
+Work merged (ddiloco_work_merged_ratio) is tokens merged / (P x tokens processed), the share of the
+learners' work that reached the global model (ddiloco.cli.status_derived); ddiloco_goodput_ratio is
+its former, deprecated name (the paper's goodput is a share of wall time, not of tokens).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ddiloco import metrics as metrics_lib
+from ddiloco.cli import status_derived
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 
@@ -36,8 +41,18 @@ class SyncerMetrics:
             "ddiloco_syncer_merge_contributors", "Contributions per merge", registry=registry,
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
         self.quorum_wait = prometheus_client.Histogram(
-            "ddiloco_syncer_quorum_wait_seconds", "From a round's first contribution to quorum", registry=registry,
+            "ddiloco_syncer_quorum_wait_seconds", "From a round's opening (the syncer's call) to quorum", registry=registry,
             buckets=buckets)
+        self.contributors_ratio = prometheus_client.Histogram(
+            "ddiloco_syncer_merge_contributors_expected_ratio",
+            "Contributors / live learners the round waited for (expected_contributors), per merge", registry=registry,
+            buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0))
+        self.last_contributors = prometheus_client.Gauge(
+            "ddiloco_syncer_last_merge_contributors", "Contributors of each fragment's last merge", ["fragment"],
+            registry=registry)
+        self.last_expected = prometheus_client.Gauge(
+            "ddiloco_syncer_last_merge_expected_contributors",
+            "Live learners the round of each fragment's last merge waited for", ["fragment"], registry=registry)
         self.grace_used = prometheus_client.Histogram(
             "ddiloco_syncer_grace_used_seconds", "Time waited after quorum before merging", registry=registry,
             buckets=buckets)
@@ -69,6 +84,11 @@ class SyncerMetrics:
     def merged(self, record: syncer_pb2.MergeRecord) -> None:
         self.merges.labels(fragment=str(record.fragment_id)).inc()
         self.quorum_size.observe(len(record.contributors))
+        fragment = str(record.fragment_id)
+        self.last_contributors.labels(fragment=fragment).set(len(record.contributors))
+        self.last_expected.labels(fragment=fragment).set(record.expected_contributors)
+        if record.expected_contributors:
+            self.contributors_ratio.observe(len(record.contributors) / record.expected_contributors)
         self.quorum_wait.observe(record.quorum_wait_s)
         self.grace_used.observe(record.grace_used_s)
         self.grace_window.observe(record.grace_window_s)
@@ -114,6 +134,10 @@ class _StateCollector:
         yield pending
         yield CounterMetricFamily("ddiloco_syncer_tokens_merged", "Tokens of all merged contributions",
                                   value=state.tokens_merged)
+        yield CounterMetricFamily(
+            "ddiloco_syncer_tokens_processed",
+            "Tokens processed by every life of every learner of the run (restored across syncer restarts)",
+            value=state.tokens_processed)
         wire = CounterMetricFamily("ddiloco_wire_bytes", "Serialized gRPC payload bytes at the syncer",
                                    labels=["direction", "codec"])
         wire.add_metric(["in", serde.codec_from_proto(state.config.upload_codec)], state.bytes_in)
@@ -164,7 +188,6 @@ class _StateCollector:
                                  labels=["learner", "region"])
         last_seen = GaugeMetricFamily("ddiloco_learner_last_seen_age_seconds", "Seconds since a learner was heard from",
                                       labels=["learner", "region"])
-        processed = 0
         for m in state.members:
             counts[_STATUS.get(m.status, "active")] += 1
             labels = [m.learner_id, m.region]
@@ -172,20 +195,22 @@ class _StateCollector:
             tokens.add_metric(labels, m.tokens_total)
             loss.add_metric(labels, m.inner_loss)
             last_seen.add_metric(labels, max(0.0, time.time() - m.last_seen_unix_s) if m.last_seen_unix_s else 0.0)
-            processed += m.tokens_total
         for status, count in counts.items():
             members.add_metric([status], count)
         yield from (members, steps, tokens, loss, last_seen)
         if state.evals:
             yield GaugeMetricFamily("ddiloco_heldout_loss", "Held-out loss of the global parameters (nats/token)",
                                     value=state.evals[-1].heldout_loss)
-        # Goodput as in the paper: the share of the learners' work that made it into a merge. Each
-        # of the P fragments' contributions carries the tokens since that fragment was last
-        # received, so fully merged work sums to P x tokens processed.
-        if processed:
-            fragments = max(1, len(state.fragments))
+        # Work merged: the share of the learners' work that made it into a merge. Each of the P
+        # fragments' contributions carries that fragment's tokens, so fully merged work sums to
+        # P x tokens processed. Absent until a token is processed.
+        processed, _ = status_derived.tokens_processed(state)
+        share = status_derived.work_merged(state.tokens_merged, status_derived.num_fragments(state), processed)
+        if share is not None:
+            yield GaugeMetricFamily("ddiloco_work_merged_ratio",
+                                    "Tokens merged / (fragments x tokens processed): share of the learners' work merged",
+                                    value=share)
             yield GaugeMetricFamily("ddiloco_goodput_ratio",
-                                    "Tokens merged / (fragments x tokens processed by current learners)",
-                                    value=min(1.0, state.tokens_merged / (fragments * processed)))
+                                    "Deprecated name of ddiloco_work_merged_ratio (same value)", value=share)
         yield GaugeMetricFamily("ddiloco_syncer_last_checkpoint_outer_step", "Outer step of the last committed checkpoint",
                                 value=state.last_checkpoint_outer_step)

@@ -41,9 +41,12 @@ def test_up_trains_and_prints_a_summary(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "syncer listening on 127.0.0.1:" in result.stdout
     assert "held-out loss of the global model" in result.stdout
+    assert "work merged: " in result.stdout
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["heldout_loss_end"] < summary["heldout_loss_start"] - 0.5, summary
     assert summary["merges"] > 0 and summary["tokens_merged"] > 0 and summary["bytes_in"] > 0
+    assert summary["work_merged"] == pytest.approx(
+        summary["tokens_merged"] / (summary["num_fragments"] * summary["tokens_processed"]))
     assert [ls["steps"] for ls in summary["learners"]] == [60, 60]
     assert list((tmp_path / "jax-cache").glob("*-cache")), "the learners wrote no compiled programs"
     pids = json.loads((workdir / "pids.json").read_text())
@@ -52,7 +55,7 @@ def test_up_trains_and_prints_a_summary(tmp_path):
     # The recorded run turns into plots.
     report = subprocess.run([*_DDILOCO, "report", str(workdir)], capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stdout + report.stderr
-    for name in ("loss.png", "bytes.png", "versions.png", "goodput.png"):
+    for name in ("loss.png", "bytes.png", "versions.png", "work_merged.png"):
         data = (workdir / "report" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
     missing = subprocess.run([*_DDILOCO, "report", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
@@ -91,8 +94,11 @@ def test_status_json_human_watch_and_unreachable(cluster):
     assert one.returncode == 0, one.stderr
     state = json.loads(one.stdout)
     assert state["run_id"] == "cli-status" and len(state["fragments"]) == 4
+    assert all("round" in f and "round_open" in f for f in state["fragments"])
+    assert {"tokens_processed", "work_merged", "merge_participation"} <= set(state["derived"])
     human = subprocess.run([*_DDILOCO, "status", *target], capture_output=True, text=True, timeout=60)
     assert human.returncode == 0 and "fragments" in human.stdout and "cli-status" in human.stdout
+    assert "work merged" in human.stdout and "contributors/merge" in human.stdout
     watch = subprocess.Popen([*_DDILOCO, "status", "--watch", "--json", "--interval-s", "0.2", *target],
                              stdout=subprocess.PIPE, text=True)
     try:

@@ -99,11 +99,11 @@ def test_dashboard_in_a_browser(cluster, chromium, tmp_path):
         assert "region-a" in learners and "region-b" in learners and "active" in learners
         steps_1 = int(_attr(first, "outer-steps", "data-value"))
         assert steps_1 > 0 and re.search(r'id="run-id"[^>]*>dashboard-browser<', first)
-        for plot_id in ("plot-heldout", "plot-goodput", "plot-bandwidth", "plot-inner"):
+        for plot_id in ("plot-heldout", "plot-work-merged", "plot-bandwidth", "plot-inner"):
             assert int(_attr(first, plot_id, "data-points")) >= 1, plot_id
             assert "<polyline" in _element(first, plot_id, "svg"), f"{plot_id} draws no line"
-        goodput = float(_attr(first, "goodput", "data-value"))
-        assert 0.0 < goodput <= 1.5, goodput  # a share, printed as a percentage
+        work_merged = float(_attr(first, "work-merged", "data-value"))
+        assert 0.0 < work_merged <= 1.5, work_merged  # a share, printed as a percentage
         assert float(_attr(first, "heldout-loss", "data-value")) > 0
         assert all(f'data-fragment="{f}"' in _element(first, "fragments", "table") for f in range(4))
         assert "learner-" in _element(first, "merges", "table")
@@ -113,7 +113,7 @@ def test_dashboard_in_a_browser(cluster, chromium, tmp_path):
         second = _browser(chromium, profile, "--dump-dom", url)
         steps_2 = int(_attr(second, "outer-steps", "data-value"))
         assert steps_2 > steps_1, (steps_1, steps_2)
-        assert int(_attr(second, "plot-goodput", "data-points")) > int(_attr(first, "plot-goodput", "data-points"))
+        assert int(_attr(second, "plot-work-merged", "data-points")) > int(_attr(first, "plot-work-merged", "data-points"))
 
         shot = tmp_path / "dashboard.png"
         _browser(chromium, profile, f"--screenshot={shot}", "--window-size=1400,1000", url)

@@ -59,6 +59,14 @@ def test_syncer_store_and_learner_export_prometheus_metrics(cluster):
     assert value(s, "ddiloco_learners", status="active") == 1
     assert value(s, "ddiloco_learner_steps", learner="learner-0", region="eu") > 0
     assert 0 < value(s, "ddiloco_goodput_ratio") <= 1
+    # Work merged = tokens merged / (P x tokens processed), from the syncer's tokens processed (every life).
+    processed = value(s, "ddiloco_syncer_tokens_processed_total")
+    assert processed > 0
+    assert value(s, "ddiloco_work_merged_ratio") == pytest.approx(
+        value(s, "ddiloco_syncer_tokens_merged_total") / (4 * processed), rel=0.05)
+    assert value(s, "ddiloco_syncer_merge_contributors_expected_ratio_count") >= 8
+    assert value(s, "ddiloco_syncer_last_merge_contributors", fragment="0") >= 1
+    assert value(s, "ddiloco_syncer_last_merge_expected_contributors", fragment="0") >= 1
     assert value(s, "ddiloco_grpc_server_handled_total", method="UploadFragment", code="OK") >= 8
     assert value(s, "ddiloco_build_info", component="syncer") == 1
 

@@ -32,6 +32,7 @@ class FakeSyncer(syncer_pb2_grpc.SyncerServicer):
         state = syncer_pb2.TrainingState(
             run_id="fake-run", syncer_instance="f" * 32, started_at_unix_s=time.time() - 60, now_unix_s=time.time(),
             outer_steps=n, tokens_merged=4 * 100 * n, bytes_in=1000 * n, bytes_out=3000 * n,
+            tokens_processed=250 * n,  # every life: more than the members' 2 x 100n (a restarted learner)
             config=syncer_pb2.RunConfig(num_fragments=4),
             uploads={"accepted": n, "rejected_stale": 1},
         )
@@ -42,10 +43,15 @@ class FakeSyncer(syncer_pb2_grpc.SyncerServicer):
                 uploads_accepted=n, uploads_rejected=0, joins=1, bytes_in=11_000 * n, bytes_out=130_000 * n,
             )
         for f in range(4):
-            state.fragments.add(fragment_id=f, version=n, numel=1000, params_sha256="ab" * 32)
+            state.fragments.add(fragment_id=f, version=n, numel=1000, params_sha256="ab" * 32, round=n + 1,
+                                round_open=f == 0)
+        state.recent_merges.add(fragment_id=1, version=n, merged_at_unix_s=time.time(), reason="quorum_grace",
+                                contributors=[syncer_pb2.Contribution(learner_id="learner-0", weight=1.0)],
+                                expected_contributors=2, round=n)
         state.recent_merges.add(fragment_id=0, version=n, merged_at_unix_s=time.time(), reason="all_contributed",
                                 contributors=[syncer_pb2.Contribution(learner_id="learner-0", weight=3.0),
-                                              syncer_pb2.Contribution(learner_id="learner-1", weight=1.0)])
+                                              syncer_pb2.Contribution(learner_id="learner-1", weight=1.0)],
+                                expected_contributors=2, round=n)
         state.evals.add(at_unix_s=1000.0 + n, heldout_loss=5.0 - 0.1 * n, tokens_merged=400 * n, outer_steps=n)
         return syncer_pb2.GetTrainingStateResponse(state=state)
 
@@ -102,11 +108,24 @@ def test_state_history_page_and_health(fake_syncer):
         assert isinstance(state["outer_steps"], int) and state["outer_steps"] >= 1  # uint64 as a number
         assert [m["learner_id"] for m in state["members"]] == ["learner-0", "learner-1"]
         assert state["members"][0]["status"] == "STATUS_ACTIVE" and state["members"][0]["inner_loss"] == 2.5
-        assert len(state["fragments"]) == 4 and state["recent_merges"][0]["contributors"][1]["weight"] == 1.0
+        assert len(state["fragments"]) == 4 and state["recent_merges"][1]["contributors"][1]["weight"] == 1.0
+        assert state["fragments"][0]["round_open"] is True and state["fragments"][1]["round_open"] is False
+        assert state["fragments"][1]["round"] == state["outer_steps"] + 1
+        assert state["recent_merges"][1]["expected_contributors"] == 2
         assert state["evals"] and state["uploads"]["rejected_stale"] == 1
-        # Goodput: tokens merged / (P * tokens processed by all learners) = 4*100n / (4 * 2*100n).
-        assert state["derived"]["tokens_processed"] == 2 * state["members"][0]["tokens_total"]
-        assert state["derived"]["goodput"] == pytest.approx(0.5)
+        # Work merged: tokens merged / (P * tokens processed) = 4*100n / (4 * 250n), with the syncer's
+        # tokens_processed (every life), not the members' tokens_total (2 * 100n).
+        derived = state["derived"]
+        assert derived["tokens_processed"] == state["tokens_processed"] == 250 * state["outer_steps"]
+        assert derived["tokens_processed_source"] == "syncer" and derived["num_fragments"] == 4
+        assert derived["work_merged"] == pytest.approx(0.4) and "goodput" not in derived
+        # Contributors per merge against the learners each round waited for: 1 of 2, then 2 of 2.
+        participation = derived["merge_participation"]
+        assert participation["merges"] == 2 and participation["complete"] == 1
+        assert participation["contributors_mean"] == pytest.approx(1.5)
+        assert participation["expected_contributors_mean"] == pytest.approx(2.0)
+        assert participation["contributors_per_expected"] == pytest.approx(0.75)
+        assert state["sample"]["work_merged"] == pytest.approx(0.4)
         first = state["outer_steps"]
         _wait(lambda: _json(base + "/api/state")["outer_steps"] > first, what="a newer state")
 
@@ -114,8 +133,8 @@ def test_state_history_page_and_health(fake_syncer):
         n = len(history["samples"])
         assert n >= 2 and history["max_samples"] == 3600 and history["run_id"] == "fake-run"
         sample = history["samples"][-1]
-        assert {"t", "outer_steps", "tokens_merged", "tokens_processed", "goodput", "bytes_in", "bytes_out",
-                "inner_loss", "syncer_instance"} <= set(sample)
+        assert {"t", "outer_steps", "tokens_merged", "tokens_processed", "work_merged", "contributors_per_expected",
+                "bytes_in", "bytes_out", "inner_loss", "syncer_instance"} <= set(sample)
         assert sample["inner_loss"]["learner-1"] is None  # NaN is not JSON: null
         assert [s["t"] for s in history["samples"]] == sorted(s["t"] for s in history["samples"])
         assert len(history["evals"]) >= 2  # accumulated across polls, not only the syncer's last list
@@ -124,9 +143,11 @@ def test_state_history_page_and_health(fake_syncer):
         status, ctype, body = _get(base + "/")
         assert status == 200 and ctype == "text/html; charset=utf-8"
         html = body.decode()
-        for needed in ('id="outer-steps"', 'id="learners"', 'id="plot-heldout"', 'id="plot-goodput"',
-                       'id="plot-bandwidth"', "/api/state", "/api/history"):
+        for needed in ('id="outer-steps"', 'id="learners"', 'id="plot-heldout"', 'id="plot-work-merged"',
+                       'id="work-merged"', 'id="contributors-per-merge"', 'id="plot-bandwidth"', "/api/state",
+                       "/api/history", ">work merged<", "held / expected"):
             assert needed in html
+        assert ">goodput<" not in html.lower()  # the KPI is not the paper's goodput (a share of wall time)
         # Self-contained: no external scripts, styles, fonts or images (the SVG namespace is a name, not a fetch).
         html = html.replace("http://www.w3.org/2000/svg", "")
         assert "http://" not in html and "https://" not in html and "src=" not in html and "<link" not in html
@@ -167,7 +188,8 @@ def test_never_reachable_syncer_reports_unavailable():
         assert len(_json(dash.url + "api/history")["samples"]) == 0
 
 
-def test_goodput_counts_every_life_of_a_learner():
+def test_work_merged_without_the_syncers_count_sums_every_life_of_a_learner():
+    """A syncer that predates TrainingState.tokens_processed (0): every life seen is summed."""
     dash = Dashboard("127.0.0.1:1")  # not started: _record is fed directly
 
     def state(incarnation: int, tokens: int, merged: int) -> syncer_pb2.TrainingState:
@@ -179,9 +201,22 @@ def test_goodput_counts_every_life_of_a_learner():
     dash._record(state(2, 100, 2000), 2.0)  # restarted: its counter began again at 0
     samples = dash.history_json()["samples"]
     assert [s["tokens_processed"] for s in samples] == [1000, 1100]
-    assert samples[-1]["goodput"] == pytest.approx(2000 / (2 * 1100))
+    assert samples[-1]["work_merged"] == pytest.approx(2000 / (2 * 1100))
+    assert dash.state_json()["derived"]["tokens_processed_source"] == "members"
     dash._record(syncer_pb2.TrainingState(run_id="another"), 3.0)  # another run: series start again
-    assert len(dash.history_json()["samples"]) == 1 and dash.history_json()["samples"][0]["goodput"] is None
+    assert len(dash.history_json()["samples"]) == 1 and dash.history_json()["samples"][0]["work_merged"] is None
+
+
+def test_work_merged_uses_the_syncers_tokens_processed():
+    dash = Dashboard("127.0.0.1:1")
+    s = syncer_pb2.TrainingState(run_id="r", tokens_merged=3000, tokens_processed=2000,
+                                 config=syncer_pb2.RunConfig(num_fragments=2))
+    s.members.add(learner_id="learner-0", incarnation=2, tokens_total=100, local_step=1)  # this life only
+    dash._record(s, 1.0)
+    derived = dash.state_json()["derived"]
+    assert derived["tokens_processed"] == 2000 and derived["tokens_processed_source"] == "syncer"
+    assert derived["work_merged"] == pytest.approx(3000 / (2 * 2000))
+    assert derived["merge_participation"]["contributors_mean"] is None  # no merge yet
 
 
 def test_parse_bind():
