@@ -523,7 +523,8 @@ def _learner_run(target: str, steps: int, warmup: int, capture: dict | None, bat
             train_step = compiled[key]
         loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=train_step,
                                     sampler=sampler, client=loop_client, learner_id=learner_id,
-                                    incarnation=incarnation, mixing_alpha=run_config.mixing_alpha)
+                                    incarnation=incarnation, mixing_alpha=run_config.mixing_alpha,
+                                    on_arrival=run_config.on_arrival, round_trigger=run_config.round_trigger)
         if null_client:  # start from the global parameters, then never hear from the syncer again
             for update in client.take_updates():
                 frag = plan.fragments[update.fragment_id]
@@ -544,11 +545,12 @@ def _learner_run(target: str, steps: int, warmup: int, capture: dict | None, bat
         codec_lib.warm_up()
         for _ in range(warmup):
             loop.step()
-        timers = {"apply_updates": _Timed(loop.apply_updates), "queue_upload": _Timed(loop._queue_upload),
+        # Decoupled mode: a contribution is extracted and queued by _contribute (on the syncer's call).
+        timers = {"apply_updates": _Timed(loop.apply_updates), "queue_upload": _Timed(loop._contribute),
                   "progress_request": _Timed(loop.progress_request),
                   "set_progress": _Timed(loop_client.set_progress)}
         loop.apply_updates = timers["apply_updates"]
-        loop._queue_upload = timers["queue_upload"]
+        loop._contribute = timers["queue_upload"]
         loop.progress_request = timers["progress_request"]
         loop_client.set_progress = timers["set_progress"]
         stats0 = dict(vars(client.stats))
@@ -600,11 +602,14 @@ def run_overlap(workdir: pathlib.Path, model: dict, steps: int, warmup: int, bat
 
     out: dict = {"model": model, "definition": (
         "share of the training thread's wall time spent in communication work: folding in arrived "
-        "fragments (apply_updates), extracting pseudo-gradients and queueing uploads (_queue_upload), "
+        "fragments (apply_updates), extracting pseudo-gradients and queueing uploads (_contribute), "
         "building and handing over progress reports. The loop never blocks on the network by design.")}
     capture: dict = {}
     compiled: dict = {}
-    with running_syncer(workdir, "syncer-overlap", model) as syncer:
+    # Rounds opened by the learner's own counter (--round-trigger upload): a contribution every
+    # H / P steps from the first step on, so a short timed window always holds the same uploads (with
+    # the syncer's schedule they follow its calls; the work per upload is the same).
+    with running_syncer(workdir, "syncer-overlap", model, ["--round-trigger", "upload"]) as syncer:
         pid = syncer.pid
         out["null"] = _learner_run(syncer.address, steps, warmup, None, batch_size, null_client=True, shard=1,
                                    compiled=compiled, syncer_pid=pid)

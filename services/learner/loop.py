@@ -47,6 +47,7 @@ from services.learner import client as client_lib
 _LOG = logging.getLogger("ddiloco.learner")
 
 SYNC_MODES = ("decoupled", "diloco", "dp")
+_FINISH_MAX_REFUSALS = 3  # finish() stops sending a fragment the syncer refused this many times
 
 
 @dataclasses.dataclass
@@ -123,6 +124,7 @@ class LearnerLoop:
             raise ValueError(f"on_arrival={on_arrival!r}: this learner knows {arrival_lib.ON_ARRIVAL_RULES}")
         self._called = sync_mode == "decoupled" and round_trigger != "upload"
         self.pending: dict[int, arrival_lib.PendingContribution] = {}
+        self._not_taken = np.zeros(num, dtype=np.int64)  # contributions refused or lost, per fragment
         self._jobs: dict[int, client_lib.UploadJob] = {}  # the job behind each pending contribution
         self._calls: dict[int, syncer_pb2.RoundCall] = {}
         self.finished = False
@@ -135,6 +137,7 @@ class LearnerLoop:
                 continue
             if outcome.result == client_lib.OUTCOME_NOT_TAKEN:
                 del self.pending[outcome.fragment_id]  # never merged: the work stays in the progress
+                self._not_taken[outcome.fragment_id] += 1
             else:
                 pending.accepted = True
                 pending.accepted_version = outcome.current_version
@@ -284,10 +287,14 @@ class LearnerLoop:
             if jobs:
                 self._wait_for_merges(jobs, arrivals, deadline_s=deadline)
             return not jobs or all(self.c_steps[job.fragment_id] == 0 for job in jobs)
+        refused_before = self._not_taken.copy()
         while True:
-            left = [fid for fid in range(self.plan.num_fragments) if self.c_steps[fid] > 0 or fid in self.pending]
+            # A fragment refused again and again (a quarantined learner, a bound it exceeds) is given up.
+            refused = self._not_taken - refused_before
+            left = [fid for fid in range(self.plan.num_fragments)
+                    if (self.c_steps[fid] > 0 or fid in self.pending) and refused[fid] < _FINISH_MAX_REFUSALS]
             if not left:
-                return True
+                return not refused.any()
             if time.monotonic() >= deadline or self._should_stop_finish():
                 _LOG.warning("finished with work not yet merged", extra={"fields": {"fragments": left}})
                 return False

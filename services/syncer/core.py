@@ -710,7 +710,11 @@ class SyncerCore:
                          else f"limit {verdict.limit:.4g}")
                 detail = (f"fragment {header.fragment_id}: contribution norm {verdict.norm:.4g} over {header.steps} "
                           f"steps exceeds the norm bound ({basis}; {where})")
-                gross = verdict.ratio >= NORM_STRIKE_RATIO
+                # Against the bootstrap bound (the fragment's own norm, before other learners' contributions
+                # give a per-step reference) an honest learner's progress over many steps can be large:
+                # early in a run, a learner whose first contribution waited long (compilation, a slow
+                # start) carries every step since (rebase on arrival keeps them). Refused, not a strike.
+                gross = verdict.basis == "others" and verdict.ratio >= NORM_STRIKE_RATIO
                 if self.norm_bound.action == "reject":
                     raise errors.InvalidArgument(detail, reason="norm_bound" if gross else "norm_bound_marginal")
                 _LOG.warning(f"{detail}: clipped", extra={"fields": {"learner": header.learner_id}})

@@ -36,7 +36,7 @@ SPECS = [fragments_lib.TensorSpec("a", (8, 4)), fragments_lib.TensorSpec("b", (1
 def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamma: float = 0.5,
               direction: robust_lib.DirectionPolicy | None = None) -> core_lib.SyncerCore:
     plan = fragments_lib.plan_fragments(SPECS, 2, 2)
-    cfg = config_lib.SyncerConfig(min_quorum=min_quorum, max_staleness_versions=staleness, num_fragments=2,
+    cfg = config_lib.SyncerConfig(min_quorum=min_quorum, max_staleness_versions=staleness, num_fragments=2, overlap_steps=2,
                                   sync_period_steps=2, upload_codec="fp32")
     run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name="test", model_config_json="{}", fingerprint="f" * 64)
     rng = np.random.default_rng(0)
