@@ -13,8 +13,11 @@ same fragment, so a learner can never raise its own reference:
   norms are compared per step; the steps it may claim for this are capped at 4 × the others'
   median, so inflating the step count buys at most that factor;
 * until `min_history` such contributions exist (the first rounds of a run), the whole fragment
-  is bounded instead by ‖Δ‖ ≤ `params_factor` · ‖θ‖ (default 2), the norm of the current global
-  fragment: a pseudo-gradient twice as large as the parameters themselves is never an honest one;
+  is bounded instead by ‖Δ‖ ≤ `params_factor` · ‖θ‖ · √s (default 2), the norm of the current global
+  fragment, with s the contribution's steps (at most `bootstrap_max_steps`): a pseudo-gradient
+  much larger than the parameters is never an honest one, but progress grows with the steps it
+  spans (the tiny model's fragment of small tensors moved 2.1x its norm in 87 steps, and a
+  synchronous run with H = 64 was refused for good under the bound without √s);
 * the merge weight (tokens² / steps, quadratic in a unit's batch) is capped through the claimed
   batch, the quantity a learner inflates: tokens per step ≤ k · the median tokens per step of
   other learners' recent contributions, over the steps credited as above. A legitimately bigger
@@ -65,7 +68,8 @@ class NormBoundPolicy:
     # shards) differ by up to ~17x per tensor early in a run (measured: tiny model, 4 shards of the
     # stdlib corpus, warmup), so k bounds gross updates, not subtle ones.
     factor: float = 20.0
-    params_factor: float = 2.0  # bootstrap bound: ||delta|| <= params_factor x ||global fragment||
+    params_factor: float = 2.0  # bootstrap bound: ||delta|| <= params_factor x ||global fragment|| x sqrt(steps)
+    bootstrap_max_steps: int = 256  # steps credited by the bootstrap bound (claims beyond buy nothing)
     action: str = "reject"  # "reject" or "clip"
     min_history: int = 3  # contributions of other learners needed before per-tensor bounds apply
     # Accepted contributions remembered per fragment: short, so the reference follows the learning
@@ -248,7 +252,8 @@ class NormHistory:
             worst = int(np.argmin(factors))
             tensor = worst if worst < len(norms) else -1
             return Verdict(False, scales, total, float(limits[worst]), "others", tensor, ratio)
-        bound = self.policy.params_factor * params_norm
+        credited = min(max(1, int(steps)), self.policy.bootstrap_max_steps)
+        bound = self.policy.params_factor * params_norm * math.sqrt(credited)
         ratio = total / bound if bound > 0 else 0.0
         if ratio > 1:
             return Verdict(False, np.full_like(norms, 1 / ratio), total, bound, "params", ratio=ratio)

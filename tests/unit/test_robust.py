@@ -209,3 +209,14 @@ def test_only_a_fragments_first_contributions_wait_for_references():
     assert guard.bootstrapped(0)  # three learners accepted: past the start of the run
     assert guard.references("a", 0, 5) == 0  # later every reference aged out: still bootstrapped
     assert guard.bootstrapped(0)
+
+
+def test_bootstrap_bound_grows_with_the_steps_a_contribution_spans_up_to_a_cap():
+    frag = fragments_lib.plan_fragments([fragments_lib.TensorSpec("w", (64,))], 1, 1).fragments[0]
+    history = robust_lib.NormHistory(robust_lib.NormBoundPolicy(), frag)
+    norms = np.array([3.0])  # 3x the parameters' norm of 1.0
+    assert not history.check("a", norms, steps=1, params_norm=1.0).within  # one step: 2x at most
+    verdict = history.check("a", norms, steps=64, params_norm=1.0)  # 64 steps: 2 x 8 = 16x
+    assert verdict.within and verdict.basis == "params"
+    huge = history.check("a", np.array([1e4]), steps=10**9, params_norm=1.0)  # claims buy at most sqrt(256)
+    assert not huge.within and huge.limit == pytest.approx(2.0 * 16.0)
