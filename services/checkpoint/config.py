@@ -121,7 +121,9 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointC
     """Builds the config from `argv` (flags win) and `environ`; exits with usage on bad input."""
     environ = security.with_shared_insecure(environ, ENV_PREFIX)
     parser = flags.EnvArgumentParser(
-        prog="python -m services.checkpoint",
+        # The command a user types (`python -m services.checkpoint` runs the same code), as for
+        # `ddiloco syncer` and `ddiloco learner`.
+        prog="ddiloco checkpoint",
         description="The ddiloco checkpoint store: content-addressed blobs plus per-run "
         "manifests that commit a checkpoint atomically, served over gRPC.",
         environ=environ,
@@ -141,7 +143,9 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointC
     add("gc_grace_s", "seconds an unreferenced blob survives garbage collection (protects "
         "checkpoints still uploading)", type=float)
     add("log_level", "DEBUG, INFO, WARNING or ERROR")
-    add("json_logs", "log one JSON object per line (true/false)", type=flags.parse_bool,
+    # Booleans work as plain switches (`--json-logs`) and with a value (`--json-logs false`), as
+    # in every service (flags.parse_dataclass).
+    add("json_logs", "log one JSON object per line", type=flags.parse_bool, nargs="?", const=True,
         metavar="BOOL")
     add("ready_file", "write {address, pid, service} here once serving", type=pathlib.Path)
     add("grace_s", "seconds in-flight RPCs may finish after SIGTERM", type=float)
