@@ -33,8 +33,12 @@ ROW_PACE_S = 0.06  # extra seconds per inner step (pacing only): ~0.09 s per ste
 # fragment, a lost or doubled merge, a bad restore (the loss then stays near its initial 5.5, i.e.
 # > +100 %, or diverges).
 LOSS_MARGIN = 0.30
-FAULT_AT_MERGE = 40  # the first fault of a run: every learner is contributing by then
-PHASE_MERGES = 110  # between the rows of a group
+# Faults are placed by merge count. Since rounds are the syncer's, a merge holds every live learner
+# and there is at most one per fragment every H steps: a row run (500 steps, H = 4, P = 4) makes at
+# most ~500 merges, and a loaded 2-core machine made 157 (learner-process) to 357 (link-cuts). The
+# third phase must fire well before the end.
+FAULT_AT_MERGE = 24  # the first fault of a run: every learner is contributing by then
+PHASE_MERGES = 36  # between the rows of a group
 
 
 # Contributions beyond the norm bound are clipped, not refused: a refused honest contribution can
@@ -157,11 +161,10 @@ def learner_process(seed: int):
 
 def server_failpoints(seed: int):
     """Rows 4, 2 and 6 in one run, by failpoints: the syncer crashes between quorum and apply at
-    merge 40; learner-1 crashes mid-upload (after a chunk of an upload of ~4) around a third of the
-    way; the store is SIGKILLed and restarted with store.after_tmp_write armed (row 6)."""
+    merge 24; learner-1 crashes mid-upload (its 150th chunk, in an upload of ~4), about 40 uploads in; the store is SIGKILLed and restarted with store.after_tmp_write armed (row 6)."""
     return base("server-failpoints", seed, chunk_size_bytes=1024,
                 syncer_failpoints=f"syncer.after_quorum=crash@{FAULT_AT_MERGE}",
-                learner_failpoints=(("learner-1", "learner.after_chunk=crash@600"),)), _at(store_crash(seed)[1], 2)
+                learner_failpoints=(("learner-1", "learner.after_chunk=crash@150"),)), _at(store_crash(seed)[1], 2)
 
 
 def link_degraded(seed: int):

@@ -43,6 +43,10 @@ MIN_PROGRESS_INTERVAL_S = 0.02  # the fastest a learner reports progress (see _p
 
 # Refusals after which the same base may be sent again (the contribution was not taken, and a later
 # try can succeed); INVALID_ARGUMENT, PERMISSION_DENIED, ALREADY_EXISTS and the like are final.
+# Upload endings that are not the syncer's verdict: the upload may or may not have been taken.
+_OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED})
+_UNKNOWN_OUTCOME_PAUSE_S = 0.2
 _RESENDABLE = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
                          grpc.StatusCode.CANCELLED})
@@ -236,6 +240,11 @@ class SyncClient:
         with self._lock:
             out, self._calls = self._calls, {}
         return out
+
+    def _requeue(self, job: UploadJob) -> None:
+        """Queues a job whose fate is unknown again, unless a newer one of its fragment waits."""
+        with self._lock:
+            self._uploads.setdefault(job.fragment_id, job)
 
     def _outcome(self, job: UploadJob, result: str, current_version: int = 0) -> None:
         with self._lock:
@@ -538,9 +547,10 @@ class SyncClient:
         try:
             await self._upload(job)
         except asyncio.CancelledError:
-            # The session broke mid-upload: the syncer may or may not have taken it; the learner
-            # keeps the work (a MergeReceipt still tells it if a version holds it).
-            self._outcome(job, OUTCOME_NOT_TAKEN)
+            # The session broke mid-upload: the syncer may or may not have taken it. The same job
+            # goes again once re-joined (idempotent on its key: a duplicate if it was taken), never
+            # a new contribution carrying the same work (which would count it twice).
+            self._requeue(job)
             raise
         finally:
             with self._lock:
@@ -550,9 +560,10 @@ class SyncClient:
     async def _upload(self, job: UploadJob) -> None:
         cfg = self.run_config
         if job.syncer_instance != self.instance:
+            # Based on another syncer life: worthless now. Whether that life merged it (and
+            # checkpointed the merge) is for the new life's MergeReceipt to say, not this client.
             self.stats.uploads_refused += 1
-            self._outcome(job, OUTCOME_NOT_TAKEN)
-            return  # based on another syncer life: worthless
+            return
         codec = serde.codec_from_proto(cfg.upload_codec)
         delta = job.delta
         if self.cfg.hostile_factor is not None:  # chaos knob for tests: a hostile learner
@@ -599,15 +610,24 @@ class SyncClient:
                     else:
                         response = await self._stub.UploadFragment(self._request_stream(messages), timeout=timeout_s)
         except retry_lib.RetriesExhausted as exc:
+            # An attempt may have been taken before the link failed: send the same job again later.
             self.stats.uploads_failed += 1
-            self._outcome(job, OUTCOME_NOT_TAKEN)
+            self._requeue(job)
             self._record("failed", job, sent_at)
             _LOG.warning(str(exc))
             raise _SessionBroken("uploads keep failing") from None
         except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in _OUTCOME_UNKNOWN:
+                # Not the syncer's verdict (a reset stream, a cancelled call): the upload may have been
+                # taken. The same job goes again after a short pause (idempotent on its key).
+                self.stats.uploads_failed += 1
+                self._record("failed", job, sent_at, code=code.name)
+                await asyncio.sleep(_UNKNOWN_OUTCOME_PAUSE_S)
+                self._requeue(job)
+                return
             self.stats.uploads_refused += 1
             self._outcome(job, OUTCOME_NOT_TAKEN)
-            code = exc.code()
             _LOG.info(f"fragment {job.fragment_id} base {job.base_version} refused: {code.name}: {exc.details()}")
             self._record("refused", job, sent_at, code=code.name)
             if code == grpc.StatusCode.FAILED_PRECONDITION and ("fenced" in exc.details() or "Join" in exc.details()):

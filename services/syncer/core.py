@@ -397,9 +397,7 @@ class SyncerCore:
         member.tokens_total = req.tokens_total
         if req.finished and not member.finished:
             member.finished = True
-            for slot in self.slots:  # its early contributions must not wait for a schedule nobody advances
-                if slot.round is not None and member.learner_id in slot.round.learners:
-                    self._open_round(slot, "finished")
+            self._open_if_nobody_trains()
             self.tick()  # rounds that waited for it may be complete
         if math.isfinite(req.step_time_s) and req.step_time_s > 0:
             member.step_time_s = req.step_time_s
@@ -418,6 +416,7 @@ class SyncerCore:
         member.left = True
         self.schedule.forget((member.learner_id, member.incarnation))
         _LOG.info("learner left", extra={"fields": {"learner": req.learner_id}})
+        self._open_if_nobody_trains()
         self._notify()
         # Rounds that were waiting for this learner may now be complete.
         self.tick()
@@ -785,10 +784,11 @@ class SyncerCore:
             member.uploads_accepted += 1
             self.uploads["accepted"] += 1
             self._emit("upload_accepted", header)
-            if header.final and not rnd.open:
-                self._open_round(slot, "final")  # the learner's last work: no need to wait for the schedule
+            if header.final:
+                member.finished = True  # its progress report saying so may come after this upload
             self._note_quorum(rnd)
             version_at_accept = slot.version
+        self._open_if_nobody_trains()
         self.tick()
         return syncer_pb2.UploadFragmentResponse(
             result=syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED, current_version=version_at_accept, weight=weight
@@ -852,6 +852,17 @@ class SyncerCore:
             rnd.quorum_reached_at_s = self._clock()
             self._quorum_time.update(rnd.quorum_reached_at_s - rnd.opened_at_s)
 
+    def _open_if_nobody_trains(self) -> None:
+        """Opens every round holding contributions once no learner is training any more (all have
+        finished, left or gone silent): nobody advances the schedule, and the last work must merge.
+        While some learner trains, finished learners' last contributions join the fragments' next
+        scheduled rounds: merging each learner's tail in a round of its own added a full outer step,
+        momentum included, per learner and fragment at the end (16 extra merges of 4 learners)."""
+        if self.scheduled and not self.expected_learners():
+            for slot in self.slots:
+                if slot.round is not None and slot.round.contributions and not slot.round.open:
+                    self._open_round(slot, "last")
+
     def open_due_rounds(self) -> list[int]:
         """Opens the rounds the schedule says are due; returns their fragment ids."""
         if not self.scheduled:
@@ -894,6 +905,7 @@ class SyncerCore:
 
     def tick(self) -> None:
         """Re-evaluates every open round at the current time; merges those that are due."""
+        self._open_if_nobody_trains()  # the last training learner may have gone silent
         now = self._clock()
         grace_s = self.grace_window_s()
         expected = self.expected_learners()

@@ -210,22 +210,28 @@ def test_quorum_time_runs_from_the_call_and_the_grace_window_closes_a_round_with
     asyncio.run(run())
 
 
-def test_final_contributions_open_their_round_at_once_and_finished_learners_are_not_waited_for():
+def test_final_contributions_join_the_next_scheduled_round_until_nobody_trains():
     async def run():
         clock = FakeClock()
         core = make_scheduled_core(clock)
         for lid in ("a", "b"):
             join(core, lid)
             report(core, lid, 0)
-        report(core, "a", 1, finished=True)
-        await contribute(core, "a", 0, mark=1, final=True)
+        await contribute(core, "a", 0, mark=1, final=True)  # a is done; b still trains
         await settle()
-        # The round opened for a's final work; b (still training) is called and waited for.
-        assert core.round_call(0, "b") is not None and core.slots[0].version == 0
-        await contribute(core, "b", 0, mark=1)
+        # No round of its own (that would add an outer step per learner at the end): a's last work
+        # waits for fragment 0's next scheduled round, and a is no longer waited for.
+        assert not core.slots[0].round.open and core.expected_learners() == {"b"}
+        report(core, "b", 4)  # global step 4: fragment 0's round opens with a's work in it
+        assert core.slots[0].round.open and core.round_call(0, "b") is not None
+        await contribute(core, "b", 0, mark=4)
         await settle()
-        assert core.slots[0].version == 1 and core.merges[-1].expected_contributors == 2
-        assert core.expected_learners() == {"b"}
+        assert core.slots[0].version == 1 and len(core.merges[-1].contributors) == 2
+        assert core.merges[-1].expected_contributors == 2
+        await contribute(core, "b", 1, mark=5, final=True)  # the last learner finishes: no schedule left
+        await settle()
+        assert core.slots[1].version == 1 and core.merges[-1].reason == "all_contributed"
+        assert core.expected_learners() == set()
         assert core.tokens_processed() == 0  # reports carried no tokens
 
     asyncio.run(run())
