@@ -131,10 +131,10 @@ def partition_majority(seed: int):
 
 
 def resets(seed: int):
-    """Row 12: connections reset mid-stream: a learner's link resets each connection after a
-    few KB for 5 s, and two other links are reset 3 times: retries are idempotent, nothing is
-    applied twice."""
-    events = [FaultEvent(0, "limit_data", "learner-1", {"bytes": 6_000, "duration_s": 5.0}, at_merge=FAULT_AT_MERGE)]
+    """Row 12: connections reset mid-stream: a learner's link resets each connection after 3 KB
+    for 5 s (less than one of its ~4 KB uploads, so every upload is cut mid-stream), and two other
+    links are reset 3 times: retries are idempotent, nothing is applied twice."""
+    events = [FaultEvent(0, "limit_data", "learner-1", {"bytes": 3_000, "duration_s": 5.0}, at_merge=FAULT_AT_MERGE)]
     for t in (0.5, 2.5, 4.5):
         events += [FaultEvent(t, "reset", f"learner-{i}", at_merge=FAULT_AT_MERGE) for i in (0, 2)]
     return base("resets", seed), events

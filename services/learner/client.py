@@ -311,6 +311,14 @@ class SyncClient:
 
     async def _shutdown(self, leave: bool) -> None:
         self._closing = True
+        with self._lock:
+            last = self._progress if self._progress is not self._progress_sent else None
+        if leave and last is not None and self._stub is not None and self.instance:
+            try:  # the final counts (tokens processed) reach the syncer before the learner leaves
+                await self._stub.ReportProgress(last, timeout=self.cfg.call_timeout_s)
+                self._progress_sent = last
+            except grpc.RpcError as exc:
+                _LOG.info(f"last progress report not acknowledged: {exc.code().name}")
         if leave and self._stub is not None and self.instance:
             try:
                 await self._stub.Leave(

@@ -652,13 +652,27 @@ class SyncerCore:
                    if lid != learner_id and not m.left and now - m.last_seen_s <= self._liveness_s
                    and now >= m.quarantined_until_s)
 
+    def _credited_steps(self, member: Member, header: syncer_pb2.UploadHeader) -> int:
+        """The steps a contribution is credited with (merge weight, norm bound): at most the local
+        steps since this life's last merged contribution of the fragment (UploadHeader.local_step
+        minus the receipt mark), which the syncer knows. A claim beyond it would inflate the weight
+        and, as a per-step norm far below the others', collapse the norm bound's reference."""
+        if not header.local_step:
+            return header.steps  # a learner that sends no marks (synchronous modes' barrier uploads)
+        since = header.local_step - member.mark_at(header.fragment_id, self.slots[header.fragment_id].version)
+        if 0 < since < header.steps:
+            self.uploads["capped_steps"] += 1
+            return since
+        return header.steps
+
     async def _accept_upload(self, ticket: UploadTicket, payload: bytes, wire_bytes: int,
                              wait_budget_s: float | None = None) -> syncer_pb2.UploadFragmentResponse:
         header = ticket.header
         member = self.require_member(header.learner_id, header.incarnation)
         self.count_bytes(member, inbound=wire_bytes)
         slot = self.slots[header.fragment_id]
-        weight = merge_lib.contribution_weight(header.tokens, header.steps)
+        steps = self._credited_steps(member, header)
+        weight = merge_lib.contribution_weight(header.tokens * steps // header.steps if header.steps else 0, steps)
         if ticket.duplicate:
             self.uploads["duplicate"] += 1
             return syncer_pb2.UploadFragmentResponse(
@@ -698,7 +712,7 @@ class SyncerCore:
                 norm = await asyncio.to_thread(merge_lib.vector_norm, slot.params)
                 slot.params_norm = (digest, norm)
             params_norm = slot.params_norm[1]
-            verdict = slot.norms.check(header.learner_id, norms, header.steps, params_norm)
+            verdict = slot.norms.check(header.learner_id, norms, steps, params_norm)
             _LOG.debug("norm bound", extra={"fields": {"learner": header.learner_id, "fragment": header.fragment_id,
                                                        "steps": header.steps, "basis": verdict.basis,
                                                        "ratio": round(verdict.ratio, 4)}})
@@ -727,7 +741,7 @@ class SyncerCore:
                 self._flag(member, reason)
                 delta = await asyncio.to_thread(robust_lib.scale_tensors, delta, slot.fragment, verdict.scales)
                 norms = norms * verdict.scales
-            cap = slot.norms.weight_cap(header.learner_id, header.steps)
+            cap = slot.norms.weight_cap(header.learner_id, steps)
             if weight > cap:
                 self.uploads["capped_weight"] += 1
                 weight = cap
@@ -761,7 +775,7 @@ class SyncerCore:
                 await asyncio.to_thread(fold)
             except ValueError as exc:
                 raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason="nonfinite") from None
-            slot.norms.add(header.learner_id, norms, header.steps, weight)
+            slot.norms.add(header.learner_id, norms, steps, weight)
             self.directions.add(header.learner_id, header.fragment_id, heading, slot.version)
             if direction is not None:
                 member.direction_sum += direction

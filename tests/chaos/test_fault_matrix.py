@@ -218,7 +218,11 @@ def test_row12_connection_resets_mid_stream_never_apply_twice(run_scenario):
     result = run_scenario("link-cuts")
     assert_invariants(result)
     assert len([f for f in result.faults if f.kind == "reset"]) == 6
-    assert result.proxy_stats["learner-1"]["resets"] >= 3, result.proxy_stats["learner-1"]
+    # Learner-1's link resets every connection after 3 KB for 5 s: at least one upload was cut
+    # mid-stream. (Before rounds were the syncer's, learner-1 uploaded on every due step and the
+    # window saw 3+ resets; now it sends one upload per fragment per round and, after a reset
+    # breaks its session, re-joins with backoff, so the window holds 1-2.)
+    assert result.proxy_stats["learner-1"]["resets"] >= 1, result.proxy_stats["learner-1"]
     assert result.check("I1").figures["double_applied"] == 0
     limit = _fault(result, "limit_data", "learner-1")
     assert limit.recovery_s is not None and limit.recovery_s < 40, limit

@@ -258,3 +258,24 @@ def test_receipts_and_tokens_of_earlier_lives_survive_a_restart():
         assert restored.tokens_processed() == 500  # the earlier life's tokens still count
 
     asyncio.run(run())
+
+
+def test_claimed_steps_beyond_the_local_steps_since_the_last_merged_mark_are_not_credited():
+    async def run():
+        clock = FakeClock()
+        core = make_scheduled_core(clock)
+        join(core, "a")
+        await contribute(core, "a", 0, mark=4, final=True)  # merged at once (nobody else trains)
+        await settle()
+        assert core.receipt("a", 1, 0, 1).merged_through_step == 4
+        n = core.plan.fragments[0].numel
+        enc = codec_lib.encode(np.full(n, 0.01, np.float32), "fp32")
+        header = syncer_pb2.UploadHeader(
+            protocol_version=serde.PROTOCOL_VERSION, learner_id="a", incarnation=1, fragment_id=0, base_version=1,
+            syncer_instance=core.instance, steps=500, tokens=50_000, payload=serde.payload_info_to_proto(enc),
+            local_step=6, final=True)  # 500 steps claimed, 2 taken since the merged mark 4
+        response = await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=0)
+        assert core.uploads["capped_steps"] == 1
+        assert response.weight == pytest.approx(2 * 100.0 ** 2)  # 2 steps of 100 tokens: tokens^2 / steps
+
+    asyncio.run(run())
