@@ -1,4 +1,4 @@
-"""The learner loop's one-upload-per-base-version rule and refused uploads (the fragment stall).
+"""The learner loop's one-contribution-in-flight rule and refused uploads (the fragment stall).
 
 A fragment's round below quorum merges only when enough learners contributed. The loop sends one
 upload per base version, so before the fix an upload the syncer refused without taking it (its
@@ -49,6 +49,7 @@ class _Client:
         self.inbox: list = []
         self.uploads: list[client_lib.UploadJob] = []
         self.refused: set = set()
+        self.outcomes: list = []
 
     def take_updates(self):
         out, self.inbox = self.inbox, []
@@ -56,6 +57,10 @@ class _Client:
 
     def take_refused(self):
         out, self.refused = self.refused, set()
+        return out
+
+    def take_outcomes(self):
+        out, self.outcomes = self.outcomes, []
         return out
 
     def submit_upload(self, job) -> None:
@@ -70,8 +75,10 @@ def _loop():
     plan = fragments_lib.plan_fragments(specs, 2, 2)
     params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
     client = _Client()
+    # Rounds opened by the learner's own counter (round_trigger "upload"): due every H / P steps.
     loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
-                                learner_id="l", incarnation=1)
+                                learner_id="l", incarnation=1, on_arrival="rebase", sync_mode="decoupled",
+                                round_trigger="upload")
     client.inbox = [client_lib.GlobalFragment(f.fragment_id, 0, "inst",
                                               fragments_lib.flatten_fragment(params, f)) for f in plan.fragments]
     loop.apply_updates()
@@ -82,30 +89,38 @@ def _uploads_of(client, fid):
     return [j for j in client.uploads if j.fragment_id == fid]
 
 
+def _outcome(job, result, version=0):
+    return client_lib.UploadOutcome(job.fragment_id, job.local_step, result, version)
+
+
 def test_a_refused_upload_is_sent_again_on_the_same_base_with_the_steps_since():
     loop, client, plan = _loop()
     for _ in range(2 * plan.num_fragments * 2):  # each fragment due twice, no new version arrives
         loop.step()
     first = _uploads_of(client, 0)
-    assert len(first) == 1 and first[0].base_version == 0  # one upload per base version
-    client.refused = {(0, "inst", 0)}  # the syncer refused it without taking it
+    assert len(first) == 1 and first[0].base_version == 0  # one contribution in flight per fragment
+    client.outcomes = [_outcome(first[0], client_lib.OUTCOME_NOT_TAKEN)]  # refused without taking it
     for _ in range(2 * plan.num_fragments):
         loop.step()
     again = _uploads_of(client, 0)
     assert len(again) == 2 and again[1].base_version == 0
     assert again[1].steps > again[0].steps  # the refused steps are still in the contribution
-    assert len(_uploads_of(client, 1)) == 1  # fragments that were not refused: still once per base
+    assert len(_uploads_of(client, 1)) == 1  # fragments that were not refused: still one in flight
 
 
-def test_a_refusal_of_an_older_base_does_not_reopen_the_current_one():
+def test_a_refusal_of_an_older_contribution_does_not_reopen_the_current_one():
     loop, client, plan = _loop()
     for _ in range(2 * plan.num_fragments):
         loop.step()
-    client.inbox = [client_lib.GlobalFragment(0, 1, "inst", loop.global_copy[0] + 1)]  # version 1 arrives
+    first = _uploads_of(client, 0)[0]
+    client.outcomes = [_outcome(first, client_lib.OUTCOME_ACCEPTED, version=0)]
+    # Version 1 arrives without it (its receipt holds no mark of this learner): never merged.
+    client.inbox = [client_lib.GlobalFragment(0, 1, "inst", loop.global_copy[0] + 1)]
     for _ in range(2 * plan.num_fragments):
         loop.step()
     assert [j.base_version for j in _uploads_of(client, 0)] == [0, 1]
-    client.refused = {(0, "inst", 0)}  # a late refusal of the base-0 upload
+    assert _uploads_of(client, 0)[1].steps > first.steps  # the unmerged steps went out again
+    client.outcomes = [_outcome(first, client_lib.OUTCOME_NOT_TAKEN)]  # a late word on the old one
     for _ in range(2 * plan.num_fragments):
         loop.step()
     assert [j.base_version for j in _uploads_of(client, 0)] == [0, 1]
