@@ -157,8 +157,11 @@ class LearnerLoop:
             if fid not in self.global_copy:  # the first copy: nothing local to keep
                 new_local, merged, reset = values, None, True
             else:
+                # Overwrite needs no local values: the fragment does not come to the host.
+                local = (values if self.on_arrival == "overwrite"
+                         else fragments_lib.flatten_fragment(self._host_params(frag), frag))
                 folded = arrival_lib.fold_in(
-                    rule=self.on_arrival, local=fragments_lib.flatten_fragment(self._host_params(frag), frag),
+                    rule=self.on_arrival, local=local,
                     held=self.global_copy[fid], new=values, pending=pending,
                     merged_through_step=update.merged_through_step, alpha=self._alpha)
                 new_local, merged, reset = folded.local, folded.merged, folded.reset_counters

@@ -161,6 +161,7 @@ def scenario_loop() -> dict:
             loop = loop_lib.LearnerLoop(
                 plan=plan, params=zeros, train_step=step, sampler=BatchSampler(tokens, BATCH, model.seq_len, seed=2),
                 client=client, learner_id="l", incarnation=1, mixing_alpha=alpha,
+                round_trigger="upload",  # due by the local counter: this fake syncer calls no rounds
             )
             loop.apply_updates()
             per_step_fetch = []
