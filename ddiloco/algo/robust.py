@@ -213,6 +213,23 @@ class NormHistory:
         # Which entries of [tensor norms..., total norm] are bounded on their own.
         sizes = [t.numel for t in fragment.tensors]
         self._bounded = np.array([n >= policy.min_tensor_numel for n in sizes] + [True])
+        self._refused_since_accept: set[str] = set()
+        self.resets = 0
+
+    def refused(self, learner_id: str) -> bool:
+        """Records that a contribution was refused against the others' reference. When two or more
+        distinct learners have been refused since the last accepted contribution, the reference is
+        taken to be stale and is dropped (back to the bootstrap bound until it is rebuilt): one
+        hostile learner cannot trigger this, while a reference built during the inner learning
+        rate's warm-up (per-step norms up to 20x smaller) refused every honest learner for good and
+        quarantined them all (16 learners, tiny model). Returns True when the history was reset."""
+        self._refused_since_accept.add(learner_id)
+        if len(self._refused_since_accept) < 2:
+            return False
+        self._records.clear()
+        self._refused_since_accept.clear()
+        self.resets += 1
+        return True
 
     @staticmethod
     def _extended(norms: np.ndarray) -> np.ndarray:
@@ -220,6 +237,7 @@ class NormHistory:
         return np.append(norms, np.sqrt(np.sum(norms * norms)))
 
     def add(self, learner_id: str, norms: np.ndarray, steps: int, weight: float) -> None:
+        self._refused_since_accept.clear()
         steps = max(1, int(steps))
         self._records.append((learner_id, self._extended(norms) / steps, float(weight), steps))
 

@@ -731,6 +731,11 @@ class SyncerCore:
                 # bound at 87-124 steps of the tiny model). Only a far larger excess is a strike there.
                 strike_ratio = NORM_STRIKE_RATIO if verdict.basis == "others" else BOOTSTRAP_STRIKE_RATIO
                 gross = verdict.ratio >= strike_ratio
+                if verdict.basis == "others" and slot.norms.refused(header.learner_id):
+                    # A second learner refused against the same reference: the reference is stale
+                    # (robust.NormHistory.refused), not the learners. No strike for this one.
+                    self.uploads["norm_reference_reset"] += 1
+                    gross = False
                 if self.norm_bound.action == "reject":
                     raise errors.InvalidArgument(detail, reason="norm_bound" if gross else "norm_bound_marginal")
                 _LOG.warning(f"{detail}: clipped", extra={"fields": {"learner": header.learner_id}})

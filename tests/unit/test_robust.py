@@ -220,3 +220,18 @@ def test_bootstrap_bound_grows_with_the_steps_a_contribution_spans_up_to_a_cap()
     assert verdict.within and verdict.basis == "params"
     huge = history.check("a", np.array([1e4]), steps=10**9, params_norm=1.0)  # claims buy at most sqrt(256)
     assert not huge.within and huge.limit == pytest.approx(2.0 * 16.0)
+
+
+def test_a_reference_that_refuses_two_distinct_learners_is_dropped_but_one_hostile_learner_cannot_drop_it():
+    frag = fragments_lib.plan_fragments([fragments_lib.TensorSpec("w", (64,))], 1, 1).fragments[0]
+    history = robust_lib.NormHistory(robust_lib.NormBoundPolicy(min_tensor_numel=1), frag)
+    for lid in ("a", "b", "c", "d"):  # a reference from tiny warm-up steps: per-step norm 0.01
+        history.add(lid, np.array([0.01]), steps=1, weight=1.0)
+    assert not history.check("e", np.array([1.0]), steps=1, params_norm=10.0).within  # 100x: refused
+    assert not history.refused("e") and not history.refused("e")  # the same learner again: kept
+    assert not history.check("f", np.array([1.0]), steps=1, params_norm=10.0).within
+    assert history.refused("f") and history.resets == 1  # a second learner: the reference is stale
+    verdict = history.check("f", np.array([1.0]), steps=1, params_norm=10.0)
+    assert verdict.within and verdict.basis == "params"  # back to the bootstrap bound
+    history.add("g", np.array([1.0]), steps=1, weight=1.0)
+    assert not history.refused("x")  # an accepted contribution clears the count
