@@ -92,8 +92,11 @@ def _code(fn) -> grpc.StatusCode:
 
 def test_duplicates_stale_bases_and_malformed_fragments(cluster):
     # Quarantine off: one prober sends every kind of malformed upload here (tests/security covers it).
+    # Rounds open with their first contribution (--round-trigger upload): the prober reports no
+    # progress, so the syncer's schedule would never open one; this test is about validation.
     syncer = cluster.start_syncer(run_id="e2e-validation", extra=[*TINY, "--max-staleness-versions", "0",
-                                                                   "--quarantine-after", "0"])
+                                                                   "--quarantine-after", "0",
+                                                                   "--round-trigger", "upload"])
     probe = SyncerProbe(syncer.address)
     try:
         a = _Prober(probe.stub, "probe-a")
