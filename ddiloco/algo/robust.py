@@ -244,8 +244,14 @@ class NormHistory:
     def _others(self, learner_id: str) -> list:
         return [r for r in self._records if r[0] != learner_id]
 
-    def check(self, learner_id: str, norms: np.ndarray, steps: int, params_norm: float) -> Verdict:
-        """Checks per-tensor norms against other learners' (or, early on, the parameters')."""
+    def check(self, learner_id: str, norms: np.ndarray, steps: int, params_norm: float, *,
+              steps_verified: bool = False) -> Verdict:
+        """Checks per-tensor norms against other learners' (or, early on, the parameters').
+
+        `steps_verified`: the caller has checked the steps against what it observed of the learner
+        (the syncer: its progress reports and merged marks), so all of them are credited; otherwise
+        at most `step_cap` x the others' median (a learner back from a partition carries many
+        rounds' worth of steps, and clipping them to 4x the others' loses that work)."""
         norms = np.asarray(norms, dtype=np.float64)
         extended = self._extended(norms)
         total = float(extended[-1])
@@ -254,7 +260,9 @@ class NormHistory:
             return Verdict(True, None, total, float("inf"), "none")
         others = self._others(learner_id)
         if len(others) >= self.policy.min_history:
-            credited = min(max(1, int(steps)), self.policy.step_cap * max(1.0, float(np.median([r[3] for r in others]))))
+            credited = max(1, int(steps))
+            if not steps_verified:
+                credited = min(credited, self.policy.step_cap * max(1.0, float(np.median([r[3] for r in others]))))
             reference = np.median(np.stack([r[1] for r in others]), axis=0)  # per step
             limits = k * reference * credited
             over = self._bounded & (reference > 0) & (extended > limits)

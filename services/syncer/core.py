@@ -712,7 +712,11 @@ class SyncerCore:
                 norm = await asyncio.to_thread(merge_lib.vector_norm, slot.params)
                 slot.params_norm = (digest, norm)
             params_norm = slot.params_norm[1]
-            verdict = slot.norms.check(header.learner_id, norms, steps, params_norm)
+            # Steps the syncer can vouch for: the contribution's mark is no later than the learner's
+            # reported progress (plus one period of report lag), and the steps were capped to those
+            # since its last merged mark (_credited_steps).
+            verified = 0 < header.local_step <= member.local_step + self.plan.sync_period_steps
+            verdict = slot.norms.check(header.learner_id, norms, steps, params_norm, steps_verified=verified)
             _LOG.debug("norm bound", extra={"fields": {"learner": header.learner_id, "fragment": header.fragment_id,
                                                        "steps": header.steps, "basis": verdict.basis,
                                                        "ratio": round(verdict.ratio, 4)}})

@@ -235,3 +235,13 @@ def test_a_reference_that_refuses_two_distinct_learners_is_dropped_but_one_hosti
     assert verdict.within and verdict.basis == "params"  # back to the bootstrap bound
     history.add("g", np.array([1.0]), steps=1, weight=1.0)
     assert not history.refused("x")  # an accepted contribution clears the count
+
+
+def test_verified_steps_are_credited_in_full_unverified_ones_up_to_the_cap():
+    frag = fragments_lib.plan_fragments([fragments_lib.TensorSpec("w", (64,))], 1, 1).fragments[0]
+    history = robust_lib.NormHistory(robust_lib.NormBoundPolicy(min_tensor_numel=1), frag)
+    for lid in ("a", "b", "c"):
+        history.add(lid, np.array([0.4]), steps=4, weight=1.0)  # 0.1 per step over 4 steps
+    back = np.array([0.1 * 400 / 8])  # back from a partition: 400 steps, progress 5 (per step 1/8 of the others')
+    assert not history.check("d", back, steps=400, params_norm=1.0).within  # credited 16: limit 32
+    assert history.check("d", back, steps=400, params_norm=1.0, steps_verified=True).within  # limit 800
