@@ -242,6 +242,6 @@ def test_verified_steps_are_credited_in_full_unverified_ones_up_to_the_cap():
     history = robust_lib.NormHistory(robust_lib.NormBoundPolicy(min_tensor_numel=1), frag)
     for lid in ("a", "b", "c"):
         history.add(lid, np.array([0.4]), steps=4, weight=1.0)  # 0.1 per step over 4 steps
-    back = np.array([0.1 * 400 / 8])  # back from a partition: 400 steps, progress 5 (per step 1/8 of the others')
+    back = np.array([100.0])  # back from a partition: 400 steps, 0.25 per step (2.5x the others')
     assert not history.check("d", back, steps=400, params_norm=1.0).within  # credited 16: limit 32
     assert history.check("d", back, steps=400, params_norm=1.0, steps_verified=True).within  # limit 800
