@@ -397,8 +397,11 @@ class SyncerCore:
         member.tokens_total = req.tokens_total
         if req.finished and not member.finished:
             member.finished = True
-            self._open_if_nobody_trains()
-            self.tick()  # rounds that waited for it may be complete
+            self.tick()  # rounds that waited for it may be complete (tick also opens the last rounds)
+        elif req.finished and self._open_if_nobody_trains():
+            # A finished learner keeps reporting while it waits: the last training learner may have
+            # gone silent (a crash) since, and only a report or a timer brings the syncer here.
+            self.tick()
         if math.isfinite(req.step_time_s) and req.step_time_s > 0:
             member.step_time_s = req.step_time_s
         if math.isfinite(req.inner_loss):
@@ -875,16 +878,19 @@ class SyncerCore:
             rnd.quorum_reached_at_s = self._clock()
             self._quorum_time.update(rnd.quorum_reached_at_s - rnd.opened_at_s)
 
-    def _open_if_nobody_trains(self) -> None:
+    def _open_if_nobody_trains(self) -> bool:
         """Opens every round holding contributions once no learner is training any more (all have
         finished, left or gone silent): nobody advances the schedule, and the last work must merge.
         While some learner trains, finished learners' last contributions join the fragments' next
         scheduled rounds: merging each learner's tail in a round of its own added a full outer step,
         momentum included, per learner and fragment at the end (16 extra merges of 4 learners)."""
+        opened = False
         if self.scheduled and not self.expected_learners():
             for slot in self.slots:
                 if slot.round is not None and slot.round.contributions and not slot.round.open:
                     self._open_round(slot, "last")
+                    opened = True
+        return opened
 
     def open_due_rounds(self) -> list[int]:
         """Opens the rounds the schedule says are due; returns their fragment ids."""
