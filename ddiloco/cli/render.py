@@ -10,7 +10,7 @@ from google.protobuf import json_format
 from rich.console import Group
 from rich.table import Table
 
-from ddiloco.cli import status_derived
+from ddiloco import training_state as status_derived
 from ddiloco.v1 import syncer_pb2
 
 _STATUS = {

@@ -23,7 +23,7 @@ from rich.live import Live
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.cli import render
 from ddiloco.cli import report as report_lib
-from ddiloco.cli import status_derived
+from ddiloco import training_state as status_derived
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 

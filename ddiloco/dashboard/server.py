@@ -10,7 +10,7 @@ syncer is unreachable it keeps polling with capped exponential backoff and repor
                       field present, uint64 as numbers) plus `available`, `target`, `fetched_at`
                       (unix s of the last poll), `last_ok_at`, `error`, `derived`
                       (tokens_processed and its source, num_fragments, work_merged,
-                      merge_participation: see ddiloco.cli.status_derived) and `sample` (this
+                      merge_participation: see ddiloco.training_state) and `sample` (this
                       poll's entry of the history). While the syncer is unreachable the state
                       fields are the last ones seen.
 - `GET /api/history`  the recorded series (a bounded ring of per-poll samples, oldest first) and
@@ -41,7 +41,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 from google.protobuf import json_format
 
-from ddiloco.cli import status_derived
+from ddiloco import training_state as status_derived
 from ddiloco.dashboard import page
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc

@@ -5,7 +5,7 @@ counters; nothing to keep in sync), and an observer that records per-event distr
 (quorum size, grace used vs window, staleness, compression ratio, rejoin times) as they happen.
 
 Work merged (ddiloco_work_merged_ratio) is tokens merged / (P x tokens processed), the share of the
-learners' work that reached the global model (ddiloco.cli.status_derived); ddiloco_goodput_ratio is
+learners' work that reached the global model (ddiloco.training_state); ddiloco_goodput_ratio is
 its former, deprecated name (the paper's goodput is a share of wall time, not of tokens).
 """
 
@@ -18,7 +18,7 @@ import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ddiloco import metrics as metrics_lib
-from ddiloco.cli import status_derived
+from ddiloco import training_state as status_derived
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 

@@ -13,7 +13,8 @@ import prometheus_client
 import pytest
 from rich.console import Console
 
-from ddiloco.cli import render, status_derived
+from ddiloco import training_state as status_derived
+from ddiloco.cli import render
 from ddiloco.cli import up as up_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde

@@ -1,4 +1,4 @@
-"""Quantities derived from a TrainingState, shared by `ddiloco status`, `ddiloco up`'s summary, the
+"""Library: quantities derived from a TrainingState, shared by `ddiloco status`, `ddiloco up`'s summary, the
 dashboard and the syncer's Prometheus metrics (one definition, so they all agree).
 
 Work merged: the share of the learners' work that reached the global model,
