@@ -514,7 +514,10 @@ def _serialize(values: np.ndarray, codec: str, block_size: int, absmax: np.ndarr
         values = values.copy()
         for b in tiny_blocks:
             block = values[b * block_size : (b + 1) * block_size]
-            block[np.abs(block) < _MIN_SCALE] = 0
+            # Signed zeros: the jitted encoder flushes -subnormals (and keeps -0) as -0.0,
+            # which int2 stores as level -1 (it has no zero level).
+            tiny = np.abs(block) < _MIN_SCALE
+            block[tiny] = np.copysign(np.float32(0), block[tiny])
     clip_int2 = codec == "int2" and bool((scales >= _INT2_MAX_SCALE).any())
     numel = values.size
     n_blocks = scales.size
