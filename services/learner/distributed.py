@@ -11,11 +11,17 @@ for the SyncClient on every process, so the training loop is the same code every
 the processes in lockstep: every `take_updates()` is a collective call. Each step
 
 1. all processes all-gather a small fixed-size header: the leader's part says which fragments
-   arrived (id, version, syncer instance) and whether the syncer fenced the unit off; every
-   process adds its own stop request (SIGTERM), and the unit stops when any process asked;
+   arrived (id, version, syncer instance, the merge receipt's mark), which rounds the syncer
+   called, how many upload outcomes came back, and whether the syncer fenced the unit off;
+   every process adds its own stop request (SIGTERM), and the unit stops when any process asked;
 2. the leader broadcasts the flat values of each arrived fragment, one fragment at a time
-   (`multihost_utils.broadcast_one_to_all`), so every process folds in the same values at the
-   same step and the fragment schedule (which depends only on those) stays identical.
+   (`multihost_utils.broadcast_one_to_all`), and, for a fragment whose version holds the unit's
+   contribution, the values the syncer decoded from it (what a rebase adds back), so every
+   process folds in the same values at the same step;
+3. the leader broadcasts the upload outcomes (accepted, refused) when there are any.
+Round calls and outcomes are handed to the loop by the non-collective `take_calls` and
+`take_outcomes` from what the last exchange agreed, so the fragment schedule (which depends only
+on those) stays identical on every process.
 
 Uploads and progress reports go out from the leader only; on the other processes they are no-ops.
 A unit of one process uses the plain SyncClient (no wrapper, no collectives).
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import threading
 from collections.abc import Mapping
@@ -44,6 +51,9 @@ _LOG = logging.getLogger("ddiloco.learner")
 
 # Exit outcomes of the leader's join, broadcast so that every process of the unit exits alike.
 _JOIN_OK, _JOIN_TIMEOUT, _JOIN_FENCED, _JOIN_ERROR = 0, 3, 4, 5
+# The exchange header: (stop, fenced, outcomes), then per fragment (arrived, version, instance
+# tag, receipt mark, decoded values follow, called, call version, call round).
+_HEADER_INTS, _PER_FRAGMENT_INTS = 3, 8
 
 
 def parse_mesh_shape(text: str) -> tuple[int, int] | None:
@@ -232,7 +242,10 @@ class UnitClient:
     """The SyncClient of a multi-process unit, on every process (see the module docstring).
 
     Same interface as the SyncClient for the loop and `__main__`: `start`, `take_updates`,
-    `submit_upload`, `set_progress`, `flush`, `close`, `fenced`, `stats`.
+    `take_calls`, `take_outcomes`, `submit_upload`, `set_progress`, `flush`, `close`, `fenced`,
+    `stats`, plus `agree_any` for the loop's own decisions that must be the same everywhere (the
+    end-of-training deadline). The synchronous baselines' barrier (`arrivals`,
+    `wait_for_arrivals`) is not offered: `__main__` refuses those modes for multi-process units.
     """
 
     def __init__(self, unit: LearnerUnit, client: client_lib.SyncClient, stop: threading.Event) -> None:
@@ -244,6 +257,12 @@ class UnitClient:
         self.stop_agreed = False
         self.fenced: client_lib.FencedError | None = None
         self.exchanges = 0
+        # What the last exchange agreed, handed out by take_calls / take_outcomes.
+        self._calls: dict[int, syncer_pb2.RoundCall] = {}
+        self._outcomes: list[client_lib.UploadOutcome] = []
+        # The newest job the loop submitted per fragment, on every process: a follower's copy gets
+        # the values the leader's client sent (decoded), for the rebase.
+        self._jobs: dict[int, client_lib.UploadJob] = {}
 
     @property
     def stats(self) -> client_lib.ClientStats:
@@ -276,19 +295,32 @@ class UnitClient:
     def take_updates(self) -> list[client_lib.GlobalFragment]:
         """Collective: the fragments the leader received since the last call, on every process.
 
-        Also agrees on stopping (any process's stop request) and on being fenced off (the
-        leader's), exposed as `stop_agreed` and `fenced` until the next call.
+        Also agrees on stopping (any process's stop request), on being fenced off (the leader's),
+        on the round calls and on the upload outcomes, exposed as `stop_agreed`, `fenced`,
+        `take_calls()` and `take_outcomes()` until the next call.
         """
         num = len(self._numels)
-        header = np.zeros(3 + 3 * num, np.int64)
+        header = np.zeros(_HEADER_INTS + _PER_FRAGMENT_INTS * num, np.int64)
         header[0] = int(self._stop.is_set())
         updates: dict[int, client_lib.GlobalFragment] = {}
+        outcomes: list[client_lib.UploadOutcome] = []
         if self._client is not None:
+            # Outcomes before updates, as the loop takes them from a plain SyncClient.
+            outcomes = self._client.take_outcomes()
+            calls = self._client.take_calls()
             updates = {u.fragment_id: u for u in self._client.take_updates()}
             header[1] = int(self._client.fenced is not None)
-            header[2] = len(updates)
-            for fid, update in updates.items():
-                header[3 + 3 * fid: 6 + 3 * fid] = (1, update.version, _instance_tag(update.syncer_instance))
+            header[2] = len(outcomes)
+            for fid in range(num):
+                row = header[_HEADER_INTS + _PER_FRAGMENT_INTS * fid: _HEADER_INTS + _PER_FRAGMENT_INTS * (fid + 1)]
+                update = updates.get(fid)
+                if update is not None:
+                    row[0:4] = (1, update.version, _instance_tag(update.syncer_instance), update.merged_through_step)
+                    row[4] = int(self._sent_values(fid, update.merged_through_step) is not None)
+                call = calls.get(fid)
+                if call is not None:
+                    row[5:7] = (1, call.version)
+                    row[7] = call.round
         gathered = np.asarray(multihost_utils.process_allgather(_int64_bytes(header)))
         rows = [_from_int64_bytes(row) for row in gathered.reshape(self._unit.process_count, -1)]
         leader = rows[0]
@@ -299,20 +331,67 @@ class UnitClient:
                            else client_lib.FencedError("a newer life of this learner unit joined (seen by process 0)"))
         out = []
         for fid in range(num):
-            present, version, tag = (int(v) for v in leader[3 + 3 * fid: 6 + 3 * fid])
+            present, version, tag, mark, has_sent, called, call_version, call_round = (
+                int(v) for v in leader[_HEADER_INTS + _PER_FRAGMENT_INTS * fid:
+                                       _HEADER_INTS + _PER_FRAGMENT_INTS * (fid + 1)])
+            if called:
+                self._calls[fid] = syncer_pb2.RoundCall(fragment_id=fid, version=call_version, round=call_round)
             if not present:
                 continue
             mine = updates.get(fid)
             values = (np.asarray(mine.values, np.float32) if mine is not None
                       else np.zeros(self._numels[fid], np.float32))
             values = np.asarray(multihost_utils.broadcast_one_to_all(values), np.float32)
+            if has_sent:
+                sent = self._sent_values(fid, mark)
+                sent = np.asarray(multihost_utils.broadcast_one_to_all(
+                    sent if sent is not None else np.zeros(self._numels[fid], np.float32)), np.float32)
+                job = self._jobs.get(fid)
+                if job is not None and job.local_step == mark:
+                    job.sent_values = sent
             if mine is not None:
                 out.append(mine)
             else:
-                out.append(client_lib.GlobalFragment(fid, version, f"leader-instance-{tag & (2**64 - 1):016x}", values))
+                out.append(client_lib.GlobalFragment(fid, version, f"leader-instance-{tag & (2**64 - 1):016x}",
+                                                     values, merged_through_step=mark))
+        if leader[2]:
+            payload = json.dumps([dataclasses.astuple(o) for o in outcomes]).encode() if self._client else b""
+            self._outcomes.extend(client_lib.UploadOutcome(*o) for o in json.loads(self._unit.agree_bytes(payload)))
         return out
 
+    def _sent_values(self, fid: int, mark: int) -> np.ndarray | None:
+        """The leader's decoded values of the job a receipt names (None: lossless, or not ours)."""
+        job = self._jobs.get(fid)
+        if mark <= 0 or job is None or job.local_step != mark:
+            return None
+        return job.sent_values
+
+    def take_calls(self) -> dict[int, syncer_pb2.RoundCall]:
+        """The round calls the last exchanges agreed on (newest per fragment); not collective."""
+        out, self._calls = self._calls, {}
+        return out
+
+    def take_outcomes(self) -> list[client_lib.UploadOutcome]:
+        """The upload outcomes the last exchanges agreed on, in order; not collective."""
+        out, self._outcomes = self._outcomes, []
+        return out
+
+    def agree_any(self, flag: bool) -> bool:
+        """Collective: True on every process when `flag` is True on any."""
+        gathered = np.asarray(multihost_utils.process_allgather(_int64_bytes([int(flag)])))
+        return any(int(_from_int64_bytes(row)[0]) for row in gathered.reshape(self._unit.process_count, -1))
+
+    def arrivals(self) -> dict[int, int]:
+        """Not counted for a unit: `finish` only passes this back to `wait_for_arrivals`."""
+        return {}
+
+    def wait_for_arrivals(self, after: dict[int, int], timeout_s: float) -> bool:
+        """A pause of `timeout_s` on every process (the next `take_updates` agrees on what came)."""
+        self._stop.wait(timeout_s)
+        return False
+
     def submit_upload(self, job: client_lib.UploadJob) -> None:
+        self._jobs[job.fragment_id] = job
         if self._client is not None:
             self._client.submit_upload(job)
 

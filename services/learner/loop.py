@@ -298,7 +298,7 @@ class LearnerLoop:
                     if (self.c_steps[fid] > 0 or fid in self.pending) and refused[fid] < _FINISH_MAX_REFUSALS]
             if not left:
                 return not refused.any()
-            if time.monotonic() >= deadline or self._should_stop_finish():
+            if self._agreed(time.monotonic() >= deadline) or self._should_stop_finish():
                 _LOG.warning("finished with work not yet merged", extra={"fields": {"fragments": left}})
                 return False
             for fid in left:
@@ -307,6 +307,12 @@ class LearnerLoop:
             self._client.wait_for_arrivals({fid: arrivals.get(fid, 0) for fid in left}, timeout_s=0.1)
             self.apply_updates()
             self._client.set_progress(self.progress_request())
+
+    def _agreed(self, flag: bool) -> bool:
+        # A multi-process unit's processes must leave the loop at the same iteration (their
+        # clocks differ): its client agrees on the flag (True when any process says so).
+        agree = getattr(self._client, "agree_any", None)
+        return agree(flag) if agree is not None else flag
 
     def _should_stop_finish(self) -> bool:
         return bool(getattr(self._client, "fenced", None))
