@@ -17,7 +17,10 @@ the syncer's configuration differs:
     upload codec (fp32, int8, int2), K and the grace window with learners of mixed speeds, and the
     previous round design (learners' own counters open rounds).
 
-Every mode runs once per seed (`--seeds`); the report gives the mean and spread over seeds. The
+Every mode runs once per seed (`--seeds`); the report gives the mean and spread over seeds. A
+seed fixes the initialization and each learner's data order (learners run as their first life,
+incarnation 1: a learner's data order otherwise mixes in its start time); merge timing still
+varies from run to run, which is what the spread measures. The
 work merged of a run is tokens_merged / (P x tokens processed): the share of the learners' work that
 reached the global model.
 
@@ -185,7 +188,8 @@ def run_one(spec: RunSpec, cfg: BenchConfig, workdir: pathlib.Path, *, base_step
         for i in range(cfg.learners):
             extra = ["--steps", str(cfg.steps), "--num-shards", str(cfg.learners), "--batch-size", str(cfg.batch_size),
                      "--learning-rate", str(cfg.learning_rate), "--warmup-steps", str(cfg.warmup_steps),
-                     "--seed", str(spec.seed), "--log-every-steps", "1000", "--log-level", "WARNING", *data]
+                     "--seed", str(spec.seed), "--incarnation", "1",
+                     "--log-every-steps", "1000", "--log-level", "WARNING", *data]
             if i in slow:
                 if not base_step_s:
                     raise ValueError("the heterogeneous ablation needs the measured step time of a previous run")

@@ -683,11 +683,15 @@ class Harness:
             self._emit(f"{name} still training {self.scenario.finish_grace_s:.0f} s after the first learner "
                        "finished: SIGTERM")
 
-    def _phases_settled(self, phase: int, now: float) -> bool:
+    def _phases_settled(self, phase: int, now: float, pending: list) -> bool:
         """Phases (events gated on at_merge N > 0) run one after the other: phase N starts once
-        every fault of the earlier phases healed and its component recovered (or 20 s passed)."""
+        every event of the earlier phases was injected, and every fault they made healed and its
+        component recovered (or 20 s passed). Without the first condition, two phases whose merge
+        counts were both reached started together (a learner kill and a syncer restart at once)."""
         if phase <= 0:
             return True
+        if any(not ev.at_step and 0 < ev.at_merge < phase for ev in pending):
+            return False
         return all(f.healed_at is not None and now >= f.healed_at + 1.0
                    and (self._tail.recovered(f) or now >= f.healed_at + 20.0)
                    for p, faults in self._phase_faults.items() if p < phase for f in faults)
@@ -709,7 +713,7 @@ class Harness:
                     return f"warm-up: not every learner contributed within {sc.warmup_timeout_s:.0f} s"
             if self.t0:
                 for n in sorted({ev.at_merge for ev in pending if not ev.at_step}):
-                    if n not in reached and self._tail.merges >= n and self._phases_settled(n, now):
+                    if n not in reached and self._tail.merges >= n and self._phases_settled(n, now, pending):
                         reached[n] = max(now, self.t0)
                 for ev in pending:  # step-gated: the target learner's own progress (all its lives)
                     if ev.at_step and id(ev) not in step_reached and self._poller.steps_done(ev.target) >= ev.at_step:

@@ -47,6 +47,9 @@ from services.learner import client as client_lib
 _LOG = logging.getLogger("ddiloco.learner")
 
 SYNC_MODES = ("decoupled", "diloco", "dp")
+# Contributions sent in answer to one round call when the syncer refuses them (a norm bound, a
+# quarantine): more would only repeat the refusal every step.
+_MAX_CALL_ANSWERS = 3
 _FINISH_MAX_REFUSALS = 3  # finish() stops sending a fragment the syncer refused this many times
 
 
@@ -126,7 +129,9 @@ class LearnerLoop:
         self.pending: dict[int, arrival_lib.PendingContribution] = {}
         self._not_taken = np.zeros(num, dtype=np.int64)  # contributions refused or lost, per fragment
         self._jobs: dict[int, client_lib.UploadJob] = {}  # the job behind each pending contribution
-        self._calls: dict[int, syncer_pb2.RoundCall] = {}
+        self._calls: dict[int, syncer_pb2.RoundCall] = {}  # open calls, until answered and accepted
+        self._calls_instance: str | None = None  # the syncer life the calls came from
+        self._call_answers: dict[int, int] = {}  # contributions sent for each fragment's current call
         self.finished = False
 
     def _take_outcomes(self) -> None:
@@ -136,11 +141,14 @@ class LearnerLoop:
             if pending is None or pending.mark_step != outcome.local_step:
                 continue
             if outcome.result == client_lib.OUTCOME_NOT_TAKEN:
-                del self.pending[outcome.fragment_id]  # never merged: the work stays in the progress
+                # Never merged: the work stays in the progress, and the round's call (kept) is
+                # answered again, a bounded number of times (see _due_fragments).
+                del self.pending[outcome.fragment_id]
                 self._not_taken[outcome.fragment_id] += 1
             else:
                 pending.accepted = True
                 pending.accepted_version = outcome.current_version
+                self._calls.pop(outcome.fragment_id, None)  # answered: the round holds it
 
     def apply_updates(self) -> int:
         """Folds in every global fragment that arrived; returns how many."""
@@ -232,14 +240,31 @@ class LearnerLoop:
         if not self._called:
             return [fid for fid in self.plan.due(self.stats.steps) if fid not in self.pending]
         take = getattr(self._client, "take_calls", None)
-        self._calls.update(take() if take else {})
+        instance = getattr(self._client, "instance", None)  # None: a multi-process unit's client
+        if instance != self._calls_instance:
+            # Calls of an earlier syncer life name its rounds and versions: they mean nothing now.
+            self._calls.clear()
+            self._calls_instance = instance
+        for fid, call in (take() if take else {}).items():
+            if fid not in self._calls or self._calls[fid].round != call.round:
+                self._call_answers[fid] = 0
+            self._calls[fid] = call
         due = []
         for fid, call in list(self._calls.items()):
             held = self.held.get(fid)
-            if held is not None and held[1] > call.version:
-                del self._calls[fid]
+            if held is None or (instance is not None and held[0] != instance):
+                # The call came before this syncer life's copy of the fragment (a re-join sends
+                # the calls first): a contribution now would be based on the previous life, which
+                # the client drops. Answer once the copy is here.
+                continue
+            if held[1] > call.version:
+                del self._calls[fid]  # the round merged without this work: it waits for the next
             elif fid not in self.pending and self.c_steps[fid] > 0:
-                del self._calls[fid]
+                # The call stays until the syncer accepts the contribution: one refused (or lost)
+                # is sent again, with the steps taken since, at most _MAX_CALL_ANSWERS times.
+                self._call_answers[fid] += 1
+                if self._call_answers[fid] >= _MAX_CALL_ANSWERS:
+                    del self._calls[fid]
                 due.append(fid)
         return sorted(due)
 

@@ -63,9 +63,12 @@ def test_row01_learner_sigkill_quorum_continues_and_restart_rejoins(run_scenario
     assert_invariants(result)
     kill = _fault(result, "kill", "learner-0")
     assert kill.recovery_s is not None and kill.recovery_s < 60, kill
-    # While it was down, merges went on with the quorum (K = 2 of 3), without it.
-    outage = result.merges_between(kill.at + 0.5, kill.healed_at)
-    assert outage and all("learner-0" not in _contributors(m) for m in outage), outage
+    # While it was down (from the kill until its new life's work reached a merge: the restart
+    # takes seconds to rejoin), merges went on with the quorum (K = 2 of 3) without it, at least
+    # one per fragment. (Merges right after the kill may still hold the old life's last upload.)
+    outage = result.merges_between(kill.at + 0.5, kill.recovered_at)
+    without = [m for m in outage if "learner-0" not in _contributors(m)]
+    assert len({m["fragment"] for m in without}) == result.scenario.num_fragments, outage
     # The restarted life (a newer incarnation) rejoined and contributed.
     lives = {c[1] for r in result.syncer_history if r["event"] == "merged" for c in r["contributors"]
              if c[0] == "learner-0"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddiloco.algo import fragments as fragments_lib
+from ddiloco.v1 import syncer_pb2
 from services.learner import client as client_lib
 from services.learner import loop as loop_lib
 
@@ -124,6 +125,79 @@ def test_a_refusal_of_an_older_contribution_does_not_reopen_the_current_one():
     for _ in range(2 * plan.num_fragments):
         loop.step()
     assert [j.base_version for j in _uploads_of(client, 0)] == [0, 1]
+
+
+class _CallClient(_Client):
+    """A client of scheduled rounds: the syncer's calls, and the syncer life it is joined to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.instance = "life-1"
+        self.calls: dict = {}
+
+    def take_calls(self):
+        out, self.calls = self.calls, {}
+        return out
+
+
+def _called_loop():
+    specs = [fragments_lib.TensorSpec("a", (4, 4)), fragments_lib.TensorSpec("b", (8,))]
+    plan = fragments_lib.plan_fragments(specs, 2, 2)
+    params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
+    client = _CallClient()
+    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
+                                learner_id="l", incarnation=1, on_arrival="rebase", sync_mode="decoupled")
+    client.inbox = [client_lib.GlobalFragment(f.fragment_id, 3, "life-1", fragments_lib.flatten_fragment(params, f))
+                    for f in plan.fragments]
+    loop.apply_updates()
+    return loop, client, plan
+
+
+def _call(fid, version, rnd=1):
+    return syncer_pb2.RoundCall(fragment_id=fid, version=version, round=rnd)
+
+
+def test_a_call_that_comes_before_the_new_syncer_lifes_copy_is_answered_once_the_copy_is_here():
+    # A re-join to a restarted syncer sends the round calls before the fragments. Answered at once,
+    # the contribution was based on the previous life: the client dropped it, the call was used up,
+    # and the round waited for a quorum that could not come (a chaos run: 3 of 4 fragments stalled).
+    loop, client, plan = _called_loop()
+    for _ in range(3):
+        loop.step()
+    client.instance = "life-2"
+    client.calls = {0: _call(0, version=3, rnd=9)}
+    loop.step()
+    assert _uploads_of(client, 0) == []  # nothing based on life-1
+    client.inbox = [client_lib.GlobalFragment(0, 3, "life-2", loop.global_copy[0])]
+    loop.step()
+    [job] = _uploads_of(client, 0)
+    assert job.syncer_instance == "life-2" and job.base_version == 3 and job.steps == 5
+
+
+def test_a_refused_answer_to_a_call_is_sent_again_a_bounded_number_of_times():
+    loop, client, plan = _called_loop()
+    loop.step()
+    client.calls = {0: _call(0, version=3)}
+    for attempt in range(1, loop_lib._MAX_CALL_ANSWERS + 2):
+        loop.step()
+        jobs = _uploads_of(client, 0)
+        assert len(jobs) == min(attempt, loop_lib._MAX_CALL_ANSWERS)
+        client.outcomes = [_outcome(jobs[-1], client_lib.OUTCOME_NOT_TAKEN)]  # refused each time
+    assert [j.steps for j in _uploads_of(client, 0)] == [2, 3, 4]  # the refused steps go out again
+
+
+def test_an_accepted_answer_ends_the_call():
+    loop, client, plan = _called_loop()
+    loop.step()
+    client.calls = {0: _call(0, version=3)}
+    loop.step()
+    [job] = _uploads_of(client, 0)
+    client.outcomes = [_outcome(job, client_lib.OUTCOME_ACCEPTED, version=3)]
+    # Version 4 does not hold it (its round was dropped): the work waits for the next call.
+    client.inbox = [client_lib.GlobalFragment(0, 4, "life-1", loop.global_copy[0])]
+    for _ in range(3):
+        loop.step()
+    assert len(_uploads_of(client, 0)) == 1
 
 
 class _BarrierClient(_Client):
