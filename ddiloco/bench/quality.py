@@ -138,6 +138,8 @@ def ablation_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
         RunSpec("upload-fp32", "upload codec", "decoupled", with_flag("--upload-codec", "fp32")),
         RunSpec("upload-int8", "upload codec", "decoupled", with_flag("--upload-codec", "int8")),
         RunSpec("upload-int2", "upload codec", "decoupled", with_flag("--upload-codec", "int2")),
+        RunSpec("download-fp32", "download codec", "decoupled", with_flag("--download-codec", "fp32"),
+                note="global fragments sent whole in fp32 instead of error-fed int4 deltas"),
         RunSpec("rounds-by-learners", "round design", "decoupled", with_flag("--round-trigger", "upload"),
                 note="the previous design: each learner's counter opens rounds (rebase kept)"),
     ]

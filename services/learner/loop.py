@@ -132,6 +132,7 @@ class LearnerLoop:
         self._calls: dict[int, syncer_pb2.RoundCall] = {}  # open calls, until answered and accepted
         self._calls_instance: str | None = None  # the syncer life the calls came from
         self._call_answers: dict[int, int] = {}  # contributions sent for each fragment's current call
+        self._answered_round: dict[int, int] = {}  # the round of the call each fragment last answered
         self.finished = False
 
     def _take_outcomes(self) -> None:
@@ -148,7 +149,11 @@ class LearnerLoop:
             else:
                 pending.accepted = True
                 pending.accepted_version = outcome.current_version
-                self._calls.pop(outcome.fragment_id, None)  # answered: the round holds it
+                # Answered: the round holds it. (The fragment's next call may already be here:
+                # only the call this contribution answered ends.)
+                call = self._calls.get(outcome.fragment_id)
+                if call is not None and call.round == self._answered_round.get(outcome.fragment_id):
+                    del self._calls[outcome.fragment_id]
 
     def apply_updates(self) -> int:
         """Folds in every global fragment that arrived; returns how many."""
@@ -263,6 +268,7 @@ class LearnerLoop:
                 # The call stays until the syncer accepts the contribution: one refused (or lost)
                 # is sent again, with the steps taken since, at most _MAX_CALL_ANSWERS times.
                 self._call_answers[fid] += 1
+                self._answered_round[fid] = call.round
                 if self._call_answers[fid] >= _MAX_CALL_ANSWERS:
                     del self._calls[fid]
                 due.append(fid)

@@ -186,6 +186,24 @@ def test_a_refused_answer_to_a_call_is_sent_again_a_bounded_number_of_times():
     assert [j.steps for j in _uploads_of(client, 0)] == [2, 3, 4]  # the refused steps go out again
 
 
+def test_the_acceptance_of_an_answer_does_not_end_the_next_rounds_call():
+    # The round merges right after accepting, and the next round's call can come before the loop
+    # reads the acceptance, which must then end only the call it answered (it ended the next one:
+    # nobody answered round 2 and every fragment waited until the learners finished).
+    loop, client, plan = _called_loop()
+    loop.step()
+    client.calls = {0: _call(0, version=3, rnd=1)}
+    loop.step()
+    [first] = _uploads_of(client, 0)
+    client.calls = {0: _call(0, version=4, rnd=2)}
+    loop.step()  # round 2's call waits: the answer to round 1 is still in flight
+    client.outcomes = [_outcome(first, client_lib.OUTCOME_ACCEPTED, version=3)]
+    client.inbox = [client_lib.GlobalFragment(0, 4, "life-1", loop.global_copy[0], merged_through_step=first.local_step)]
+    for _ in range(2):
+        loop.step()
+    assert [j.base_version for j in _uploads_of(client, 0)] == [3, 4]
+
+
 def test_an_accepted_answer_ends_the_call():
     loop, client, plan = _called_loop()
     loop.step()
