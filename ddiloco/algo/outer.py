@@ -221,9 +221,19 @@ class OuterStepper:
         sum_squares: np.ndarray | None = None,
         *,
         write_grad: bool = True,
+        fraction: float = 1.0,
     ) -> OuterStepResult:
         """Applies one outer step to a delta given in factored form (``merge.ScaledResult``):
         Δ[bounds[k]:bounds[k+1]] = values[...] · scales[k].
+
+        ``fraction`` s in (0, 1] makes it a fractional step, for a merge that holds only a
+        share s of a full round's work (a round of a few steps, at the start or the end of
+        training): the momentum decays by μ^s instead of μ and the step takes s·μ of it instead
+        of μ (Nesterov: Θ ← Θ − η·(Δ + s·μ·b'), b' = Δ + μ^s·b), so s → 0 moves Θ by η·Δ alone
+        and leaves the momentum as it was, and 1/s steps of s each move about as much as one
+        whole step. A whole step (s = 1) costs momentum one decay and takes one full carry,
+        however little work the merge holds: with μ = 0.9 an empty merge moved Θ by ~0.8 of a
+        regular outer step. SGD-with-momentum optimizers only; others ignore it.
 
         Bit for bit the same as ``step(params_flat, state, Δ)`` with Δ written out first,
         in one pass over memory for SGD; Δ is also returned written out unless
@@ -274,8 +284,10 @@ class OuterStepper:
             if squares.shape != scales.shape:
                 raise ValueError(f"sum_squares has shape {squares.shape}: pass one per segment ({scales.size})")
             grad_sq = float(np.dot(squares, np.square(scales.astype(np.float64))))
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction={fraction}: a step's fraction must be in (0, 1]")
         return self._step_checked(params, self._check_state(params.size, state), values, bounds, scales, write_grad,
-                                  grad_sq)
+                                  grad_sq, fraction)
 
     def _check_state(self, numel: int, state: list[np.ndarray]) -> list[np.ndarray]:
         self._check_layout(numel)
@@ -297,17 +309,20 @@ class OuterStepper:
 
     def _step_checked(
         self, params: np.ndarray, leaves: list[np.ndarray], values: np.ndarray, bounds: np.ndarray, scales: np.ndarray,
-        write_grad: bool = True, grad_sq: float | None = None,
+        write_grad: bool = True, grad_sq: float | None = None, fraction: float = 1.0,
     ) -> OuterStepResult:
         if self._sgd is not None:
             lr, mu, nesterov = self._sgd
+            whole = mu if nesterov else 1.0  # what a whole step carries of the momentum
+            decay, carry = (mu, whole) if fraction == 1.0 else (mu**fraction, fraction * whole)
             buf = np.ascontiguousarray(leaves[0])
             params_out, buf_out = self._take(params.size), self._take(params.size)
             # Without write_grad, Δ goes block by block to an L1-sized scratch (for its norm).
             grad_out = self._take(params.size) if write_grad or params.size <= _kernels.BLOCK else self._scratch
             kernel_sq, params_sum = _kernels.scaled_sgd_step(
                 np.ascontiguousarray(values), bounds, scales, np.ascontiguousarray(params), buf,
-                np.float32(mu), np.float32(-lr), nesterov, grad_out, params_out, buf_out, grad_sq is None,
+                np.float32(decay), np.float32(-lr), nesterov, grad_out, params_out, buf_out, grad_sq is None,
+                np.float32(carry),
             )
             grad_sq = kernel_sq if grad_sq is None else grad_sq
             grad = grad_out if write_grad else None

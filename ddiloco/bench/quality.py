@@ -140,6 +140,8 @@ def ablation_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
         RunSpec("upload-int2", "upload codec", "decoupled", with_flag("--upload-codec", "int2")),
         RunSpec("download-fp32", "download codec", "decoupled", with_flag("--download-codec", "fp32"),
                 note="global fragments sent whole in fp32 instead of error-fed int4 deltas"),
+        RunSpec("outer-fraction", "outer step", "decoupled", with_flag("--outer-step-fraction", "steps"),
+                note="a merge of fewer inner steps than H is that fraction of an outer step"),
         RunSpec("rounds-by-learners", "round design", "decoupled", with_flag("--round-trigger", "upload"),
                 note="the previous design: each learner's counter opens rounds (rebase kept)"),
     ]

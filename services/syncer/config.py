@@ -56,6 +56,10 @@ class SyncerConfig:
     embedding_merge_rule: str = "mean"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    # whole: every merge is one Nesterov step; steps: a merge holding fewer inner steps than H
+    # (the first rounds of staggered fragments, the end of training) is a fractional step
+    # (ddiloco.algo.outer.OuterStepper.step_scaled), so it does not add a whole momentum push.
+    outer_step_fraction: str = "whole"
     # The data-parallel baseline's optimizer (AdamW on the syncer, ddiloco.algo.inner); the
     # defaults are the learners' inner defaults.
     dp_learning_rate: float = 2e-3
@@ -116,6 +120,8 @@ class SyncerConfig:
         for name in ("upload_codec", "download_codec"):
             if getattr(self, name) not in codec_lib.CODECS:
                 raise bad(name, f"must be one of {codec_lib.CODECS}")
+        if self.outer_step_fraction not in ("whole", "steps"):
+            raise bad("outer_step_fraction", "must be whole or steps")
         for name in ("merge_rule", "embedding_merge_rule"):
             if getattr(self, name) not in _RULES:
                 raise bad(name, f"must be one of {_RULES}")
@@ -267,6 +273,9 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "embedding_merge_rule": "merge of embedding tensors: mean, rda or equal_mean; diloco mode forces equal_mean",
         "outer_lr": "outer Nesterov SGD learning rate",
         "outer_momentum": "outer Nesterov SGD momentum",
+        "outer_step_fraction": "whole: every merge is one outer step; steps: a merge whose contributions hold fewer "
+                               "inner steps than H (token-weighted mean) is that fraction of a step (momentum "
+                               "decays by mu^s and is carried s times), so short rounds add no whole momentum push",
         "liveness_timeout_s": "a learner silent this long stops counting towards a round's expected size",
         "max_concurrent_uploads": "uploads in flight at once, over all learners (RESOURCE_EXHAUSTED above)",
         "merge_history": "merge records kept for the training state",

@@ -975,6 +975,17 @@ class SyncerCore:
         if not self.open_due_rounds():  # a round the schedule held back while this one was open
             self.tick()  # contributions that arrived during the merge may already form a round
 
+    def _step_fraction(self, rnd: _Round) -> float:
+        """The outer step's fraction (config outer_step_fraction): the token-weighted mean of the
+        contributions' inner steps over H, at most 1; 1 with "whole"."""
+        if self.config.outer_step_fraction != "steps":
+            return 1.0
+        tokens = sum(c.tokens for c in rnd.contributions)
+        if tokens <= 0:
+            return 1.0
+        mean_steps = sum(c.tokens * c.steps for c in rnd.contributions) / tokens
+        return min(1.0, max(mean_steps, 1.0) / self.plan.sync_period_steps)
+
     async def _merge_locked(self, slot: _Slot, reason: str, grace_s: float) -> None:
         async with slot.lock:
             rnd = slot.round
@@ -990,7 +1001,8 @@ class SyncerCore:
             merged = await asyncio.to_thread(rnd.accumulator.scaled_result)
             # Δ is kept factored (the round's sums are not written again): one stream less.
             stepped = await asyncio.to_thread(functools.partial(
-                stepper.step_scaled, slot.params, slot.opt_state, *merged, write_grad=False))
+                stepper.step_scaled, slot.params, slot.opt_state, *merged, write_grad=False,
+                fraction=self._step_fraction(rnd)))
             new_params, new_state = stepped.params, stepped.state
             slot.last_outer_grad = (merged, stepped.outer_grad_norm)
             if not stepped.finite:

@@ -290,3 +290,59 @@ def test_step_scaled_with_known_sum_squares_steps_the_same_and_still_catches_non
     assert not broken.finite
     with pytest.raises(ValueError, match="sum_squares"):
         stepper.step_scaled(params, state, values, bounds, scales, squares[:1])
+
+
+def _one_segment(grad):
+    return grad, np.array([0, grad.size], np.int64), np.ones(1, np.float32)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_fractional_step_of_one_is_the_whole_step(nesterov):
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(0.7, 0.9, nesterov=nesterov))
+    params, grads = _vectors(5, size=300)
+    state = stepper.init(params)
+    warm = stepper.step_scaled(params, state, *_one_segment(grads[0]))  # a momentum to carry
+    whole = stepper.step_scaled(warm.params, warm.state, *_one_segment(grads[1]))
+    same = stepper.step_scaled(warm.params, warm.state, *_one_segment(grads[1]), fraction=1.0)
+    np.testing.assert_array_equal(whole.params, same.params)
+    np.testing.assert_array_equal(whole.state[0], same.state[0])
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_fractional_step_follows_its_formula(nesterov):
+    lr, mu, s = 0.7, 0.9, 0.25
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(lr, mu, nesterov=nesterov))
+    params, grads = _vectors(6, size=300)
+    warm = stepper.step_scaled(params, stepper.init(params), *_one_segment(grads[0]))
+    buf = warm.state[0].astype(np.float64)
+    out = stepper.step_scaled(warm.params, warm.state, *_one_segment(grads[1]), fraction=s)
+    g = grads[1].astype(np.float64)
+    new_buf = g + mu**s * buf
+    move = g + s * mu * new_buf if nesterov else g + s * (new_buf - g)
+    np.testing.assert_allclose(out.state[0], new_buf, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.params, warm.params - lr * move, rtol=1e-5, atol=1e-6)
+
+
+def test_an_empty_merge_as_a_small_fraction_barely_moves_while_a_whole_step_pushes_the_momentum():
+    # The case it exists for: a merge holding almost no work at the end of training.
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(0.7, 0.9))
+    params, grads = _vectors(7, size=300)
+    state = stepper.init(params)
+    for g in grads:  # a momentum built over four regular rounds
+        out = stepper.step_scaled(params, state, *_one_segment(g))
+        params, state = out.params, out.state
+    empty = np.zeros_like(params)
+    whole = stepper.step_scaled(params, state, *_one_segment(empty))
+    tiny = stepper.step_scaled(params, state, *_one_segment(empty), fraction=1 / 64)
+    # A whole step with no work in it moves more than lr x a regular round's delta.
+    assert np.linalg.norm(whole.params - params) > np.linalg.norm(0.7 * grads[-1])
+    assert np.linalg.norm(tiny.params - params) < 0.02 * np.linalg.norm(whole.params - params)
+    np.testing.assert_allclose(tiny.state[0], 0.9 ** (1 / 64) * state[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.5])
+def test_a_fraction_outside_zero_one_is_refused(fraction):
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(0.7, 0.9))
+    params, grads = _vectors(8, size=300)
+    with pytest.raises(ValueError, match="fraction"):
+        stepper.step_scaled(params, stepper.init(params), *_one_segment(grads[0]), fraction=fraction)
