@@ -211,6 +211,7 @@ class SyncerCore:
         stepper_factory: Callable[[fragments_lib.Fragment], outer_lib.OuterStepper] | None = None,
         max_decoding: int | None = None,
         round_trigger: str = "schedule",
+        outer_step_fraction: str = "whole",
     ) -> None:
         """See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
         `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own
@@ -218,9 +219,13 @@ class SyncerCore:
         Nesterov SGD with `outer_lr` and `outer_momentum`. `max_decoding`: contributions between
         decode and fold-in at once (default below). `round_trigger`: "schedule" (decoupled mode: rounds
         open on the syncer's schedule, ddiloco.algo.rounds) or "upload" (a round opens with its first
-        contribution; the synchronous modes, whose learners upload together, always use it)."""
+        contribution; the synchronous modes, whose learners upload together, always use it).
+        `outer_step_fraction`: "whole" or "steps" (see _step_fraction)."""
         if round_trigger not in ROUND_TRIGGERS:
             raise ValueError(f"round_trigger={round_trigger!r} is not one of {ROUND_TRIGGERS}")
+        if outer_step_fraction not in ("whole", "steps"):
+            raise ValueError(f"outer_step_fraction={outer_step_fraction!r} is not whole or steps")
+        self._outer_step_fraction = outer_step_fraction
         self.config = run_config
         self.plan = plan
         self.instance = uuid.uuid4().hex
@@ -978,7 +983,7 @@ class SyncerCore:
     def _step_fraction(self, rnd: _Round) -> float:
         """The outer step's fraction (config outer_step_fraction): the token-weighted mean of the
         contributions' inner steps over H, at most 1; 1 with "whole"."""
-        if self.config.outer_step_fraction != "steps":
+        if self._outer_step_fraction != "steps":
             return 1.0
         tokens = sum(c.tokens for c in rnd.contributions)
         if tokens <= 0:

@@ -34,7 +34,8 @@ SPECS = [fragments_lib.TensorSpec("a", (8, 4)), fragments_lib.TensorSpec("b", (1
 
 
 def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamma: float = 0.5,
-              direction: robust_lib.DirectionPolicy | None = None) -> core_lib.SyncerCore:
+              direction: robust_lib.DirectionPolicy | None = None,
+              outer_step_fraction: str = "whole") -> core_lib.SyncerCore:
     plan = fragments_lib.plan_fragments(SPECS, 2, 2)
     cfg = config_lib.SyncerConfig(min_quorum=min_quorum, max_staleness_versions=staleness, num_fragments=2, overlap_steps=2,
                                   sync_period_steps=2, upload_codec="fp32")
@@ -44,7 +45,7 @@ def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamm
     return core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
         grace_gamma=gamma, max_grace_s=10.0, liveness_timeout_s=30.0, merge_history=16, clock=clock, wall_clock=clock, round_trigger="upload",
-        direction=direction,
+        direction=direction, outer_step_fraction=outer_step_fraction,
     )
 
 
@@ -259,3 +260,30 @@ def test_the_wait_for_references_is_bounded_and_skipped_when_nobody_could_send_o
         assert core.slots[0].version == 1 and core.directions.references("b", 0, 1) == 1  # proposal withdrawn, a's kept
 
     asyncio.run(run())
+
+
+def test_a_merge_of_fewer_steps_than_h_is_a_fractional_outer_step_when_asked():
+    # H = 2. The second merge holds 1 inner step: with "steps" it is half an outer step (the
+    # momentum decays by 0.9 ** 0.5 instead of 0.9); with "whole" a full step.
+    async def merged_momenta(fraction: str):
+        core = make_core(FakeClock(), outer_step_fraction=fraction)
+        join(core, "l1")
+        n = core.plan.fragments[0].numel
+        await upload(core, "l1", 0, 0, np.full(n, 0.01), steps=2)
+        await settle()
+        first = core.slots[0].opt_state[0].copy()
+        await upload(core, "l1", 0, 1, np.full(n, 0.01), steps=1)
+        await settle()
+        assert core.slots[0].version == 2
+        return first, core.slots[0].opt_state[0].copy(), core.slots[0].params.copy()
+
+    whole_first, whole_buf, whole_params = asyncio.run(merged_momenta("whole"))
+    steps_first, steps_buf, steps_params = asyncio.run(merged_momenta("steps"))
+    np.testing.assert_array_equal(whole_first, steps_first)  # a round of H steps: a whole step in both
+    np.testing.assert_allclose(steps_buf - whole_buf, (0.9**0.5 - 0.9) * whole_first, rtol=1e-4, atol=1e-7)
+    assert not np.allclose(steps_params, whole_params)
+
+
+def test_an_unknown_outer_step_fraction_is_refused():
+    with pytest.raises(ValueError, match="outer_step_fraction"):
+        make_core(FakeClock(), outer_step_fraction="half")
