@@ -119,7 +119,8 @@ def settings_schemas() -> dict[str, dict]:
     from ddiloco.wire import codec
 
     enums = {"upload_codec": list(codec.CODECS), "download_codec": list(codec.CODECS),
-             "merge_rule": ["rda", "mean"], "embedding_merge_rule": ["rda", "mean"]}
+             "merge_rule": ["rda", "mean"], "embedding_merge_rule": ["rda", "mean"],
+             "outer_step_fraction": ["steps", "whole"]}
     commands = {"syncer": "syncer", "store": "checkpoint", "learners": "learner", "evaluator": "evaluate"}
     out = {}
     for component, cls in service_configs().items():

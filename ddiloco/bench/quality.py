@@ -72,7 +72,7 @@ class BenchConfig:
     warmup_steps: int = 20
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    download_codec: str = "int4"  # decoupled's download codec (error-fed deltas)
+    download_codec: str = ""  # decoupled's download codec; empty: the syncer's default (int4 deltas)
     eval_interval_s: float = 30.0
     eval_batches: int = 8  # per periodic evaluation
     final_eval_batches: int = 64
@@ -96,7 +96,10 @@ class RunSpec:
 
 
 def decoupled_flags(cfg: BenchConfig) -> tuple[str, ...]:
-    return ("--upload-codec", "int4", "--download-codec", cfg.download_codec)
+    """Decoupled runs use the syncer's shipped defaults (int4 uploads, int4 error-fed delta
+    downloads, rebase, scheduled rounds, K = 1 + grace, fractional outer steps), unless the
+    download codec is given."""
+    return ("--download-codec", cfg.download_codec) if cfg.download_codec else ()
 
 
 def mode_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
@@ -106,7 +109,8 @@ def mode_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
         "diloco": RunSpec("diloco", "mode", "diloco", ("--min-quorum", m),
                           note="classic: all fragments every H, K = M, equal-weight mean, fp32"),
         "decoupled": RunSpec("decoupled", "mode", "decoupled", decoupled_flags(cfg),
-                             note=f"scheduled rounds, K = 1 + grace, rebase, int4 up, {cfg.download_codec} deltas down"),
+                             note="syncer defaults: scheduled rounds, K = 1 + grace, rebase, int4 up, "
+                                  f"{cfg.download_codec or 'int4'} deltas down, fractional outer steps"),
     }
 
 
@@ -140,8 +144,8 @@ def ablation_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
         RunSpec("upload-int2", "upload codec", "decoupled", with_flag("--upload-codec", "int2")),
         RunSpec("download-fp32", "download codec", "decoupled", with_flag("--download-codec", "fp32"),
                 note="global fragments sent whole in fp32 instead of error-fed int4 deltas"),
-        RunSpec("outer-fraction", "outer step", "decoupled", with_flag("--outer-step-fraction", "steps"),
-                note="a merge of fewer inner steps than H is that fraction of an outer step"),
+        RunSpec("outer-whole", "outer step", "decoupled", with_flag("--outer-step-fraction", "whole"),
+                note="every merge a whole Nesterov step, however few inner steps it holds"),
         RunSpec("rounds-by-learners", "round design", "decoupled", with_flag("--round-trigger", "upload"),
                 note="the previous design: each learner's counter opens rounds (rebase kept)"),
     ]
@@ -573,7 +577,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--num-fragments", type=int, default=d.num_fragments)
     parser.add_argument("--sync-period-steps", type=int, default=d.sync_period_steps)
-    parser.add_argument("--download-codec", default=d.download_codec, help="decoupled's download codec")
+    parser.add_argument("--download-codec", default=d.download_codec,
+                        help="decoupled's download codec (default: the syncer's)")
     parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
     parser.add_argument("--data-dir", default="", help="training data (see `ddiloco learner --help`)")
     parser.add_argument("--seeds", default=",".join(str(x) for x in d.seeds),

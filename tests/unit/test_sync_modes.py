@@ -90,7 +90,8 @@ def test_delta_downloads_reconstruct_published_bit_exactly_with_error_feedback(c
 def test_fp32_downloads_publish_the_parameters_themselves():
     async def run():
         clock = FakeClock()
-        core = _core(clock, config_lib.SyncerConfig(num_fragments=2, sync_period_steps=2, upload_codec="fp32"))
+        core = _core(clock, config_lib.SyncerConfig(num_fragments=2, sync_period_steps=2, upload_codec="fp32",
+                                                    download_codec="fp32"))
         assert not core.delta_downloads
         join(core, "l1")
         slot = core.slots[1]
