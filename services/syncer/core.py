@@ -211,7 +211,7 @@ class SyncerCore:
         stepper_factory: Callable[[fragments_lib.Fragment], outer_lib.OuterStepper] | None = None,
         max_decoding: int | None = None,
         round_trigger: str = "schedule",
-        outer_step_fraction: str = "steps",
+        outer_step_fraction: str = "whole",
     ) -> None:
         """See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
         `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own

@@ -35,7 +35,7 @@ SPECS = [fragments_lib.TensorSpec("a", (8, 4)), fragments_lib.TensorSpec("b", (1
 
 def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamma: float = 0.5,
               direction: robust_lib.DirectionPolicy | None = None,
-              outer_step_fraction: str = "steps") -> core_lib.SyncerCore:
+              outer_step_fraction: str = "whole") -> core_lib.SyncerCore:
     plan = fragments_lib.plan_fragments(SPECS, 2, 2)
     cfg = config_lib.SyncerConfig(min_quorum=min_quorum, max_staleness_versions=staleness, num_fragments=2, overlap_steps=2,
                                   sync_period_steps=2, upload_codec="fp32")
