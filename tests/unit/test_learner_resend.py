@@ -71,19 +71,23 @@ class _Client:
         pass
 
 
-def _loop():
+def _make_loop(client, *, version: int, instance: str, **loop_args):
+    """A two-fragment loop on the numpy fakes, holding every fragment at `version` of `instance`."""
     specs = [fragments_lib.TensorSpec("a", (4, 4)), fragments_lib.TensorSpec("b", (8,))]
     plan = fragments_lib.plan_fragments(specs, 2, 2)
     params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
-    client = _Client()
-    # Rounds opened by the learner's own counter (round_trigger "upload"): due every H / P steps.
     loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
                                 learner_id="l", incarnation=1, on_arrival="rebase", sync_mode="decoupled",
-                                round_trigger="upload")
-    client.inbox = [client_lib.GlobalFragment(f.fragment_id, 0, "inst",
+                                **loop_args)
+    client.inbox = [client_lib.GlobalFragment(f.fragment_id, version, instance,
                                               fragments_lib.flatten_fragment(params, f)) for f in plan.fragments]
     loop.apply_updates()
     return loop, client, plan
+
+
+def _loop():
+    # Rounds opened by the learner's own counter (round_trigger "upload"): due every H / P steps.
+    return _make_loop(_Client(), version=0, instance="inst", round_trigger="upload")
 
 
 def _uploads_of(client, fid):
@@ -141,16 +145,7 @@ class _CallClient(_Client):
 
 
 def _called_loop():
-    specs = [fragments_lib.TensorSpec("a", (4, 4)), fragments_lib.TensorSpec("b", (8,))]
-    plan = fragments_lib.plan_fragments(specs, 2, 2)
-    params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
-    client = _CallClient()
-    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
-                                learner_id="l", incarnation=1, on_arrival="rebase", sync_mode="decoupled")
-    client.inbox = [client_lib.GlobalFragment(f.fragment_id, 3, "life-1", fragments_lib.flatten_fragment(params, f))
-                    for f in plan.fragments]
-    loop.apply_updates()
-    return loop, client, plan
+    return _make_loop(_CallClient(), version=3, instance="life-1")
 
 
 def _call(fid, version, rnd=1):
