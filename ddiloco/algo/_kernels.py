@@ -116,13 +116,14 @@ def scaled_sgd_step(
     buf_out: np.ndarray,
     want_grad_sq: bool,
     carry: np.float32,
+    into: np.float32,
 ) -> tuple[float, float]:
     """One outer step with Δ given as scaled sums: Δ[bounds[k]:bounds[k+1]] = sums · scales[k].
 
-    ``momentum`` decays the buffer (b ← Δ + momentum·b) and ``carry`` weighs what the step
-    takes of it beyond Δ: Nesterov moves by Δ + carry·b', heavy ball by Δ + carry·(b' − Δ).
-    A whole step passes carry = μ (Nesterov) or 1 (heavy ball); see ``OuterStepper.step_scaled``
-    for fractional steps.
+    ``momentum`` decays the buffer and ``into`` is the share of Δ it takes in
+    (b' ← into·Δ + momentum·b); ``carry`` weighs what the step takes of it beyond Δ: Nesterov
+    moves by Δ + carry·b', heavy ball by Δ + carry·(b' − into·Δ). A whole step passes into = 1 and
+    carry = μ (Nesterov) or 1 (heavy ball); see ``OuterStepper.step_scaled`` for other fractions.
 
     Writes Δ to ``grad_out``, the new params to ``params_out`` and the new momentum to
     ``buf_out`` (all float32, caller-allocated). Returns (Σ Δ², Σ new params) in float64:
@@ -152,11 +153,11 @@ def scaled_sgd_step(
             if nesterov:
                 for i in range(s.size):
                     g = s[i] * scale
-                    b = g + momentum * b0[i]
+                    b = g * into + momentum * b0[i]
                     g1[i] = g
                     b1[i] = b
                     p1[i] = p0[i] + (g + carry * b) * neg_lr
-            elif carry == 1:  # a whole heavy-ball step, bit for bit optax's
+            elif carry == 1 and into == 1:  # a whole heavy-ball step, bit for bit optax's
                 for i in range(s.size):
                     g = s[i] * scale
                     b = g + momentum * b0[i]
@@ -166,10 +167,10 @@ def scaled_sgd_step(
             else:
                 for i in range(s.size):
                     g = s[i] * scale
-                    b = g + momentum * b0[i]
+                    b = g * into + momentum * b0[i]
                     g1[i] = g
                     b1[i] = b
-                    p1[i] = p0[i] + (g + carry * (b - g)) * neg_lr
+                    p1[i] = p0[i] + (g + carry * (b - g * into)) * neg_lr
             if want_grad_sq:
                 block_sq, block_sum = _block_sums(g1, p1)
                 grad_sq += block_sq
@@ -189,5 +190,5 @@ def warm_up() -> None:
     scaled_sgd_step(
         one, np.array([0, 1], np.int64), np.ones(1, np.float32), one, one,
         np.float32(0.9), np.float32(-0.7), True, np.empty_like(one), np.empty_like(one), np.empty_like(one), True,
-        np.float32(0.9),
+        np.float32(0.9), np.float32(1.0),
     )

@@ -982,14 +982,15 @@ class SyncerCore:
 
     def _step_fraction(self, rnd: _Round) -> float:
         """The outer step's fraction (config outer_step_fraction): the token-weighted mean of the
-        contributions' inner steps over H, at most 1; 1 with "whole"."""
+        contributions' inner steps over H (below 1: a short round; above 1: many rounds' work,
+        whose momentum share OuterStepper.step_scaled bounds); 1 with "whole"."""
         if self._outer_step_fraction != "steps":
             return 1.0
         tokens = sum(c.tokens for c in rnd.contributions)
         if tokens <= 0:
             return 1.0
         mean_steps = sum(c.tokens * c.steps for c in rnd.contributions) / tokens
-        return min(1.0, max(mean_steps, 1.0) / self.plan.sync_period_steps)
+        return max(mean_steps, 1.0) / self.plan.sync_period_steps
 
     async def _merge_locked(self, slot: _Slot, reason: str, grace_s: float) -> None:
         async with slot.lock:

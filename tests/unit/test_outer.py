@@ -340,8 +340,27 @@ def test_an_empty_merge_as_a_small_fraction_barely_moves_while_a_whole_step_push
     np.testing.assert_allclose(tiny.state[0], 0.9 ** (1 / 64) * state[0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.5])
-def test_a_fraction_outside_zero_one_is_refused(fraction):
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_a_step_of_many_rounds_moves_by_all_of_it_but_feeds_the_momentum_one_rounds_rate(nesterov):
+    lr, mu, s = 0.7, 0.9, 8.0
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(lr, mu, nesterov=nesterov))
+    params, grads = _vectors(9, size=300)
+    warm = stepper.step_scaled(params, stepper.init(params), *_one_segment(grads[0]))
+    buf = warm.state[0].astype(np.float64)
+    big = 8 * grads[1]  # eight rounds' work in one merge
+    out = stepper.step_scaled(warm.params, warm.state, *_one_segment(big), fraction=s)
+    g = big.astype(np.float64)
+    new_buf = g / s + mu * buf
+    move = g + mu * new_buf if nesterov else g + (new_buf - g / s)
+    np.testing.assert_allclose(out.state[0], new_buf, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.params, warm.params - lr * move, rtol=1e-5, atol=1e-6)
+    # What the momentum carries on into later merges: one round's worth, not eight.
+    whole = stepper.step_scaled(warm.params, warm.state, *_one_segment(big))
+    assert np.linalg.norm(out.state[0]) < 0.3 * np.linalg.norm(whole.state[0])
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.5, float("inf"), float("nan")])
+def test_a_fraction_that_is_not_a_positive_number_is_refused(fraction):
     stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(0.7, 0.9))
     params, grads = _vectors(8, size=300)
     with pytest.raises(ValueError, match="fraction"):

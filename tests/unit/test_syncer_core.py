@@ -284,6 +284,27 @@ def test_a_merge_of_fewer_steps_than_h_is_a_fractional_outer_step_when_asked():
     assert not np.allclose(steps_params, whole_params)
 
 
+def test_a_merge_of_many_rounds_work_feeds_the_momentum_one_rounds_rate_with_steps():
+    # H = 2. A contribution of 8 inner steps (a learner back from a long cut-off) is 4 rounds'
+    # work: "steps" moves the fragment by all of it but the momentum takes a quarter; "whole"
+    # puts all of it in the momentum, which carries it on into every later merge.
+    async def first_merge(fraction: str):
+        core = make_core(FakeClock(), outer_step_fraction=fraction)
+        join(core, "l1")
+        n = core.plan.fragments[0].numel
+        before = core.slots[0].params.copy()
+        await upload(core, "l1", 0, 0, np.full(n, 0.01), steps=8)
+        await settle()
+        assert core.slots[0].version == 1
+        return core.slots[0].opt_state[0].copy(), core.slots[0].params - before
+
+    whole_buf, whole_move = asyncio.run(first_merge("whole"))
+    steps_buf, steps_move = asyncio.run(first_merge("steps"))
+    np.testing.assert_allclose(steps_buf, whole_buf / 4, rtol=1e-5)
+    # Nesterov from zero momentum: the move is lr x (Δ + μ·b'), b' = Δ (whole) or Δ/4 (steps).
+    np.testing.assert_allclose(steps_move / whole_move, (1 + 0.9 / 4) / (1 + 0.9), rtol=1e-4)
+
+
 def test_an_unknown_outer_step_fraction_is_refused():
     with pytest.raises(ValueError, match="outer_step_fraction"):
         make_core(FakeClock(), outer_step_fraction="half")
