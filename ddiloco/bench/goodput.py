@@ -92,19 +92,29 @@ DEFINITIONS = {
     "tokens_merged_share": "tokens_merged / (num_fragments x tokens_processed) of the faulty run (baseline_: of "
                            "the fault-free run): the share of processed work that reached the global model",
     "learner_wait_fraction": "time learners spent blocked on the syncer / (blocked + computing), faulty run",
+    "contributors_per_merge": "mean over the run's merges (syncer history) of the learners a merge held / the "
+                              "learners of the run (fault-free: all of them live until they finish; the last "
+                              "merges of a run, after learners finished, hold fewer)",
     "aggregate": "per mode over the seeds: mean, min, max and population std of each run's figure",
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class GoodputConfig:
-    learners: int = 6
+    # The committed run's shape (bench/results/goodput.md). 16 learners: goodput separates the
+    # modes only when one learner's downtime is small for it but large summed over the fleet
+    # (a synchronous mode stalls whenever any learner is down). 0.2 s of pacing per step stands
+    # for an accelerator's step time and keeps 16 processes on 2 cores from measuring CPU
+    # contention instead of the protocols.
+    learners: int = 16
     steps: int = 300
-    step_delay_s: float = 0.03
+    step_delay_s: float = 0.2
     num_fragments: int = 4
     sync_period_steps: int = 4
     decoupled_quorum: int = 1
-    mtbf_steps: float = 90.0  # mean gap between faults, in inner steps of the targeted learner
+    # Mean gap between faults on the fleet's step axis: one fault per 14 inner steps of training
+    # progress, the rate of the earlier 16-learner run (546946f), kept, not tuned on results.
+    mtbf_steps: float = 14.0
     # No fault before this step: the schedule starts once every learner contributed, and learners
     # that started first are a few dozen steps ahead by then (an earlier fault would fire late).
     start_step: int = 60
@@ -127,10 +137,14 @@ def mode_scenario(cfg: GoodputConfig, mode: str):
     # and the default 90 s wait at its barrier would be charged to the mode as lost time.
     # Decoupled learners never wait: a restarted one finishing late is real lost time.
     finish_grace_s = 90.0 if mode == "decoupled" else 5.0
+    # Decoupled runs the shipped syncer defaults. The baselines clip contributions beyond the
+    # norm bound instead of refusing them: with a quorum of every learner, one refused upload
+    # stalls the barrier for good, which would charge them a loss that is not a failure's.
+    args = ("--sync-mode", mode) if mode == "decoupled" else (*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", mode)
     return Scenario(name=f"goodput-{mode}", seed=cfg.seed, learners=cfg.learners, min_quorum=quorum, steps=cfg.steps,
                     step_delay_s=cfg.step_delay_s, num_fragments=cfg.num_fragments,
                     sync_period_steps=cfg.sync_period_steps, finish_grace_s=finish_grace_s,
-                    syncer_args=(*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", mode), max_wall_s=cfg.max_wall_s)
+                    syncer_args=args, max_wall_s=cfg.max_wall_s)
 
 
 def failure_schedule(cfg: GoodputConfig):
@@ -197,6 +211,14 @@ def merged_share(counts: dict) -> float | None:
     return counts["tokens_merged"] / denom if denom else None
 
 
+def contributors_per_merge(result) -> float | None:
+    """Mean learners per merge (syncer history) / the run's learners."""
+    merges = [r for r in result.syncer_history if r.get("event") == "merged"]
+    if not merges or not result.scenario.learners:
+        return None
+    return statistics.fmean(len({c[0] for c in r.get("contributors", [])}) for r in merges) / result.scenario.learners
+
+
 def _summary(result, baseline) -> dict:
     wait = sum((s or {}).get("wait_s", 0.0) for s in result.summaries.values())
     compute = sum((s or {}).get("compute_s", 0.0) for s in result.summaries.values())
@@ -244,6 +266,8 @@ def _summary(result, baseline) -> dict:
         "learner_s": faulty_ls if finished else None, "baseline_learner_s": healthy_ls,
         "training_s": train_s(result), "baseline_training_s": train_s(baseline),
         "learner_wait_fraction": wait / (wait + compute) if wait + compute else None,
+        "contributors_per_merge": contributors_per_merge(result),
+        "baseline_contributors_per_merge": contributors_per_merge(baseline),
         "loss": result.loss, "baseline_loss": baseline.loss,
         "recovery_s": sorted(result.recoveries),
     }
@@ -268,7 +292,8 @@ def spread(values: list[float | None]) -> dict:
 
 
 AGGREGATED = ("goodput", "goodput_vs_decoupled_rate", "slowdown_ratio", "tokens_merged_share",
-              "baseline_tokens_merged_share", "baseline_goodput", "learner_wait_fraction", "faults_injected")
+              "baseline_tokens_merged_share", "baseline_goodput", "learner_wait_fraction", "faults_injected",
+              "contributors_per_merge", "baseline_contributors_per_merge")
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -378,13 +403,14 @@ def _run_table(run: dict) -> str:
                      _slowdown_cell(r),
                      f"{_pct(r.get('tokens_merged_share'))} ({_pct(r.get('baseline_tokens_merged_share'))})",
                      _pct(r.get("learner_wait_fraction")),
+                     f"{_pct(r.get('contributors_per_merge'))} ({_pct(r.get('baseline_contributors_per_merge'))})",
                      _seconds(r.get("time_to_tokens_s"), r.get("baseline_time_to_tokens_s")),
                      loss, "PASS" if r["ok"] else "FAIL"])
     target = run.get("tokens_target")
     return results_lib.markdown_table(
         ["mode", "faults", "goodput", "model tokens merged", "fault-free rate (tokens/s/learner)",
          "wall time (fault-free)", "slowdown ratio", "tokens merged share (fault-free)", "learner wait",
-         f"time to {target:,.0f} merged tokens (fault-free)" if target else "time to merged tokens",
+         "contributors per merge / learners (fault-free)", f"time to {target:,.0f} merged tokens (fault-free)" if target else "time to merged tokens",
          "final loss (fault-free)", "invariants"], rows)
 
 
@@ -401,13 +427,14 @@ def render_markdown(result: dict) -> str:
     seeds = result["seeds"]
     agg_rows = [[mode, ", ".join(map(str, a["seeds"])), _spread_cell(a["goodput"], bold=True),
                  _spread_cell(a["slowdown_ratio"]), _spread_cell(a["tokens_merged_share"]),
-                 _spread_cell(a["baseline_tokens_merged_share"]), _spread_cell(a["goodput_vs_decoupled_rate"]),
+                 _spread_cell(a["baseline_tokens_merged_share"]), _spread_cell(a["baseline_contributors_per_merge"]),
+                 _spread_cell(a["goodput_vs_decoupled_rate"]),
                  "/".join(str(v) for v in a["faults_injected"]["values"]),
                  ("PASS" if a["ok"] else "FAIL") + (f", {a['stopped']} stopped" if a["stopped"] else "")]
                 for mode, a in result["modes"].items()]
     headline = results_lib.markdown_table(
         ["mode", "seeds", "goodput", "slowdown ratio", "tokens merged share", "tokens merged share, fault-free",
-         "goodput vs decoupled's fault-free rate", "faults per seed", "invariants"], agg_rows)
+         "contributors per merge / learners, fault-free", "goodput vs decoupled's fault-free rate", "faults per seed", "invariants"], agg_rows)
     d = result.get("definitions", DEFINITIONS)
     per_seed = "\n\n".join(
         f"### Seed {run['seed']}\n\n{_run_table(run)}\n\n"
@@ -419,8 +446,9 @@ def render_markdown(result: dict) -> str:
         f"# Goodput under failures: decoupled vs synchronous DiLoCo vs data-parallel\n\n"
         f"{cfg['learners']} learners x {cfg['steps']} inner steps each (tiny transformer, step pacing "
         f"{cfg['step_delay_s']} s, {cfg['num_fragments']} fragments, H = {cfg['sync_period_steps']}), "
-        f"decoupled quorum K = {cfg['decoupled_quorum']}; diloco and dp: quorum = all {cfg['learners']} "
-        f"learners, no grace. Seeds {', '.join(map(str, seeds))}: for each, every mode runs once without faults "
+        f"decoupled: the shipped syncer defaults with quorum K = {cfg['decoupled_quorum']}; diloco and dp: quorum = "
+        f"all {cfg['learners']} learners, no grace, contributions beyond the norm bound clipped rather than refused "
+        f"(a refusal would stall their barrier for good). Seeds {', '.join(map(str, seeds))}: for each, every mode runs once without faults "
         f"and once under that seed's failure schedule. The step pacing is a sleep after each inner step that "
         f"stands for an accelerator's step time: without it, every learner process competes for this machine's "
         f"cores, a restarted learner waits tens of seconds for CPU, and the benchmark measures CPU contention "
@@ -437,6 +465,7 @@ def render_markdown(result: dict) -> str:
         f"{d['slowdown_ratio']}. A run stopped at the wall-clock limit ({cfg.get('max_wall_s', 900.0):.0f} s from "
         f"launch) counts each unfinished learner until the stop, so its ratio is an upper bound (<=).\n"
         f"- **tokens merged share**: {d['tokens_merged_share']}.\n"
+        f"- **contributors per merge / learners**: {d.get('contributors_per_merge', '-')}.\n"
         f"- **goodput vs decoupled's fault-free rate**: {d['goodput_vs_decoupled_rate']}.\n"
         f"- *learner wait*: {d['learner_wait_fraction']}. *Time to N merged tokens*: wall time from a run's first "
         f"merge until its merges held N model tokens, N = half of the smallest total any run of that seed merged.\n\n"

@@ -72,7 +72,7 @@ class BenchConfig:
     warmup_steps: int = 20
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    download_codec: str = ""  # decoupled's download codec; empty: int4 (error-fed deltas)
+    download_codec: str = ""  # decoupled's download codec; empty: the syncer's default (int4 deltas)
     eval_interval_s: float = 30.0
     eval_batches: int = 8  # per periodic evaluation
     final_eval_batches: int = 64
@@ -96,11 +96,10 @@ class RunSpec:
 
 
 def decoupled_flags(cfg: BenchConfig) -> tuple[str, ...]:
-    """Decoupled runs: the syncer's defaults (int4 uploads, rebase, scheduled rounds, K = 1 +
-    grace) plus int4 error-fed delta downloads and fractional outer steps, the configuration of
-    the committed results; both were the defaults at that commit and went back to opt-in after
-    the chaos soak diverged with them (bench/results/rounds.md)."""
-    return ("--download-codec", cfg.download_codec or "int4", "--outer-step-fraction", "steps")
+    """Decoupled runs: the syncer's shipped defaults (int4 uploads, int4 error-fed delta
+    downloads, rebase, scheduled rounds, K = 1 + grace, fractional outer steps); --download-codec
+    overrides the download codec."""
+    return ("--download-codec", cfg.download_codec) if cfg.download_codec else ()
 
 
 def mode_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
@@ -579,7 +578,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-fragments", type=int, default=d.num_fragments)
     parser.add_argument("--sync-period-steps", type=int, default=d.sync_period_steps)
     parser.add_argument("--download-codec", default=d.download_codec,
-                        help="decoupled's download codec (default: int4 deltas)")
+                        help="decoupled's download codec (default: the syncer's, int4 deltas)")
     parser.add_argument("--learning-rate", type=float, default=d.learning_rate)
     parser.add_argument("--data-dir", default="", help="training data (see `ddiloco learner --help`)")
     parser.add_argument("--seeds", default=",".join(str(x) for x in d.seeds),

@@ -41,10 +41,10 @@ class SyncerConfig:
     max_grace_s: float = 10.0  # upper bound on the grace window, whatever the measurements say
     upload_codec: str = "int4"
     upload_block_size: int = 128
-    # fp32: every version whole. int4 (error-fed deltas) measured as good on quality and 4x fewer
-    # bytes down (bench/results/quality.md), but the chaos soak diverged with it (loss +128 %);
-    # not the default until that is understood (bench/results/rounds.md).
-    download_codec: str = "fp32"
+    # int4: each new version goes down as an error-fed int4 delta (learners hold exactly what the
+    # syncer reconstructs); as good as fp32 on held-out loss and 4x fewer bytes down
+    # (bench/results/quality.md). fp32 sends every version whole.
+    download_codec: str = "int4"
     zstd_level: int = 3
     chunk_size_bytes: int = 512 * 1024
     max_staleness_versions: int = 4  # versions kept to correct stale contributions
@@ -59,13 +59,13 @@ class SyncerConfig:
     embedding_merge_rule: str = "mean"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    # steps: a merge holding fewer inner steps than H (the first rounds of staggered fragments,
-    # the end of training) is that fraction of a Nesterov step (ddiloco.algo.outer.OuterStepper.
-    # step_scaled), so it adds no whole momentum push (bench quality, 3 seeds paired: held-out
-    # loss -1.0 to -1.6 %); whole: every merge is one step. Not the default yet: under the chaos
-    # soak (restarts, rollbacks) it ended at +34 % loss against +(-17) % with whole steps, one run
-    # each (bench/results/rounds.md). The baselines always use whole.
-    outer_step_fraction: str = "whole"
+    # steps: a merge is the fraction s = (token-weighted mean inner steps) / H of a Nesterov step
+    # (ddiloco.algo.outer.OuterStepper.step_scaled): a short round (the first staggered rounds,
+    # the end of training) adds no whole momentum push (bench quality: -3.8 % held-out loss at
+    # seed 0), and many rounds' work at once (learners back from a cut-off) feeds the momentum
+    # one round's rate (the chaos soak diverged without it, bench/results/rounds.md).
+    # whole: every merge is one step; the baselines always use it.
+    outer_step_fraction: str = "steps"
     # The data-parallel baseline's optimizer (AdamW on the syncer, ddiloco.algo.inner); the
     # defaults are the learners' inner defaults.
     dp_learning_rate: float = 2e-3
@@ -280,10 +280,11 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "embedding_merge_rule": "merge of embedding tensors: mean, rda or equal_mean; diloco mode forces equal_mean",
         "outer_lr": "outer Nesterov SGD learning rate",
         "outer_momentum": "outer Nesterov SGD momentum",
-        "outer_step_fraction": "whole (default): every merge is one outer step (the diloco and dp baselines "
-                               "always); steps: a merge whose contributions hold fewer inner steps than H "
-                               "(token-weighted mean) is that fraction s of an outer step (momentum decays by mu^s "
-                               "and is carried s times), so short rounds add no whole momentum push",
+        "outer_step_fraction": "steps (default): a merge is s = (token-weighted mean inner steps) / H of an "
+                               "outer step: below 1 the momentum decays by mu^s and is carried s times (short "
+                               "rounds add no whole momentum push); above 1 (many rounds' work at once) the "
+                               "momentum takes delta/s; whole: every merge is one outer step (the diloco and dp "
+                               "baselines always)",
         "liveness_timeout_s": "a learner silent this long stops counting towards a round's expected size",
         "max_concurrent_uploads": "uploads in flight at once, over all learners (RESOURCE_EXHAUSTED above)",
         "merge_history": "merge records kept for the training state",

@@ -184,3 +184,23 @@ def test_report_states_the_fault_rate_and_how_each_figure_is_computed(tmp_path: 
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "goodput.json").write_text(json.dumps({"config": {}, "modes": {}}))
     assert goodput._render_only(tmp_path / "old", tmp_path / "work") == 2
+
+
+def test_contributors_per_merge_counts_distinct_learners_of_each_merge_over_the_runs_learners():
+    history = [{"event": "start", "fragments": {}},
+               {"event": "merged", "contributors": [["learner-0", 1, 0, 10], ["learner-1", 1, 0, 10]]},
+               {"event": "merged", "contributors": [["learner-0", 1, 1, 10], ["learner-0", 1, 1, 5]]},
+               {"event": "accepted"}]
+    run = SimpleNamespace(syncer_history=history, scenario=SimpleNamespace(learners=4))
+    assert goodput.contributors_per_merge(run) == pytest.approx((2 + 1) / 2 / 4)
+    assert goodput.contributors_per_merge(SimpleNamespace(syncer_history=history[:1],
+                                                          scenario=SimpleNamespace(learners=4))) is None
+
+
+def test_decoupled_runs_the_shipped_syncer_defaults_and_the_baselines_clip():
+    cfg = goodput.GoodputConfig()
+    assert goodput.mode_scenario(cfg, "decoupled").syncer_args == ("--sync-mode", "decoupled")
+    for mode in ("diloco", "dp"):
+        scenario = goodput.mode_scenario(cfg, mode)
+        assert scenario.syncer_args[-2:] == ("--sync-mode", mode) and "clip" in scenario.syncer_args
+        assert scenario.min_quorum == cfg.learners
