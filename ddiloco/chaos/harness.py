@@ -1,7 +1,7 @@
 """Runs one chaos scenario end to end: cluster, fault schedule, histories, invariants, report line.
 
     result = run_scenario(Scenario(name="soak", seed=1), schedule, workdir, baseline_loss=2.9)
-    print(result.report_line)          # one line: faults, lost acks, double applies, recovery, goodput
+    print(result.report_line)          # one line: faults, lost acks, double applies, recovery, work merged
     assert result.ok, result.violations()
 
 What one run does (everything on 127.0.0.1, processes started and signalled by PID only):
@@ -18,7 +18,8 @@ What one run does (everything on 127.0.0.1, processes started and signalled by P
    checkpoint from the store and evaluates the held-out loss of the last one (in this process).
 4. Checks I1-I4 (ddiloco/chaos/invariants.py) and, with a baseline loss, I5; computes recovery
    times (heal -> first merge that includes the learner / first merge of the syncer's new life /
-   first committed checkpoint) and goodput (tokens in surviving merges / (P x tokens processed));
+   first committed checkpoint) and work merged (tokens in surviving merges / (P x tokens processed);
+   not the paper's goodput, which `ddiloco bench goodput` computes);
    writes report.json and report.txt into the workdir.
 
 Learners' training is step-based (the same work with and without faults, so the final loss is
@@ -142,7 +143,7 @@ class Result:
     faults: list[InjectedFault]
     not_injected: list[schedule_lib.FaultEvent]
     checks: list[invariants.Check]
-    goodput: float | None
+    work_merged: float | None  # tokens in surviving merges / (P x tokens processed)
     loss: float | None
     baseline_loss: float | None
     wall_s: float
@@ -187,7 +188,7 @@ class Result:
         return {
             "scenario": self.scenario.to_dict(), "ok": self.ok, "error": self.error, "report": self.report_line,
             "wall_s": round(self.wall_s, 2), "t0": self.t0, "training_end": self.training_end,
-            "goodput": self.goodput, "loss": self.loss,
+            "work_merged": self.work_merged, "loss": self.loss,
             "baseline_loss": self.baseline_loss,
             "faults": [dataclasses.asdict(f) | {"recovery_s": f.recovery_s} for f in self.faults],
             "not_injected": [e.to_json() for e in self.not_injected],
@@ -205,7 +206,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def report_line(result: Result) -> str:
-    """One line per scenario: faults, lost acked uploads, double applies, recovery, goodput, loss."""
+    """One line per scenario: faults, lost acked uploads, double applies, recovery, work merged, loss."""
     i1, i2 = result.check("I1").figures, result.check("I2").figures
     i3, i4 = result.check("I3").figures, result.check("I4").figures
     counts: dict[str, int] = {}
@@ -216,7 +217,7 @@ def report_line(result: Result) -> str:
     rec = result.recoveries
     recovery = (f"recovery p50 {_percentile(rec, 50):.1f} s p95 {_percentile(rec, 95):.1f} s "
                 f"({len(rec)}/{len(result.faults)} recovered)") if rec else f"recovery - (0/{len(result.faults)})"
-    goodput = f"goodput {100 * result.goodput:.1f} %" if result.goodput is not None else "goodput -"
+    merged = f"work merged {100 * result.work_merged:.1f} %" if result.work_merged is not None else "work merged -"
     if result.loss is not None and result.baseline_loss is not None:
         delta = 100 * (result.loss - result.baseline_loss) / result.baseline_loss
         loss = (f"loss {result.loss:.3f} vs {result.baseline_loss:.3f} fault-free ({delta:+.1f} %, "
@@ -236,7 +237,7 @@ def report_line(result: Result) -> str:
         f"{f', STALLED fragments {stalled}' if (stalled := i2.get('stalled_fragments')) else ''}), "
         f"learners hash-equal {i3.get('hash_equal', 0)}/{i3.get('learners', 0)}"
         f"{f' ({stale} ended before re-syncing)' if (stale := i3.get('stale', 0)) else ''}, "
-        f"checkpoints loadable {i4.get('loadable', 0)}/{i4.get('checkpoints', 0)}, {recovery}, {goodput}, {loss}: "
+        f"checkpoints loadable {i4.get('loadable', 0)}/{i4.get('checkpoints', 0)}, {recovery}, {merged}, {loss}: "
         f"{verdict} in {result.wall_s:.0f} s"
     )
 
@@ -821,7 +822,7 @@ class Harness:
             invariants.check_loss(loss, self.baseline_loss, self.scenario.loss_margin),
         ]
         _recoveries(self.faults, syncer_history)
-        goodput = None
+        work_merged = None
         processed = self._poller.tokens_processed() if self._poller else 0
         if processed:
             rolled = invariants.rolled_back_merges(invariants.syncer_lives(syncer_history))
@@ -830,11 +831,11 @@ class Harness:
                 and (r["instance"], int(r["fragment"]), int(r["version"])) not in rolled for c in r["contributors"])
             starts = [r for r in syncer_history if r["event"] == "start"]
             fragments = len(starts[-1]["fragments"]) if starts else self.scenario.num_fragments  # dp: 1
-            goodput = merged_tokens / (fragments * processed)
+            work_merged = merged_tokens / (fragments * processed)
         final_state.pop("config", None)
         result = Result(
             scenario=self.scenario, workdir=self.workdir, faults=self.faults, not_injected=self.not_injected,
-            checks=checks, goodput=goodput, loss=loss, baseline_loss=self.baseline_loss,
+            checks=checks, work_merged=work_merged, loss=loss, baseline_loss=self.baseline_loss,
             wall_s=time.time() - started, t0=self.t0, training_end=self.training_end,
             learner_finished_at=dict(self.finished_at), stopped_at=self.stopped_at, syncer_history=syncer_history,
             learner_histories=learner_histories, summaries=summaries, final_state=final_state,

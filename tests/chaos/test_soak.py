@@ -25,4 +25,4 @@ def test_soak_seeded_faults_across_all_services_keep_every_invariant(run_scenari
     # Most faults are followed by progress of the component within the run (a learner killed
     # near the end of its steps may have nothing left to contribute).
     assert len(result.recoveries) >= 0.7 * len(result.faults), result.report_line
-    assert result.goodput is not None and result.goodput > 0.05, result.report_line
+    assert result.work_merged is not None and result.work_merged > 0.05, result.report_line
