@@ -63,12 +63,11 @@ def test_row01_learner_sigkill_quorum_continues_and_restart_rejoins(run_scenario
     assert_invariants(result)
     kill = _fault(result, "kill", "learner-0")
     assert kill.recovery_s is not None and kill.recovery_s < 60, kill
-    # While it was down (from the kill until its new life's work reached a merge: the restart
-    # takes seconds to rejoin), merges went on with the quorum (K = 2 of 3) without it, at least
-    # one per fragment. (Merges right after the kill may still hold the old life's last upload.)
-    outage = result.merges_between(kill.at + 0.5, kill.recovered_at)
-    without = [m for m in outage if "learner-0" not in _contributors(m)]
-    assert len({m["fragment"] for m in without}) == result.scenario.num_fragments, outage
+    # Training went on: every fragment merged in the 15 s after the kill (a round waits for an
+    # expected learner at most the grace window, 10 s at most). Merges without learner-0 are not
+    # required: its restart (1 s after the kill) can rejoin before any round needed it.
+    after = result.merges_between(kill.at, kill.at + 15.0)
+    assert len({m["fragment"] for m in after}) == result.scenario.num_fragments, after
     # The restarted life (a newer incarnation) rejoined and contributed.
     lives = {c[1] for r in result.syncer_history if r["event"] == "merged" for c in r["contributors"]
              if c[0] == "learner-0"}
@@ -139,11 +138,13 @@ def test_row05_syncer_sigterm_rolling_restart_loses_nothing(run_scenario):
     first = lives[0]["instance"]
     assert any(r["event"] == "shutdown" and r["instance"] == first for r in result.syncer_history)
     # The new life restored exactly the old life's last state (graceful: the final checkpoint).
+    # Compared on the global parameters: with lossy (delta) downloads what learners held in the
+    # old life is their reconstruction, and a new life publishes the exact values again.
     last = {}
     for r in result.syncer_history:
         if r["event"] == "merged" and r["instance"] == first:
-            last[str(r["fragment"])] = [r["version"], r["sha256"]]
-    assert {f: v[:2] for f, v in lives[1]["fragments"].items()} == last
+            last[str(r["fragment"])] = [r["version"], r["params_sha256"]]
+    assert {f: [v[0], v[2]] for f, v in lives[1]["fragments"].items()} == last
     i1 = result.check("I1").figures
     assert i1["rolled_back"] == 0 and i1["lost_on_syncer_crash"] == 0, i1
     assert _failed_or_deadline(result) == 0

@@ -225,6 +225,11 @@ class Harness:
         """{fragment: (version, params sha256)}: the global model's identity."""
         return self.call(lambda: {s.fragment.fragment_id: (s.version, s.params_sha256) for s in self.core.slots})
 
+    def published(self) -> dict[int, tuple[int, str]]:
+        """{fragment: (version, published sha256)}: what learners hold (with lossy delta downloads,
+        their reconstruction of the global fragment; with fp32 downloads the same as model())."""
+        return self.call(lambda: {s.fragment.fragment_id: (s.version, s.published_sha256) for s in self.core.slots})
+
     def checkpoint(self) -> bool:
         """Commits a checkpoint now if anything merged since the last one (the syncer's own code)."""
         return self.call(self.checkpointer.save)

@@ -410,7 +410,7 @@ def test_row20_fenced_stale_and_foreign_bases_then_the_learner_resyncs(tmp_path)
                 if len(got) == 2:
                     call.cancel()
                     break
-        assert got == h.model()
+        assert got == h.published()
         assert new.upload(0, 1, p0, i0).result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
         for learner in (honest, old, new, stranger):
             learner.close()
