@@ -309,18 +309,25 @@ def test_a_fractional_step_of_one_is_the_whole_step(nesterov):
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_a_fractional_step_follows_its_formula(nesterov):
-    lr, mu, s = 0.7, 0.9, 0.25
+@pytest.mark.parametrize("s", [0.25, 8.0])
+def test_a_fractional_step_follows_its_formula(nesterov, s):
+    # s < 1: a short round (momentum decays by mu^s, carried s times); s > 1: many rounds' work in
+    # one merge (the fragment moves by all of it, the momentum takes delta / s).
+    lr, mu = 0.7, 0.9
     stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(lr, mu, nesterov=nesterov))
     params, grads = _vectors(6, size=300)
     warm = stepper.step_scaled(params, stepper.init(params), *_one_segment(grads[0]))
     buf = warm.state[0].astype(np.float64)
-    out = stepper.step_scaled(warm.params, warm.state, *_one_segment(grads[1]), fraction=s)
-    g = grads[1].astype(np.float64)
-    new_buf = g + mu**s * buf
-    move = g + s * mu * new_buf if nesterov else g + s * (new_buf - g)
+    delta = max(1.0, s) * grads[1]  # a round's work scaled by the rounds it holds
+    out = stepper.step_scaled(warm.params, warm.state, *_one_segment(delta), fraction=s)
+    g, share, into = delta.astype(np.float64), min(1.0, s), min(1.0, 1 / s)
+    new_buf = into * g + mu**share * buf
+    move = g + share * mu * new_buf if nesterov else g + share * (new_buf - into * g)
     np.testing.assert_allclose(out.state[0], new_buf, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out.params, warm.params - lr * move, rtol=1e-5, atol=1e-6)
+    if s > 1:  # what the momentum carries on into later merges: one round's worth, not eight
+        whole = stepper.step_scaled(warm.params, warm.state, *_one_segment(delta))
+        assert np.linalg.norm(out.state[0]) < 0.3 * np.linalg.norm(whole.state[0])
 
 
 def test_an_empty_merge_as_a_small_fraction_barely_moves_while_a_whole_step_pushes_the_momentum():
@@ -338,25 +345,6 @@ def test_an_empty_merge_as_a_small_fraction_barely_moves_while_a_whole_step_push
     assert np.linalg.norm(whole.params - params) > np.linalg.norm(0.7 * grads[-1])
     assert np.linalg.norm(tiny.params - params) < 0.02 * np.linalg.norm(whole.params - params)
     np.testing.assert_allclose(tiny.state[0], 0.9 ** (1 / 64) * state[0], rtol=1e-6)
-
-
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_a_step_of_many_rounds_moves_by_all_of_it_but_feeds_the_momentum_one_rounds_rate(nesterov):
-    lr, mu, s = 0.7, 0.9, 8.0
-    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(lr, mu, nesterov=nesterov))
-    params, grads = _vectors(9, size=300)
-    warm = stepper.step_scaled(params, stepper.init(params), *_one_segment(grads[0]))
-    buf = warm.state[0].astype(np.float64)
-    big = 8 * grads[1]  # eight rounds' work in one merge
-    out = stepper.step_scaled(warm.params, warm.state, *_one_segment(big), fraction=s)
-    g = big.astype(np.float64)
-    new_buf = g / s + mu * buf
-    move = g + mu * new_buf if nesterov else g + (new_buf - g / s)
-    np.testing.assert_allclose(out.state[0], new_buf, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(out.params, warm.params - lr * move, rtol=1e-5, atol=1e-6)
-    # What the momentum carries on into later merges: one round's worth, not eight.
-    whole = stepper.step_scaled(warm.params, warm.state, *_one_segment(big))
-    assert np.linalg.norm(out.state[0]) < 0.3 * np.linalg.norm(whole.state[0])
 
 
 @pytest.mark.parametrize("fraction", [0.0, -0.5, float("inf"), float("nan")])
