@@ -96,6 +96,16 @@ class _Checkpointer:
             await asyncio.wait([self._task], timeout=self._cfg.checkpoint_timeout_s)
 
 
+async def stop_serving(handle: server_lib.ServerHandle, servicer: servicer_lib.SyncerServicer, grace_s: float) -> None:
+    """Stops the server: new calls are refused, uploads in flight get grace_s to finish. Watch
+    streams never end on their own; they are ended once those uploads are done, so the stop
+    returns then instead of after the whole grace period."""
+    closing = asyncio.create_task(handle.close(grace_s))
+    await asyncio.sleep(0)  # the server starts refusing new calls
+    await servicer.end_streams(grace_s)
+    await closing
+
+
 async def _settle_merges(core: core_lib.SyncerCore, timeout_s: float = 10.0) -> None:
     """Shutdown, once no RPC can arrive: waits for running merges and cancels the open rounds'
     grace timers, so that nothing changes after the final checkpoint. Open rounds stay open
@@ -239,7 +249,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     await handle.health.enter_graceful_shutdown()
     # RPCs first (in-flight uploads finish), then merges, then the final checkpoint: no merge may
     # land after it (a rolling restart would silently roll it back; found by ddiloco chaos).
-    await handle.close(cfg.grace_s)
+    await stop_serving(handle, servicer, cfg.grace_s)
     await _settle_merges(core)
     await checkpointer.drain()
     await checkpointer.save()

@@ -1132,6 +1132,10 @@ class SyncerCore:
         except RuntimeError:  # no loop (unit tests of pure parts)
             pass
 
+    def wake_watchers(self) -> None:
+        """Wakes every wait_for_change now (shutdown: watch streams end without waiting a poll)."""
+        self._notify()
+
     async def wait_for_change(self, seen_counter: int, timeout_s: float) -> int:
         """Waits until the state changed after `seen_counter` (or timeout); returns the counter."""
         async with self._changed:

@@ -8,8 +8,10 @@ per watcher, so this bounds the syncer's memory per learner. Every wait has a ti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -108,5 +110,50 @@ def test_the_messages_of_a_version_are_built_once():
         older, _ = cache.get(core.instance, 0, version, encoded, False, servicer_lib.WATCH_CHUNK_BYTES)
         assert older is not first and cache.get(core.instance, 0, version + 1, encoded, False,
                                                 servicer_lib.WATCH_CHUNK_BYTES)[0] is newer
+
+    asyncio.run(run())
+
+
+def test_shutdown_ends_the_watch_streams_instead_of_waiting_out_the_grace_period():
+    # A rolling restart used to hold the server's whole grace period open for the watch streams
+    # (they never end on their own) while uploads were refused: 7 s down instead of 2, longer than
+    # a chaos learner's retry bound. The streams now end with UNAVAILABLE as soon as no upload is
+    # in flight; a grace period of 60 s would otherwise be waited out in full.
+    from services.syncer.__main__ import stop_serving
+
+    async def drain(call) -> grpc.StatusCode:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        return await call.code()
+
+    async def run():
+        core = _core()
+        servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=4)
+        sec = security.ServerSecurity(insecure=True)
+        auth = security.AuthInterceptor(sec.authenticator(), security.SYNCER_POLICY,
+                                        on_reject=servicer.record_interceptor_refusal)
+        handle = await server_lib.start_server(
+            "127.0.0.1:0", ["ddiloco.v1.Syncer"], [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
+            interceptors=[auth])
+        channel = channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
+        try:
+            stub = syncer_pb2_grpc.SyncerStub(channel)
+            await stub.Join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-0",
+                                                   incarnation=1), timeout=10)
+            learner = stub.WatchFragments(syncer_pb2.WatchFragmentsRequest(
+                protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-0", incarnation=1), timeout=90)
+            observer = stub.WatchTrainingState(syncer_pb2.WatchTrainingStateRequest(min_interval_s=30.0), timeout=90)
+            await asyncio.wait_for(learner.read(), 30)  # both streams are open and serving
+            await asyncio.wait_for(observer.read(), 30)
+            started = time.monotonic()
+            await asyncio.wait_for(stop_serving(handle, servicer, grace_s=60.0), 90)
+            stopped_s = time.monotonic() - started
+            codes = await asyncio.wait_for(asyncio.gather(drain(learner), drain(observer)), 30)
+        finally:
+            await channel.close()
+            await handle.stop(0)
+        assert codes == [grpc.StatusCode.UNAVAILABLE] * 2
+        assert stopped_s < 30, stopped_s  # not the 60 s grace period
 
     asyncio.run(run())
