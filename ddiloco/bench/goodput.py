@@ -83,12 +83,13 @@ DEFINITIONS = {
                        "tokens (before the schedule's start) are in it, as they are in the faulty run's tokens "
                        "merged: a capacity scale for the same work, above the steady per-step speed",
     "wall_s": "wall time of a run: from the schedule's start (every learner has contributed) until the last "
-              "learner finished its steps and its remaining progress was merged, or the stop at --max-wall-s",
+              "learner finished (budget runs: once the syncer said the fleet's token budget was processed; steps "
+              "runs: its own steps) and its remaining progress was merged, or the stop at --max-wall-s",
     "goodput_vs_decoupled_rate": "goodput with the decoupled mode's fault-free rate (same seed) as every mode's "
                                  "capacity: also charges a mode its fault-free waits",
     "baseline_goodput": "the fault-free run's goodput against its own rate (= its tokens merged share)",
     "slowdown_ratio": "sum over learners of the fault-free time to finish / the same sum under the faults, each "
-                      "learner from the schedule's start until it ran its steps (formerly called 'goodput (time)')",
+                      "learner from the schedule's start until it finished (formerly called 'goodput (time)')",
     "tokens_merged_share": "tokens_merged / (num_fragments x tokens_processed) of the faulty run (baseline_: of "
                            "the fault-free run): the share of processed work that reached the global model",
     "learner_wait_fraction": "time learners spent blocked on the syncer / (blocked + computing), faulty run",
@@ -123,6 +124,27 @@ class GoodputConfig:
     # A run still training after this long is stopped; its slowdown ratio is then an upper bound
     # (see learner_time). The synchronous modes under a heavy schedule take 2-3x their fault-free time.
     max_wall_s: float = 2400.0
+    # How a run ends. budget (the paper's setting: a fleet trains to a token budget): the syncer's
+    # --token-budget = learners x steps x batch_size x seq_len; each learner trains until the
+    # syncer says the fleet has processed it (at most BUDGET_STEP_CAP x steps of its own), so a
+    # learner set back by faults does not hold the run's end while the others idle. steps: each
+    # learner runs exactly `steps` (the earlier design: the run lasts as long as its most-faulted
+    # learner, and every other learner's idle wait is charged as lost capacity).
+    run_end: str = "budget"
+    batch_size: int = 16  # the learners' batch, passed explicitly: the budget is computed from it
+
+
+RUN_ENDS = ("budget", "steps")
+BUDGET_STEP_CAP = 2  # budget runs: a learner's own limit, x steps (never the binding one in practice)
+
+
+def token_budget(cfg: GoodputConfig) -> int:
+    """The fleet's token budget of a budget run: learners x steps x tokens per inner step."""
+    from ddiloco import models
+    from ddiloco.chaos.harness import Scenario
+
+    seq_len = models.get_model("transformer", json.loads(Scenario().model_config)).seq_len
+    return cfg.learners * cfg.steps * cfg.batch_size * seq_len
 
 
 def mode_scenario(cfg: GoodputConfig, mode: str):
@@ -141,10 +163,14 @@ def mode_scenario(cfg: GoodputConfig, mode: str):
     # norm bound instead of refusing them: with a quorum of every learner, one refused upload
     # stalls the barrier for good, which would charge them a loss that is not a failure's.
     args = ("--sync-mode", mode) if mode == "decoupled" else (*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", mode)
-    return Scenario(name=f"goodput-{mode}", seed=cfg.seed, learners=cfg.learners, min_quorum=quorum, steps=cfg.steps,
+    steps = cfg.steps
+    if cfg.run_end == "budget":
+        args = (*args, "--token-budget", str(token_budget(cfg)))
+        steps = BUDGET_STEP_CAP * cfg.steps
+    return Scenario(name=f"goodput-{mode}", seed=cfg.seed, learners=cfg.learners, min_quorum=quorum, steps=steps,
                     step_delay_s=cfg.step_delay_s, num_fragments=cfg.num_fragments,
                     sync_period_steps=cfg.sync_period_steps, finish_grace_s=finish_grace_s,
-                    syncer_args=args, max_wall_s=cfg.max_wall_s)
+                    syncer_args=args, learner_args=("--batch-size", str(cfg.batch_size)), max_wall_s=cfg.max_wall_s)
 
 
 def failure_schedule(cfg: GoodputConfig):
@@ -383,6 +409,14 @@ def _spread_cell(s: dict, bold: bool = False) -> str:
     return f"{mean} ({100 * s['min']:.1f}-{100 * s['max']:.1f}, std {100 * s['std']:.1f}{of})"
 
 
+def _shape_text(cfg: dict) -> str:
+    if cfg.get("run_end", "steps") == "steps":
+        return f"{cfg['learners']} learners x {cfg['steps']} inner steps each"
+    return (f"{cfg['learners']} learners, the run ending at a fleet token budget of {cfg['learners']} x {cfg['steps']} "
+            f"inner steps' tokens (syncer `--token-budget`, batch {cfg['batch_size']}): each learner trains until the "
+            f"syncer says the fleet processed it, so a learner set back by faults does not hold the run's end")
+
+
 def _fault_rate_text(cfg: dict) -> str:
     window = max(0, cfg["steps"] - 20 - cfg["start_step"])
     return (f"MTBF {cfg['mtbf_steps']:g} inner steps (`--mtbf-steps {cfg['mtbf_steps']:g}`): one learner fault per "
@@ -444,7 +478,7 @@ def render_markdown(result: dict) -> str:
         for run in result["runs"])
     return (
         f"# Goodput under failures: decoupled vs synchronous DiLoCo vs data-parallel\n\n"
-        f"{cfg['learners']} learners x {cfg['steps']} inner steps each (tiny transformer, step pacing "
+        f"{_shape_text(cfg)} (tiny transformer, step pacing "
         f"{cfg['step_delay_s']} s, {cfg['num_fragments']} fragments, H = {cfg['sync_period_steps']}), "
         f"decoupled: the shipped syncer defaults with quorum K = {cfg['decoupled_quorum']}; diloco and dp: quorum = "
         f"all {cfg['learners']} learners, no grace, contributions beyond the norm bound clipped rather than refused "
@@ -522,7 +556,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = GoodputConfig()
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of decoupled,diloco,dp")
     parser.add_argument("--learners", type=int, default=d.learners)
-    parser.add_argument("--steps", type=int, default=d.steps, help="inner steps per learner")
+    parser.add_argument("--steps", type=int, default=d.steps,
+                        help="inner steps per learner (budget runs: the fleet's budget is learners x this)")
+    parser.add_argument("--run-end", choices=RUN_ENDS, default=d.run_end,
+                        help="budget: the run ends when the fleet processed learners x steps x batch tokens (syncer "
+                             "--token-budget), each learner trains until then; steps: each learner runs exactly "
+                             "--steps (the run lasts as long as its most-faulted learner)")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="the learners' batch (sequences)")
     parser.add_argument("--step-delay-s", type=float, default=d.step_delay_s,
                         help="sleep after each inner step, standing for an accelerator's step time")
     parser.add_argument("--mtbf-steps", type=float, default=d.mtbf_steps,
@@ -558,7 +598,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cfg = GoodputConfig(learners=args.learners, steps=args.steps, step_delay_s=args.step_delay_s,
                         mtbf_steps=args.mtbf_steps, max_fault_s=args.max_fault_s, start_step=args.start_step,
-                        decoupled_quorum=args.quorum, seed=seeds[0], max_wall_s=args.max_wall_s)
+                        decoupled_quorum=args.quorum, seed=seeds[0], max_wall_s=args.max_wall_s,
+                        run_end=args.run_end, batch_size=args.batch_size)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - set(MODES)
     if unknown:

@@ -32,6 +32,7 @@ by `Scenario.max_wall_s`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import heapq
@@ -39,6 +40,7 @@ import json
 import logging
 import os
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -848,9 +850,27 @@ class Harness:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 for a service that must have a known address before it is up.
+
+    Taken below the kernel's ephemeral range: a port from bind(0) is ephemeral, so any outgoing
+    connection on the machine may take it in the seconds before the service binds it (a goodput
+    run's syncer failed to start so: 'Failed to bind to address', beside another run)."""
+    low = _EPHEMERAL_LOW
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12_000), low) if low > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port on 127.0.0.1 below {low}")
+
+
+_EPHEMERAL_LOW = 32768  # Linux's default start of ip_local_port_range
 
 
 def _recoveries(faults: Sequence[InjectedFault], syncer_history: Sequence[dict]) -> None:

@@ -59,7 +59,8 @@ def state_renderable(state: syncer_pb2.TrainingState, *, target: str = ""):
     head.add_row(
         f"work merged [bold]{status_derived.fmt_share(d['work_merged'])}[/]",
         f"tokens processed {d['tokens_processed']:,} x P={d['num_fragments']}"
-        + (" (members, this life)" if d["tokens_processed_source"] == "members" else ""),
+        + (" (members, this life)" if d["tokens_processed_source"] == "members" else "")
+        + (f" of budget {state.token_budget:,}" if state.token_budget else ""),
         f"contributors/merge {status_derived.fmt_participation(d['merge_participation'])}", "",
     )
     head.add_row(

@@ -346,16 +346,22 @@ class ReportProgressResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FRAGMENT_VERSIONS_FIELD_NUMBER: _builtins.int
+    BUDGET_REACHED_FIELD_NUMBER: _builtins.int
+    budget_reached: _builtins.bool
+    """The run's token budget is reached (TrainingState.token_budget): the learner takes no more
+    inner steps, contributes its remaining progress on every fragment and leaves.
+    """
     @_builtins.property
     def fragment_versions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.FragmentVersion]: ...
     def __init__(
         self,
         *,
         fragment_versions: _abc.Iterable[_common_pb2.FragmentVersion] | None = ...,
+        budget_reached: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fragment_versions", b"fragment_versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_reached", b"budget_reached", "fragment_versions", b"fragment_versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1249,6 +1255,7 @@ class TrainingState(_message.Message):
     QUARANTINES_FIELD_NUMBER: _builtins.int
     DIRECTION_JUDGMENTS_FIELD_NUMBER: _builtins.int
     TOKENS_PROCESSED_FIELD_NUMBER: _builtins.int
+    TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     syncer_instance: _builtins.str
     started_at_unix_s: _builtins.float
@@ -1275,6 +1282,11 @@ class TrainingState(_message.Message):
     """Tokens processed by every life of every learner that reported progress to this run (restored
     across syncer restarts). Work merged = tokens_merged / (num_fragments x tokens_processed):
     the share of the learners' work that reached the global model.
+    """
+    token_budget: _builtins.int
+    """The run ends once tokens_processed reaches this many tokens (0: no budget; each learner
+    runs its own --steps). A fleet-wide budget: a learner that was down does not hold the end of
+    the run back, the others' work makes up for it.
     """
     @_builtins.property
     def fragments(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentState]: ...
@@ -1334,10 +1346,11 @@ class TrainingState(_message.Message):
         quarantines: _builtins.int = ...,
         direction_judgments: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         tokens_processed: _builtins.int = ...,
+        token_budget: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "token_budget", b"token_budget", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

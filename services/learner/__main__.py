@@ -65,6 +65,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             hostile_factor=config_lib.parse_hostile(cfg.hostile),
             failpoints=cfg.failpoints, history_file=cfg.history_file, initial_values=_initial_fragments,
             encode=_upload_encoder(cfg),
+            on_budget_reached=stop.set,  # the run's token budget is spent: finish as on SIGTERM
         )
     ), stop)
     collector = learner_metrics.LearnerCollector(cfg.learner_id, cfg.region, client)
@@ -162,6 +163,8 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         "merged_contributions": loop.stats.merged_contributions,
         "unmerged_contributions": loop.stats.unmerged_contributions,
         "finish": {"all_merged": all_merged, "wait_s": round(finish_s, 3)},
+        # Why training stopped: the run's token budget (the syncer said so), or a signal / --steps.
+        "budget_reached": client.budget_reached,
         "tokens_per_step": sampler.tokens_per_batch, "params_sha256": distributed_lib.params_sha256(loop.params),
         # The global values this learner holds, per fragment: compare with the syncer's published_sha256.
         "held": {str(f): {"version": v, "sha256": core_hash(loop.global_copy[f])}

@@ -83,6 +83,9 @@ class ClientConfig:
     # Quantizes uploads: codec.encode (the host codec) or jax_codec.encode (same signature, same
     # bytes). The learner's --upload-encoder chooses; the client itself never imports JAX.
     encode: Callable[..., codec_lib.EncodedPayload] = codec_lib.encode
+    # Called once (from the client's thread) when the syncer answers a progress report with
+    # budget_reached: the run's token budget is spent and the learner should stop stepping.
+    on_budget_reached: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass
@@ -171,6 +174,7 @@ class SyncClient:
         self._progress: syncer_pb2.ReportProgressRequest | None = None
         self._progress_sent: syncer_pb2.ReportProgressRequest | None = None
         self.fenced: FencedError | None = None
+        self.budget_reached = False  # the syncer said the run's token budget is spent
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sync-client", daemon=True)
         self._upload_wakeup: asyncio.Event | None = None
@@ -513,9 +517,14 @@ class SyncClient:
                 request = self._progress
             if request is not None and request is not self._progress_sent:
                 try:
-                    await self._stub.ReportProgress(request, timeout=self.cfg.call_timeout_s)
+                    response = await self._stub.ReportProgress(request, timeout=self.cfg.call_timeout_s)
                     self.stats.bytes_sent += request.ByteSize()
                     self._progress_sent = request
+                    if response.budget_reached and not self.budget_reached:
+                        self.budget_reached = True
+                        _LOG.info("the run's token budget is reached: finishing")
+                        if self.cfg.on_budget_reached is not None:
+                            self.cfg.on_budget_reached()
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         raise _SessionBroken(f"progress refused: {exc.details()}") from None

@@ -268,6 +268,11 @@ class UnitClient:
     def stats(self) -> client_lib.ClientStats:
         return self._client.stats if self._client is not None else client_lib.ClientStats()
 
+    @property
+    def budget_reached(self) -> bool:
+        """The leader's client heard it (and set the leader's stop, which the unit agrees on)."""
+        return self._client is not None and self._client.budget_reached
+
     def start(self, timeout_s: float) -> syncer_pb2.RunConfig:
         """The leader joins; every process gets the run configuration (or the same error)."""
         outcome, payload, error = _JOIN_OK, b"", None

@@ -185,6 +185,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         quarantine_after=cfg.quarantine_after, quarantine_window_s=cfg.quarantine_window_s,
         quarantine_s=cfg.quarantine_s, direction=cfg.direction_policy, stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == "dp" else None,
         round_trigger=cfg.round_trigger, outer_step_fraction=cfg.outer_step_fraction,
+        token_budget=cfg.token_budget,
     )
     registry = metrics_lib.new_registry("syncer")
     metrics = syncer_metrics.SyncerMetrics(core, registry)

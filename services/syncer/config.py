@@ -72,6 +72,10 @@ class SyncerConfig:
     dp_warmup_steps: int = 20
     dp_weight_decay: float = 0.1
     liveness_timeout_s: float = 15.0  # a learner silent this long no longer counts as expected
+    # The run ends once the learners processed this many tokens, all of them together (0: each
+    # learner runs its own --steps). Learners hear it in their progress reports, contribute their
+    # remaining work and leave; a learner that was down does not hold the end of the run back.
+    token_budget: int = 0
     max_concurrent_uploads: int = 64
     merge_history: int = 256  # merge records kept for the training state
     grace_s: float = 5.0  # shutdown: in-flight RPCs get this long to finish
@@ -149,6 +153,8 @@ class SyncerConfig:
                 raise bad(name, "must be >= 0")
         if self.upload_idle_timeout_s <= 0:
             raise bad("upload_idle_timeout_s", "must be > 0")
+        if self.token_budget < 0:
+            raise bad("token_budget", "must be >= 0 (0: no budget)")
         if self.sync_mode not in SYNC_MODES:
             raise bad("sync_mode", f"must be one of {SYNC_MODES}")
         if not self.dp_learning_rate > 0 or self.dp_warmup_steps < 0 or self.dp_weight_decay < 0:
@@ -285,6 +291,9 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
                                "rounds add no whole momentum push); above 1 (many rounds' work at once) the "
                                "momentum takes delta/s; whole: every merge is one outer step (the diloco and dp "
                                "baselines always)",
+        "token_budget": "end the run once the learners processed this many tokens, all learners and lives together "
+                        "(0: no budget, each learner runs its --steps); learners hear it in their progress reports, "
+                        "contribute their remaining work and leave",
         "liveness_timeout_s": "a learner silent this long stops counting towards a round's expected size",
         "max_concurrent_uploads": "uploads in flight at once, over all learners (RESOURCE_EXHAUSTED above)",
         "merge_history": "merge records kept for the training state",

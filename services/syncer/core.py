@@ -212,6 +212,7 @@ class SyncerCore:
         max_decoding: int | None = None,
         round_trigger: str = "schedule",
         outer_step_fraction: str = "whole",
+        token_budget: int = 0,
     ) -> None:
         """See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
         `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own
@@ -220,12 +221,16 @@ class SyncerCore:
         decode and fold-in at once (default below). `round_trigger`: "schedule" (decoupled mode: rounds
         open on the syncer's schedule, ddiloco.algo.rounds) or "upload" (a round opens with its first
         contribution; the synchronous modes, whose learners upload together, always use it).
-        `outer_step_fraction`: "whole" or "steps" (see _step_fraction)."""
+        `outer_step_fraction`: "whole" or "steps" (see _step_fraction). `token_budget`: the run
+        ends once tokens_processed() reaches it (0: never; see budget_reached)."""
         if round_trigger not in ROUND_TRIGGERS:
             raise ValueError(f"round_trigger={round_trigger!r} is not one of {ROUND_TRIGGERS}")
         if outer_step_fraction not in ("whole", "steps"):
             raise ValueError(f"outer_step_fraction={outer_step_fraction!r} is not whole or steps")
+        if token_budget < 0:
+            raise ValueError(f"token_budget={token_budget} must be >= 0")
         self._outer_step_fraction = outer_step_fraction
+        self.token_budget = token_budget
         self.config = run_config
         self.plan = plan
         self.instance = uuid.uuid4().hex
@@ -416,7 +421,8 @@ class SyncerCore:
             self.schedule.observe((member.learner_id, member.incarnation), req.local_step,
                                   len(self.expected_learners()))
             self.open_due_rounds()
-        return syncer_pb2.ReportProgressResponse(fragment_versions=serde.versions_to_proto(self.versions()))
+        return syncer_pb2.ReportProgressResponse(fragment_versions=serde.versions_to_proto(self.versions()),
+                                                 budget_reached=self.budget_reached())
 
     def leave(self, req: syncer_pb2.LeaveRequest) -> None:
         self.check_protocol(req.protocol_version)
@@ -447,6 +453,12 @@ class SyncerCore:
     def tokens_processed(self) -> int:
         """Tokens processed by every life of every learner known to this run."""
         return sum(m.tokens_prev_lives + m.tokens_total for m in self.members.values())
+
+    def budget_reached(self) -> bool:
+        """Whether the run's token budget is spent: learners are told to stop in their progress
+        answers. Counted from the learners' reports (restored with the members after a restart),
+        so the run overshoots by at most what the fleet processes in one report interval."""
+        return self.token_budget > 0 and self.tokens_processed() >= self.token_budget
 
     # ------------------------------------------------------------------------------ security
 
@@ -1228,6 +1240,7 @@ class SyncerCore:
             quarantines=self.quarantines,
             direction_judgments=dict(self.direction_judgments),
             tokens_processed=self.tokens_processed(),
+            token_budget=self.token_budget,
         )
 
     # -------------------------------------------------------------------------- checkpoints

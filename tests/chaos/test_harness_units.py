@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from ddiloco.chaos import failpoints, history, invariants, schedule
+from ddiloco.chaos import failpoints, harness, history, invariants, schedule
 from ddiloco.chaos.schedule import FaultEvent, FaultSchedule
 
 pytestmark = pytest.mark.timeout(60)
@@ -263,7 +265,9 @@ def test_goodput_benchmark_gives_every_mode_the_same_faults():
     assert events == goodput.failure_schedule(cfg) and events
     assert all(e.at_step and not e.at_merge for e in events)
     scenarios = {m: goodput.mode_scenario(cfg, m) for m in goodput.MODES}
-    assert {s.learners for s in scenarios.values()} == {6} and {s.steps for s in scenarios.values()} == {300}
+    assert {s.learners for s in scenarios.values()} == {6}
+    assert {s.steps for s in scenarios.values()} == {goodput.BUDGET_STEP_CAP * 300}  # the budget ends the run
+    assert {s.syncer_args[-1] for s in scenarios.values()} == {str(goodput.token_budget(cfg))}
     assert scenarios["decoupled"].min_quorum == cfg.decoupled_quorum
     assert scenarios["diloco"].min_quorum == scenarios["dp"].min_quorum == 6
     # A synchronous straggler cannot progress once a peer finished: not charged a 90 s wait.
@@ -319,3 +323,14 @@ def test_slowdown_ratio_of_a_run_stopped_at_the_wall_limit_is_an_upper_bound():
     row = {"slowdown_ratio": None, "slowdown_ratio_at_most": 60.0 / 210.0, "stopped_after_s": 100.0}
     assert goodput._slowdown_cell(row) == "<= 28.6 % (stopped 100 s into the schedule)"
     assert goodput._slowdown_cell({"slowdown_ratio": 0.922}) == "92.2 %"
+
+
+def test_a_services_preset_port_is_free_and_outside_the_ephemeral_range():
+    # A port from bind(0) is ephemeral: an outgoing connection could take it before the syncer
+    # binds it. The preset port is below the kernel's ephemeral range and free when chosen.
+    low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {harness._free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), sorted(ports)
+    assert len(ports) > 1  # random, not a fixed port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))

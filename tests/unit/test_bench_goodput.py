@@ -198,9 +198,25 @@ def test_contributors_per_merge_counts_distinct_learners_of_each_merge_over_the_
 
 
 def test_decoupled_runs_the_shipped_syncer_defaults_and_the_baselines_clip():
-    cfg = goodput.GoodputConfig()
+    cfg = goodput.GoodputConfig(run_end="steps")
     assert goodput.mode_scenario(cfg, "decoupled").syncer_args == ("--sync-mode", "decoupled")
     for mode in ("diloco", "dp"):
         scenario = goodput.mode_scenario(cfg, mode)
         assert scenario.syncer_args[-2:] == ("--sync-mode", mode) and "clip" in scenario.syncer_args
         assert scenario.min_quorum == cfg.learners
+        assert scenario.steps == cfg.steps
+
+
+def test_budget_runs_end_at_the_fleets_tokens_for_every_mode_alike():
+    cfg = goodput.GoodputConfig()  # the default: the paper's fleet-wide budget
+    assert cfg.run_end == "budget"
+    # 16 learners x 300 steps x 16 sequences x 32 tokens (the tiny preset's sequence length).
+    assert goodput.token_budget(cfg) == 16 * 300 * 16 * 32
+    for mode in goodput.MODES:
+        scenario = goodput.mode_scenario(cfg, mode)
+        args = scenario.syncer_args
+        assert args[args.index("--token-budget") + 1] == str(goodput.token_budget(cfg))
+        assert scenario.steps == goodput.BUDGET_STEP_CAP * cfg.steps  # the learner's own limit never binds
+        assert scenario.learner_args == ("--batch-size", "16")
+    md = goodput.render_markdown({**_synthetic_out(), "modes": {}, "config": goodput.dataclasses.asdict(cfg)})
+    assert "fleet token budget of 16 x 300 inner steps' tokens" in md

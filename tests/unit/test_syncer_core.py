@@ -35,7 +35,7 @@ SPECS = [fragments_lib.TensorSpec("a", (8, 4)), fragments_lib.TensorSpec("b", (1
 
 def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamma: float = 0.5,
               direction: robust_lib.DirectionPolicy | None = None,
-              outer_step_fraction: str = "whole") -> core_lib.SyncerCore:
+              outer_step_fraction: str = "whole", token_budget: int = 0) -> core_lib.SyncerCore:
     plan = fragments_lib.plan_fragments(SPECS, 2, 2)
     cfg = config_lib.SyncerConfig(min_quorum=min_quorum, max_staleness_versions=staleness, num_fragments=2, overlap_steps=2,
                                   sync_period_steps=2, upload_codec="fp32")
@@ -45,7 +45,7 @@ def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamm
     return core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
         grace_gamma=gamma, max_grace_s=10.0, liveness_timeout_s=30.0, merge_history=16, clock=clock, wall_clock=clock, round_trigger="upload",
-        direction=direction, outer_step_fraction=outer_step_fraction,
+        direction=direction, outer_step_fraction=outer_step_fraction, token_budget=token_budget,
     )
 
 
@@ -308,3 +308,39 @@ def test_a_merge_of_many_rounds_work_feeds_the_momentum_one_rounds_rate_with_ste
 def test_an_unknown_outer_step_fraction_is_refused():
     with pytest.raises(ValueError, match="outer_step_fraction"):
         make_core(FakeClock(), outer_step_fraction="half")
+
+
+def test_the_token_budget_is_the_fleets_over_every_life_and_survives_a_restore():
+    async def run():
+        core = make_core(FakeClock(), token_budget=1000)
+
+        def report(learner_id: str, tokens: int, incarnation: int = 1) -> bool:
+            return core.report_progress(syncer_pb2.ReportProgressRequest(
+                protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation,
+                local_step=1, tokens_total=tokens), wire_bytes=0).budget_reached
+
+        join(core, "a")
+        join(core, "b")
+        assert not report("a", 600) and not report("b", 300)  # 900 of 1000
+        join(core, "a", incarnation=2)  # a new life: its first life's 600 tokens still count
+        assert not report("a", 99, incarnation=2)  # 999
+        assert report("a", 100, incarnation=2)  # 1000: spent
+        assert report("b", 300)  # every learner hears it
+        assert core.training_state(0).token_budget == 1000 and core.training_state(0).tokens_processed == 1000
+        blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
+        restored = make_core(FakeClock(), token_budget=1000)
+        restored.restore(checkpointing.decode_snapshot(blobs))
+        assert restored.budget_reached()  # a restarted syncer does not hand out the budget again
+        # No budget: never reached, whatever was processed.
+        unbounded = make_core(FakeClock())
+        join(unbounded, "a")
+        assert not unbounded.report_progress(syncer_pb2.ReportProgressRequest(
+            protocol_version=serde.PROTOCOL_VERSION, learner_id="a", incarnation=1, local_step=1,
+            tokens_total=10**12), wire_bytes=0).budget_reached
+        with pytest.raises(ValueError, match="token_budget"):
+            make_core(FakeClock(), token_budget=-1)
+        with pytest.raises(ValueError, match="token_budget"):
+            config_lib.SyncerConfig(token_budget=-1)
+        assert config_lib.parse_config(["--token-budget", "5000"], {}).token_budget == 5000
+
+    asyncio.run(run())
