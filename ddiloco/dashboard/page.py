@@ -292,7 +292,9 @@ function renderState(st) {
   const up = now - num(st.started_at_unix_s);
   $("merge-rate").textContent = up > 0 ? (outer / up * 60).toFixed(1) + " merges/min" : "-";
   setKpi("tokens-merged", fmtSI(merged), merged);
-  $("tokens-processed").textContent = fmtSI(num(d.tokens_processed)) + " processed, P=" + (d.num_fragments || "?");
+  const budget = num(st.token_budget);
+  $("tokens-processed").textContent = fmtSI(num(d.tokens_processed)) + " processed"
+    + (budget > 0 ? " of a " + fmtSI(budget) + " budget" : "") + ", P=" + (d.num_fragments || "?");
   const g = num(d.work_merged);
   setKpi("work-merged", Number.isFinite(g) ? (100 * g).toFixed(1) + " %" : "-", g);
   const mp = d.merge_participation || {}, held = num(mp.contributors_mean), expd = num(mp.expected_contributors_mean);

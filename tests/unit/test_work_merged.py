@@ -96,6 +96,12 @@ def test_status_table_shows_work_merged_contributors_and_rounds():
     old = Console(width=220, record=True, color_system=None)
     old.print(render.state_renderable(_state(tokens_processed=0)))
     assert "(members, this life)" in old.export_text()
+    assert "budget" not in text  # no budget, none shown
+    budget = _state()
+    budget.token_budget = 12_000
+    with_budget = Console(width=220, record=True, color_system=None)
+    with_budget.print(render.state_renderable(budget))
+    assert "tokens processed 10,000 x P=4 of budget 12,000" in with_budget.export_text()
 
 
 def test_up_summary_prints_work_merged(tmp_path):
