@@ -4,14 +4,23 @@ A token file may list a token as `sha256:<hex>` instead of the token itself, so 
 file does not reveal the credential. A client must still present the token: the `sha256:<hex>`
 string from the file, presented as a bearer token, is an unknown token (UNAUTHENTICATED), whether
 the file stores that token as a digest or in plain text. The real token works with either entry.
+Checked on the table itself, on an in-process syncer + store (the security harness), and on a
+checkpoint store started as its own process with `--auth-tokens-file`, where a token revoked by its
+digest while the process runs is refused once the file is re-read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import pathlib
+import secrets
 import shutil
+import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -19,7 +28,7 @@ import pytest
 
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors, security
-from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc, syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
 from tests.security.conftest import Harness, Learner, client_security, code_of, encoded, honest_delta
 
@@ -139,3 +148,97 @@ def test_malformed_digest_entries_are_refused_at_load(tmp_path, entry):
     path.write_text(json.dumps({"tokens": {}, "revoked": [entry]}))
     with pytest.raises(ValueError, match="64 hex digits"):
         security.TokenTable(str(path))
+
+
+# ------------------------------------------------------------------ a real server process
+
+_REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+_READY_TIMEOUT_S = 30.0
+_EXIT_TIMEOUT_S = 10.0
+_RELOAD_TIMEOUT_S = 10.0  # the table re-reads its file within a second of a change
+
+
+@contextlib.contextmanager
+def _store_process(tmp_path: pathlib.Path, tokens_file: pathlib.Path):
+    """`python -m services.checkpoint --auth-tokens-file ...` on 127.0.0.1:0; yields its address.
+
+    The process is stopped by its own PID (SIGTERM, then SIGKILL) on exit.
+    """
+    ready, log_path = tmp_path / "store-ready.json", tmp_path / "store.log"
+    env = {**os.environ, "PYTHONPATH": str(_REPO_ROOT)}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.checkpoint", "--bind", "127.0.0.1:0", "--insecure",
+             "--root", str(tmp_path / "store"), "--auth-tokens-file", str(tokens_file), "--ready-file", str(ready)],
+            cwd=_REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"checkpoint store exited {proc.returncode}:\n{log_path.read_text()}")
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                info = json.loads(ready.read_text())
+                if info["pid"] == proc.pid:
+                    break
+            assert time.monotonic() < deadline, f"no ready file after {_READY_TIMEOUT_S} s:\n{log_path.read_text()}"
+            time.sleep(0.05)
+        yield info["address"]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=_EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=_EXIT_TIMEOUT_S)
+
+
+def _store_reader(address: str, tmp_path: pathlib.Path, label: str, token: str):
+    """A blocking call `() -> GetLatestManifestResponse` on the store, presenting `token`."""
+    path = tmp_path / f"{label}.presented"
+    path.write_text(token + "\n")
+    channel = channel_lib.sync_channel(address, security.ClientSecurity(insecure=True, auth_token_file=str(path)))
+    stub = checkpoint_pb2_grpc.CheckpointStoreStub(channel)
+    return lambda: stub.GetLatestManifest(checkpoint_pb2.GetLatestManifestRequest(run_id="run"), timeout=5)
+
+
+def _write_atomically(path: pathlib.Path, table: dict) -> None:
+    """Replaces the token file in one step, as an operator's tooling should (no half-written file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(table))
+    os.replace(tmp, path)
+
+
+def test_stored_digest_is_not_a_credential_on_a_store_process(tmp_path):
+    """The store started as its own process from the command line (`--auth-tokens-file`): the
+    digest strings of its token file are refused, the real tokens read, and revoking a token by its
+    digest in the running process's file refuses the real token too."""
+    plain, hashed = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    tokens_file = tmp_path / "tokens.json"
+    table = {"tokens": {plain: "reader/operator", _digest(hashed): "syncer/syncer"}, "revoked": []}
+    _write_atomically(tokens_file, table)
+
+    with _store_process(tmp_path, tokens_file) as address:
+        # The digest of either token (the file's own string for `hashed`; computable from the file
+        # for `plain`) is an unknown bearer token.
+        for label, presented in (("hashed-digest", _digest(hashed)), ("plain-digest", _digest(plain))):
+            assert code_of(_store_reader(address, tmp_path, label, presented)) == UNAUTH, label
+        # The real tokens work, whichever way the file stores them.
+        assert not _store_reader(address, tmp_path, "plain", plain)().found
+        real = _store_reader(address, tmp_path, "hashed", hashed)
+        assert not real().found
+
+        # Revoked by its digest while the process runs: the re-read file refuses the real token.
+        _write_atomically(tokens_file, {**table, "revoked": [_digest(hashed)]})
+        deadline = time.monotonic() + _RELOAD_TIMEOUT_S
+        while True:
+            try:
+                real()
+            except grpc.RpcError as exc:
+                assert exc.code() == UNAUTH and "revoked" in (exc.details() or ""), exc
+                break
+            assert time.monotonic() < deadline, f"token not revoked within {_RELOAD_TIMEOUT_S} s"
+            time.sleep(0.1)
+        assert code_of(_store_reader(address, tmp_path, "hashed-digest-2", _digest(hashed))) == UNAUTH
+        assert not _store_reader(address, tmp_path, "plain-2", plain)().found
