@@ -63,7 +63,7 @@ WIRED = {
         "insecure": _PLAIN, "metrics_bind": "metrics.*",
     },
     "learners": {
-        "syncer": "hub.syncerAddress", "learner_id": "the pod name", "region": "region", "insecure": _PLAIN,
+        "syncer": "hub.syncerAddress", "learner_id": "the learner's StatefulSet name", "region": "region", "insecure": _PLAIN,
         "num_shards": "data.numShards", "heldout_fraction": "data.heldoutFraction", "data_dir": "data.dataDir",
         "max_corpus_bytes": "data.maxCorpusBytes", "log_level": "run.logLevel", "json_logs": "run.jsonLogs",
         "metrics_bind": "metrics.*",

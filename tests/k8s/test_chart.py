@@ -5,7 +5,8 @@ schemas (1.30 and the newest kubernetes-validate ships); build every kustomize o
 equals the chart's render; then semantic checks that catch real deployment mistakes: a region's
 learners pointing elsewhere than the hub, probes on the wrong port, a store without a persistent
 volume, NetworkPolicies admitting more (or less) than the intended paths, a values schema that
-drifted from the services' flags.
+drifted from the services' flags, a pod that can read another component's TLS key, plaintext gRPC
+leaving the cluster without the explicit opt-in.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.k8s.conftest import (
     K8S,
     NAMESPACE,
     OVERLAYS,
+    RELEASE,
     ROOT,
     VALUES,
     load_docs,
@@ -59,6 +61,16 @@ def one(docs, kind: str, component: str) -> dict:
 
 def workloads(docs) -> list[dict]:
     return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def learner_ordinal(sts: dict) -> int:
+    """A learner's ordinal: the number its StatefulSet (<fullname>-learner-<ordinal>) ends in."""
+    return int(sts["metadata"]["name"].rsplit("-", 1)[1])
+
+
+def learner_sets(docs) -> list[dict]:
+    """The learners' StatefulSets (one single-pod StatefulSet per learner), by ordinal."""
+    return sorted(find(docs, "StatefulSet", component="learner"), key=learner_ordinal)
 
 
 def pod_specs(docs) -> list[tuple[str, dict, dict]]:
@@ -147,7 +159,8 @@ def test_kustomize_builds_validate_and_equal_the_chart(tools, render, k8s_versio
     [
         ["networkPolicy.enabled=false", "serviceAccount.create=false", "evaluator.enabled=false"],
         ["store.enabled=false", "syncer.checkpointTarget=store.example.com:50052",
-         "syncer.networkPolicy.extraTo[0].ipBlock.cidr=192.0.2.0/24", "syncer.service.type=NodePort"],
+         "syncer.networkPolicy.extraTo[0].ipBlock.cidr=192.0.2.0/24", "syncer.service.type=NodePort",
+         "tls.allowPlaintextBeyondCluster=true"],
         ["metrics.enabled=true", "learners.replicas=0", "fullnameOverride=train",
          "store.persistence.storageClassName=ssd", "imagePullSecrets[0].name=regcred"],
     ],
@@ -196,6 +209,7 @@ def test_helm_install_dry_run_notes_tell_how_to_watch(tools):
         ({"hub": {"syncerAddress": "https://hub:50051"}}, "syncerAddress"),
         ({"store": {"port": 70000}}, "/store/port"),
         ({"tls": {"enabled": True}}, "existingSecret"),  # mutual TLS needs the certificates
+        ({"tls": {"allowPlaintextBeyondCluster": "yes"}}, "/tls/allowPlaintextBeyondCluster"),
         ({"learners": {"gpu": {"count": 0}}}, "/learners/gpu/count"),
     ],
 )
@@ -216,6 +230,7 @@ def test_schema_rejects_bad_values(tools, tmp_path, values, complaint):
         ({"store": {"enabled": False}}, "the syncer needs a checkpoint store"),
         ({"syncer": {"terminationGracePeriodSeconds": 20}}, "too short"),
         ({"syncer": {"startupProbe": {"failureThreshold": 2}}}, "startupProbe"),
+        ({"fullnameOverride": "a" * 45}, "learner StatefulSet name"),  # its pods could never be created
     ],
 )
 def test_template_refuses_inconsistent_values(tools, tmp_path, values, complaint):
@@ -239,9 +254,10 @@ def test_settings_cover_every_flag_and_wired_flags_are_wired(render):
     and the flags said to be wired really are set in the rendered containers."""
     render_k8s = _render_script()
     schema = json.loads((CHART / "values.schema.json").read_text())
-    docs = render("hub")
     prefixes = {"syncer": "DDILOCO_SYNCER_", "store": "DDILOCO_CHECKPOINT_", "learners": "DDILOCO_LEARNER_",
                 "evaluator": "DDILOCO_EVAL_"}
+    # The plaintext wiring (insecure) too: the hub file turns TLS on, so turn it off explicitly.
+    docs = render("hub", "--set", "tls.enabled=false", "--set", "tls.allowPlaintextBeyondCluster=true")
     tls_docs = render("hub", "--set", "tls.enabled=true", "--set", "tls.existingSecret=ddiloco-tls")
     for component, cls in render_k8s.service_configs().items():
         wired, unsupported = set(render_k8s.WIRED[component]), render_k8s.UNSUPPORTED[component]
@@ -253,8 +269,8 @@ def test_settings_cover_every_flag_and_wired_flags_are_wired(render):
         assert settings == expected, f"{component}.settings drifted from {cls.__name__}: run `make k8s-render`"
         assert wired_tls <= fields, f"{component}: WIRED_TLS names flags {cls.__name__} does not have"
         for rendered, names in ((docs, wired), (tls_docs, wired_tls)):
-            workload = one(rendered, "StatefulSet" if component in ("store", "learners") else "Deployment",
-                           component.rstrip("s"))
+            workload = (learner_sets(rendered)[0] if component == "learners" else
+                        one(rendered, "StatefulSet" if component == "store" else "Deployment", component))
             (container,) = workload["spec"]["template"]["spec"]["containers"]
             env = container_env(rendered, workload, container, first_pod_name(workload))
             for name in names & fields:
@@ -274,27 +290,35 @@ def test_region_learners_point_at_the_hub_and_carry_the_region(render, name):
     # A region release is a learner pool only: no syncer, store or evaluator of its own.
     assert not [d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component")
                 in ("syncer", "store", "evaluator")]
-    sts = one(docs, "StatefulSet", "learner")
-    assert sts["spec"]["replicas"] == values["learners"]["replicas"]
-    assert sts["spec"]["ordinals"]["start"] == values["learners"]["ordinalStart"]
-    assert sts["metadata"]["labels"]["ddiloco/region"] == values["region"]
-    assert sts["spec"]["template"]["metadata"]["labels"]["ddiloco/region"] == values["region"]
-    (container,) = sts["spec"]["template"]["spec"]["containers"]
-    assert container["args"] == ["learner"]
-    env = container_env(docs, sts, container, first_pod_name(sts))
-    assert env["DDILOCO_LEARNER_SYNCER"] == values["hub"]["syncerAddress"]
-    assert env["DDILOCO_LEARNER_REGION"] == values["region"]
-    # Learner id = pod name (downward API), hence stable across restarts and unique across regions.
-    (id_var,) = [v for v in container["env"] if v["name"] == "DDILOCO_LEARNER_LEARNER_ID"]
-    assert id_var["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-    spread = sts["spec"]["template"]["spec"]["topologySpreadConstraints"]
-    assert {c["topologyKey"] for c in spread} >= {"topology.kubernetes.io/zone"}
-    assert all(selects(c["labelSelector"], sts["spec"]["template"]["metadata"]["labels"]) for c in spread)
+    # One single-pod StatefulSet per learner of the region's ordinal range.
+    sets = learner_sets(docs)
+    start = values["learners"]["ordinalStart"]
+    assert [learner_ordinal(s) for s in sets] == list(range(start, start + values["learners"]["replicas"]))
+    templates = [s["spec"]["template"] for s in sets]
+    for sts in sets:
+        assert sts["spec"]["replicas"] == 1 and "ordinals" not in sts["spec"]
+        assert sts["metadata"]["labels"]["ddiloco/region"] == values["region"]
+        assert sts["spec"]["template"]["metadata"]["labels"]["ddiloco/region"] == values["region"]
+        # Each StatefulSet selects its own pod and no other learner's.
+        for other in templates:
+            assert selects(sts["spec"]["selector"], other["metadata"]["labels"]) == (other is sts["spec"]["template"])
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        assert container["args"] == ["learner"]
+        env = container_env(docs, sts, container, first_pod_name(sts))
+        assert env["DDILOCO_LEARNER_SYNCER"] == values["hub"]["syncerAddress"]
+        assert env["DDILOCO_LEARNER_REGION"] == values["region"]
+        # Learner id = the StatefulSet's name, hence stable across restarts and unique across regions.
+        (id_var,) = [v for v in container["env"] if v["name"] == "DDILOCO_LEARNER_LEARNER_ID"]
+        assert id_var["value"] == sts["metadata"]["name"] == f"ddiloco-learner-{learner_ordinal(sts)}"
+        # Spread over all of the region's learners, not only the StatefulSet's own pod.
+        spread = sts["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert {c["topologyKey"] for c in spread} >= {"topology.kubernetes.io/zone"}
+        assert all(selects(c["labelSelector"], t["metadata"]["labels"]) for c in spread for t in templates)
 
 
 def test_hub_learners_use_the_in_cluster_syncer_service(render):
     docs = render("hub")
-    sts = one(docs, "StatefulSet", "learner")
+    sts = learner_sets(docs)[0]
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     host, port = container_env(docs, sts, container, first_pod_name(sts))["DDILOCO_LEARNER_SYNCER"].rsplit(":", 1)
     (service,) = find(docs, "Service", host)
@@ -335,9 +359,14 @@ def test_probes_target_the_health_port_the_server_binds(render, name):
             bind_port = int(env[SERVERS[component]].rsplit(":", 1)[1])
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
             assert ports["grpc"] == bind_port
+            # Under TLS (the example values) the kubelet probes the plaintext health port the server
+            # binds for it; without TLS the gRPC port itself.
+            health = env.get(SERVERS[component].replace("_BIND", "_HEALTH_BIND"))
+            probe_port = int(health.rsplit(":", 1)[1]) if health else bind_port
+            assert bool(health) == load_values(name)["tls"]["enabled"]
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 # Native gRPC probe on the standard health service, whole server (no service name).
-                assert container[probe]["grpc"] == {"port": bind_port}, (component, probe)
+                assert container[probe]["grpc"] == {"port": probe_port}, (component, probe)
             services = [s for s in find(docs, "Service", component=component)]
             assert services, f"no Service for {component}"
             for service in services:
@@ -413,8 +442,8 @@ def test_rendered_env_is_accepted_by_the_services(render, name):
                     getattr(cfg, choice)()
             seen.add(command)
             if command == "learner":
-                assert cfg.learner_id == first_pod_name(workload)
-                assert cfg.resolved_shard_index == workload["spec"]["ordinals"]["start"]
+                assert cfg.learner_id == workload["metadata"]["name"]
+                assert cfg.resolved_shard_index == learner_ordinal(workload)
     values = load_values(name)
     assert ("learner" in seen) == values["learners"]["enabled"]
     assert ("syncer" in seen) == values["syncer"]["enabled"]
@@ -671,7 +700,7 @@ TLS_SET = ("--set", "tls.enabled=true", "--set", "tls.existingSecret=ddiloco-tls
 @pytest.mark.parametrize("name", ["hub", "region-a"])
 def test_mutual_tls_wires_certificates_server_names_and_health_probes(render, k8s_versions, name):
     """tls.enabled: every component parses to mutual TLS with its own certificate from the mounted
-    Secret (learners: the one named after their pod), servers mount only their own files and are
+    Secret (learners: the one named after them), every pod mounts only its own files, servers are
     probed on a plaintext health port that their HEALTH_BIND serves, and `helm test` reads with the
     read-only credential."""
     from services.checkpoint import config as checkpoint_config
@@ -694,19 +723,18 @@ def test_mutual_tls_wires_certificates_server_names_and_health_probes(render, k8
         env = container_env(docs, workload, container, pod_name)
         cfg = parsers[command]([], env)
         seen.add(command)
-        stem = pod_name if command == "learner" else identity[command]
+        stem = workload["metadata"]["name"] if command == "learner" else identity[command]  # learner id
         assert (cfg.tls_ca, cfg.tls_cert, cfg.tls_key) == (f"{mount}/ca.pem", f"{mount}/{stem}.pem", f"{mount}/{stem}.key")
         assert not cfg.insecure
         (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
         (tls_mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
         assert tls_mount == {"name": "tls", "mountPath": mount, "readOnly": True}
+        # Every pod sees ca.pem and its own pair only (learners from their own Secret).
+        assert volume["secret"]["secretName"] == ("ddiloco-learner-tls" if command == "learner" else "ddiloco-tls")
+        assert sorted(i["path"] for i in volume["secret"]["items"]) == sorted(["ca.pem", f"{stem}.pem", f"{stem}.key"])
         if command == "learner":
-            assert volume["secret"]["secretName"] == "ddiloco-learner-tls" and "items" not in volume["secret"]
             assert cfg.tls_server_name == "syncer"
             continue
-        # A server or the evaluator sees ca.pem and its own pair only.
-        assert volume["secret"]["secretName"] == "ddiloco-tls"
-        assert sorted(i["path"] for i in volume["secret"]["items"]) == sorted(["ca.pem", f"{stem}.pem", f"{stem}.key"])
         if command == "evaluate":
             assert cfg.tls_server_name == "syncer"
             continue
@@ -728,9 +756,137 @@ def test_mutual_tls_wires_certificates_server_names_and_health_probes(render, k8
     assert args[args.index("--tls-server-name") + 1] == "syncer"
     (volume,) = [v for v in test_pod["spec"]["volumes"] if v["name"] == "tls"]
     assert sorted(i["path"] for i in volume["secret"]["items"]) == ["ca.pem", "operator.key", "operator.pem"]
-    # Without tls.enabled nothing of it is rendered.
-    plain = render(name)
+    # Without tls.enabled nothing of it is rendered (a region needs the opt-in to dial the hub in plaintext).
+    plain = render(name, "--set", "tls.enabled=false", "--set", "tls.allowPlaintextBeyondCluster=true")
     assert not [v for _n, _m, pod in pod_specs(plain) for v in pod["volumes"] if v["name"] == "tls"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys only where they belong, and no plaintext beyond the cluster unless asked for
+
+
+def secret_keys(pod: dict) -> set[tuple[str, str]]:
+    """(Secret, key) of every Secret key a pod's volumes expose; a Secret mounted without `items`
+    is (name, "*"): all of its keys, including any added later."""
+    out = set()
+    for volume in pod.get("volumes", []):
+        sources = [volume["secret"]] if "secret" in volume else []
+        sources += [src["secret"] for src in volume.get("projected", {}).get("sources", []) if "secret" in src]
+        for source in sources:
+            name = source.get("secretName", source.get("name"))
+            out |= {(name, item["key"]) for item in source["items"]} if source.get("items") else {(name, "*")}
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, extra, learners_secret",
+    [
+        ("hub", (), "ddiloco-tls"),
+        ("region-a", (), "ddiloco-tls"),
+        ("hub", ("--set", "tls.learnersSecret=ddiloco-learner-tls"), "ddiloco-learner-tls"),
+    ],
+    ids=["hub", "region-a", "hub-learners-secret"],
+)
+def test_every_pod_mounts_only_the_ca_and_its_own_pair(render, name, extra, learners_secret):
+    """The TLS Secret holds every component's key (and every learner's): each pod must see ca.pem and
+    its own <name>.pem/.key only, never the syncer's, the store's or another learner's key (with it,
+    a learner could upload as any learner, or serve as the syncer)."""
+    docs = render(name, "--set", "tls.enabled=true", "--set", "tls.existingSecret=ddiloco-tls", *extra)
+    values = load_values(name)
+    owners = {"syncer": "syncer", "store": "checkpoint", "evaluator": "evaluator", "test": "operator"}
+    pods = [(w, first_pod_name(w), w["spec"]["template"]) for w in workloads(docs)]
+    pods += [(d, d["metadata"]["name"], d) for d in docs if d["kind"] == "Pod"]
+    learners, components = set(), set()
+    for owner_doc, pod_name, pod in pods:
+        component = pod["metadata"]["labels"]["app.kubernetes.io/component"]
+        components.add(component)
+        (container,) = pod["spec"]["containers"]
+        if component == "learner":
+            owner = container_env(docs, owner_doc, container, pod_name)["DDILOCO_LEARNER_LEARNER_ID"]
+            secret = learners_secret
+            learners.add(owner)
+        else:
+            owner, secret = owners[component], "ddiloco-tls"
+        visible = secret_keys(pod["spec"])
+        expected = {(secret, "ca.pem"), (secret, f"{owner}.pem"), (secret, f"{owner}.key")}
+        assert visible == expected, f"{pod_name} ({owner}) can read {sorted(visible - expected)}"
+        # ... and the files it is told to use are the ones mounted.
+        (mount,) = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "tls"]
+        told = [v for k, v in container_env(docs, owner_doc, container, pod_name).items()
+                if k.endswith(("_TLS_CA", "_TLS_CERT", "_TLS_KEY"))] if component != "test" else \
+            [a for a in container["args"] if a.startswith(mount)]
+        assert sorted(told) == sorted(f"{mount}/{key}" for _secret, key in expected), pod_name
+    start, count = values["learners"]["ordinalStart"], values["learners"]["replicas"]
+    assert learners == {f"ddiloco-learner-{i}" for i in range(start, start + count)}, "a learner without its own pair"
+    assert components == ({"store", "syncer", "evaluator", "learner", "test"} if name == "hub" else {"learner", "test"})
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_example_values_use_mutual_tls_on_every_connection(render, name):
+    """The shipped multi-region values: mutual TLS on every server and client, the hub's public load
+    balancer included; nothing asks for plaintext."""
+    from services.checkpoint import config as checkpoint_config
+    from services.learner import config as learner_config
+    from services.syncer import config as syncer_config
+
+    values = load_values(name)
+    assert values["tls"]["enabled"] is True and values["tls"]["existingSecret"], f"{name}: tls is off"
+    assert not values["tls"].get("allowPlaintextBeyondCluster"), f"{name} opts in to plaintext"
+    docs = render(name)
+    checks = {
+        "syncer": (syncer_config.parse_config, ("server_security", "checkpoint_security")),
+        "checkpoint": (checkpoint_config.parse_config, ("server_security",)),
+        "learner": (learner_config.parse_learner_config, ("client_security",)),
+        "evaluate": (learner_config.parse_evaluator_config, ("client_security",)),
+    }
+    for workload in workloads(docs):
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        (command,) = container["args"]
+        env = container_env(docs, workload, container, first_pod_name(workload))
+        assert not [k for k in env if k.endswith("_INSECURE")], (workload["metadata"]["name"], "plaintext")
+        parse, securities = checks[command]
+        cfg = parse([], env)
+        assert not cfg.insecure and cfg.tls_ca and cfg.tls_cert and cfg.tls_key, workload["metadata"]["name"]
+        for security in securities:
+            getattr(cfg, security)()  # mutual TLS fully configured (raises otherwise)
+    for service in find(docs, "Service"):
+        # h2c is cleartext HTTP/2: it must not be announced for a TLS port.
+        assert all(p.get("appProtocol") != "kubernetes.io/h2c" for p in service["spec"].get("ports", [])), service
+    if name == "hub":
+        assert one(docs, "Service", "syncer")["spec"]["type"] == "LoadBalancer"
+    (test_pod,) = [d for d in docs if d["kind"] == "Pod"]
+    assert "--tls-ca" in test_pod["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize(
+    "name, settings, refused",
+    [
+        ("default", ["syncer.service.type=LoadBalancer"],
+         "syncer.service.type=LoadBalancer exposes the syncer outside the cluster"),
+        ("default", ["syncer.service.type=NodePort"], "syncer.service.type=NodePort exposes the syncer"),
+        ("hub", ["tls.enabled=false"], "syncer.service.type=LoadBalancer exposes the syncer"),
+        ("region-a", ["tls.enabled=false"], "hub.syncerAddress=syncer.hub.example.com:50051 is a syncer outside"),
+        ("default", ["store.enabled=false", "syncer.checkpointTarget=store.example.com:50052"],
+         "syncer.checkpointTarget=store.example.com:50052 is a checkpoint store outside"),
+    ],
+    ids=["load-balancer", "node-port", "hub-without-tls", "region-without-tls", "external-store"],
+)
+def test_plaintext_beyond_the_cluster_needs_the_explicit_opt_in(tools, render, k8s_versions, name, settings, refused):
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, *sets]
+    if VALUES[name] is not None:
+        args += ["--values", str(VALUES[name])]
+    proc = tools.helm_run(*args, check=False)
+    assert proc.returncode != 0, f"rendered plaintext beyond the cluster with {settings}"
+    assert f"refusing plaintext beyond the cluster: {refused}" in proc.stderr, proc.stderr
+    assert "tls.allowPlaintextBeyondCluster=true" in proc.stderr  # the message names the way out
+    # With the opt-in it renders, valid, and the components run the plaintext that was asked for.
+    docs = render(name, *sets, "--set", "tls.allowPlaintextBeyondCluster=true")
+    assert not validate_strictly(docs, k8s_versions)
+    for workload in workloads(docs):
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        env = container_env(docs, workload, container, first_pod_name(workload))
+        assert [v for k, v in env.items() if k.endswith("_INSECURE")] == ["true"], workload["metadata"]["name"]
 
 
 def test_gpu_learners_request_devices_select_gpu_nodes_and_the_jax_backend(render, k8s_versions):
@@ -738,7 +894,7 @@ def test_gpu_learners_request_devices_select_gpu_nodes_and_the_jax_backend(rende
                   "--set", "learners.gpu.nodeSelector.cloud\\.google\\.com/gke-accelerator=nvidia-l4",
                   "--set", "learners.nodeSelector.pool=train")
     assert not validate_strictly(docs, k8s_versions)
-    sts = one(docs, "StatefulSet", "learner")
+    sts = learner_sets(docs)[0]
     pod = sts["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     values = load_values("hub")["learners"]
@@ -749,19 +905,19 @@ def test_gpu_learners_request_devices_select_gpu_nodes_and_the_jax_backend(rende
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     # Only learners get GPUs; and nothing changes unless asked for.
     for workload in workloads(docs):
-        if workload is not sts:
+        if workload not in learner_sets(docs):
             assert "nvidia.com/gpu" not in str(workload["spec"]["template"]["spec"])
-    plain = one(render("hub"), "StatefulSet", "learner")["spec"]["template"]["spec"]
+    plain = learner_sets(render("hub"))[0]["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in json.dumps(plain["containers"][0]["resources"]) and "tolerations" not in plain
     assert "JAX_PLATFORMS" not in json.dumps(plain["containers"][0]["env"])
-    amd = one(render("hub", "--set", "learners.gpu.enabled=true", "--set", "learners.gpu.resourceName=amd.com/gpu"),
-              "StatefulSet", "learner")["spec"]["template"]["spec"]["containers"][0]
+    amd = learner_sets(render("hub", "--set", "learners.gpu.enabled=true",
+                              "--set", "learners.gpu.resourceName=amd.com/gpu"))[0]["spec"]["template"]["spec"]["containers"][0]
     assert amd["resources"]["limits"]["amd.com/gpu"] == 1
 
 
 def test_gpu_learners_may_use_their_own_image_and_need_a_divisible_batch(render, tools, tmp_path):
-    sts = one(render("hub", "--set", "learners.gpu.enabled=true", "--set", "learners.gpu.image.repository=reg/ddiloco",
-                     "--set", "learners.gpu.image.tag=0.1.0-cuda12"), "StatefulSet", "learner")
+    sts = learner_sets(render("hub", "--set", "learners.gpu.enabled=true", "--set", "learners.gpu.image.repository=reg/ddiloco",
+                              "--set", "learners.gpu.image.tag=0.1.0-cuda12"))[0]
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == "reg/ddiloco:0.1.0-cuda12"
     syncer = one(render("hub", "--set", "learners.gpu.enabled=true", "--set", "learners.gpu.image.repository=reg/x"),
                  "Deployment", "syncer")

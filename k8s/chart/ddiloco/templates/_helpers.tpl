@@ -68,11 +68,25 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/*
+Refuses plaintext on a path that leaves the release (and so, as far as the chart can tell, the
+cluster): (dict "ctx" $ "what" "<the path>"). Across regions gRPC in plaintext carries the model's
+parameters and the learners' uploads unencrypted, and nobody's identity is checked (any address
+that reaches the port can upload as any learner). tls.allowPlaintextBeyondCluster is the explicit
+opt-in for a private interconnect the operator trusts instead.
+*/}}
+{{- define "ddiloco.refusePlaintext" -}}
+{{- if not (or .ctx.Values.tls.enabled .ctx.Values.tls.allowPlaintextBeyondCluster) }}
+{{- fail (printf "refusing plaintext beyond the cluster: %s, but tls.enabled is false, so that traffic (model parameters, learner uploads) would be unencrypted and unauthenticated. Set tls.enabled=true with tls.existingSecret (see k8s/README.md), or, only over a private interconnect you trust, tls.allowPlaintextBeyondCluster=true" .what) }}
+{{- end }}
+{{- end }}
+
+{{/*
 host:port of the syncer as this release's learners and evaluator reach it: hub.syncerAddress, or
 the in-cluster Service of this release's syncer.
 */}}
 {{- define "ddiloco.syncerAddress" -}}
 {{- if .Values.hub.syncerAddress }}
+{{- include "ddiloco.refusePlaintext" (dict "ctx" . "what" (printf "hub.syncerAddress=%s is a syncer outside this release, which learners, the evaluator and `helm test` dial" .Values.hub.syncerAddress)) }}
 {{- .Values.hub.syncerAddress }}
 {{- else if .Values.syncer.enabled }}
 {{- printf "%s-syncer:%d" (include "ddiloco.fullname" .) (int .Values.syncer.port) }}
@@ -87,6 +101,7 @@ only pod behind its headless Service, or syncer.checkpointTarget.
 */}}
 {{- define "ddiloco.checkpointTarget" -}}
 {{- if .Values.syncer.checkpointTarget }}
+{{- include "ddiloco.refusePlaintext" (dict "ctx" . "what" (printf "syncer.checkpointTarget=%s is a checkpoint store outside this release, which the syncer sends every checkpoint" .Values.syncer.checkpointTarget)) }}
 {{- .Values.syncer.checkpointTarget }}
 {{- else if .Values.store.enabled }}
 {{- $store := printf "%s-store" (include "ddiloco.fullname" .) }}
@@ -152,18 +167,18 @@ Otherwise plaintext, asked for explicitly (the services refuse to start without 
 
 {{/*
 The TLS Secret volume of a pod, when tls.enabled: (dict "ctx" $ "names" (list "syncer")) projects
-ca.pem and <name>.pem/.key of each name only; (dict "ctx" $ "learners" true) mounts the whole
-learners' Secret (one pod template for every learner: a pod cannot select its own files).
+ca.pem and <name>.pem/.key of each name only, from tls.existingSecret or "secretName". Never the
+whole Secret: it also holds the other components' keys, and a pod that can read them can act as
+them (a learner's key uploads as that learner, the syncer's serves as the syncer). A key missing
+from the Secret keeps the pod from starting (the kubelet reports the missing key), instead of
+running with the wrong identity.
 */}}
 {{- define "ddiloco.tlsVolume" -}}
 {{- $tls := .ctx.Values.tls }}
 {{- if $tls.enabled -}}
 - name: tls
   secret:
-    {{- if .learners }}
-    secretName: {{ default $tls.existingSecret $tls.learnersSecret }}
-    {{- else }}
-    secretName: {{ $tls.existingSecret }}
+    secretName: {{ default $tls.existingSecret .secretName }}
     items:
       - key: ca.pem
         path: ca.pem
@@ -173,7 +188,6 @@ learners' Secret (one pod template for every learner: a pod cannot select its ow
       - key: {{ . }}.key
         path: {{ . }}.key
       {{- end }}
-    {{- end }}
     defaultMode: 0440
 {{- end }}
 {{- end }}
