@@ -409,6 +409,17 @@ def _spread_cell(s: dict, bold: bool = False) -> str:
     return f"{mean} ({100 * s['min']:.1f}-{100 * s['max']:.1f}, std {100 * s['std']:.1f}{of})"
 
 
+def _harness_settings_text() -> str:
+    """What every mode takes from the chaos harness rather than the syncer's shipped defaults."""
+    from ddiloco.chaos.harness import Scenario
+
+    sc = Scenario()
+    return (f"Every mode runs with the chaos harness's liveness timeout ({sc.liveness_timeout_s:g} s) and grace "
+            f"cap ({sc.max_grace_s:g} s) instead of the syncer's shipped 15 s and 10 s: a dead learner stops "
+            f"counting for a barrier after {sc.liveness_timeout_s:g} s, so the synchronous baselines are elastic "
+            f"(the paper's 'DP, elastic' rather than its 'no elasticity' row).")
+
+
 def _shape_text(cfg: dict) -> str:
     if cfg.get("run_end", "steps") == "steps":
         return f"{cfg['learners']} learners x {cfg['steps']} inner steps each"
@@ -482,7 +493,7 @@ def render_markdown(result: dict) -> str:
         f"{cfg['step_delay_s']} s, {cfg['num_fragments']} fragments, H = {cfg['sync_period_steps']}), "
         f"decoupled: the shipped syncer defaults with quorum K = {cfg['decoupled_quorum']}; diloco and dp: quorum = "
         f"all {cfg['learners']} learners, no grace, contributions beyond the norm bound clipped rather than refused "
-        f"(a refusal would stall their barrier for good). Seeds {', '.join(map(str, seeds))}: for each, every mode runs once without faults "
+        f"(a refusal would stall their barrier for good). {_harness_settings_text()} Seeds {', '.join(map(str, seeds))}: for each, every mode runs once without faults "
         f"and once under that seed's failure schedule. The step pacing is a sleep after each inner step that "
         f"stands for an accelerator's step time: without it, every learner process competes for this machine's "
         f"cores, a restarted learner waits tens of seconds for CPU, and the benchmark measures CPU contention "

@@ -220,3 +220,9 @@ def test_budget_runs_end_at_the_fleets_tokens_for_every_mode_alike():
         assert scenario.learner_args == ("--batch-size", "16")
     md = goodput.render_markdown({**_synthetic_out(), "modes": {}, "config": goodput.dataclasses.asdict(cfg)})
     assert "fleet token budget of 16 x 300 inner steps' tokens" in md
+    # The report says where the runs depart from the syncer's shipped defaults, with the right values.
+    from services.syncer import config as syncer_config
+
+    shipped = syncer_config.SyncerConfig()
+    assert (f"instead of the syncer's shipped {shipped.liveness_timeout_s:g} s and {shipped.max_grace_s:g} s"
+            in md)
