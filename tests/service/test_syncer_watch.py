@@ -67,17 +67,22 @@ async def _first_fragment(stub, learner_id: str, core) -> tuple[np.ndarray, list
     raise AssertionError("the stream ended before the fragment arrived")
 
 
+async def _serve(core):
+    """The servicer of `core` on a real plaintext server at 127.0.0.1:0, and a channel to it."""
+    servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=4)
+    sec = security.ServerSecurity(insecure=True)
+    auth = security.AuthInterceptor(sec.authenticator(), security.SYNCER_POLICY,
+                                    on_reject=servicer.record_interceptor_refusal)
+    handle = await server_lib.start_server(
+        "127.0.0.1:0", ["ddiloco.v1.Syncer"], [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
+        interceptors=[auth])
+    return servicer, handle, channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
+
+
 def test_every_watcher_gets_the_fragment_in_bounded_chunks():
     async def run():
         core = _core()
-        servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=4)
-        sec = security.ServerSecurity(insecure=True)
-        auth = security.AuthInterceptor(sec.authenticator(), security.SYNCER_POLICY,
-                                        on_reject=servicer.record_interceptor_refusal)
-        handle = await server_lib.start_server(
-            "127.0.0.1:0", ["ddiloco.v1.Syncer"], [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
-            interceptors=[auth])
-        channel = channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
+        servicer, handle, channel = await _serve(core)
         try:
             stub = syncer_pb2_grpc.SyncerStub(channel)
             results = await asyncio.wait_for(asyncio.gather(
@@ -129,14 +134,7 @@ def test_shutdown_ends_the_watch_streams_instead_of_waiting_out_the_grace_period
 
     async def run():
         core = _core()
-        servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=4)
-        sec = security.ServerSecurity(insecure=True)
-        auth = security.AuthInterceptor(sec.authenticator(), security.SYNCER_POLICY,
-                                        on_reject=servicer.record_interceptor_refusal)
-        handle = await server_lib.start_server(
-            "127.0.0.1:0", ["ddiloco.v1.Syncer"], [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
-            interceptors=[auth])
-        channel = channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
+        servicer, handle, channel = await _serve(core)
         try:
             stub = syncer_pb2_grpc.SyncerStub(channel)
             await stub.Join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-0",
