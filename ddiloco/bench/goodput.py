@@ -113,9 +113,10 @@ class GoodputConfig:
     num_fragments: int = 4
     sync_period_steps: int = 4
     decoupled_quorum: int = 1
-    # Mean gap between faults on the fleet's step axis: one fault per 14 inner steps of training
-    # progress, the rate of the earlier 16-learner run (546946f), kept, not tuned on results.
-    mtbf_steps: float = 14.0
+    # Mean gap between faults on the fleet's step axis: one fault per 8.5 inner steps of training
+    # progress, the committed run's rate, fixed before it ran from the costs per fault measured at
+    # MTBF 14 and 5 (bench/results/rounds.md), not tuned on results.
+    mtbf_steps: float = 8.5
     # No fault before this step: the schedule starts once every learner contributed, and learners
     # that started first are a few dozen steps ahead by then (an earlier fault would fire late).
     start_step: int = 60
@@ -132,6 +133,11 @@ class GoodputConfig:
     # learner, and every other learner's idle wait is charged as lost capacity).
     run_end: str = "budget"
     batch_size: int = 16  # the learners' batch, passed explicitly: the budget is computed from it
+    # The syncer's liveness timeout and grace cap for every mode. None: no flag, the syncer's shipped
+    # defaults (what a deployment runs; the paper's 'no elasticity' baselines for faults shorter than
+    # the timeout). A value is the chaos harness's shortened setting (3 s, 2 s in earlier runs).
+    liveness_timeout_s: float | None = None
+    max_grace_s: float | None = None
 
 
 RUN_ENDS = ("budget", "steps")
@@ -170,7 +176,8 @@ def mode_scenario(cfg: GoodputConfig, mode: str):
     return Scenario(name=f"goodput-{mode}", seed=cfg.seed, learners=cfg.learners, min_quorum=quorum, steps=steps,
                     step_delay_s=cfg.step_delay_s, num_fragments=cfg.num_fragments,
                     sync_period_steps=cfg.sync_period_steps, finish_grace_s=finish_grace_s,
-                    syncer_args=args, learner_args=("--batch-size", str(cfg.batch_size)), max_wall_s=cfg.max_wall_s)
+                    syncer_args=args, learner_args=("--batch-size", str(cfg.batch_size)), max_wall_s=cfg.max_wall_s,
+                    liveness_timeout_s=cfg.liveness_timeout_s, max_grace_s=cfg.max_grace_s)
 
 
 def failure_schedule(cfg: GoodputConfig):
@@ -245,6 +252,12 @@ def contributors_per_merge(result) -> float | None:
     return statistics.fmean(len({c[0] for c in r.get("contributors", [])}) for r in merges) / result.scenario.learners
 
 
+def syncer_settings(result) -> dict:
+    """The liveness timeout and grace cap the run's syncer recorded at its first start ({} if not recorded)."""
+    start = next((r for r in result.syncer_history if r.get("event") == "start"), {})
+    return {k: start[k] for k in ("liveness_timeout_s", "max_grace_s") if k in start}
+
+
 def _summary(result, baseline) -> dict:
     wait = sum((s or {}).get("wait_s", 0.0) for s in result.summaries.values())
     compute = sum((s or {}).get("compute_s", 0.0) for s in result.summaries.values())
@@ -296,6 +309,7 @@ def _summary(result, baseline) -> dict:
         "baseline_contributors_per_merge": contributors_per_merge(baseline),
         "loss": result.loss, "baseline_loss": baseline.loss,
         "recovery_s": sorted(result.recoveries),
+        "syncer_settings": syncer_settings(result),
     }
 
 
@@ -409,15 +423,32 @@ def _spread_cell(s: dict, bold: bool = False) -> str:
     return f"{mean} ({100 * s['min']:.1f}-{100 * s['max']:.1f}, std {100 * s['std']:.1f}{of})"
 
 
-def _harness_settings_text() -> str:
-    """What every mode takes from the chaos harness rather than the syncer's shipped defaults."""
-    from ddiloco.chaos.harness import Scenario
+def _settings_text(cfg: dict, runs: list[dict]) -> str:
+    """The liveness timeout and grace cap the modes ran with, as the syncers recorded them at start."""
+    if "liveness_timeout_s" not in cfg:  # a run from before these settings were configurable
+        from ddiloco.chaos.harness import Scenario
 
-    sc = Scenario()
-    return (f"Every mode runs with the chaos harness's liveness timeout ({sc.liveness_timeout_s:g} s) and grace "
-            f"cap ({sc.max_grace_s:g} s) instead of the syncer's shipped 15 s and 10 s: a dead learner stops "
-            f"counting for a barrier after {sc.liveness_timeout_s:g} s, so the synchronous baselines are elastic "
-            f"(the paper's 'DP, elastic' rather than its 'no elasticity' row).")
+        sc = Scenario()
+        return (f"Every mode runs with the chaos harness's liveness timeout ({sc.liveness_timeout_s:g} s) and grace "
+                f"cap ({sc.max_grace_s:g} s) instead of the syncer's shipped defaults: a dead learner stops "
+                f"counting for a barrier after {sc.liveness_timeout_s:g} s, so the synchronous baselines are elastic "
+                f"(the paper's 'DP, elastic' rather than its 'no elasticity' row).")
+
+    def recorded(key: str, modes=None) -> str:
+        values = sorted({m["syncer_settings"][key] for run in runs for mode, m in run["modes"].items()
+                         if key in m.get("syncer_settings", {}) and (modes is None or mode in modes)})
+        return " / ".join(f"{v:g} s" for v in values) or "not recorded"
+
+    liveness, grace = recorded("liveness_timeout_s"), recorded("max_grace_s", ("decoupled",))
+    shipped = cfg["liveness_timeout_s"] is None and cfg["max_grace_s"] is None
+    values = (f"liveness timeout ({liveness}) and, in the decoupled mode, grace cap ({grace}; the synchronous "
+              f"modes have no grace window), as each syncer recorded at start")
+    if not shipped:
+        return f"Every mode runs with a {values} (`--liveness-timeout-s`, `--max-grace-s`), not the shipped defaults."
+    return (f"Every mode runs the syncer's shipped {values}: no hang of the schedule (at most {cfg['max_fault_s']:g} "
+            f"s) outlasts the liveness timeout, so the synchronous baselines wait for a hung learner to come back "
+            f"and for a killed one until its restart rejoins or the timeout passes (the paper's 'no elasticity' "
+            f"baselines).")
 
 
 def _shape_text(cfg: dict) -> str:
@@ -493,7 +524,7 @@ def render_markdown(result: dict) -> str:
         f"{cfg['step_delay_s']} s, {cfg['num_fragments']} fragments, H = {cfg['sync_period_steps']}), "
         f"decoupled: the shipped syncer defaults with quorum K = {cfg['decoupled_quorum']}; diloco and dp: quorum = "
         f"all {cfg['learners']} learners, no grace, contributions beyond the norm bound clipped rather than refused "
-        f"(a refusal would stall their barrier for good). {_harness_settings_text()} Seeds {', '.join(map(str, seeds))}: for each, every mode runs once without faults "
+        f"(a refusal would stall their barrier for good). {_settings_text(cfg, result['runs'])} Seeds {', '.join(map(str, seeds))}: for each, every mode runs once without faults "
         f"and once under that seed's failure schedule. The step pacing is a sleep after each inner step that "
         f"stands for an accelerator's step time: without it, every learner process competes for this machine's "
         f"cores, a restarted learner waits tens of seconds for CPU, and the benchmark measures CPU contention "
@@ -583,6 +614,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="upper bound of a kill's restart delay and a hang's duration")
     parser.add_argument("--start-step", type=int, default=d.start_step, help="no fault before this inner step")
     parser.add_argument("--quorum", type=int, default=d.decoupled_quorum, help="decoupled mode's K")
+    parser.add_argument("--liveness-timeout-s", type=float, default=d.liveness_timeout_s,
+                        help="every mode's syncer liveness timeout (default: the syncer's shipped default)")
+    parser.add_argument("--max-grace-s", type=float, default=d.max_grace_s,
+                        help="every mode's syncer grace cap (default: the syncer's shipped default)")
     parser.add_argument("--seeds", default=None,
                         help="comma-separated seeds, e.g. 0,1,2: every mode runs (fault-free and faulty) for each; "
                              "the report gives mean and spread per mode (default: --seed)")
@@ -610,7 +645,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = GoodputConfig(learners=args.learners, steps=args.steps, step_delay_s=args.step_delay_s,
                         mtbf_steps=args.mtbf_steps, max_fault_s=args.max_fault_s, start_step=args.start_step,
                         decoupled_quorum=args.quorum, seed=seeds[0], max_wall_s=args.max_wall_s,
-                        run_end=args.run_end, batch_size=args.batch_size)
+                        run_end=args.run_end, batch_size=args.batch_size,
+                        liveness_timeout_s=args.liveness_timeout_s, max_grace_s=args.max_grace_s)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - set(MODES)
     if unknown:

@@ -75,8 +75,11 @@ class Scenario:
     store: bool = True
     proxy: bool = True  # a FaultProxy between each learner and the syncer (needed for link faults)
     checkpoint_every_merges: int = 4
-    liveness_timeout_s: float = 3.0
-    max_grace_s: float = 2.0
+    # The syncer's liveness timeout and grace cap. Fault scenarios shorten them (3 s, 2 s) so a run
+    # sees a dead learner dropped within its few minutes; None passes no flag: the syncer's shipped
+    # defaults (bench goodput).
+    liveness_timeout_s: float | None = 3.0
+    max_grace_s: float | None = 2.0
     chunk_size_bytes: int = 0  # 0: the syncer's default; small values make uploads multi-chunk
     syncer_failpoints: str = ""  # armed for the syncer's first life only
     store_failpoints: str = ""  # store.*=crash|enospc, first life only
@@ -119,6 +122,16 @@ class Scenario:
         """The same run without failpoints (for the I5 baseline; give it no schedule)."""
         return dataclasses.replace(self, name=f"{self.name}-baseline", syncer_failpoints="", store_failpoints="",
                                    learner_failpoints=())
+
+
+def timeout_args(sc: Scenario) -> list[str]:
+    """The syncer flags of the scenario's liveness timeout and grace cap (none for a None: shipped default)."""
+    args: list[str] = []
+    if sc.liveness_timeout_s is not None:
+        args += ["--liveness-timeout-s", str(sc.liveness_timeout_s)]
+    if sc.max_grace_s is not None:
+        args += ["--max-grace-s", str(sc.max_grace_s)]
+    return args
 
 
 @dataclasses.dataclass
@@ -442,7 +455,7 @@ class Harness:
             "--bind", "127.0.0.1:0", "--run-id", self.run_id, "--ready-file", str(cl.workdir / "syncer.ready.json"),
             "--model-config", sc.model_config, "--num-fragments", str(sc.num_fragments),
             "--sync-period-steps", str(sc.sync_period_steps), "--min-quorum", str(sc.min_quorum),
-            "--liveness-timeout-s", str(sc.liveness_timeout_s), "--max-grace-s", str(sc.max_grace_s),
+            *timeout_args(sc),
             "--checkpoint-every-merges", str(sc.checkpoint_every_merges), "--checkpoint-timeout-s", "5",
             "--restore-timeout-s", "30", "--grace-s", "2", "--seed", str(sc.seed),
             "--history-file", str(self._history_path("syncer")),

@@ -1162,6 +1162,14 @@ class SyncerCore:
     def change_counter(self) -> int:
         return self._change_counter
 
+    @property
+    def liveness_timeout_s(self) -> float:
+        return self._liveness_s
+
+    @property
+    def max_grace_s(self) -> float:
+        return self._max_grace_s
+
     # ------------------------------------------------------------------------------- evals
 
     def report_eval(self, req: syncer_pb2.ReportEvalRequest) -> None:

@@ -22,7 +22,8 @@ class SyncerHistory:
     def started(self) -> None:
         core = self._core
         self._write("start", restored=core.restored_from_checkpoint, outer_steps=core.outer_steps,
-                    min_quorum=core.config.min_quorum,
+                    min_quorum=core.config.min_quorum, liveness_timeout_s=core.liveness_timeout_s,
+                    max_grace_s=core.max_grace_s,
                     fragments={str(s.fragment.fragment_id): [s.version, s.published_sha256, s.params_sha256]
                                for s in core.slots})
 

@@ -220,9 +220,36 @@ def test_budget_runs_end_at_the_fleets_tokens_for_every_mode_alike():
         assert scenario.learner_args == ("--batch-size", "16")
     md = goodput.render_markdown({**_synthetic_out(), "modes": {}, "config": goodput.dataclasses.asdict(cfg)})
     assert "fleet token budget of 16 x 300 inner steps' tokens" in md
-    # The report says where the runs depart from the syncer's shipped defaults, with the right values.
+
+
+def test_every_mode_runs_the_syncers_shipped_liveness_and_grace_cap_and_the_report_says_which():
+    from ddiloco.chaos import harness
     from services.syncer import config as syncer_config
 
+    cfg = goodput.GoodputConfig()
+    for mode in goodput.MODES:
+        scenario = goodput.mode_scenario(cfg, mode)
+        # No flag reaches the syncer: it runs its own defaults, whatever they are.
+        assert harness.timeout_args(scenario) == []
+        assert not {"--liveness-timeout-s", "--max-grace-s"} & set(scenario.syncer_args)
+    # The chaos rows keep their shortened timeouts.
+    assert harness.timeout_args(harness.Scenario()) == ["--liveness-timeout-s", "3.0", "--max-grace-s", "2.0"]
+    # The report takes the values from what each syncer recorded at start (syncer_settings).
     shipped = syncer_config.SyncerConfig()
-    assert (f"instead of the syncer's shipped {shipped.liveness_timeout_s:g} s and {shipped.max_grace_s:g} s"
-            in md)
+    out = _synthetic_out()
+    out["config"] = goodput.dataclasses.asdict(cfg)
+    for run in out["runs"]:
+        for m in run["modes"].values():
+            m["syncer_settings"] = {"liveness_timeout_s": shipped.liveness_timeout_s, "max_grace_s": shipped.max_grace_s}
+    md = goodput.render_markdown(out)
+    assert (f"Every mode runs the syncer's shipped liveness timeout ({shipped.liveness_timeout_s:g} s) and, in the "
+            f"decoupled mode, grace cap ({shipped.max_grace_s:g} s;" in md)
+    # A run given other values says so, with the values recorded.
+    out["config"] = goodput.dataclasses.asdict(goodput.GoodputConfig(liveness_timeout_s=3.0, max_grace_s=2.0))
+    for run in out["runs"]:
+        for m in run["modes"].values():
+            m["syncer_settings"] = {"liveness_timeout_s": 3.0, "max_grace_s": 2.0}
+    md = goodput.render_markdown(out)
+    assert "runs with a liveness timeout (3 s) and, in the decoupled mode, grace cap (2 s;" in md
+    assert "(`--liveness-timeout-s`, `--max-grace-s`), not the shipped defaults" in md
+    assert "shipped liveness" not in md

@@ -344,3 +344,15 @@ def test_the_token_budget_is_the_fleets_over_every_life_and_survives_a_restore()
         assert config_lib.parse_config(["--token-budget", "5000"], {}).token_budget == 5000
 
     asyncio.run(run())
+
+
+def test_the_history_start_record_holds_the_liveness_timeout_and_grace_cap(tmp_path):
+    # bench goodput reports these from the record, so it states what the syncer ran, not what was meant.
+    from ddiloco.chaos import history as chaos_history
+    from services.syncer import history as history_lib
+
+    core = make_core(FakeClock())
+    history = history_lib.attach(core, str(tmp_path / "h.jsonl"))
+    history.shutdown()
+    start = next(r for r in chaos_history.read(tmp_path / "h.jsonl") if r["event"] == "start")
+    assert (start["liveness_timeout_s"], start["max_grace_s"]) == (30.0, 10.0)
