@@ -95,11 +95,13 @@ ENV PATH=/opt/ddiloco/bin:/opt/venv/bin:$PATH \
     DDILOCO_CHECKPOINT_ROOT=/var/lib/ddiloco
 USER ddiloco
 WORKDIR /home/ddiloco
-# 50051: syncer, 50052: checkpoint store (their default --bind ports).
-EXPOSE 50051 50052
+# 50051: syncer, 50052: checkpoint store (their default --bind ports); 8083: a learner's health
+# service (its default --health-bind).
+EXPOSE 50051 50052 8083
 # Calls the standard gRPC health service of the server in this container (ddiloco/healthcheck.py).
-# DDILOCO_HEALTH_PORT selects the port (50051 syncer, 50052 checkpoint store); learners and the
-# evaluator serve nothing, so compose files disable the check for them.
+# DDILOCO_HEALTH_PORT selects the port (50051 syncer, 50052 checkpoint store, 8083 a learner, whose
+# health says whether its training loop still steps); the evaluator serves nothing, so compose
+# files disable the check for it.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD python -m ddiloco.healthcheck --quiet --timeout-s 3 --target "127.0.0.1:${DDILOCO_HEALTH_PORT:-50051}"
 ENTRYPOINT ["ddiloco"]

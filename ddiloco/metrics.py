@@ -1,8 +1,12 @@
 """Prometheus plumbing shared by the services: a registry per service and its HTTP endpoint.
 
-Conventions (https://prometheus.io/docs/practices/naming): every metric starts with `ddiloco_`,
-uses base units (`_seconds`, `_bytes`), counters end in `_total`, and labels stay low-cardinality
-(learner ids are bounded by the number of learners; versions and steps are values, never labels).
+Conventions (https://prometheus.io/docs/practices/naming, checked by `promtool check metrics` in
+tests/service/test_metrics_exposition.py): every metric of ours starts with `ddiloco_`, one
+quantity per metric with its base unit in the name (`_seconds`, `_bytes`), monotonic counts are
+counters (exposed with `_total`), one name per quantity whichever service exports it, and labels
+stay low-cardinality (learner ids are bounded by the number of learners; versions and steps are
+values, never labels). Metrics with names of their own ecosystem keep them: `grpc_server_*`
+(rpc/interceptors.py) and the standard `process_*` (process_start_time_seconds tells restarts).
 Services build their metrics on their own `CollectorRegistry` (no global state, so tests can run
 several services in one process) and serve it with `serve`.
 """
@@ -31,8 +35,10 @@ class MetricsServer:
 
 
 def new_registry(component: str) -> CollectorRegistry:
-    """A registry pre-loaded with `ddiloco_build_info{version, component}`."""
+    """A registry pre-loaded with `ddiloco_build_info{version, component}` and the standard
+    process metrics (CPU, memory, open files, `process_start_time_seconds`; Linux only)."""
     registry = CollectorRegistry()
+    prometheus_client.ProcessCollector(registry=registry)
     info = prometheus_client.Info("ddiloco_build", "Build information", registry=registry)
     info.info({"version": __version__, "component": component})
     return registry

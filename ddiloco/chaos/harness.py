@@ -487,6 +487,7 @@ class Harness:
                 "--step-delay-s", str(sc.step_delay_s), "--log-every-steps", "50",
                 "--call-timeout-s", str(sc.call_timeout_s), "--retry-bound-s", str(sc.retry_bound_s),
                 "--summary-file", str(self._summary_path(name)), "--history-file", str(self._history_path(name)),
+                "--health-bind", "127.0.0.1:0",  # many learners on this host: a free port each
                 # With the cache, uploads are quantized by jax_codec (same bytes): a restart then
                 # never loads numba (~0.5 CPU-s less per kill, see services/learner/config.py).
                 *(["--compilation-cache-dir", str(self.workdir / "jax-cache"), "--upload-encoder", "jax"]

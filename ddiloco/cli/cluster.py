@@ -194,7 +194,9 @@ class LocalCluster:
         name = f"learner-{index}"
         svc = self.add(name, "services.learner", [
             "--syncer", self.services["syncer"].address, "--learner-id", name, "--region", region,
-            "--summary-file", str(self.workdir / f"{name}.summary.json"), *self.tls_args(name), *extra,
+            "--summary-file", str(self.workdir / f"{name}.summary.json"),
+            # Many learners share this host: each its own free health port (logged as "health on").
+            "--health-bind", "127.0.0.1:0", *self.tls_args(name), *extra,
         ])
         svc.start()
         return svc

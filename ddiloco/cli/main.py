@@ -1,4 +1,4 @@
-"""The `ddiloco` console script: dispatches to `up`, `status`, `dashboard`, `bench`, `simulate` and the services.
+"""The `ddiloco` console script: dispatches to `up`, `status`, `record`, `report`, `dashboard`, `bench`, `simulate` and the services.
 
 `ddiloco syncer|learner|checkpoint|evaluate ARGS` runs the same code as
 `python -m services.<name> ARGS` (each service parses its own flags; `--help` explains them).
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(_SERVICES[argv[0]]).main(argv[1:])
     if argv and argv[0] in _TOOLS:
         return importlib.import_module(_TOOLS[argv[0]][0]).main(argv[1:])
-    from ddiloco.cli import certs, report, status, up  # imported here: rich and grpc only when needed
+    from ddiloco.cli import certs, record, report, status, up  # imported here: rich and grpc only when needed
     from ddiloco.dashboard import cli as dashboard
 
     parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo as gRPC services.")
@@ -42,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     status.add_arguments(sub.add_parser("status", help="show a syncer's training state",
                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter),
                          default_target=os.environ.get("DDILOCO_TARGET", "127.0.0.1:50051"))
-    report.add_arguments(sub.add_parser("report", help="plot a `ddiloco up` run (loss, bytes, versions, work merged)"))
+    record.add_arguments(sub.add_parser("record", help="record any running cluster's training state into a run "
+                                        "directory for `ddiloco report` (until Ctrl-C or --duration-s)",
+                                        formatter_class=argparse.ArgumentDefaultsHelpFormatter),
+                         default_target=os.environ.get("DDILOCO_TARGET", "127.0.0.1:50051"))
+    report.add_arguments(sub.add_parser("report", help="plot a run directory of `ddiloco up` or `ddiloco record` "
+                                        "(loss, bytes, versions, work merged over every learner life)"))
     dashboard.add_arguments(sub.add_parser("dashboard", help="serve a live web dashboard of a syncer",
                                            formatter_class=argparse.ArgumentDefaultsHelpFormatter),
                             default_target=os.environ.get("DDILOCO_TARGET", "127.0.0.1:50051"))
@@ -59,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return dashboard.run(args)
     if args.command == "report":
         return report.run(args)
+    if args.command == "record":
+        return record.run(args)
     if args.command == "certs":
         return certs.run(args)
     return status.run(args)

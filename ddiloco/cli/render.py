@@ -33,6 +33,10 @@ def status_json(state: syncer_pb2.TrainingState) -> str:
     for f in out.get("fragments", []):
         f.setdefault("round", "0")
         f.setdefault("round_open", False)
+    for m in out.get("members", []):
+        if m.get("num_data_shards"):  # shard 0 is a shard (proto JSON leaves zeros out)
+            m.setdefault("data_shard", 0)
+            m.setdefault("data_shard_assigned", False)
     out["derived"] = status_derived.derived(state)
     return json.dumps(out, separators=(",", ":"))
 
@@ -70,11 +74,13 @@ def state_renderable(state: syncer_pb2.TrainingState, *, target: str = ""):
         f"checkpoint @ {state.last_checkpoint_outer_step}" + (" (restored)" if state.restored_from_checkpoint else ""),
     )
     members = Table(title="learners", expand=False)
-    for col in ("learner", "region", "status", "step", "loss", "step s", "accepted", "rejected", "last seen"):
+    for col in ("learner", "region", "status", "shard", "step", "loss", "step s", "accepted", "rejected", "last seen"):
         members.add_column(col, justify="right" if col not in ("learner", "region", "status") else "left")
     for m in state.members:
         members.add_row(
-            m.learner_id, m.region, _STATUS.get(m.status, "?"), str(m.local_step), f"{m.inner_loss:.3f}",
+            m.learner_id, m.region, _STATUS.get(m.status, "?"),
+            f"{m.data_shard}/{m.num_data_shards}" if m.num_data_shards else "-",  # shard of shards
+            str(m.local_step), f"{m.inner_loss:.3f}",
             f"{m.step_time_s:.2f}", str(m.uploads_accepted), str(m.uploads_rejected),
             f"{max(0.0, now - m.last_seen_unix_s):.1f}s ago" if m.last_seen_unix_s else "-",
         )

@@ -44,6 +44,12 @@ from ddiloco.rpc import errors
 
 _LOG = logging.getLogger("ddiloco.security")
 
+# Every reason an AuthInterceptor refusal carries. The services export each at 0 before the first
+# refusal: a counter series that appears only with its first increment is invisible to rate() and
+# to dashboards until then.
+AUTH_FAILURE_REASONS = ("no_credentials", "invalid_token", "revoked_token", "no_identity", "wrong_role",
+                        "wrong_learner")
+
 KIND_LEARNER = "learner"
 KIND_EVALUATOR = "evaluator"
 KIND_READER = "reader"

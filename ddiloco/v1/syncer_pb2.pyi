@@ -168,6 +168,9 @@ class JoinRequest(_message.Message):
     REGION_FIELD_NUMBER: _builtins.int
     TOKENS_PER_STEP_FIELD_NUMBER: _builtins.int
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    NUM_DATA_SHARDS_FIELD_NUMBER: _builtins.int
+    DATA_SHARD_FIELD_NUMBER: _builtins.int
+    ASSIGN_DATA_SHARD_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     learner_id: _builtins.str
     incarnation: _builtins.int
@@ -176,6 +179,16 @@ class JoinRequest(_message.Message):
     tokens_per_step: _builtins.int
     model_fingerprint: _builtins.str
     """Empty: adopt the run's model. Otherwise it must match RunConfig.model_fingerprint."""
+    num_data_shards: _builtins.int
+    """The learner's data: its corpus is cut into num_data_shards shards (0: the learner says nothing
+    about its data, as before). With assign_data_shard the syncer picks the shard
+    (JoinResponse.data_shard: the lowest one no live learner with the same num_data_shards trains,
+    the one it had before for a returning learner id while no other live learner took it);
+    otherwise the learner trains data_shard (its own choice, e.g. --shard-index or a numbered id)
+    and the syncer records it. A learner that already trains a shard re-joins with it pinned.
+    """
+    data_shard: _builtins.int
+    assign_data_shard: _builtins.bool
     def __init__(
         self,
         *,
@@ -185,10 +198,13 @@ class JoinRequest(_message.Message):
         region: _builtins.str = ...,
         tokens_per_step: _builtins.int = ...,
         model_fingerprint: _builtins.str = ...,
+        num_data_shards: _builtins.int = ...,
+        data_shard: _builtins.int = ...,
+        assign_data_shard: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "learner_id", b"learner_id", "model_fingerprint", b"model_fingerprint", "protocol_version", b"protocol_version", "region", b"region", "tokens_per_step", b"tokens_per_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assign_data_shard", b"assign_data_shard", "data_shard", b"data_shard", "incarnation", b"incarnation", "learner_id", b"learner_id", "model_fingerprint", b"model_fingerprint", "num_data_shards", b"num_data_shards", "protocol_version", b"protocol_version", "region", b"region", "tokens_per_step", b"tokens_per_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -223,6 +239,8 @@ class JoinResponse(_message.Message):
     SYNCER_INSTANCE_FIELD_NUMBER: _builtins.int
     PUBLISHED_SHA256_FIELD_NUMBER: _builtins.int
     UPLOAD_HEADER_ACK_FIELD_NUMBER: _builtins.int
+    DATA_SHARD_FIELD_NUMBER: _builtins.int
+    DATA_SHARD_ASSIGNED_FIELD_NUMBER: _builtins.int
     syncer_instance: _builtins.str
     """Identifies this life of the syncer; versions are only meaningful within it."""
     upload_header_ack: _builtins.bool
@@ -231,6 +249,12 @@ class JoinResponse(_message.Message):
     refusal, whose status the grpc asyncio client can otherwise replace with INTERNAL
     (grpc/grpc#36066). Older syncers leave it false: send everything at once.
     """
+    data_shard: _builtins.int
+    """The data shard this learner trains (JoinRequest.num_data_shards > 0): assigned by the syncer
+    when the request asked for it (data_shard_assigned), else the one the learner pinned. Older
+    syncers leave data_shard_assigned false: the learner then picks its shard itself.
+    """
+    data_shard_assigned: _builtins.bool
     @_builtins.property
     def config(self) -> Global___RunConfig: ...
     @_builtins.property
@@ -249,10 +273,12 @@ class JoinResponse(_message.Message):
         syncer_instance: _builtins.str = ...,
         published_sha256: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
         upload_header_ack: _builtins.bool = ...,
+        data_shard: _builtins.int = ...,
+        data_shard_assigned: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -920,6 +946,9 @@ class MemberState(_message.Message):
     REJECTIONS_FIELD_NUMBER: _builtins.int
     QUARANTINED_UNTIL_UNIX_S_FIELD_NUMBER: _builtins.int
     DIRECTION_AGREEMENT_FIELD_NUMBER: _builtins.int
+    NUM_DATA_SHARDS_FIELD_NUMBER: _builtins.int
+    DATA_SHARD_FIELD_NUMBER: _builtins.int
+    DATA_SHARD_ASSIGNED_FIELD_NUMBER: _builtins.int
     learner_id: _builtins.str
     incarnation: _builtins.int
     region: _builtins.str
@@ -942,7 +971,7 @@ class MemberState(_message.Message):
     flags: _builtins.int
     """Bitmask of suspicious events seen from this learner (never cleared): 1 replayed upload key
     with another payload (ALREADY_EXISTS), 2 malformed upload (sizes, checksum, corrupt frame,
-    non-finite values), 4 beyond the norm bound (rejected or clipped), 8 tried to act as another
+    non-finite values, a message that does not parse), 4 beyond the norm bound (rejected or clipped), 8 tried to act as another
     learner, 16 quarantined at least once, 32 pointed away from the other learners (direction check).
     """
     quarantined_until_unix_s: _builtins.float
@@ -953,6 +982,12 @@ class MemberState(_message.Message):
     bound cannot see, sits lower (-0.2 to -0.6). Observability only: the direction check
     (--direction-check) compares with the other learners' latest contributions instead.
     """
+    num_data_shards: _builtins.int
+    """The learner's data shard of num_data_shards (JoinRequest): assigned by the syncer
+    (data_shard_assigned) or pinned by the learner. num_data_shards 0: not reported.
+    """
+    data_shard: _builtins.int
+    data_shard_assigned: _builtins.bool
     @_builtins.property
     def rejections(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Refused uploads by reason (the same reasons as TrainingState.uploads "rejected_<reason>"),
@@ -983,10 +1018,13 @@ class MemberState(_message.Message):
         rejections: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         quarantined_until_unix_s: _builtins.float = ...,
         direction_agreement: _builtins.float = ...,
+        num_data_shards: _builtins.int = ...,
+        data_shard: _builtins.int = ...,
+        data_shard_assigned: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "direction_agreement", b"direction_agreement", "flags", b"flags", "incarnation", b"incarnation", "inner_loss", b"inner_loss", "joins", b"joins", "last_seen_unix_s", b"last_seen_unix_s", "learner_id", b"learner_id", "local_step", b"local_step", "quarantined", b"quarantined", "quarantined_until_unix_s", b"quarantined_until_unix_s", "region", b"region", "rejections", b"rejections", "status", b"status", "step_time_s", b"step_time_s", "tokens_total", b"tokens_total", "uploads_accepted", b"uploads_accepted", "uploads_rejected", b"uploads_rejected"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "direction_agreement", b"direction_agreement", "flags", b"flags", "incarnation", b"incarnation", "inner_loss", b"inner_loss", "joins", b"joins", "last_seen_unix_s", b"last_seen_unix_s", "learner_id", b"learner_id", "local_step", b"local_step", "num_data_shards", b"num_data_shards", "quarantined", b"quarantined", "quarantined_until_unix_s", b"quarantined_until_unix_s", "region", b"region", "rejections", b"rejections", "status", b"status", "step_time_s", b"step_time_s", "tokens_total", b"tokens_total", "uploads_accepted", b"uploads_accepted", "uploads_rejected", b"uploads_rejected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -101,7 +101,7 @@ class SyncerServicer:
         ones the payload chunks. Idempotent on (learner_id, incarnation, fragment_id, base_version):
         a retry with the same payload is acknowledged as a duplicate and never applied twice; the same
         key with another payload gets ALREADY_EXISTS. Errors: INVALID_ARGUMENT (malformed header,
-        sizes, checksum, non-finite values, chunk order), FAILED_PRECONDITION (protocol version,
+        sizes, checksum, non-finite values, chunk order, a message that does not parse), FAILED_PRECONDITION (protocol version,
         fenced incarnation, base version too stale or from another syncer instance),
         RESOURCE_EXHAUSTED (too many concurrent uploads, in total or from this learner),
         PERMISSION_DENIED (the caller's identity is not this learner, or the learner is quarantined),

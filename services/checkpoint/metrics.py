@@ -12,6 +12,9 @@ import os
 import prometheus_client
 from prometheus_client.core import GaugeMetricFamily
 
+from ddiloco.rpc import security as security_lib
+from ddiloco.v1 import checkpoint_pb2
+
 
 def auth_failure_counter(registry: prometheus_client.CollectorRegistry):
     """`on_reject` for the store's AuthInterceptor: counts refused calls by reason and method.
@@ -21,6 +24,10 @@ def auth_failure_counter(registry: prometheus_client.CollectorRegistry):
         "ddiloco_checkpoint_auth_failures",
         "Calls refused as UNAUTHENTICATED or PERMISSION_DENIED after a completed TLS handshake, by reason and method",
         ["reason", "method"], registry=registry)
+    # Every reason and method at 0 before the first refusal, so rate() and dashboards see the series.
+    for method in checkpoint_pb2.DESCRIPTOR.services_by_name["CheckpointStore"].methods_by_name:
+        for reason in security_lib.AUTH_FAILURE_REASONS:
+            counter.labels(reason=reason, method=method)
     return lambda method, reason: counter.labels(reason=reason or "unknown", method=method.rsplit("/", 1)[-1]).inc()
 
 

@@ -21,7 +21,9 @@ import time
 import jax
 import numpy as np
 
+from ddiloco import liveness as liveness_lib
 from ddiloco import logs, models
+from ddiloco.chaos import failpoints as failpoints_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco import metrics as metrics_lib
 from ddiloco.data import corpus
@@ -53,6 +55,18 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         _LOG.error(str(exc))
         return 2
     incarnation = unit.agree_int(cfg.incarnation or time.time_ns())  # one identity per unit
+    # Liveness from here on: the start, the join and every inner step are progress (see config).
+    liveness = liveness_lib.LoopLiveness(cfg.liveness_timeout_s)
+    if cfg.health_bind:
+        try:
+            health_server = liveness_lib.HealthServer(cfg.health_bind, liveness)
+        except OSError as exc:
+            _LOG.error(f"{exc}: another learner on this host? give each its own --health-bind "
+                       "(127.0.0.1:0 picks a free port; empty disables it)")
+            return 2
+        _LOG.info(f"health on {health_server.address} (NOT_SERVING after {cfg.liveness_timeout_s:g} s "
+                  "without an inner step)")
+    failpoints = failpoints_lib.Failpoints(cfg.failpoints, prefix="learner.")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -66,6 +80,9 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             failpoints=cfg.failpoints, history_file=cfg.history_file, initial_values=_initial_fragments,
             encode=_upload_encoder(cfg),
             on_budget_reached=stop.set,  # the run's token budget is spent: finish as on SIGTERM
+            # Ids without a shard number (--learner-id auto) take the shard the syncer assigns.
+            num_data_shards=cfg.num_shards, data_shard=cfg.pinned_shard_index,
+            fallback_data_shard=cfg.resolved_shard_index,
         )
     ), stop)
     collector = learner_metrics.LearnerCollector(cfg.learner_id, cfg.region, client)
@@ -84,6 +101,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         _LOG.error(str(exc))
         client.close(leave=False)
         return 3
+    liveness.beat()  # joined: the bound now covers loading the data and compiling the first step
     model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
     if models.model_fingerprint(model) != run_config.model_fingerprint:
         _LOG.error("this learner builds a different model than the syncer's (fingerprint mismatch)")
@@ -104,7 +122,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         _LOG.error(f"data {cfg.data_dir or 'stdlib'}: {exc}")
         client.close(leave=True)
         return 2
-    shard = cfg.resolved_shard_index
+    shard = client.data_shard  # pinned, or assigned by the syncer at the join (same on every process of a unit)
     sampler = corpus.BatchSampler(split.shards[shard], cfg.batch_size, model.seq_len,
                                   seed=int(np.random.SeedSequence([cfg.seed, shard, incarnation]).generate_state(1)[0]))
     optimizer = train_lib.make_inner_optimizer(
@@ -138,7 +156,9 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             _LOG.error(str(client.fenced))
             client.close(leave=False)
             return 4
+        failpoints.hit("learner.inner_step")  # fault tests only: `stall` hangs the loop here
         loss = loop.step()
+        liveness.beat()
         if loop.stats.steps % cfg.log_every_steps == 0:
             _LOG.info(
                 "step",
@@ -154,7 +174,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
     client.flush(timeout_s=min(10.0, cfg.retry_bound_s))
     client.close(leave=True)
     summary = {
-        "learner_id": cfg.learner_id, "incarnation": incarnation, "steps": loop.stats.steps,
+        "learner_id": cfg.learner_id, "incarnation": incarnation, "data_shard": shard, "steps": loop.stats.steps,
         "tokens": loop.stats.tokens, "first_loss": loop.stats.first_loss, "last_loss_ema": loop.stats.loss_ema.value,
         "wall_s": round(time.monotonic() - started, 3), "uploads_queued": loop.stats.uploads_queued,
         "fragments_applied": loop.stats.fragments_applied, "client": vars(client.stats),

@@ -47,6 +47,10 @@ MIN_PROGRESS_INTERVAL_S = 0.02  # the fastest a learner reports progress (see _p
 _OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                               grpc.StatusCode.CANCELLED})
 _UNKNOWN_OUTCOME_PAUSE_S = 0.2
+# The status the grpc asyncio client gives a call whose write failed in the core because the call
+# had already ended (grpc/aio/_call.py: set_internal_error), replacing the status that ended it
+# (grpc/grpc#36066): a broken link, a deadline, or a refusal while chunks were still being written.
+_WRITE_FAILED_DETAILS = "Internal error from Core"
 _RESENDABLE = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
                          grpc.StatusCode.CANCELLED})
@@ -86,6 +90,12 @@ class ClientConfig:
     # Called once (from the client's thread) when the syncer answers a progress report with
     # budget_reached: the run's token budget is spent and the learner should stop stepping.
     on_budget_reached: Callable[[], None] | None = None
+    # The learner's data (JoinRequest.num_data_shards; 0: not reported): the shard it chose itself,
+    # or -1 to take the one the syncer assigns at the first join; fallback_data_shard is used when
+    # the syncer assigns none (an older syncer). Once known, the shard is pinned for every re-join.
+    num_data_shards: int = 0
+    data_shard: int = -1
+    fallback_data_shard: int = 0
 
 
 @dataclasses.dataclass
@@ -175,6 +185,8 @@ class SyncClient:
         self._progress_sent: syncer_pb2.ReportProgressRequest | None = None
         self.fenced: FencedError | None = None
         self.budget_reached = False  # the syncer said the run's token budget is spent
+        # The data shard this life trains (ClientConfig.data_shard), known after the first join.
+        self.data_shard = cfg.data_shard if cfg.num_data_shards else -1
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sync-client", daemon=True)
         self._upload_wakeup: asyncio.Event | None = None
@@ -382,6 +394,9 @@ class SyncClient:
             region=self.cfg.region,
             tokens_per_step=self.cfg.tokens_per_step,
             model_fingerprint=self.cfg.model_fingerprint,
+            num_data_shards=self.cfg.num_data_shards,
+            data_shard=max(self.data_shard, 0),
+            assign_data_shard=self.cfg.num_data_shards > 0 and self.data_shard < 0,
         )
         async for attempt in retry_lib.async_retrying(
             what=f"Join {self.cfg.target}", timeout=datetime.timedelta(seconds=self.cfg.retry_bound_s), idempotent=True
@@ -406,6 +421,9 @@ class SyncClient:
             self.instance = response.syncer_instance
             self._header_ack = response.upload_header_ack
             self.run_config = response.config
+            if request.assign_data_shard:  # the first join: the data it trains for this whole life
+                self.data_shard = (response.data_shard if response.data_shard_assigned
+                                   else self.cfg.fallback_data_shard)
         if self.cfg.initial_values is not None and not self._seed_checked:
             self._seed_checked = True  # once per life: a model-sized copy is not kept for re-joins
             await self._seed_from_initial_values(response)
@@ -635,6 +653,14 @@ class SyncClient:
             raise _SessionBroken("uploads keep failing") from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            if code == grpc.StatusCode.INTERNAL and exc.details() == _WRITE_FAILED_DETAILS:
+                # Not the syncer's verdict but the client's own: the call ended while this upload was
+                # still being written, so the stream's end never went out and the syncer, which
+                # takes an upload only at its end, did not take it. Whatever ended the call (a broken
+                # link, most often), it is sent again like any upload whose call broke.
+                _LOG.info(f"fragment {job.fragment_id} base {job.base_version}: the call ended while the "
+                          "upload was being written (grpc reports INTERNAL, grpc/grpc#36066); sending it again")
+                code = grpc.StatusCode.UNAVAILABLE
             if code in _OUTCOME_UNKNOWN:
                 # Not the syncer's verdict (a reset stream, a cancelled call): the upload may have been
                 # taken. The same job goes again after a short pause (idempotent on its key).

@@ -18,8 +18,8 @@ AUTO_LEARNER_ID = "auto"
 UPLOAD_ENCODERS = ("host", "jax")
 # An id ending in a separator and a decimal number (learner-3, ddiloco-learner-12): that number
 # picks the shard. A hex container id (region-a-3f2a9c1b0e12) is not a number, even where it ends
-# in digits.
-_NUMBERED_ID = re.compile(r"(?:^|[^0-9A-Za-z])([0-9]+)\Z")
+# in digits, nor is one that happens to be all digits (12 of them; ordinals have at most 9).
+_NUMBERED_ID = re.compile(r"(?:^|[^0-9A-Za-z])([0-9]{1,9})\Z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class LearnerConfig:
     data_dir: str = ""  # text directory, uint16 .bin token file or train.bin/val.bin directory; empty: stdlib
     max_corpus_bytes: int = 24 * 2**20
     num_shards: int = 4
-    shard_index: int = -1  # -1: learner_id's number (learner-3: 3) or else a sha256 of it, modulo num_shards
+    shard_index: int = -1  # -1: learner_id's number (learner-3: 3), else the syncer assigns one (see pinned_shard_index)
     heldout_fraction: float = 0.05
     learning_rate: float = 3e-3
     warmup_steps: int = 20
@@ -67,6 +67,17 @@ class LearnerConfig:
     # otherwise, which delayed the first uploads of a cold `ddiloco up` by seconds).
     upload_encoder: str = "host"
     metrics_bind: str = ""  # host:port for Prometheus /metrics; empty disables
+    # Liveness (ddiloco/liveness.py): a plaintext gRPC health service (Check only) that reports
+    # NOT_SERVING once the training loop has gone liveness_timeout_s without progress (the start,
+    # the join, every completed inner step), so a hung learner is restarted. On by default, on the
+    # port the chart and compose probe; several learners on one host need their own ports (or
+    # 127.0.0.1:0, or empty to disable). The bound must cover each start-up stage (the join has its
+    # own bound, join_timeout_s; then loading the data and compiling the first step) and the
+    # slowest step: minutes, not seconds (a large model compiles for minutes). In the synchronous
+    # baselines (sync modes diloco, dp) a barrier wait for the syncer longer than the bound counts
+    # as a stall too.
+    health_bind: str = "0.0.0.0:8083"
+    liveness_timeout_s: float = 300.0
     # Transport security towards the syncer (ddiloco.rpc.security): TLS, or explicit plaintext.
     tls_ca: str = ""  # CA bundle that signed the syncer's certificate
     tls_cert: str = ""  # this learner's certificate (identity spiffe://ddiloco/learner/<learner_id>)
@@ -98,11 +109,13 @@ class LearnerConfig:
         for name in ("batch_size", "num_shards", "log_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LearnerConfig.{name}={getattr(self, name)!r}: must be >= 1")
-        for name in ("steps", "incarnation", "step_delay_s", "step_jitter", "finish_timeout_s"):
+        for name in ("steps", "incarnation", "step_delay_s", "step_jitter", "finish_timeout_s", "liveness_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LearnerConfig.{name}={getattr(self, name)!r}: must be >= 0")
         if not self.learner_id:
             raise ValueError("LearnerConfig.learner_id must not be empty")
+        if self.health_bind and ":" not in self.health_bind:
+            raise ValueError(f"LearnerConfig.health_bind={self.health_bind!r}: use host:port, e.g. 0.0.0.0:8083")
         if self.upload_encoder not in UPLOAD_ENCODERS:
             raise ValueError(f"LearnerConfig.upload_encoder={self.upload_encoder!r}: one of {', '.join(UPLOAD_ENCODERS)}")
         if self.num_devices < 0:
@@ -120,12 +133,24 @@ class LearnerConfig:
                 raise ValueError(f"LearnerConfig.mesh_shape={self.mesh_shape!r}: use DATAxFSDP, e.g. '4x1' or '2x2'")
 
     @property
+    def pinned_shard_index(self) -> int:
+        """The shard this learner chose itself: ``shard_index``, else the number ending
+        ``learner_id`` after a separator (``learner-3``: 3, as a StatefulSet ordinal), modulo
+        ``num_shards``; -1 for any other id (``--learner-id auto``: a container id), which asks the
+        syncer for a shard at join: it hands out shards no live learner trains, so such learners do
+        not collide (``JoinRequest.assign_data_shard``)."""
+        if self.shard_index >= 0:
+            return self.shard_index % self.num_shards
+        numbered = _NUMBERED_ID.search(self.learner_id)
+        return int(numbered.group(1)) % self.num_shards if numbered else -1
+
+    @property
     def resolved_shard_index(self) -> int:
         """This learner's data shard: ``shard_index``, else the number ending ``learner_id`` after
         a separator (``learner-3``: 3, as a StatefulSet ordinal), else a sha256 of ``learner_id``
         (uniform over the shards and the same in every process, unlike ``hash()``); modulo
-        ``num_shards``. Hashed ids (``--learner-id auto`` in compose) can share a shard: give each
-        learner its own ``shard_index`` or a numbered id for one shard each."""
+        ``num_shards``. Only used when the syncer does not assign shards (a syncer from before
+        ``JoinResponse.data_shard_assigned``): hashed ids can then share a shard."""
         if self.shard_index >= 0:
             return self.shard_index % self.num_shards
         numbered = _NUMBERED_ID.search(self.learner_id)
@@ -198,8 +223,8 @@ _HELP = {
                 "nanoGPT's train.bin (+ val.bin, held out); empty uses the Python standard library sources",
     "max_corpus_bytes": "read at most this many bytes of corpus",
     "num_shards": "number of data shards (normally the number of learners)",
-    "shard_index": "this learner's shard; -1: the number ending learner_id (learner-3: 3), else a sha256 of "
-                   "learner_id (--learner-id auto), modulo num_shards",
+    "shard_index": "this learner's shard; -1: the number ending learner_id (learner-3: 3), modulo num_shards; "
+                   "for other ids (--learner-id auto) the syncer assigns a shard no live learner trains",
     "heldout_fraction": "fraction of documents held out for evaluation (never trained on)",
     "learning_rate": "inner AdamW peak learning rate",
     "warmup_steps": "inner learning-rate warmup steps",
@@ -227,6 +252,12 @@ _HELP = {
     "upload_encoder": "host or jax: the implementation that quantizes uploads (same bytes); jax with a warm "
                       "--compilation-cache-dir makes restarts ~0.4 CPU-s cheaper (numba is never loaded)",
     "metrics_bind": "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9093); empty: no metrics endpoint",
+    "health_bind": "serve the gRPC health service (plaintext, Check only) on host:port for liveness probes; "
+                   "NOT_SERVING once the training loop stalls (--liveness-timeout-s). Several learners on one "
+                   "host: give each its own port, or 127.0.0.1:0; empty: off",
+    "liveness_timeout_s": "report NOT_SERVING when the training loop has made no progress (start, join, an inner "
+                          "step) for this many seconds; covers data loading, compilation of the first step and a "
+                          "slow step; 0: never",
     "tls_ca": "TLS: CA bundle (PEM) to verify the syncer's certificate",
     "tls_cert": "mutual TLS: this process's certificate (PEM), whose identity must match its id",
     "tls_key": "mutual TLS: this process's private key (PEM)",

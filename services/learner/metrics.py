@@ -30,7 +30,7 @@ class LearnerCollector:
                          loop.stats.steps)
             yield family(CounterMetricFamily, "ddiloco_learner_tokens", "Tokens processed (this life)",
                          loop.stats.tokens)
-            yield family(GaugeMetricFamily, "ddiloco_learner_loss", "Smoothed inner training loss (nats/token)",
+            yield family(GaugeMetricFamily, "ddiloco_learner_inner_loss", "Smoothed inner training loss (nats/token)",
                          loop.stats.loss_ema.value or 0.0)
             yield family(GaugeMetricFamily, "ddiloco_learner_step_seconds", "Smoothed wall time of one inner step",
                          loop.stats.step_time_ema.value or 0.0)

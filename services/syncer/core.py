@@ -50,7 +50,7 @@ _MAX_ID_CHARS = 128
 
 # MemberState.flags bits (syncer.proto): suspicious events seen from a learner, never cleared.
 FLAG_REPLAY_MISMATCH = 1 << 0  # same idempotency key with another payload (ALREADY_EXISTS)
-FLAG_MALFORMED = 1 << 1  # sizes, checksum, corrupt frame or non-finite values
+FLAG_MALFORMED = 1 << 1  # sizes, checksum, corrupt frame, non-finite values or a message that does not parse
 FLAG_NORM_BOUND = 1 << 2  # a contribution beyond the norm bound (rejected or clipped)
 FLAG_IMPERSONATION = 1 << 3  # tried to act as another learner
 FLAG_QUARANTINED = 1 << 4  # quarantined at least once
@@ -58,7 +58,7 @@ FLAG_DIRECTION = 1 << 5  # a contribution pointing away from the other learners'
 _FLAG_BY_REASON = {
     "replay_mismatch": FLAG_REPLAY_MISMATCH,
     "size": FLAG_MALFORMED, "checksum": FLAG_MALFORMED, "corrupt": FLAG_MALFORMED, "nonfinite": FLAG_MALFORMED,
-    "codec": FLAG_MALFORMED, "chunks": FLAG_MALFORMED,
+    "codec": FLAG_MALFORMED, "chunks": FLAG_MALFORMED, "malformed": FLAG_MALFORMED,
     "norm_bound": FLAG_NORM_BOUND, "clipped_norm_bound": FLAG_NORM_BOUND,
     "norm_bound_marginal": FLAG_NORM_BOUND, "clipped_norm_bound_marginal": FLAG_NORM_BOUND,
     "wrong_learner": FLAG_IMPERSONATION,
@@ -67,7 +67,7 @@ _FLAG_BY_REASON = {
 # Reasons that count towards quarantine: things an honest learner never sends. Network trouble,
 # staleness, fencing and busy refusals do not count, nor do "marginal" norm-bound violations (less
 # than NORM_STRIKE_RATIO times the bound), which honest learners with unusual data can produce.
-STRIKE_REASONS = frozenset({"replay_mismatch", "size", "checksum", "corrupt", "nonfinite", "norm_bound",
+STRIKE_REASONS = frozenset({"replay_mismatch", "size", "checksum", "corrupt", "nonfinite", "malformed", "norm_bound",
                             "clipped_norm_bound", "wrong_learner", "direction"})
 NORM_STRIKE_RATIO = 2.0
 BOOTSTRAP_STRIKE_RATIO = 10.0  # the same, against the bootstrap bound (no other learners' reference yet)
@@ -112,6 +112,10 @@ class Member:
     tokens_prev_lives: int = 0  # tokens processed by this learner's earlier incarnations
     # fragment -> (version, highest merged local_step mark of this life) per merge that held one.
     merged_marks: dict = dataclasses.field(default_factory=dict)
+    # The data shard this learner trains, of num_data_shards (0: not reported; see assign_data_shard).
+    num_data_shards: int = 0
+    data_shard: int = -1
+    data_shard_assigned: bool = False  # chosen by this syncer, not pinned by the learner
 
     def mark_at(self, fragment_id: int, version: int) -> int:
         """The highest mark of this life's contributions that `version` of the fragment holds."""
@@ -259,7 +263,8 @@ class SyncerCore:
         self._quarantine_window_s = quarantine_window_s
         self._quarantine_s = quarantine_s
         # Passive observers (metrics): objects with optional methods merged(record),
-        # upload_accepted(header) and rejoined(learner_id, gap_s). They must not mutate state.
+        # upload_accepted(header), rejoined(learner_id, gap_s) and fragment_bytes(direction, codec,
+        # wire_bytes). They must not mutate state.
         self.observers: list = []
         # Fault tests only: __main__ arms named crash points here (ddiloco.chaos.failpoints).
         self.failpoint: Callable[[str], None] = lambda name: None
@@ -366,17 +371,49 @@ class SyncerCore:
                 member.tokens_prev_lives = previous.tokens_prev_lives + previous.tokens_total
                 self.schedule.forget((previous.learner_id, previous.incarnation))
             self.members[req.learner_id] = member
-            _LOG.info("learner joined", extra={"fields": {"learner": req.learner_id, "incarnation": req.incarnation, "region": req.region}})
+            self._place_on_data_shard(member, req, previous)
+            _LOG.info("learner joined", extra={"fields": {"learner": req.learner_id, "incarnation": req.incarnation,
+                                                          "region": req.region, "data_shard": member.data_shard}})
         else:  # same incarnation re-joining after a broken connection
             member.left = False
             member.last_seen_s, member.last_seen_unix_s = now, wall
+            self._place_on_data_shard(member, req, member)
         self._notify()
         return syncer_pb2.JoinResponse(
             config=self.config,
             fragment_versions=serde.versions_to_proto(self.versions()),
             syncer_instance=self.instance,
             published_sha256={s.fragment.fragment_id: s.published_sha256 for s in self.slots},
+            data_shard=max(member.data_shard, 0),
+            data_shard_assigned=member.data_shard_assigned and req.assign_data_shard,
         )
+
+    def _place_on_data_shard(self, member: Member, req: syncer_pb2.JoinRequest, previous: Member | None) -> None:
+        """Records the joining learner's data shard, choosing it when the learner asks
+        (JoinRequest.assign_data_shard). Learners that pick their own shard from a hashed id
+        (`--learner-id auto`: a container id) collide: with 4 shards and 4 learners most runs put
+        two on one shard. The syncer sees every member, so it hands out the lowest shard no live
+        learner (not left, heard from within the liveness timeout) of the same shard count trains;
+        a returning learner id gets its previous shard back unless another live learner took it
+        meanwhile. With more learners than shards, the least-trained shard (lowest on ties)."""
+        shards = req.num_data_shards
+        if shards == 0:  # the learner reports nothing about its data (older learners)
+            member.num_data_shards, member.data_shard, member.data_shard_assigned = 0, -1, False
+            return
+        if not req.assign_data_shard:
+            member.num_data_shards, member.data_shard, member.data_shard_assigned = shards, req.data_shard % shards, False
+            return
+        now = self._clock()
+        held = collections.Counter(
+            m.data_shard for m in self.members.values()
+            if m.learner_id != member.learner_id and m.num_data_shards == shards and m.data_shard >= 0
+            and not m.left and now - m.last_seen_s <= self._liveness_s)
+        if previous is not None and previous.num_data_shards == shards and previous.data_shard >= 0 \
+                and not held[previous.data_shard]:
+            shard = previous.data_shard
+        else:
+            shard = min(range(shards), key=lambda index: (held[index], index))
+        member.num_data_shards, member.data_shard, member.data_shard_assigned = shards, shard, True
 
     def require_member(self, learner_id: str, incarnation: int) -> Member:
         """The registered member for this exact life, or FAILED_PRECONDITION."""
@@ -435,12 +472,14 @@ class SyncerCore:
         # Rounds that were waiting for this learner may now be complete.
         self.tick()
 
-    def count_bytes(self, member: Member | None, *, inbound: int = 0, outbound: int = 0) -> None:
+    def count_bytes(self, member: Member | None, *, inbound: int = 0, outbound: int = 0, codec: str = "") -> None:
         self.bytes_in += inbound
         self.bytes_out += outbound
         if member is not None:
             member.bytes_in += inbound
             member.bytes_out += outbound
+        if codec:  # a fragment transfer: observers count it by the codec it actually used
+            self._emit("fragment_bytes", "in" if inbound else "out", codec, inbound or outbound)
 
     def expected_learners(self) -> set[str]:
         """Learners a round waits for: live (seen within the liveness timeout), not left, not
@@ -689,7 +728,7 @@ class SyncerCore:
                              wait_budget_s: float | None = None) -> syncer_pb2.UploadFragmentResponse:
         header = ticket.header
         member = self.require_member(header.learner_id, header.incarnation)
-        self.count_bytes(member, inbound=wire_bytes)
+        self.count_bytes(member, inbound=wire_bytes, codec=ticket.codec)
         slot = self.slots[header.fragment_id]
         steps = self._credited_steps(member, header)
         weight = merge_lib.contribution_weight(header.tokens * steps // header.steps if header.steps else 0, steps)
@@ -1209,6 +1248,8 @@ class SyncerCore:
                     quarantined=now < m.quarantined_until_s, flags=m.flags, rejections=dict(m.rejections),
                     quarantined_until_unix_s=m.quarantined_until_unix_s if now < m.quarantined_until_s else 0.0,
                     direction_agreement=m.direction_sum / m.direction_count if m.direction_count else 0.0,
+                    num_data_shards=m.num_data_shards, data_shard=max(m.data_shard, 0),
+                    data_shard_assigned=m.data_shard_assigned,
                 )
             )
         merges = list(self.merges)[-recent_merges:] if recent_merges else []
@@ -1282,6 +1323,8 @@ class SyncerCore:
             "members": {m.learner_id: {"incarnation": m.incarnation, "region": m.region, "joins": m.joins,
                                        "flags": m.flags, "rejections": dict(m.rejections),
                                        "tokens_total": m.tokens_total, "tokens_prev_lives": m.tokens_prev_lives,
+                                       "num_data_shards": m.num_data_shards, "data_shard": m.data_shard,
+                                       "data_shard_assigned": m.data_shard_assigned,
                                        # the time left, so a restart keeps it ("until restart" ones end)
                                        "quarantine_remaining_s": _remaining(m.quarantined_until_s - self._clock())}
                         for m in self.members.values()},
@@ -1331,6 +1374,9 @@ class SyncerCore:
                 tokens_per_step=0, last_seen_s=-math.inf, last_seen_unix_s=0.0, joins=int(m.get("joins", 1)),
                 flags=int(m.get("flags", 0)), rejections=collections.Counter(m.get("rejections", {})),
                 tokens_total=int(m.get("tokens_total", 0)), tokens_prev_lives=int(m.get("tokens_prev_lives", 0)),
+                # A returning learner id is given its shard again (_place_on_data_shard).
+                num_data_shards=int(m.get("num_data_shards", 0)), data_shard=int(m.get("data_shard", -1)),
+                data_shard_assigned=bool(m.get("data_shard_assigned", False)),
             )
             for frag in state["fragments"]:
                 incarnation, mark = frag.get("merged_marks", {}).get(learner_id, (-1, 0))

@@ -2,7 +2,8 @@
 
 Two sources: a collector that reads SyncerCore's state at scrape time (versions, members,
 counters; nothing to keep in sync), and an observer that records per-event distributions
-(quorum size, grace used vs window, staleness, compression ratio, rejoin times) as they happen.
+(quorum size, grace used vs window, staleness, compression ratio, rejoin times) and the bytes of
+each fragment transfer by the codec it used, as they happen.
 
 Work merged (ddiloco_work_merged_ratio) is tokens merged / (P x tokens processed), the share of the
 learners' work that reached the global model (ddiloco.training_state); ddiloco_goodput_ratio is
@@ -19,8 +20,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ddiloco import metrics as metrics_lib
 from ddiloco import training_state as status_derived
+from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
+from services.syncer import core as core_lib
+
+# Upload results exported at 0 before their first occurrence (a series that appears only with its
+# first increment is invisible to rate() until then): the common outcomes and every refusal that
+# counts towards quarantine, which the dashboard's security panel and the alerts watch.
+KNOWN_UPLOAD_RESULTS = frozenset({"accepted", "duplicate", "rejected_quarantined"}
+                                 | {f"rejected_{reason}" for reason in core_lib.STRIKE_REASONS})
 
 _STATUS = {
     syncer_pb2.MemberState.STATUS_ACTIVE: "active",
@@ -74,6 +83,10 @@ class SyncerMetrics:
             buckets=buckets)
         self.checkpoint_failures = prometheus_client.Counter(
             "ddiloco_syncer_checkpoint_failures", "Checkpoint attempts that failed", registry=registry)
+        self.fragment_wire_bytes = prometheus_client.Counter(
+            "ddiloco_syncer_fragment_wire_bytes",
+            "Serialized gRPC bytes of fragment transfers (checked uploads in, versions sent out), by the codec each "
+            "transfer used", ["direction", "codec"], registry=registry)
         self.restore_seconds = prometheus_client.Gauge(
             "ddiloco_syncer_restore_seconds", "Time the last restore from the checkpoint store took",
             registry=registry)
@@ -104,6 +117,11 @@ class SyncerMetrics:
     def rejoined(self, learner_id: str, gap_s: float) -> None:
         self.rejoin.observe(gap_s)
 
+    def fragment_bytes(self, direction: str, codec: str, wire_bytes: int) -> None:
+        # The codec of this transfer: an upload's own (a learner may send another than the run's
+        # upload codec), and for downloads fp32 for whole versions, the download codec for deltas.
+        self.fragment_wire_bytes.labels(direction=direction, codec=codec).inc(wire_bytes)
+
 
 class _StateCollector:
     """Reads gauges and monotonic counters from the core at scrape time.
@@ -121,8 +139,15 @@ class _StateCollector:
             return self._core.training_state(0)
 
         state = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=5.0)
-        yield GaugeMetricFamily("ddiloco_syncer_outer_steps", "Merges since the run began (restored included)",
-                                value=state.outer_steps)
+        # Counters read from the core's state include what was restored from the checkpoint (outer
+        # steps, tokens, bytes, quarantines): a restarted syncer starts them at the restored amount,
+        # as a prometheus_client Counter inc'd by it at start would. rate() stays right across a
+        # restart, except one that lost merges made since the last checkpoint: the counter then goes
+        # down, Prometheus takes that for a reset, and rate() sees one spike of the restored amount.
+        yield CounterMetricFamily("ddiloco_syncer_outer_steps", "Merges since the run began (restored included)",
+                                  value=state.outer_steps)
+        yield GaugeMetricFamily("ddiloco_syncer_min_quorum", "Contributions a merge needs (K, --min-quorum)",
+                                value=state.config.min_quorum)
         versions = GaugeMetricFamily("ddiloco_syncer_fragment_version", "Global version of each fragment",
                                      labels=["fragment"])
         pending = GaugeMetricFamily("ddiloco_syncer_fragment_pending_contributions",
@@ -138,15 +163,16 @@ class _StateCollector:
             "ddiloco_syncer_tokens_processed",
             "Tokens processed by every life of every learner of the run (restored across syncer restarts)",
             value=state.tokens_processed)
-        wire = CounterMetricFamily("ddiloco_wire_bytes", "Serialized gRPC payload bytes at the syncer",
-                                   labels=["direction", "codec"])
-        wire.add_metric(["in", serde.codec_from_proto(state.config.upload_codec)], state.bytes_in)
-        wire.add_metric(["out", serde.codec_from_proto(state.config.download_codec)], state.bytes_out)
+        # Every RPC's bytes; fragment transfers by the codec each used: ddiloco_syncer_fragment_wire_bytes.
+        wire = CounterMetricFamily("ddiloco_wire_bytes", "Serialized gRPC payload bytes at the syncer (restored included)",
+                                   labels=["direction"])
+        wire.add_metric(["in"], state.bytes_in)
+        wire.add_metric(["out"], state.bytes_out)
         yield wire
         uploads = CounterMetricFamily("ddiloco_syncer_uploads", "Uploads by result (accepted, duplicate, rejected_<reason>)",
                                       labels=["result"])
-        for result, count in sorted(state.uploads.items()):
-            uploads.add_metric([result], count)
+        for result in sorted(KNOWN_UPLOAD_RESULTS | set(state.uploads)):
+            uploads.add_metric([result], state.uploads.get(result, 0))
         yield uploads
         # Security, kept apart from the upload results above: refused callers and quarantines.
         # TLS handshake failures never reach the process (grpc-core drops the connection before
@@ -156,8 +182,8 @@ class _StateCollector:
             "Calls refused as UNAUTHENTICATED or PERMISSION_DENIED after a completed TLS handshake, by reason "
             "(no_credentials, invalid_token, revoked_token, no_identity, wrong_role, wrong_learner)",
             labels=["reason"])
-        for reason, count in sorted(state.auth_failures.items()):
-            auth.add_metric([reason], count)
+        for reason in sorted(set(security_lib.AUTH_FAILURE_REASONS) | set(state.auth_failures)):
+            auth.add_metric([reason], state.auth_failures.get(reason, 0))
         yield auth
         yield CounterMetricFamily("ddiloco_syncer_quarantines",
                                   "Learners quarantined since this syncer started (restored quarantines included)",
@@ -172,18 +198,26 @@ class _StateCollector:
         yield judgments
         yield GaugeMetricFamily("ddiloco_syncer_learners_quarantined", "Learners whose uploads are refused right now",
                                 value=sum(1 for m in state.members if m.quarantined))
-        grace = GaugeMetricFamily("ddiloco_syncer_grace", "Current adaptive grace window and its inputs (seconds)",
-                                  labels=["quantity"])
-        for name, value in (("window", state.grace_window_s), ("step_time", state.step_time_s),
-                            ("quorum_time", state.quorum_time_s), ("sync_time", state.sync_time_s)):
-            grace.add_metric([name], value)
-        yield grace
+        # The adaptive grace window and the smoothed times it is derived from, one metric each.
+        for name, doc, value in (
+                ("ddiloco_syncer_current_grace_window_seconds", "Current adaptive grace window (gamma x slack)",
+                 state.grace_window_s),
+                ("ddiloco_syncer_smoothed_step_time_seconds",
+                 "Mean of the live learners' smoothed inner step times", state.step_time_s),
+                ("ddiloco_syncer_smoothed_quorum_time_seconds", "Smoothed time from a round's opening to quorum",
+                 state.quorum_time_s),
+                ("ddiloco_syncer_smoothed_sync_time_seconds",
+                 "Smoothed time from a merge's start until every learner has the new version",
+                 state.sync_time_s)):
+            yield GaugeMetricFamily(name, doc, value=value)
         members = GaugeMetricFamily("ddiloco_learners", "Learners by status", labels=["status"])
         counts = {name: 0 for name in _STATUS.values()}
-        steps = GaugeMetricFamily("ddiloco_learner_steps", "Inner steps reported by each learner (this life)",
-                                  labels=["learner", "region"])
-        tokens = GaugeMetricFamily("ddiloco_learner_tokens", "Tokens processed by each learner (this life)",
-                                   labels=["learner", "region"])
+        # The same names as the learners' own metrics (services/learner/metrics.py), as last reported
+        # to the syncer: counters of the learner's current life (a new life starts from 0, a reset).
+        steps = CounterMetricFamily("ddiloco_learner_inner_steps", "Inner steps reported by each learner (this life)",
+                                    labels=["learner", "region"])
+        tokens = CounterMetricFamily("ddiloco_learner_tokens", "Tokens processed by each learner (this life)",
+                                     labels=["learner", "region"])
         loss = GaugeMetricFamily("ddiloco_learner_inner_loss", "Smoothed inner training loss (nats/token)",
                                  labels=["learner", "region"])
         last_seen = GaugeMetricFamily("ddiloco_learner_last_seen_age_seconds", "Seconds since a learner was heard from",

@@ -19,6 +19,7 @@ import logging
 import time
 
 import grpc
+from google.protobuf import message as protobuf_message
 
 from ddiloco.rpc import errors
 from ddiloco.rpc import security
@@ -37,6 +38,18 @@ _BUSY_HEADER_WAIT_S = 1.0
 # stream) until the peer's flow-control window lets it out, so a stream's buffered bytes are one
 # chunk, not one fragment: with 64 watchers, 512 KiB chunks cost ~80 MiB more peak RSS than 128 KiB.
 WATCH_CHUNK_BYTES = 128 * 1024
+
+
+async def _next_request(iterator, timeout_s: float):
+    """The upload stream's next message (StopAsyncIteration at its end, TimeoutError after
+    timeout_s). grpc deserializes each message as it is read and raises the parser's DecodeError
+    from the read: a frame that is not an UploadFragmentRequest is bad input from the client
+    (INVALID_ARGUMENT, reason "malformed"), not an internal error of the syncer."""
+    try:
+        return await asyncio.wait_for(iterator.__anext__(), timeout_s)
+    except protobuf_message.DecodeError:
+        raise errors.InvalidArgument("a message of the upload stream is not a valid UploadFragmentRequest",
+                                     reason="malformed") from None
 
 
 class _UploadScope:
@@ -179,7 +192,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
     async def _upload(self, request_iterator, scope: _UploadScope, context) -> syncer_pb2.UploadFragmentResponse:
         iterator = request_iterator.__aiter__()
         try:
-            first = await asyncio.wait_for(iterator.__anext__(), self._upload_idle_timeout_s)
+            first = await _next_request(iterator, self._upload_idle_timeout_s)
         except StopAsyncIteration:
             raise errors.InvalidArgument("empty upload stream: expected a header", reason="header") from None
         except asyncio.TimeoutError:
@@ -206,7 +219,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                                          max_chunk_bytes=self._core.config.chunk_size_bytes)
         while not assembler.done:
             try:
-                msg = await asyncio.wait_for(iterator.__anext__(), self._upload_idle_timeout_s)
+                msg = await _next_request(iterator, self._upload_idle_timeout_s)
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
@@ -224,7 +237,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             raise errors.InvalidArgument(str(exc), reason="chunks") from None
         # The stream must end with the last chunk: anything after it is refused, not ignored.
         try:
-            extra = await asyncio.wait_for(iterator.__anext__(), self._upload_idle_timeout_s)
+            extra = await _next_request(iterator, self._upload_idle_timeout_s)
         except StopAsyncIteration:
             extra = None
         except asyncio.TimeoutError:
@@ -287,7 +300,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                     out_bytes += receipt.ByteSize()
                 for msg in messages:
                     yield msg
-                core.count_bytes(member, outbound=out_bytes)
+                core.count_bytes(member, outbound=out_bytes, codec=encoded.codec)
                 sent[fid] = version
                 if not observer:
                     core.broadcast_sent(request.learner_id, fid, version)

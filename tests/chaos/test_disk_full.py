@@ -64,7 +64,7 @@ def test_row07_store_disk_full_training_goes_on_and_the_last_checkpoint_stays(tm
                    timeout_s=180, what="merges and failed checkpoints while the store's disk is full")
         during = probe.state(0)
         assert during.last_checkpoint_outer_step == committed, (during.last_checkpoint_outer_step, committed)
-        refused = _counter(store, "ddiloco_grpc_server_handled_total", code="RESOURCE_EXHAUSTED")
+        refused = _counter(store, "grpc_server_handled_total", grpc_code="ResourceExhausted")
         assert refused >= 1, "the store did not answer RESOURCE_EXHAUSTED"
         retained = _checkpoints(store.address, "disk-full")
         assert retained and retained[-1][0] == committed, [step for step, _ in retained]

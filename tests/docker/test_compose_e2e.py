@@ -1,8 +1,9 @@
 """The compose stack on a real Docker engine, observed from the host through the training-state API.
 
 One scenario, five steps, each with bounded waits (issue 4):
-  1. build the image, bring the stack up (store, syncer, 2 learners in region-a, 2 in region-b,
-     each region on its own network); merges progress with contributors from both regions;
+  1. build the image, bring the stack up (store, syncer, 3 learners in region-a, 3 in region-b,
+     each region on its own network); merges progress with contributors from both regions, and
+     every learner trains its own data shard (the syncer's assignment, in its training state);
   2. regional outage: every learner of region-a is killed; the syncer marks them SILENT, merges go
      on with region-b alone; region-a's containers are started again and their learners rejoin
      (same identities, new incarnations) and contribute;
@@ -36,7 +37,9 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
 
 ACTIVE = syncer_pb2.MemberState.STATUS_ACTIVE
 SILENT = syncer_pb2.MemberState.STATUS_SILENT
-LEARNERS_PER_REGION = 2
+# Three per region (issue 26): every learner has a container id for its id and must still train
+# its own data shard, assigned by the syncer (as many shards as learners).
+LEARNERS_PER_REGION = 3
 LIVENESS_TIMEOUT_S = 4
 # A region stays away at least this long after it was detected, and until the other region alone
 # has made OUTAGE_MERGES merges.
@@ -56,18 +59,9 @@ def _free_port() -> int:
 
 
 def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str, interval_s: float = 0.25):
-    """Polls predicate() until truthy (returns it); gRPC errors count as "not yet"."""
-    deadline = time.monotonic() + timeout_s
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except grpc.RpcError as exc:
-            last_exc = exc
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last_exc})")
+    """Polls the syncer; gRPC errors (it is not answering yet) count as "not yet"."""
+    return dc.wait_until(predicate, timeout_s=timeout_s, what=what, interval_s=interval_s,
+                               not_yet=(grpc.RpcError,))
 
 
 class Syncer:
@@ -118,7 +112,8 @@ def test_compose_regional_outage_partition_and_syncer_crash(compose_project: dc.
         "DDILOCO_CHECKPOINT_EVERY_MERGES": "4",
         "DDILOCO_LIVENESS_TIMEOUT_S": str(LIVENESS_TIMEOUT_S),
         "DDILOCO_LEARNERS_PER_REGION": str(LEARNERS_PER_REGION),
-        # Paced tiny learners: 2 cores host four of them, the syncer and the store.
+        "DDILOCO_NUM_SHARDS": str(2 * LEARNERS_PER_REGION),
+        # Paced tiny learners: 2 cores host six of them, the syncer and the store.
         "DDILOCO_STEP_DELAY_S": "0.05",
         "DDILOCO_BATCH_SIZE": "8",
         "DDILOCO_LOG_LEVEL": "INFO",
@@ -170,7 +165,12 @@ def _scenario(project: dc.ComposeProject, syncer: Syncer) -> None:
         contributed = {c.learner_id for rec in st.recent_merges for c in rec.contributors}
         return st if st.outer_steps >= 8 and set(region_of) <= contributed else None
 
-    st = wait_until(all_merging, timeout_s=300, what="4 active learners, each in a merge")
+    st = wait_until(all_merging, timeout_s=300, what=f"{len(region_of)} active learners, each in a merge")
+    # Every learner trains its own data shard (assigned by the syncer: container ids carry no number).
+    shards = {m.learner_id: m.data_shard for m in st.members if m.learner_id in region_of}
+    assert sorted(shards.values()) == list(range(2 * LEARNERS_PER_REGION)), shards
+    assert all(m.data_shard_assigned and m.num_data_shards == 2 * LEARNERS_PER_REGION
+               for m in st.members if m.learner_id in region_of), st.members
     record("1-up", build_s=build_s, up_s=up_s, first_merges_s=time.monotonic() - t - up_s,
            outer_steps=st.outer_steps, learners=sorted(region_of))
 

@@ -4,7 +4,8 @@ A syncer, an evaluator and two learners run as processes; the dashboard serves f
 process on 127.0.0.1:0. Chromium loads the page twice some seconds apart (--dump-dom: the DOM
 after the page's script has fetched and rendered the state), then takes a screenshot. With
 DDILOCO_UPDATE_SCREENSHOT=1 the screenshot is also copied to docs/dashboard.png (the README's).
-The browser comes from scripts/browser_env.sh (apt-get if missing); no browser fails the test.
+The browser comes from scripts/browser_env.sh (apt-get if missing, through tests/browser.py, shared with
+the container tier's Prometheus screenshot); no browser fails the test.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ import os
 import pathlib
 import re
 import shutil
-import signal
-import subprocess
 
 import pytest
 
 from ddiloco.dashboard import Dashboard
+from tests import browser
 from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -28,32 +28,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def chromium() -> str:
-    try:
-        result = subprocess.run(["bash", str(ROOT / "scripts" / "browser_env.sh")], capture_output=True, text=True,
-                                timeout=1500)
-    except subprocess.TimeoutExpired:
-        pytest.fail("scripts/browser_env.sh did not finish within 25 minutes")
-    if result.returncode != 0 or not result.stdout.strip():
-        pytest.fail(f"no headless browser (scripts/browser_env.sh exited {result.returncode}):\n{result.stderr[-3000:]}")
-    return result.stdout.strip().splitlines()[-1]
+    return browser.chromium()  # fails the test when there is no browser
 
 
 def _browser(chromium: str, profile: pathlib.Path, *args: str, timeout_s: float = 120.0) -> str:
-    """Runs headless Chromium once; on timeout kills its process group (started here, own session)."""
-    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-           "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
-           "--disable-component-update", "--disable-sync", "--disable-extensions", "--hide-scrollbars",
-           f"--user-data-dir={profile}", "--virtual-time-budget=4000", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group of the browser started above, not yet reaped
-        proc.communicate(timeout=30)
-        pytest.fail(f"chromium did not finish within {timeout_s:.0f} s: {cmd}")
-    if proc.returncode != 0:
-        pytest.fail(f"chromium exited {proc.returncode}:\n{err[-3000:]}")
-    return out
+    """Runs headless Chromium once (tests/browser.py: own session, killed on timeout)."""
+    return browser.run(profile, *args, timeout_s=timeout_s)
 
 
 def _tag(dom: str, element_id: str) -> str:

@@ -34,7 +34,7 @@ def _start_learner(cluster, name: str, *, learner_id: str, devices: int, extra: 
     """A learner process seeing `devices` virtual CPU devices (its own XLA_FLAGS)."""
     svc = cluster.add(name, "services.learner", [
         "--syncer", cluster.services["syncer"].address, "--learner-id", learner_id, "--region", "r",
-        "--summary-file", str(cluster.workdir / f"{name}.summary.json"), *extra,
+        "--summary-file", str(cluster.workdir / f"{name}.summary.json"), "--health-bind", "127.0.0.1:0", *extra,
     ])
     # First: XLA stops reading XLA_FLAGS at a token that is not a flag (the cluster's default ends
     # with one), so a device count appended after it would be ignored.

@@ -162,9 +162,9 @@ def test_duplicates_stale_bases_and_malformed_fragments(cluster):
             assert np.all(np.isfinite(values)), fid
         # Every refusal is counted by status code (the metrics interceptor) and by reason.
         metrics = scrape(json.loads(syncer.ready_file.read_text())["metrics_address"])
-        assert value(metrics, "ddiloco_grpc_server_handled_total", method="UploadFragment",
-                     code="INVALID_ARGUMENT") >= 6
-        assert value(metrics, "ddiloco_grpc_server_handled_total", method="UploadFragment", code="ALREADY_EXISTS") == 1
+        assert value(metrics, "grpc_server_handled_total", grpc_method="UploadFragment",
+                     grpc_code="InvalidArgument") >= 6
+        assert value(metrics, "grpc_server_handled_total", grpc_method="UploadFragment", grpc_code="AlreadyExists") == 1
         assert value(metrics, "ddiloco_syncer_uploads_total", result="rejected_nonfinite") >= 2
     finally:
         probe.close()

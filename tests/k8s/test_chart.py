@@ -351,8 +351,18 @@ def test_probes_target_the_health_port_the_server_binds(render, name):
     for workload in workloads(docs):
         component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
         for container in workload["spec"]["template"]["spec"]["containers"]:
+            if component == "learner":
+                # A learner serves only its health service (plaintext, TLS or not), which reports
+                # its training loop's liveness: a livenessProbe on the port it binds, nothing else.
+                env = container_env(docs, workload, container, first_pod_name(workload))
+                health_port = int(env["DDILOCO_LEARNER_HEALTH_BIND"].rsplit(":", 1)[1])
+                assert health_port == load_values(name)["learners"]["healthPort"]
+                assert {p["name"]: p["containerPort"] for p in container["ports"]}["health"] == health_port
+                assert container["livenessProbe"]["grpc"] == {"port": health_port}
+                assert not {"startupProbe", "readinessProbe"} & container.keys()
+                continue
             if component not in SERVERS:
-                # Learners and the evaluator serve nothing: a probe would be meaningless.
+                # The evaluator serves nothing: a probe would be meaningless.
                 assert not {"startupProbe", "readinessProbe", "livenessProbe"} & container.keys()
                 continue
             env = container_env(docs, workload, container, first_pod_name(workload))
@@ -374,6 +384,63 @@ def test_probes_target_the_health_port_the_server_binds(render, name):
             checked += 1
     expected = int(load_values(name)["syncer"]["enabled"]) + int(load_values(name)["store"]["enabled"])
     assert checked == expected
+
+
+def test_learner_liveness_probe_allows_the_loop_its_own_bound(render):
+    """The learner says NOT_SERVING itself after settings.livenessTimeoutS without progress (which
+    covers start-up); the probe only needs a few answers in a row, well inside that bound."""
+    from services.learner import config as learner_config
+
+    docs = render("default")
+    for sts in learner_sets(docs):
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        env = container_env(docs, sts, container, first_pod_name(sts))
+        cfg = learner_config.parse_learner_config([], env)
+        probe = container["livenessProbe"]
+        assert cfg.health_bind == f"0.0.0.0:{probe['grpc']['port']}"
+        assert cfg.liveness_timeout_s == load_values("default")["learners"]["settings"]["livenessTimeoutS"] >= 60
+        assert probe["periodSeconds"] * probe["failureThreshold"] < cfg.liveness_timeout_s
+        assert probe["timeoutSeconds"] < probe["periodSeconds"]
+
+
+NODE_FAILURE_TAINTS = {"notReady": "node.kubernetes.io/not-ready", "unreachable": "node.kubernetes.io/unreachable"}
+
+
+def _node_failure_seconds(pod: dict) -> dict[str, int | None]:
+    found = {}
+    for toleration in pod.get("tolerations", []):
+        for key, taint in NODE_FAILURE_TAINTS.items():
+            if toleration["key"] == taint:
+                assert toleration["operator"] == "Exists" and toleration["effect"] == "NoExecute", toleration
+                assert key not in found, f"two tolerations for {taint}"
+                found[key] = toleration.get("tolerationSeconds")
+    return found
+
+
+@pytest.mark.parametrize("name", ALL_VALUES)
+def test_every_pod_tolerates_node_failures_only_briefly(render, name):
+    """Without an explicit toleration Kubernetes waits 300 s before evicting pods from a failed
+    node; every workload pod sets the chart's shorter, configurable bound (values.yaml says why)."""
+    values = load_values(name)["nodeFailureTolerationSeconds"]
+    assert 0 < values["notReady"] < 300 and 0 < values["unreachable"] < 300
+    docs = render(name)
+    pods = [(n, pod) for n, _meta, pod in pod_specs(docs) if n in {w["metadata"]["name"] for w in workloads(docs)}]
+    assert pods
+    for pod_name, pod in pods:
+        assert _node_failure_seconds(pod) == values, pod_name
+
+
+def test_node_failure_tolerations_are_configurable_and_keep_component_tolerations(render, k8s_versions):
+    docs = render("default", "--set", "nodeFailureTolerationSeconds.notReady=60",
+                  "--set", "nodeFailureTolerationSeconds.unreachable=null",
+                  "--set", "syncer.tolerations[0].key=dedicated", "--set", "syncer.tolerations[0].operator=Exists")
+    assert not validate_strictly(docs, k8s_versions)
+    for workload in workloads(docs):
+        pod = workload["spec"]["template"]["spec"]
+        # null leaves the unreachable taint to Kubernetes' default (its admission plugin adds 300 s).
+        assert _node_failure_seconds(pod) == {"notReady": 60}, workload["metadata"]["name"]
+    syncer_pod = one(docs, "Deployment", "syncer")["spec"]["template"]["spec"]
+    assert {"key": "dedicated", "operator": "Exists"} in syncer_pod["tolerations"]
 
 
 def test_syncer_restore_and_shutdown_budgets(render):
@@ -690,6 +757,32 @@ def test_optional_service_monitor_scrapes_every_metrics_port(render, k8s_version
     assert not [d for d in render("hub", tests=False) if d["kind"] == "ServiceMonitor"]
 
 
+def test_optional_prometheus_rule_is_exactly_the_rules_file(render, k8s_versions):
+    import yaml
+
+    # One source of truth: the PrometheusRule's spec is the plain rules file compose loads, which
+    # tests/unit/test_prometheus_rules.py checks with promtool; the chart holds a link to it.
+    source = ROOT / "deploy" / "prometheus" / "rules.yml"
+    assert (CHART / "files" / "prometheus-rules.yml").resolve() == source.resolve()
+    rules = yaml.safe_load(source.read_text())
+    docs = render("hub", "--set", "metrics.prometheusRule.enabled=true",
+                  "--set", "metrics.prometheusRule.labels.release=prom", tests=False)
+    found = [d for d in docs if d["kind"] == "PrometheusRule"]
+    assert len(found) == 1
+    rule = found[0]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["labels"]["release"] == "prom"
+    assert rule["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+    assert rule["spec"] == rules
+    # The alerts' own templates reach Prometheus untouched by Helm.
+    assert "{{ $labels.instance }}" in json.dumps(rule["spec"])
+    assert not validate_strictly([d for d in docs if d["kind"] != "PrometheusRule"], k8s_versions)
+    # Off unless asked for; never in a release without the syncer (its metrics are what the rules read).
+    assert not [d for d in render("hub", tests=False) if d["kind"] == "PrometheusRule"]
+    region = render("region-a", "--set", "metrics.prometheusRule.enabled=true", tests=False)
+    assert not [d for d in region if d["kind"] == "PrometheusRule"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Mutual TLS and GPUs (off by default)
 
@@ -908,7 +1001,8 @@ def test_gpu_learners_request_devices_select_gpu_nodes_and_the_jax_backend(rende
         if workload not in learner_sets(docs):
             assert "nvidia.com/gpu" not in str(workload["spec"]["template"]["spec"])
     plain = learner_sets(render("hub"))[0]["spec"]["template"]["spec"]
-    assert "nvidia.com/gpu" not in json.dumps(plain["containers"][0]["resources"]) and "tolerations" not in plain
+    assert "nvidia.com/gpu" not in json.dumps(plain["containers"][0]["resources"])
+    assert {t["key"] for t in plain["tolerations"]} == set(NODE_FAILURE_TAINTS.values())  # node failures only
     assert "JAX_PLATFORMS" not in json.dumps(plain["containers"][0]["env"])
     amd = learner_sets(render("hub", "--set", "learners.gpu.enabled=true",
                               "--set", "learners.gpu.resourceName=amd.com/gpu"))[0]["spec"]["template"]["spec"]["containers"][0]

@@ -323,3 +323,15 @@ def error_of(fn) -> grpc.RpcError:
 
 def honest_delta(numel: int, seed: int, scale: float = 1e-3) -> np.ndarray:
     return (scale * np.random.default_rng(seed).standard_normal(numel)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def mtls_syncer(tmp_path_factory, pki):
+    """A syncer under mutual TLS for the CLI clients' credential tests (one per test module)."""
+    with Harness(tmp_path_factory.mktemp("mtls-syncer"), mode="mtls", pki=pki) as harness:
+        yield harness
+
+
+def reader_flags(pki: pathlib.Path, name: str = "operator") -> list[str]:
+    """The CLI flags of `name`'s certificate (the operator's is a reader identity)."""
+    return ["--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / f"{name}.pem"), "--tls-key", str(pki / f"{name}.key")]

@@ -16,21 +16,13 @@ import pytest
 from rich.console import Console
 
 from ddiloco.cli import up as up_cli
-from tests.security.conftest import Harness, client_security
+from tests.security.conftest import client_security, reader_flags
 
 pytestmark = pytest.mark.timeout(180)
 
 _DDILOCO = [sys.executable, "-m", "ddiloco.cli.main"]
 
 
-@pytest.fixture(scope="module")
-def mtls_syncer(tmp_path_factory, pki):
-    with Harness(tmp_path_factory.mktemp("cli-mtls"), mode="mtls", pki=pki) as harness:
-        yield harness
-
-
-def _reader_flags(pki, name: str = "operator") -> list[str]:
-    return ["--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / f"{name}.pem"), "--tls-key", str(pki / f"{name}.key")]
 
 
 def _status(address: str, *flags: str) -> subprocess.CompletedProcess:
@@ -43,7 +35,7 @@ def _no_traceback(result: subprocess.CompletedProcess) -> bool:
 
 
 def test_status_reads_with_a_reader_certificate_and_explains_every_refusal(mtls_syncer, pki):
-    ok = _status(mtls_syncer.address, *_reader_flags(pki))
+    ok = _status(mtls_syncer.address, *reader_flags(pki))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert json.loads(ok.stdout.splitlines()[-1])["run_id"] == "security"
 
@@ -51,7 +43,7 @@ def test_status_reads_with_a_reader_certificate_and_explains_every_refusal(mtls_
         "plaintext": ((), "probably serves mutual TLS"),
         "explicit plaintext": (("--insecure",), "probably serves mutual TLS"),
         "TLS without a client certificate": (("--tls-ca", str(pki / "ca.pem")), "requires mutual TLS"),
-        "a learner's certificate": (_reader_flags(pki, "learner-0"), "refused these credentials"),
+        "a learner's certificate": (reader_flags(pki, "learner-0"), "refused these credentials"),
         "another CA": (["--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / "rogue.pem"),
                         "--tls-key", str(pki / "rogue.key")], "TLS handshake failed"),
     }
@@ -60,7 +52,7 @@ def test_status_reads_with_a_reader_certificate_and_explains_every_refusal(mtls_
         out = " ".join((result.stdout + result.stderr).split())  # rich wraps long lines
         assert result.returncode == 2 and hint in out and _no_traceback(result), (what, out)
     # Contradictory or missing files: a usage error before any call.
-    for flags, hint in (((*_reader_flags(pki), "--insecure"), "contradicts"),
+    for flags, hint in (((*reader_flags(pki), "--insecure"), "contradicts"),
                         (("--tls-ca", str(pki / "missing.pem")), "cannot read CA bundle")):
         result = _status(mtls_syncer.address, *flags)
         assert result.returncode == 2 and hint in " ".join(result.stdout.split()) and _no_traceback(result), result
@@ -84,7 +76,7 @@ def _wait_available(url: str, timeout_s: float = 30.0) -> dict:
 
 def test_dashboard_serves_with_a_reader_certificate_and_refuses_to_start_without(mtls_syncer, pki):
     proc = subprocess.Popen([*_DDILOCO, "dashboard", "--target", mtls_syncer.address, "--bind", "127.0.0.1:0",
-                             "--interval-s", "0.2", *_reader_flags(pki)],
+                             "--interval-s", "0.2", *reader_flags(pki)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -94,7 +86,7 @@ def test_dashboard_serves_with_a_reader_certificate_and_refuses_to_start_without
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-    for flags, hint in (((), "probably serves mutual TLS"), (_reader_flags(pki, "learner-0"), "refused these credentials")):
+    for flags, hint in (((), "probably serves mutual TLS"), (reader_flags(pki, "learner-0"), "refused these credentials")):
         result = subprocess.run([*_DDILOCO, "dashboard", "--target", mtls_syncer.address, "--bind", "127.0.0.1:0",
                                  "--timeout-s", "5", *flags], capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and hint in result.stderr and _no_traceback(result), result

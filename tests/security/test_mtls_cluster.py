@@ -63,7 +63,7 @@ def test_a_run_under_mutual_tls(tmp_path):
         args = cluster.tls_args("learner-0")
         impostor = subprocess.run(
             [sys.executable, "-m", "services.learner", "--syncer", syncer.address, "--learner-id", "learner-1",
-             "--steps", "1", "--join-timeout-s", "60", *args],
+             "--steps", "1", "--join-timeout-s", "60", "--health-bind", "127.0.0.1:0", *args],
             capture_output=True, text=True, timeout=120, env=cluster.env)
         assert impostor.returncode == 4, impostor.stdout[-2000:] + impostor.stderr[-2000:]
         assert "PERMISSION_DENIED" in impostor.stdout + impostor.stderr

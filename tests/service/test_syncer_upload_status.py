@@ -19,6 +19,7 @@ import pytest
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.rpc import channel as channel_lib
+from ddiloco.rpc import errors
 from ddiloco.rpc import security
 from ddiloco.rpc import server as server_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
@@ -61,7 +62,8 @@ def _messages(core, *, base_version: int, instance: str | None = None, seed: int
 
 
 @contextlib.asynccontextmanager
-async def _syncer(core, *, max_concurrent_uploads: int = 4):
+async def _server(core, *, max_concurrent_uploads: int = 4):
+    """A real syncer server on 127.0.0.1:0; yields its handle (`.address`)."""
     servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=max_concurrent_uploads)
     sec = security.ServerSecurity(insecure=True)
     auth = security.AuthInterceptor(sec.authenticator(), security.SYNCER_POLICY,
@@ -69,12 +71,20 @@ async def _syncer(core, *, max_concurrent_uploads: int = 4):
     handle = await server_lib.start_server(
         "127.0.0.1:0", ["ddiloco.v1.Syncer"], [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
         interceptors=[auth])
-    channel = channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
     try:
-        yield syncer_pb2_grpc.SyncerStub(channel)
+        yield handle
     finally:
-        await channel.close()
         await handle.stop(grace_s=0)
+
+
+@contextlib.asynccontextmanager
+async def _syncer(core, *, max_concurrent_uploads: int = 4):
+    async with _server(core, max_concurrent_uploads=max_concurrent_uploads) as handle:
+        channel = channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
+        try:
+            yield syncer_pb2_grpc.SyncerStub(channel)
+        finally:
+            await channel.close()
 
 
 async def _join(stub) -> syncer_pb2.JoinResponse:
@@ -124,5 +134,110 @@ def test_a_full_syncer_refuses_with_resource_exhausted():
                     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
             finally:
                 holder.cancel()
+
+    asyncio.run(run())
+
+
+# Frames that are not UploadFragmentRequest messages: a length-delimited field 1 (the header) whose
+# length runs past the end of the frame, and a field number 0 (never valid).
+_GARBAGE_FRAMES = (b"\x0a\xff\xff\xff\x0f", b"\x00\x01\x02\x03")
+
+
+def _send_raw_frames(address: str, frames: list[bytes]) -> grpc.RpcError:
+    """Sends `frames` as the request messages of one UploadFragment call, unserialized, with the
+    blocking client: it sends every frame and half-closes, then reads the status (the asyncio client
+    can replace a status that arrives while it still writes with INTERNAL, grpc/grpc#36066)."""
+    channel = channel_lib.sync_channel(address)
+    try:
+        upload = channel.stream_unary("/ddiloco.v1.Syncer/UploadFragment", request_serializer=None,
+                                      response_deserializer=syncer_pb2.UploadFragmentResponse.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            upload(iter(frames), timeout=10)
+        return info.value
+    finally:
+        channel.close()
+
+
+def test_frames_that_are_not_messages_are_refused_as_malformed_not_internal():
+    """A frame the server cannot parse as an UploadFragmentRequest is bad input: INVALID_ARGUMENT,
+    counted as rejected_malformed (on the learner too once its header was read), never INTERNAL,
+    and the syncer's state is untouched (a valid upload is accepted afterwards)."""
+    async def run():
+        core = _core()
+        async with _server(core) as handle:
+            for frame in _GARBAGE_FRAMES:  # in place of the header
+                error = await asyncio.to_thread(_send_raw_frames, handle.address, [frame])
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+                assert "not a valid UploadFragmentRequest" in error.details(), error.details()
+            channel = channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
+            try:
+                stub = syncer_pb2_grpc.SyncerStub(channel)
+                await _join(stub)
+                good = _messages(core, base_version=0)
+                # A valid header, then a garbage frame in place of a chunk: refused and counted on the learner.
+                frames = [good[0].SerializeToString(), _GARBAGE_FRAMES[0]]
+                error = await asyncio.to_thread(_send_raw_frames, handle.address, frames)
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+                state = core.training_state(0)
+                assert state.uploads["rejected_malformed"] == len(_GARBAGE_FRAMES) + 1, dict(state.uploads)
+                assert "rejected_internal" not in state.uploads, dict(state.uploads)
+                member = core.members["learner-0"]
+                assert member.rejections["malformed"] == 1 and member.flags & core_lib.FLAG_MALFORMED
+                assert [f.pending_contributions for f in state.fragments] == [0] and core.slots[0].version == 0
+                response = await asyncio.wait_for(client_lib.send_upload(stub, good, 10.0), 15)
+                assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+            finally:
+                await channel.close()
+
+    asyncio.run(run())
+
+
+class _InterruptingServicer(servicer_lib.SyncerServicer):
+    """Ends the first `interruptions` uploads after their first chunk, as a link that breaks while
+    the learner is still writing (a crashed proxy, a network cut): the real status is UNAVAILABLE."""
+
+    interruptions = 5
+
+    async def _upload(self, request_iterator, scope, context):
+        if self.interruptions <= 0:
+            return await super()._upload(request_iterator, scope, context)
+        self.interruptions -= 1
+        iterator = request_iterator.__aiter__()
+        await asyncio.wait_for(iterator.__anext__(), 10)  # the header
+        await context.send_initial_metadata((serde.UPLOAD_HEADER_ACK,))
+        await asyncio.wait_for(iterator.__anext__(), 10)  # one chunk of 64; the learner writes on
+        raise errors.Unavailable("the link broke mid-upload (test)", reason="test_interrupted")
+
+
+def test_an_upload_interrupted_while_writing_is_sent_again_not_taken_as_a_refusal():
+    """The grpc asyncio client reports a call that ended while it was still writing as INTERNAL
+    "Internal error from Core" (grpc/grpc#36066), hiding the real status (here UNAVAILABLE). The
+    syncer cannot have taken such an upload (it takes one only after the stream's end, never sent),
+    so the learner's client sends the same job again instead of dropping it as refused."""
+    async def run():
+        core = _core()
+        servicer = _InterruptingServicer(core, max_concurrent_uploads=4)
+        handle = await server_lib.start_server(
+            "127.0.0.1:0", ["ddiloco.v1.Syncer"],
+            [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)])
+        client = client_lib.SyncClient(client_lib.ClientConfig(
+            target=handle.address, learner_id="learner-0", incarnation=1, region="r", tokens_per_step=0,
+            call_timeout_s=10.0, retry_bound_s=10.0, security=security.ClientSecurity(insecure=True)))
+        try:
+            await asyncio.wait_for(asyncio.to_thread(client.start, 30.0), 40)
+            delta = np.random.default_rng(0).standard_normal(NUMEL).astype(np.float32) * np.float32(1e-3)
+            client.submit_upload(client_lib.UploadJob(fragment_id=0, base_version=0, syncer_instance=client.instance,
+                                                      steps=2, tokens=200, delta=delta, local_step=2))
+            outcomes = []
+            deadline = time.monotonic() + 60
+            while not outcomes and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                outcomes = client.take_outcomes()
+            assert [o.result for o in outcomes] == [client_lib.OUTCOME_ACCEPTED], (outcomes, vars(client.stats))
+            assert servicer.interruptions == 0 and client.stats.uploads_refused == 0, vars(client.stats)
+            assert core.members["learner-0"].uploads_accepted == 1
+        finally:
+            await asyncio.to_thread(client.close, leave=True)
+            await handle.stop(grace_s=0)
 
     asyncio.run(run())

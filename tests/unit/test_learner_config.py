@@ -90,3 +90,16 @@ def test_hashed_shard_is_stable_across_processes():
     shards = [config_lib.LearnerConfig(learner_id=f"region-a-{h}", num_shards=4).resolved_shard_index
               for h in ("3f2a9c1b0e1a", "c0ffee000abc", "deadbeefcafe")]
     assert shards == [1, 2, 1]
+
+
+def test_only_explicit_and_numbered_ids_pin_a_shard_others_ask_the_syncer():
+    """`--shard-index` and numbered ids (learner-3, StatefulSet ordinals) pin their shard as before;
+    an auto id (a container id) pins none (-1) and takes the shard the syncer assigns at join."""
+    assert config_lib.LearnerConfig(learner_id="learner-6", num_shards=4).pinned_shard_index == 2
+    assert config_lib.LearnerConfig(learner_id="region-a-3f2a9c1b0e1a", num_shards=4, shard_index=5).pinned_shard_index == 1
+    auto = config_lib.parse_learner_config(["--learner-id", "auto", "--region", "region-a"], {}, "3f2a9c1b0e12")
+    assert auto.pinned_shard_index == -1
+    assert auto.resolved_shard_index == _sha256_shard("region-a-3f2a9c1b0e12", 4)  # only for a syncer that assigns none
+    # A container id can be all digits (about 1 in 280): still a container id, not an ordinal.
+    digits = config_lib.parse_learner_config(["--learner-id", "auto", "--region", "region-a"], {}, "123456789012")
+    assert digits.pinned_shard_index == -1

@@ -356,3 +356,69 @@ def test_the_history_start_record_holds_the_liveness_timeout_and_grace_cap(tmp_p
     history.shutdown()
     start = next(r for r in chaos_history.read(tmp_path / "h.jsonl") if r["event"] == "start")
     assert (start["liveness_timeout_s"], start["max_grace_s"]) == (30.0, 10.0)
+
+
+def _join_data(core, learner_id: str, *, incarnation: int = 1, shards: int = 4, pinned: int | None = None):
+    """Joins as a learner with `shards` data shards: asks the syncer for one, or pins `pinned`."""
+    return core.join(syncer_pb2.JoinRequest(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation,
+        num_data_shards=shards, assign_data_shard=pinned is None, data_shard=pinned or 0))
+
+
+def _shards(core) -> dict[str, tuple[int, bool]]:
+    """learner id -> (data shard, assigned by the syncer), from the training state (what operators see)."""
+    return {m.learner_id: (m.data_shard, m.data_shard_assigned) for m in core.training_state(0).members
+            if m.num_data_shards}
+
+
+def test_learners_that_ask_get_distinct_data_shards_stable_across_their_lives():
+    """Hex container ids (`--learner-id auto` in compose) ask the syncer for a shard: each gets its
+    own, a restarted learner (new incarnation) gets its shard back, a shard whose learner left or went
+    silent is handed out again, and pinned shards (`--shard-index`, numbered ids) are recorded as the
+    learners chose them."""
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock)  # liveness timeout 30 s
+        ids = ["region-a-3f2a9c1b0e1a", "region-a-77c0ffee00b2", "region-b-0d15ea5e0c3f"]
+        responses = [_join_data(core, lid) for lid in ids]
+        assert [(r.data_shard, r.data_shard_assigned) for r in responses] == [(0, True), (1, True), (2, True)]
+        assert _shards(core) == {ids[0]: (0, True), ids[1]: (1, True), ids[2]: (2, True)}
+        # A restart of the second learner (a new life) keeps its shard; so does the same life re-joining.
+        assert _join_data(core, ids[1], incarnation=2).data_shard == 1
+        assert _join_data(core, ids[1], incarnation=2).data_shard == 1
+        # A pinned learner is recorded as it chose (modulo the shard count), never moved.
+        pinned = _join_data(core, "learner-7", pinned=7)
+        assert (pinned.data_shard, pinned.data_shard_assigned) == (3, False)
+        assert _shards(core)["learner-7"] == (3, False)
+        # The first learner leaves: a newcomer gets its shard.
+        core.leave(syncer_pb2.LeaveRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=ids[0], incarnation=1))
+        assert _join_data(core, "region-b-feedfacecafe").data_shard == 0
+        # It comes back while all four shards are trained: more learners than shards, so the
+        # least-trained shard, the lowest on ties.
+        assert _join_data(core, ids[0], incarnation=2).data_shard == 0
+        # Everyone silent past the liveness timeout: a newcomer gets shard 0, and a returning learner
+        # its previous shard, which no live learner holds.
+        clock.now_s += 31.0
+        assert _join_data(core, "region-b-0123456789ab").data_shard == 0
+        assert _join_data(core, ids[2], incarnation=2).data_shard == 2
+        # A learner that reports nothing about its data (an older learner) shows no shard.
+        join(core, "old-learner")
+        assert "old-learner" not in _shards(core)
+
+    asyncio.run(run())
+
+
+def test_data_shards_survive_a_syncer_restart():
+    """A restarted syncer restores each member's shard, so a learner that comes back asking gets its
+    shard again instead of the lowest free one."""
+    async def run():
+        core = make_core(FakeClock())
+        for lid in ("region-a-aaaaaaaaaaaa", "region-a-bbbbbbbbbbbb", "region-b-cccccccccccc"):
+            _join_data(core, lid)
+        blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
+        restored = make_core(FakeClock())
+        restored.restore(checkpointing.decode_snapshot(blobs))
+        assert _join_data(restored, "region-b-cccccccccccc", incarnation=2).data_shard == 2
+        assert _shards(restored)["region-b-cccccccccccc"] == (2, True)
+
+    asyncio.run(run())

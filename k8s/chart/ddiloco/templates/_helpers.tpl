@@ -283,13 +283,36 @@ priorityClassName: {{ . }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .component.tolerations }}
+{{- $nodeFailure := include "ddiloco.nodeFailureTolerations" $ }}
+{{- if or .component.tolerations $nodeFailure }}
 tolerations:
+  {{- with .component.tolerations }}
   {{- toYaml . | nindent 2 }}
+  {{- end }}
+  {{- with $nodeFailure }}
+  {{- . | nindent 2 }}
+  {{- end }}
 {{- end }}
 {{- with .component.affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+NoExecute tolerations of every pod for the node-failure taints, with nodeFailureTolerationSeconds
+(a null value leaves the taint to Kubernetes' default, 300 s). See values.yaml for why.
+*/}}
+{{- define "ddiloco.nodeFailureTolerations" -}}
+{{- $seconds := .Values.nodeFailureTolerationSeconds }}
+{{- range $key, $taint := dict "notReady" "node.kubernetes.io/not-ready" "unreachable" "node.kubernetes.io/unreachable" }}
+{{- /* A null in the user's values deletes the key (Helm), which leaves the default to Kubernetes. */}}
+{{- if and (hasKey $seconds $key) (not (kindIs "invalid" (get $seconds $key))) }}
+- key: {{ $taint }}
+  operator: Exists
+  effect: NoExecute
+  tolerationSeconds: {{ int (get $seconds $key) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
