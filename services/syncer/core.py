@@ -112,10 +112,18 @@ class Member:
     tokens_prev_lives: int = 0  # tokens processed by this learner's earlier incarnations
     # fragment -> (version, highest merged local_step mark of this life) per merge that held one.
     merged_marks: dict = dataclasses.field(default_factory=dict)
+    # fragment -> tokens of this life's merged contributions. Each carries the progress since the
+    # previous merged one, so each sum is a lower bound of the life's tokens processed, known before
+    # the progress report that says so (reports lag uploads by up to one report interval).
+    merged_tokens: dict = dataclasses.field(default_factory=dict)
     # The data shard this learner trains, of num_data_shards (0: not reported; see assign_data_shard).
     num_data_shards: int = 0
     data_shard: int = -1
     data_shard_assigned: bool = False  # chosen by this syncer, not pinned by the learner
+
+    def tokens_this_life(self) -> int:
+        """Tokens processed by this life: as reported, or more once merges hold more."""
+        return max(self.tokens_total, max(self.merged_tokens.values(), default=0))
 
     def mark_at(self, fragment_id: int, version: int) -> int:
         """The highest mark of this life's contributions that `version` of the fragment holds."""
@@ -368,7 +376,7 @@ class SyncerCore:
                 member.quarantined_until_s = previous.quarantined_until_s
                 member.quarantined_until_unix_s = previous.quarantined_until_unix_s
                 member.direction_sum, member.direction_count = previous.direction_sum, previous.direction_count
-                member.tokens_prev_lives = previous.tokens_prev_lives + previous.tokens_total
+                member.tokens_prev_lives = previous.tokens_prev_lives + previous.tokens_this_life()
                 self.schedule.forget((previous.learner_id, previous.incarnation))
             self.members[req.learner_id] = member
             self._place_on_data_shard(member, req, previous)
@@ -491,7 +499,7 @@ class SyncerCore:
 
     def tokens_processed(self) -> int:
         """Tokens processed by every life of every learner known to this run."""
-        return sum(m.tokens_prev_lives + m.tokens_total for m in self.members.values())
+        return sum(m.tokens_prev_lives + m.tokens_this_life() for m in self.members.values())
 
     def budget_reached(self) -> bool:
         """Whether the run's token budget is spent: learners are told to stop in their progress
@@ -1091,6 +1099,7 @@ class SyncerCore:
                 if member is not None and member.incarnation == c.incarnation:
                     marks = member.merged_marks.setdefault(fid, collections.deque(maxlen=_RECEIPT_HISTORY))
                     marks.append((slot.version, c.local_step))
+                    member.merged_tokens[fid] = member.merged_tokens.get(fid, 0) + c.tokens
             expected = self.expected_learners()
             slot.broadcast = (slot.version, started, set(expected))
             quorum_at = rnd.quorum_reached_at_s if rnd.quorum_reached_at_s is not None else started
@@ -1322,7 +1331,7 @@ class SyncerCore:
             "uploads": dict(self.uploads),
             "members": {m.learner_id: {"incarnation": m.incarnation, "region": m.region, "joins": m.joins,
                                        "flags": m.flags, "rejections": dict(m.rejections),
-                                       "tokens_total": m.tokens_total, "tokens_prev_lives": m.tokens_prev_lives,
+                                       "tokens_total": m.tokens_this_life(), "tokens_prev_lives": m.tokens_prev_lives,
                                        "num_data_shards": m.num_data_shards, "data_shard": m.data_shard,
                                        "data_shard_assigned": m.data_shard_assigned,
                                        # the time left, so a restart keeps it ("until restart" ones end)

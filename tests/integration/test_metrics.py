@@ -73,9 +73,9 @@ def test_syncer_store_and_learner_export_prometheus_metrics(cluster):
     assert value(s, "ddiloco_learners", status="active") == 1
     assert value(s, "ddiloco_learner_inner_steps_total", learner="learner-0", region="eu") > 0
     assert value(s, "ddiloco_learner_tokens_total", learner="learner-0", region="eu") > 0
-    # Progress reports lag the uploads by up to one report interval, so while learners train the
-    # share can exceed 1 by that interval's tokens (seen once: 1.028); exactness is checked below.
-    assert 0 < value(s, "ddiloco_goodput_ratio") <= 1.1
+    # Never above 1, although progress reports lag the uploads (it once read 1.028 before merged
+    # contributions bounded the tokens processed from below).
+    assert 0 < value(s, "ddiloco_goodput_ratio") <= 1
     # Work merged = tokens merged / (P x tokens processed), from the syncer's tokens processed (every life).
     processed = value(s, "ddiloco_syncer_tokens_processed_total")
     assert processed > 0

@@ -422,3 +422,28 @@ def test_data_shards_survive_a_syncer_restart():
         assert _shards(restored)["region-b-cccccccccccc"] == (2, True)
 
     asyncio.run(run())
+
+
+def test_work_merged_never_exceeds_the_work_processed_while_progress_reports_lag():
+    # Progress reports lag the uploads by up to one report interval: a merge could hold tokens the
+    # syncer had not yet heard were processed, and work merged read 1.028 in a live run. Merged
+    # contributions of a fragment carry disjoint progress, so their sum bounds the life's tokens.
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock, min_quorum=1, gamma=0.0)
+        join(core, "l1")
+        progress(core, "l1", step_time_s=1.0)  # reports local_step 1 and no tokens yet
+        for fid in range(2):
+            n = core.plan.fragments[fid].numel
+            await upload(core, "l1", fid, 0, np.full(n, 0.01), steps=4)  # 400 tokens each
+        await settle()
+        assert [s.version for s in core.slots] == [1, 1]
+        assert core.tokens_merged == 800
+        assert core.tokens_processed() == 400
+        state = core.training_state(0)
+        assert state.tokens_merged / (len(core.slots) * state.tokens_processed) == pytest.approx(1.0)
+        # The next life starts from what this one is known to have processed.
+        join(core, "l1", incarnation=2)
+        assert core.tokens_processed() == 400
+
+    asyncio.run(run())
