@@ -232,7 +232,8 @@ def test_final_contributions_join_the_next_scheduled_round_until_nobody_trains()
         await settle()
         assert core.slots[1].version == 1 and core.merges[-1].reason == "all_contributed"
         assert core.expected_learners() == set()
-        assert core.tokens_processed() == 0  # reports carried no tokens
+        # The reports carried no tokens; the merges hold a's 400 (fragment 0) and b's 400 per fragment.
+        assert core.tokens_processed() == 800
 
     asyncio.run(run())
 
