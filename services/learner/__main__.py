@@ -23,7 +23,6 @@ import numpy as np
 
 from ddiloco import liveness as liveness_lib
 from ddiloco import logs, models
-from ddiloco.chaos import failpoints as failpoints_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco import metrics as metrics_lib
 from ddiloco.data import corpus
@@ -66,12 +65,11 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             return 2
         _LOG.info(f"health on {health_server.address} (NOT_SERVING after {cfg.liveness_timeout_s:g} s "
                   "without an inner step)")
-    failpoints = failpoints_lib.Failpoints(cfg.failpoints, prefix="learner.")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     # In a multi-host unit only process 0 talks to the syncer; the wrapper keeps the others in step.
-    client = unit.wrap_client(client_lib.SyncClient(
+    sync_client = client_lib.SyncClient(
         client_lib.ClientConfig(
             target=cfg.syncer, learner_id=cfg.learner_id, incarnation=incarnation, region=cfg.region,
             tokens_per_step=0, call_timeout_s=cfg.call_timeout_s, retry_bound_s=cfg.retry_bound_s,
@@ -84,7 +82,8 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             num_data_shards=cfg.num_shards, data_shard=cfg.pinned_shard_index,
             fallback_data_shard=cfg.resolved_shard_index,
         )
-    ), stop)
+    )
+    client = unit.wrap_client(sync_client, stop)
     collector = learner_metrics.LearnerCollector(cfg.learner_id, cfg.region, client)
     if cfg.metrics_bind:
         registry = metrics_lib.new_registry("learner")
@@ -156,7 +155,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
             _LOG.error(str(client.fenced))
             client.close(leave=False)
             return 4
-        failpoints.hit("learner.inner_step")  # fault tests only: `stall` hangs the loop here
+        sync_client.hit_failpoint("learner.inner_step")  # fault tests only: `stall` hangs the loop here
         loss = loop.step()
         liveness.beat()
         if loop.stats.steps % cfg.log_every_steps == 0:

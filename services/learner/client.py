@@ -311,6 +311,12 @@ class SyncClient:
         with self._lock:
             self._progress = request
 
+    def hit_failpoint(self, name: str) -> None:
+        """Fault tests only: the action armed at `name` by ClientConfig.failpoints (none: nothing).
+        The training loop's points (`learner.inner_step`) go through here so that the learner's
+        wiring holds one failpoint table, the client's."""
+        self._failpoints.hit(name)
+
     def close(self, *, leave: bool, timeout_s: float = 5.0) -> None:
         """Stops the client; with `leave`, tells the syncer first (best effort, bounded)."""
         if not self._thread.is_alive():

@@ -51,6 +51,14 @@ def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str, 
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last_exc}){detail}")
 
 
+def report_logs(project_name: str, logs: str, tmp_path: pathlib.Path, *, last_lines: int = 80) -> None:
+    """A failed scenario's compose logs: all of them into tmp_path/compose.log, the last lines printed."""
+    log_file = tmp_path / "compose.log"
+    log_file.write_text(logs)
+    print(f"--- last lines of the logs of {project_name} (all of them: {log_file}) ---")
+    print("\n".join(logs.splitlines()[-last_lines:]))
+
+
 def run(cmd: Sequence[str], *, env: dict[str, str] | None = None, timeout: float, check: bool = True,
         input_text: str | None = None) -> subprocess.CompletedProcess:
     """Runs cmd with a bound; on timeout kills its process group (ours) and fails with its output."""

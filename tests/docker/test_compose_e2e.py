@@ -126,11 +126,7 @@ def test_compose_regional_outage_partition_and_syncer_crash(compose_project: dc.
     try:
         _scenario(project, syncer)
     except BaseException:
-        logs = project.logs(tail=100_000)
-        log_file = tmp_path / "compose.log"
-        log_file.write_text(logs)
-        print(f"--- last lines of the logs of {project.name} (all of them: {log_file}) ---")
-        print("\n".join(logs.splitlines()[-80:]))
+        dc.report_logs(project.name, project.logs(tail=100_000), tmp_path)
         raise
     finally:
         syncer.close()

@@ -164,11 +164,7 @@ def test_monitoring_profile_scrapes_every_service_and_feeds_every_dashboard_quer
         _scenario(project, prometheus, queries, tmp_path)
     except BaseException:
         done = project.compose(*PROFILES, "logs", "--no-color", "--tail", "100000", timeout=60, check=False)
-        logs = done.stdout + done.stderr
-        log_file = tmp_path / "compose.log"
-        log_file.write_text(logs)
-        print(f"--- last lines of the logs of {project.name} (all of them: {log_file}) ---")
-        print("\n".join(logs.splitlines()[-80:]))
+        dc.report_logs(project.name, done.stdout + done.stderr, tmp_path)
         raise
     finally:
         # With the profiles, so that their services and Prometheus's volume go too (the fixture's
