@@ -1,4 +1,4 @@
-"""The inner optimizer: AdamW with global-norm clipping and a linear warmup.
+"""The inner optimizer: AdamW with global-norm clipping, a linear warmup and a cosine decay.
 
 Owns ``InnerOptConfig`` and ``make_inner_optimizer``. Learners run it on their own parameters
 (inner steps); the syncer runs the very same transformation in the data-parallel baseline
@@ -30,6 +30,13 @@ class InnerOptConfig:
     # Linear ramp to the peak LR: Adam's first updates use poorly estimated
     # second moments, and a short ramp avoids the resulting loss spike.
     warmup_steps: int = 20
+    # Cosine decay of the LR from the peak (at warmup_steps) to final_lr_fraction x peak at
+    # decay_steps, then constant; 0: no decay (constant after the warmup). A learner decays over
+    # its --steps when it has a step budget: the last inner steps of a run then move the model
+    # little, so the end-of-training merges do not leave the global model wherever the last
+    # rounds' large steps happened to put it (DiLoCo's inner optimizer decays likewise).
+    decay_steps: int = 0
+    final_lr_fraction: float = 0.1
     # Decoupled decay on matrices only (see make_inner_optimizer); 0.1 is the
     # DiLoCo-lineage value.
     weight_decay: float = 0.1
@@ -46,6 +53,13 @@ class InnerOptConfig:
                 raise ValueError(f"InnerOptConfig.{field}={getattr(self, field)}: use a value > 0")
         if self.warmup_steps < 0:
             raise ValueError(f"InnerOptConfig.warmup_steps={self.warmup_steps}: use a value >= 0")
+        if self.decay_steps < 0:
+            raise ValueError(f"InnerOptConfig.decay_steps={self.decay_steps}: use a value >= 0 (0: no decay)")
+        if self.decay_steps and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"InnerOptConfig.decay_steps={self.decay_steps} must exceed warmup_steps="
+                             f"{self.warmup_steps} (or be 0: no decay)")
+        if not 0 <= self.final_lr_fraction <= 1:
+            raise ValueError(f"InnerOptConfig.final_lr_fraction={self.final_lr_fraction}: use [0, 1]")
         if self.weight_decay < 0:
             raise ValueError(f"InnerOptConfig.weight_decay={self.weight_decay}: use a value >= 0")
         for field in ("b1", "b2"):
@@ -59,26 +73,36 @@ def decay_mask(params: Params) -> dict[str, bool]:
     return {name: p.ndim >= 2 for name, p in params.items()}
 
 
-def make_inner_optimizer(cfg: InnerOptConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping, linear warmup then a constant LR.
+def lr_schedule(cfg: InnerOptConfig) -> optax.Schedule:
+    """The inner LR at step ``s`` (0-based): a linear ramp ``peak * (s + 1) / (warmup_steps + 1)``
+    (the first step already moves, so no batch is wasted; the peak is reached at step
+    ``warmup_steps``), then the peak, or with ``decay_steps`` a cosine from the peak down to
+    ``final_lr_fraction * peak`` at step ``decay_steps``, constant after."""
+    def warmup(step: jax.Array) -> jax.Array:
+        return cfg.learning_rate * jnp.minimum(1.0, (step + 1) / (cfg.warmup_steps + 1))
 
-    The LR at step ``s`` is ``learning_rate * min(1, (s + 1) / (warmup_steps + 1))``:
-    the first step already moves (no batch is wasted) and the peak is reached at
-    step ``warmup_steps``. It stays constant after (no cosine decay) because a
-    learner in Decoupled DiLoCo runs open-ended: it joins, leaves and rejoins, so
-    there is no fixed total step count to decay against.
+    if not cfg.decay_steps:
+        return warmup
+    decay = optax.cosine_decay_schedule(cfg.learning_rate, cfg.decay_steps - cfg.warmup_steps,
+                                        alpha=cfg.final_lr_fraction)
+    return optax.join_schedules([warmup, decay], boundaries=[cfg.warmup_steps])
+
+
+def make_inner_optimizer(cfg: InnerOptConfig) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping and the LR of ``lr_schedule``.
+
+    Without ``decay_steps`` the LR stays constant after the warmup: a learner in Decoupled DiLoCo
+    that runs open-ended (it joins, leaves and rejoins under a fleet token budget, or until
+    SIGTERM) has no total step count to decay against. A restarted learner starts a new schedule
+    (its Adam moments start from zero too, so the re-warmup is what a fresh optimizer needs).
 
     Args:
         cfg: hyperparameters.
 
     Returns:
-        The optax transformation; its state counts steps for the warmup.
+        The optax transformation; its state counts steps for the schedule.
     """
-
-    def schedule(step: jax.Array) -> jax.Array:
-        return cfg.learning_rate * jnp.minimum(1.0, (step + 1) / (cfg.warmup_steps + 1))
-
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip_norm),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
     )

@@ -186,7 +186,9 @@ def run_one(spec: RunSpec, cfg: BenchConfig, workdir: pathlib.Path, *, base_step
             "--num-fragments", str(cfg.num_fragments), "--sync-period-steps", str(cfg.sync_period_steps),
             "--overlap-steps", str(cfg.overlap_steps), "--outer-lr", str(cfg.outer_lr),
             "--outer-momentum", str(cfg.outer_momentum), "--dp-learning-rate", str(cfg.learning_rate),
-            "--dp-warmup-steps", str(cfg.warmup_steps), "--seed", str(spec.seed), "--log-level", "WARNING",
+            "--dp-warmup-steps", str(cfg.warmup_steps),
+            # dp's AdamW decays over the same steps as the learners' (their default over --steps)
+            "--dp-decay-steps", str(cfg.steps), "--seed", str(spec.seed), "--log-level", "WARNING",
             *spec.syncer_flags,
         ])
         data = ["--data-dir", cfg.data_dir] if cfg.data_dir else []
@@ -440,7 +442,9 @@ def render_markdown(result: dict) -> str:
         f"{cfg['learners']} learners x {cfg['steps']} steps x batch {cfg['batch_size']} (equal tokens per learner), "
         f"`{cfg['preset']}` transformer, P = {cfg['num_fragments']}, H = {cfg['sync_period_steps']} "
         f"({cfg['steps'] // max(1, cfg['sync_period_steps'])} outer steps per fragment), "
-        f"tau = {cfg['overlap_steps']}, inner AdamW lr {cfg['learning_rate']}, outer Nesterov "
+        f"tau = {cfg['overlap_steps']}, inner AdamW lr {cfg['learning_rate']} (warm-up {cfg['warmup_steps']} steps, "
+        f"then cosine decay to 0.1x at the last step: the learners' default over --steps, dp's AdamW alike), "
+        f"outer Nesterov "
         f"{cfg['outer_lr']}/{cfg['outer_momentum']}; data: {cfg['data_dir'] or 'Python stdlib sources (bytes)'}; "
         f"modes at seeds {list(cfg['seeds'])}, ablations at seed {cfg['ablation_seed']}. "
         f"Held-out loss in nats per token of the global model on the held-out split "

@@ -124,10 +124,7 @@ def run(cfg: config_lib.LearnerConfig) -> int:
     shard = client.data_shard  # pinned, or assigned by the syncer at the join (same on every process of a unit)
     sampler = corpus.BatchSampler(split.shards[shard], cfg.batch_size, model.seq_len,
                                   seed=int(np.random.SeedSequence([cfg.seed, shard, incarnation]).generate_state(1)[0]))
-    optimizer = train_lib.make_inner_optimizer(
-        train_lib.InnerOptConfig(learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-                                 weight_decay=cfg.weight_decay)
-    )
+    optimizer = train_lib.make_inner_optimizer(cfg.inner_optimizer())
     # Start from zeros of the right shapes; the global fragments overwrite every tensor before
     # the first step (client.start waited for all of them).
     shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0))  # shapes only: nothing runs

@@ -7,6 +7,7 @@ import hashlib
 import re
 from collections.abc import Mapping, Sequence
 
+from ddiloco.algo.inner import InnerOptConfig
 from ddiloco.chaos import failpoints as failpoints_lib
 from ddiloco.cli import flags
 from ddiloco.rpc import security
@@ -40,6 +41,10 @@ class LearnerConfig:
     heldout_fraction: float = 0.05
     learning_rate: float = 3e-3
     warmup_steps: int = 20
+    # Cosine decay of the inner LR (ddiloco.algo.inner.lr_schedule) down to lr_final_fraction x
+    # the peak at step lr_decay_steps; -1: over --steps (none when steps is 0); 0: no decay.
+    lr_decay_steps: int = -1
+    lr_final_fraction: float = 0.1
     weight_decay: float = 0.1
     join_timeout_s: float = 120.0  # wait this long for the syncer at start, then exit non-zero
     call_timeout_s: float = 10.0
@@ -100,6 +105,15 @@ class LearnerConfig:
                                        tls_server_name=self.tls_server_name, insecure=self.insecure,
                                        auth_token_file=self.auth_token_file)
 
+    def inner_optimizer(self) -> InnerOptConfig:
+        """The inner AdamW's hyperparameters, with the LR decay resolved against --steps."""
+        decay_steps = self.lr_decay_steps
+        if decay_steps == -1:  # over --steps; a run no longer than its warmup has nothing to decay
+            decay_steps = self.steps if self.steps > self.warmup_steps else 0
+        return InnerOptConfig(learning_rate=self.learning_rate, warmup_steps=self.warmup_steps,
+                              weight_decay=self.weight_decay, decay_steps=decay_steps,
+                              final_lr_fraction=self.lr_final_fraction)
+
     def __post_init__(self) -> None:
         parse_hostile(self.hostile)
         try:
@@ -114,6 +128,9 @@ class LearnerConfig:
                 raise ValueError(f"LearnerConfig.{name}={getattr(self, name)!r}: must be >= 0")
         if not self.learner_id:
             raise ValueError("LearnerConfig.learner_id must not be empty")
+        if self.lr_decay_steps < -1:
+            raise ValueError(f"LearnerConfig.lr_decay_steps={self.lr_decay_steps}: -1 (over --steps), 0 (none) or N")
+        self.inner_optimizer()  # a decay shorter than the warmup, or a bad fraction, fails at start
         if self.health_bind and ":" not in self.health_bind:
             raise ValueError(f"LearnerConfig.health_bind={self.health_bind!r}: use host:port, e.g. 0.0.0.0:8083")
         if self.upload_encoder not in UPLOAD_ENCODERS:
@@ -228,6 +245,8 @@ _HELP = {
     "heldout_fraction": "fraction of documents held out for evaluation (never trained on)",
     "learning_rate": "inner AdamW peak learning rate",
     "warmup_steps": "inner learning-rate warmup steps",
+    "lr_decay_steps": "cosine-decay the inner learning rate until this step; -1: over --steps (none if 0); 0: never",
+    "lr_final_fraction": "the inner learning rate at the end of the decay, as a fraction of the peak",
     "weight_decay": "inner AdamW weight decay",
     "join_timeout_s": "wait this long for the syncer at start, then exit with status 3",
     "call_timeout_s": "deadline of each unary call to the syncer",

@@ -429,7 +429,8 @@ def init_unit_from_config(cfg) -> LearnerUnit:
     )
     unit.check_same({name: getattr(cfg, name) for name in (
         "learner_id", "batch_size", "seed", "data_dir", "max_corpus_bytes", "num_shards",
-        "shard_index", "heldout_fraction", "learning_rate", "warmup_steps", "weight_decay", "steps",
+        "shard_index", "heldout_fraction", "learning_rate", "warmup_steps", "lr_decay_steps",
+        "lr_final_fraction", "weight_decay", "steps",
         "num_devices", "mesh_shape", "fsdp", "num_processes", "incarnation",
     )})
     return unit

@@ -138,7 +138,8 @@ async def _restore(client, cfg: config_lib.SyncerConfig) -> dict | None:
 def _dp_stepper_factory(cfg: config_lib.SyncerConfig):
     """dp mode: each fragment gets the learners' AdamW (tensor-aware: decay mask, clipping)."""
     optimizer = inner_lib.make_inner_optimizer(inner_lib.InnerOptConfig(
-        learning_rate=cfg.dp_learning_rate, warmup_steps=cfg.dp_warmup_steps, weight_decay=cfg.dp_weight_decay))
+        learning_rate=cfg.dp_learning_rate, warmup_steps=cfg.dp_warmup_steps, weight_decay=cfg.dp_weight_decay,
+        decay_steps=cfg.dp_decay_steps))
     return lambda frag: outer_lib.OuterStepper(optimizer, tensors=[(t.name, tuple(t.shape)) for t in frag.tensors])
 
 

@@ -70,6 +70,7 @@ class SyncerConfig:
     # defaults are the learners' inner defaults.
     dp_learning_rate: float = 2e-3
     dp_warmup_steps: int = 20
+    dp_decay_steps: int = 0  # cosine-decay the dp LR until this step (0: none), as learners do over --steps
     dp_weight_decay: float = 0.1
     liveness_timeout_s: float = 15.0  # a learner silent this long no longer counts as expected
     # The run ends once the learners processed this many tokens, all of them together (0: each
@@ -157,6 +158,8 @@ class SyncerConfig:
             raise bad("token_budget", "must be >= 0 (0: no budget)")
         if self.sync_mode not in SYNC_MODES:
             raise bad("sync_mode", f"must be one of {SYNC_MODES}")
+        if self.dp_decay_steps and self.dp_decay_steps <= self.dp_warmup_steps:
+            raise bad("dp_decay_steps", "dp_decay_steps must be 0 (no decay) or exceed dp_warmup_steps")
         if not self.dp_learning_rate > 0 or self.dp_warmup_steps < 0 or self.dp_weight_decay < 0:
             raise bad("dp_learning_rate", "dp_learning_rate must be > 0, dp_warmup_steps and dp_weight_decay >= 0")
         if self.norm_bound_action not in robust_lib.ACTIONS:
@@ -251,6 +254,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
                      "--min-quorum to the number of learners for the baselines",
         "dp_learning_rate": "dp mode: AdamW peak learning rate on the syncer",
         "dp_warmup_steps": "dp mode: AdamW linear warmup steps",
+        "dp_decay_steps": "dp mode: cosine-decay the AdamW learning rate to 0.1 x until this step (0: no decay)",
         "dp_weight_decay": "dp mode: AdamW weight decay (matrices only)",
         "ready_file": "write {address, pid} JSON here once serving",
         "run_id": "run name in the checkpoint store; the same id restores the same run",

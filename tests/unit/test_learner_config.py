@@ -103,3 +103,22 @@ def test_only_explicit_and_numbered_ids_pin_a_shard_others_ask_the_syncer():
     # A container id can be all digits (about 1 in 280): still a container id, not an ordinal.
     digits = config_lib.parse_learner_config(["--learner-id", "auto", "--region", "region-a"], {}, "123456789012")
     assert digits.pinned_shard_index == -1
+
+
+@pytest.mark.parametrize("flags, decay_steps", [
+    ([], 0),  # no step budget: nothing to decay against, constant after the warm-up
+    (["--steps", "500"], 500),  # the default decays over the learner's steps
+    (["--steps", "500", "--lr-decay-steps", "0"], 0),
+    (["--steps", "500", "--lr-decay-steps", "300"], 300),
+    (["--steps", "10"], 0),  # a run shorter than its warm-up has nothing to decay
+])
+def test_the_inner_lr_decays_over_the_learners_steps_by_default(flags, decay_steps):
+    cfg = config_lib.parse_learner_config(["--learner-id", "l0", *flags], {})
+    assert cfg.inner_optimizer().decay_steps == decay_steps
+    assert cfg.inner_optimizer().final_lr_fraction == 0.1
+
+
+def test_a_decay_ending_inside_the_warmup_is_refused_at_start(capsys):
+    with pytest.raises(SystemExit):
+        config_lib.parse_learner_config(["--learner-id", "l0", "--lr-decay-steps", "5", "--warmup-steps", "20"], {})
+    assert "decay_steps=5 must exceed warmup_steps=20" in capsys.readouterr().err

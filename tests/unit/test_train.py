@@ -34,6 +34,8 @@ def train_step(tiny):
         ("b1", 1.0),
         ("b2", -0.5),
         ("grad_clip_norm", 0.0),
+        ("decay_steps", -1),
+        ("final_lr_fraction", 1.5),
     ],
 )
 def test_inner_opt_config_rejects_bad_values(field, value):
@@ -62,6 +64,26 @@ def test_learning_rate_warms_up_linearly_then_stays_constant(tiny):
         updates, state = update(grads, state, params)
         step_sizes.append(float(jnp.abs(updates["head"]).max()))
     np.testing.assert_allclose(step_sizes, [0.0025, 0.005, 0.0075, 0.01, 0.01, 0.01], rtol=1e-4)
+
+
+def test_learning_rate_decays_along_a_cosine_to_the_final_fraction(tiny):
+    params = tiny.init(jax.random.key(0))
+    cfg = InnerOptConfig(learning_rate=0.01, warmup_steps=2, weight_decay=0.0, decay_steps=6, final_lr_fraction=0.1)
+    optimizer = make_inner_optimizer(cfg)
+    state = optimizer.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)  # Adam's normalized step is 1: |update| == LR
+    update, step_sizes = jax.jit(optimizer.update), []
+    for _ in range(9):
+        updates, state = update(grads, state, params)
+        step_sizes.append(float(jnp.abs(updates["head"]).max()))
+    # warm-up to the peak at step 2, a cosine over the 4 steps after it, then the floor
+    cosine = [0.001 + 0.009 * 0.5 * (1 + np.cos(np.pi * k / 4)) for k in range(5)]
+    np.testing.assert_allclose(step_sizes, [0.01 / 3, 0.02 / 3, *cosine, 0.001, 0.001], rtol=1e-4)
+
+
+def test_decay_must_end_after_the_warmup():
+    with pytest.raises(ValueError, match="decay_steps=5 must exceed warmup_steps=5"):
+        InnerOptConfig(warmup_steps=5, decay_steps=5)
 
 
 def test_train_step_is_deterministic_and_leaves_inputs_intact(tiny, corpus, train_step):
