@@ -961,8 +961,12 @@ def test_example_values_use_mutual_tls_on_every_connection(render, name):
         ("region-a", ["tls.enabled=false"], "hub.syncerAddress=syncer.hub.example.com:50051 is a syncer outside"),
         ("default", ["store.enabled=false", "syncer.checkpointTarget=store.example.com:50052"],
          "syncer.checkpointTarget=store.example.com:50052 is a checkpoint store outside"),
+        # A ClusterIP syncer that admits other regions' addresses (e.g. behind a Gateway).
+        ("default", ["syncer.networkPolicy.allowedCIDRs={198.51.100.0/24,203.0.113.0/24}"],
+         "syncer.networkPolicy.allowedCIDRs=198.51.100.0/24,203.0.113.0/24 admits clients from outside"),
     ],
-    ids=["load-balancer", "node-port", "hub-without-tls", "region-without-tls", "external-store"],
+    ids=["load-balancer", "node-port", "hub-without-tls", "region-without-tls", "external-store",
+         "external-clients"],
 )
 def test_plaintext_beyond_the_cluster_needs_the_explicit_opt_in(tools, render, k8s_versions, name, settings, refused):
     sets = [arg for setting in settings for arg in ("--set", setting)]
