@@ -9,10 +9,12 @@ processed, or if its held-out loss is worse than DiLoCo's by more than MARGIN_PC
 How MARGIN_PCT was calibrated: the same configuration was run at seeds 1, 2 and 3 (not the guard's
 seed 0), `ddiloco bench quality --modes diloco,decoupled --ablations none --preset tiny --learners 3
 --steps 240 --batch-size 64 --sync-period-steps 8 --seeds 1,2,3 --final-eval-batches 32`, at commit
-389f7fb. The relative gap decoupled vs DiLoCo (same seed) measured CALIBRATION_GAPS_PCT; the margin is
-their mean plus three sample standard deviations, rounded up to a tenth of a percent (16.6%), so an
-honest run fails by chance rarely. The noise is large at this length: decoupled rounds depend on
-timing (a second run of seed 2 measured +4.06% against +8.49%), so the loss check only catches gross
+80752d9 (the inner LR's cosine decay over --steps became the default there; the earlier calibration,
+at 389f7fb with a constant LR, measured +1.13/+8.49/+6.20% and a 16.6% margin), from a clean worktree.
+The relative gap decoupled vs DiLoCo (same seed) measured CALIBRATION_GAPS_PCT; the margin is their
+mean plus three sample standard deviations, rounded up to a tenth of a percent (8.4%), so an honest
+run fails by chance rarely. The noise is large at this length: decoupled rounds depend on timing,
+and one seed of three differs from the others by 5 points, so the loss check only catches gross
 regressions; the work-merged check is the sharp one (before the round redesign, 36-60% of the work
 was merged; every calibration run merged 100% with 2.97-3.00 contributors per merge of 3).
 """
@@ -28,8 +30,8 @@ import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-CALIBRATION_GAPS_PCT = (1.13, 8.49, 6.20)  # seeds 1, 2, 3 (see the docstring)
-MARGIN_PCT = 16.6
+CALIBRATION_GAPS_PCT = (0.34, -5.43, 0.26)  # seeds 1, 2, 3 (see the docstring)
+MARGIN_PCT = 8.4
 MIN_WORK_MERGED = 0.90
 
 
