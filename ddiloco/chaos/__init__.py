@@ -1,7 +1,9 @@
 """Fault injection for ddiloco (tests and `ddiloco chaos`): Jepsen/etcd style, scaled down to loopback.
 
-- `failpoints`: named crash points in the services, armed by a `--failpoints` flag;
-- `history`: the durable JSONL histories the syncer and learners append to (`--history-file`);
+(The services' hooks these tools drive live in the library, since services never import tools:
+`ddiloco.failpoints`, named crash points armed by a `--failpoints` flag, and `ddiloco.history`, the
+durable JSONL histories the syncer and learners append to with `--history-file`.)
+
 - `schedule`: seeded fault schedules (`faults.jsonl`), replayable, and a kill loop with an MTBF;
 - `proxy`: an asyncio TCP fault proxy (latency, bandwidth, resets, blackholes, partitions, flapping);
 - `invariants`: the checkers I1-I5 over the recorded histories and the final state;

@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ddiloco.chaos import history as history_lib
+from ddiloco import history as history_lib
 from ddiloco.chaos import invariants
 from ddiloco.chaos import schedule as schedule_lib
 from ddiloco.chaos.proxy import FaultProxy, Toxics

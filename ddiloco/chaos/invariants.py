@@ -1,4 +1,4 @@
-"""The invariant checkers I1-I5, over the recorded histories (ddiloco/chaos/history.py) and final state.
+"""The invariant checkers I1-I5, over the recorded histories (ddiloco/history.py) and final state.
 
 Pure functions over plain data (lists of history records, summaries, decoded checkpoints), so each
 can be unit-tested with a hand-written history.

@@ -11,7 +11,7 @@ import logging
 import pathlib
 from collections.abc import Mapping, Sequence
 
-from ddiloco.cli import flags
+from ddiloco import flags
 from ddiloco.rpc import security
 from ddiloco.rpc import server as server_lib
 from services.checkpoint import store as store_lib

@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping
 import grpc
 import numpy as np
 
-from ddiloco.chaos import failpoints as failpoints_lib
-from ddiloco.chaos import history as history_lib
+from ddiloco import failpoints as failpoints_lib
+from ddiloco import history as history_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import retry as retry_lib
 from ddiloco.rpc import security as security_lib
@@ -76,8 +76,8 @@ class ClientConfig:
     security: security_lib.ClientSecurity | None = None  # None: plaintext, no credentials
     # TESTS AND CHAOS ONLY (--hostile): multiply every pseudo-gradient by this before upload.
     hostile_factor: float | None = None
-    # TESTS AND CHAOS ONLY: crash points (ddiloco.chaos.failpoints) and a JSONL history of the
-    # syncer's acknowledgements of this learner's uploads (ddiloco.chaos.history).
+    # TESTS AND CHAOS ONLY: crash points (ddiloco.failpoints) and a JSONL history of the
+    # syncer's acknowledgements of this learner's uploads (ddiloco.history).
     failpoints: str = ""
     history_file: str = ""
     # fragment id -> the values this learner computes for itself from the run's configuration

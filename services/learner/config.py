@@ -8,8 +8,8 @@ import re
 from collections.abc import Mapping, Sequence
 
 from ddiloco.algo.inner import InnerOptConfig
-from ddiloco.chaos import failpoints as failpoints_lib
-from ddiloco.cli import flags
+from ddiloco import failpoints as failpoints_lib
+from ddiloco import flags
 from ddiloco.rpc import security
 
 # `--learner-id auto` (or an empty value): `<region>-<hostname>`, resolved in parse_learner_config.
@@ -284,7 +284,7 @@ _HELP = {
     "insecure": "talk plaintext to the syncer (local runs only; DDILOCO_INSECURE=1 sets it too)",
     "auth_token_file": "file with a bearer token bound to this identity (when TLS is terminated elsewhere)",
     "hostile": "TESTS/CHAOS ONLY: 'scale:1e4' or 'signflip' corrupts every pseudo-gradient before upload",
-    "failpoints": "TESTS ONLY: crash at named points, e.g. learner.after_chunk=crash@5 (ddiloco.chaos.failpoints)",
+    "failpoints": "TESTS ONLY: crash at named points, e.g. learner.after_chunk=crash@5 (ddiloco.failpoints)",
     "history_file": "TESTS/CHAOS: append each upload's acknowledgement as JSONL here (invariant checks)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "json_logs": "log one JSON object per line",

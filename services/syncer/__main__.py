@@ -25,7 +25,7 @@ from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import inner as inner_lib
 from ddiloco.algo import outer as outer_lib
-from ddiloco.chaos import failpoints as failpoints_lib
+from ddiloco import failpoints as failpoints_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import interceptors as rpc_interceptors
 from ddiloco.rpc import retry as retry_lib

@@ -7,8 +7,8 @@ import json
 from collections.abc import Mapping, Sequence
 
 from ddiloco.algo import robust as robust_lib
-from ddiloco.chaos import failpoints as failpoints_lib
-from ddiloco.cli import flags
+from ddiloco import failpoints as failpoints_lib
+from ddiloco import flags
 from ddiloco.rpc import security
 from ddiloco.wire import codec as codec_lib
 
@@ -335,7 +335,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
                                 "sign-flipped <= -0.61)",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
         "json_logs": "log one JSON object per line",
-        "failpoints": "TESTS ONLY: crash at named points, e.g. syncer.after_quorum=crash@3 (ddiloco.chaos.failpoints)",
+        "failpoints": "TESTS ONLY: crash at named points, e.g. syncer.after_quorum=crash@3 (ddiloco.failpoints)",
         "history_file": "TESTS/CHAOS: append accepted uploads, merges and checkpoints as JSONL here (invariant checks)",
     }
     environ = security.with_shared_insecure(environ, "DDILOCO_SYNCER_")

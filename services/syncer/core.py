@@ -274,7 +274,7 @@ class SyncerCore:
         # upload_accepted(header), rejoined(learner_id, gap_s) and fragment_bytes(direction, codec,
         # wire_bytes). They must not mutate state.
         self.observers: list = []
-        # Fault tests only: __main__ arms named crash points here (ddiloco.chaos.failpoints).
+        # Fault tests only: __main__ arms named crash points here (ddiloco.failpoints).
         self.failpoint: Callable[[str], None] = lambda name: None
         if stepper_factory is None:
             shared = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(outer_lr, outer_momentum))

@@ -1,4 +1,4 @@
-"""The syncer's durable history for fault tests (`--history-file`; format in ddiloco/chaos/history.py).
+"""The syncer's durable history for fault tests (`--history-file`; format in ddiloco/history.py).
 
 A passive observer of SyncerCore (events `upload_accepted` and `merged`) plus three records the
 syncer's wiring adds: `start` (what this life restored), `checkpoint` (a committed checkpoint) and
@@ -8,7 +8,7 @@ record is acknowledged (an upload's record before its response), so a SIGKILL lo
 
 from __future__ import annotations
 
-from ddiloco.chaos import history as history_lib
+from ddiloco import history as history_lib
 
 
 class SyncerHistory:

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from ddiloco.chaos import failpoints, harness, history, invariants, schedule
+from ddiloco import failpoints, history
+from ddiloco.chaos import harness, invariants, schedule
 from ddiloco.chaos.schedule import FaultEvent, FaultSchedule
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +33,7 @@ def test_failpoint_specs_parse_and_refuse_typos():
 
 
 def test_failpoint_crashes_the_process_on_the_nth_hit_with_status_137():
-    code = ("from ddiloco.chaos import failpoints\n"
+    code = ("from ddiloco import failpoints\n"
             "fp = failpoints.Failpoints('learner.after_chunk=crash@3')\n"
             "for i in range(5):\n"
             "    print(i, flush=True)\n"

@@ -10,7 +10,7 @@ import pytest
 
 from ddiloco import healthcheck
 from ddiloco import liveness as liveness_lib
-from ddiloco.chaos import failpoints
+from ddiloco import failpoints
 from services.learner import config as learner_config
 
 pytestmark = pytest.mark.timeout(60)

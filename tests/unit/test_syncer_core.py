@@ -348,7 +348,7 @@ def test_the_token_budget_is_the_fleets_over_every_life_and_survives_a_restore()
 
 def test_the_history_start_record_holds_the_liveness_timeout_and_grace_cap(tmp_path):
     # bench goodput reports these from the record, so it states what the syncer ran, not what was meant.
-    from ddiloco.chaos import history as chaos_history
+    from ddiloco import history as chaos_history
     from services.syncer import history as history_lib
 
     core = make_core(FakeClock())

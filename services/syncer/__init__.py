@@ -1,0 +1,1 @@
+"""The syncer service: membership, scheduled rounds, merges, the outer step and publishing of global fragments."""
