@@ -1,5 +1,5 @@
 """Named scenarios: the fault-matrix rows on crashes, hangs, partitions, bandwidth, resets and
-flapping links (README.md, "Chaos testing"), grouped into a few runs, plus the soak.
+flapping links (docs/chaos.md), grouped into a few runs, plus the soak.
 
 `build(name, seed)` returns (Scenario, [FaultEvent]); tests/chaos runs the groups, and
 `ddiloco chaos run --scenario NAME --seed N` reproduces a group or a single row from the command line.

@@ -450,7 +450,7 @@ def renewal_goodput(loss_per_failure_s: float, cluster_mtbf_s: float) -> float:
 class OursConfig:
     """Our setting: a few learners of a few accelerators, each one process that restarts whole.
 
-    Defaults come from our docker chaos tests (README): a learner re-joins and contributes again
+    Defaults come from our docker chaos tests (docs/deploy.md, failure drills): a learner re-joins and contributes again
     within 5-25 s of a crash (mean taken as 15 s), the syncer serves again ~5 s after a crash and
     restores its last checkpoint, so the merges since then are lost (every 16 merges ~ 32 s of
     steps by default). Fragments sync every H = 8 steps (~8 s at ~1 s a step).
