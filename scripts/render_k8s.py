@@ -84,9 +84,11 @@ WIRED_TLS = {
 }
 # Bearer tokens (for TLS terminated elsewhere): not wired by the chart, which uses mutual TLS.
 _TLS = {"auth_tokens_file", "auth_token_file", "checkpoint_auth_token_file"}
+# A certificate deny list (--tls-deny-list): the chart mounts none yet.
+_DENY = {"tls_deny_list"}
 UNSUPPORTED = {
-    "syncer": {"ready_file", "failpoints", "history_file", *_TLS},  # failpoints, history: fault tests only
-    "store": {"ready_file", "failpoints", *_TLS},  # failpoints: fault injection for tests only
+    "syncer": {"ready_file", "failpoints", "history_file", *_TLS, *_DENY},  # failpoints, history: fault tests only
+    "store": {"ready_file", "failpoints", *_TLS, *_DENY},  # failpoints: fault injection for tests only
     "evaluator": {"once", *_TLS},  # once: it would exit and be restarted
     "learners": {
         *_TLS,

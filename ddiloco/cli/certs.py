@@ -1,18 +1,28 @@
-"""`ddiloco certs`: a development CA plus per-service and per-learner certificates (and tokens).
+"""`ddiloco certs`: a development CA plus per-service and per-learner certificates (and tokens),
+and `ddiloco certs revoke`, which adds a certificate to a servers' deny list.
 
-    ddiloco certs --out certs --learners learner-0,learner-1 --services syncer,checkpoint,evaluator,operator
+    ddiloco certs --out certs --learners learner-0,learner-1 --services syncer,checkpoint,evaluator,operator \
+        --model-readers exporter
 
-writes `ca.pem` and `ca.key`, and `<name>.pem` / `<name>.key` for every learner and service. An
-existing `ca.pem` + `ca.key` in `--out` is reused, so certificates added later (a new learner) are
-signed by the same CA. With `--tokens` it also writes `tokens.json` (the syncer's token file: token
--> identity, plus an empty revocation list) and one `<name>.token` per identity, for deployments
-that terminate TLS elsewhere.
+writes `ca.pem` and `ca.key`, and `<name>.pem` / `<name>.key` for every learner, service and model
+reader. An existing `ca.pem` + `ca.key` in `--out` is reused, so certificates added later (a new
+learner) are signed by the same CA. With `--tokens` it also writes `tokens.json` (the syncer's token
+file: token -> identity, plus an empty revocation list) and one `<name>.token` per identity, for
+deployments that terminate TLS elsewhere.
 
 Identity lives in a URI SAN, `spiffe://ddiloco/<kind>/<name>` (`ddiloco.rpc.security`):
 learners are kind `learner`; the services `syncer`, `checkpoint` and `evaluator` are their own
-kind; any other service name (`operator`, ...) gets the read-only kind `reader`. Every certificate
+kind; any other service name (`operator`, ...) gets the kind `reader`, which reads the training
+state but not the model; `--model-readers` names get `model-reader`, which may also download the
+model's weights (WatchFragments, the store's GetBlob). Every certificate
 also carries DNS SANs `localhost`, its own name and `--dns-names`, and the IP SAN 127.0.0.1, and is
 valid for both server and client authentication (ECDSA P-256, SHA-256).
+
+    ddiloco certs revoke --deny-list deny.txt (--cert certs/learner-3.pem | --serial HEX | --identity ID)
+
+appends the certificate's serial number (or the serial or identity given) to the deny list that
+the syncer and the store read with `--tls-deny-list`; they re-read it within a second, without a
+restart. The file is replaced atomically, so a server never reads half of it. See docs/security.md.
 
 These are development credentials: keys are written unencrypted (mode 0600). For production use
 your own PKI (cert-manager, Vault, ...) with the same SAN scheme.
@@ -120,6 +130,11 @@ def issue_cert(
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
 
+def model_reader_identity(name: str) -> security.Identity:
+    """The identity of a model reader's certificate (reads the state and the model's weights)."""
+    return security.Identity(security.KIND_MODEL_READER, name)
+
+
 def service_identity(name: str) -> security.Identity:
     """The identity of a service certificate: syncer/checkpoint/evaluator keep their kind, others are readers."""
     kind = name if name in (security.KIND_SYNCER, security.KIND_CHECKPOINT, security.KIND_EVALUATOR) \
@@ -143,6 +158,7 @@ def write_dev_certs(
     dns_names: Sequence[str] = (),
     days: int = 825,
     tokens: bool = False,
+    model_readers: Sequence[str] = (),
 ) -> dict[str, security.Identity]:
     """Writes (or extends) a development PKI in `out`; returns {file stem: identity}.
 
@@ -165,6 +181,10 @@ def write_dev_certs(
         if name in identities:
             raise ValueError(f"{name!r} is both a learner and a service: names must be unique")
         identities[name] = service_identity(name)
+    for name in model_readers:
+        if name in identities:
+            raise ValueError(f"{name!r} is named twice (learners, services, model readers): names must be unique")
+        identities[name] = model_reader_identity(name)
     for stem, identity in identities.items():
         security.Identity.parse(str(identity))  # validates the name
         cert, key = issue_cert(ca_pem, ca_key, identity, dns_names=dns_names if identity.kind != "learner" else (),
@@ -186,25 +206,131 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(",") if n.strip()]
 
 
+# ------------------------------------------------------------------------------- revocation
+
+
+def _certificate_identity(cert: x509.Certificate) -> str:
+    """The ddiloco identity in a certificate's URI SANs, or its subject if it has none."""
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        for uri in sans.get_values_for_type(x509.UniformResourceIdentifier):
+            if uri.startswith(security.URI_PREFIX):
+                return uri[len(security.URI_PREFIX):]
+    except x509.ExtensionNotFound:
+        pass
+    return cert.subject.rfc4514_string()
+
+
+def revoke(deny_list: str | os.PathLike, *, cert_pem: bytes | None = None, serial: str | None = None,
+           identity: str | None = None) -> tuple[str, bool]:
+    """Appends one entry to `deny_list` (created if missing): a certificate's serial number (with
+    its identity as a comment), a serial given in hex, or an identity. Returns (entry, added);
+    added is False when the file already denies it. ValueError for bad input, or for an existing
+    file the servers could not parse (appending to it would not take effect)."""
+    if sum(x is not None for x in (cert_pem, serial, identity)) != 1:
+        raise ValueError("give exactly one of a certificate, a serial number or an identity")
+    path = pathlib.Path(deny_list)
+    try:
+        text = path.read_text() if path.exists() else ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read deny list {str(path)!r}: {exc}") from None
+    try:
+        serials, identities = security.parse_deny_list(text)
+    except ValueError as exc:
+        raise ValueError(f"deny list {str(path)!r} does not parse ({exc}); fix it first: servers keep their "
+                         "previous list while it is broken") from None
+    when = _now().strftime("%Y-%m-%dT%H:%M:%SZ")
+    if cert_pem is not None:
+        try:
+            cert = x509.load_pem_x509_certificate(cert_pem)
+        except ValueError as exc:
+            raise ValueError(f"not a PEM certificate: {exc}") from None
+        entry = security.format_serial(cert.serial_number)
+        line = f"{entry}  # {_certificate_identity(cert)}, revoked {when}"
+        present = cert.serial_number in serials
+    elif serial is not None:
+        number = security.parse_serial(serial)
+        entry = security.format_serial(number)
+        line = f"{entry}  # revoked {when}"
+        present = number in serials
+    else:
+        parsed = security.Identity.parse(identity or "")
+        entry = str(parsed)
+        line = f"{entry}  # every certificate of this identity, revoked {when}"
+        present = parsed in identities
+    if present:
+        return entry, False
+    if text and not text.endswith("\n"):
+        text += "\n"
+    if not text:
+        text = "# ddiloco deny list (--tls-deny-list): certificate serials (hex) or identities, one a line\n"
+    _write(path, (text + line + "\n").encode(), secret=False)
+    return entry, True
+
+
+def add_revoke_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--deny-list", required=True,
+                        help="the deny list file the servers read with --tls-deny-list (created if missing)")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--cert", help="revoke this certificate (PEM): its serial number is added")
+    what.add_argument("--serial", help="revoke the certificate with this serial number (hex, e.g. 0x3f9a... or 3F:9A:...)")
+    what.add_argument("--identity",
+                      help="revoke every certificate of this identity, e.g. learner/learner-3 (re-admit it by "
+                           "removing the line; a new certificate for the same identity stays refused until then)")
+
+
+def run_revoke(args: argparse.Namespace) -> int:
+    try:
+        cert_pem = _read_cert(args.cert) if args.cert else None
+        entry, added = revoke(args.deny_list, cert_pem=cert_pem, serial=args.serial, identity=args.identity)
+    except ValueError as exc:
+        print(f"ddiloco certs revoke: {exc}")
+        return 2
+    if added:
+        print(f"revoked {entry}: added to {args.deny_list}; servers with --tls-deny-list {args.deny_list} refuse it "
+              "within a second")
+    else:
+        print(f"{entry} is already in {args.deny_list}")
+    return 0
+
+
+def _read_cert(path: str) -> bytes:
+    try:
+        return pathlib.Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read certificate {path!r}: {exc.strerror or exc}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="certs", help="directory to write ca.pem, <name>.pem and <name>.key into")
     parser.add_argument("--learners", default="learner-0,learner-1,learner-2,learner-3",
                         help="comma-separated learner ids (one certificate each, kind learner)")
     parser.add_argument("--services", default="syncer,checkpoint,evaluator,operator",
                         help="comma-separated service names; syncer, checkpoint and evaluator are their own kind, "
-                             "any other name (operator) is a read-only credential")
+                             "any other name (operator) is a reader: the training state, not the model")
+    parser.add_argument("--model-readers", default="",
+                        help="comma-separated names of model-reader credentials: the training state and the "
+                             "model's weights (WatchFragments, the store's GetBlob), e.g. exporter")
     parser.add_argument("--dns-names", default="",
                         help="extra DNS SANs for the service certificates, e.g. syncer.ddiloco.svc.cluster.local")
     parser.add_argument("--days", type=int, default=825, help="validity of the leaf certificates")
     parser.add_argument("--tokens", action="store_true",
                         help="also write tokens.json (the syncer's --auth-tokens-file) and <name>.token files")
+    sub = parser.add_subparsers(dest="certs_command", metavar="{revoke}")
+    add_revoke_arguments(sub.add_parser(
+        "revoke", help="add a certificate (or a serial, or an identity) to a deny list (--tls-deny-list)",
+        description="Adds a certificate's serial number, a serial, or an identity to the deny list the "
+                    "syncer and the checkpoint store read with --tls-deny-list (re-read within a second)."))
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "certs_command", None) == "revoke":
+        return run_revoke(args)
     try:
         identities = write_dev_certs(
             args.out, learners=_names(args.learners), services=_names(args.services),
             dns_names=_names(args.dns_names), days=args.days, tokens=args.tokens,
+            model_readers=_names(args.model_readers),
         )
     except ValueError as exc:
         print(f"ddiloco certs: {exc}")

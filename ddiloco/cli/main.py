@@ -1,4 +1,4 @@
-"""The `ddiloco` console script: dispatches to `up`, `status`, `record`, `report`, `dashboard`, `bench`, `simulate` and the services.
+"""The `ddiloco` console script: dispatches to `up`, `status`, `record`, `report`, `dashboard`, `bench`, `simulate`, `export`, `generate` and the services.
 
 `ddiloco syncer|learner|checkpoint|evaluate ARGS` runs the same code as
 `python -m services.<name> ARGS` (each service parses its own flags; `--help` explains them).
@@ -18,11 +18,13 @@ _SERVICES = {
     "checkpoint": "services.checkpoint.__main__",
     "evaluate": "services.learner.evaluator",
 }
-# Sub-commands with their own argument parsers (imported lazily): benchmarks and the simulator.
+# Sub-commands with their own argument parsers (imported lazily): benchmarks, the simulator, export.
 _TOOLS = {
     "bench": ("ddiloco.bench.cli", "run a benchmark: quality, perf or goodput (`ddiloco bench --help`)"),
     "simulate": ("ddiloco.sim.cli", "the paper's chaos-engineering goodput simulation (`ddiloco simulate --help`)"),
     "chaos": ("ddiloco.chaos.cli", "fault injection: run or replay a seeded chaos scenario (`ddiloco chaos --help`)"),
+    "export": ("ddiloco.cli.export", "write a run's checkpointed global model as model.safetensors + config.json"),
+    "generate": ("ddiloco.cli.generate", "print text sampled from a `ddiloco export` directory"),
 }
 
 

@@ -2,11 +2,19 @@
 
 Cores (syncer, checkpoint store) raise these without importing grpc; servicers catch
 `ServiceError` and abort with `error.code`, so every error path has exactly one status code.
+The error's `reason` travels with the status as trailing metadata (`status_metadata`), so that a
+client branches on `reason_of(rpc_error)`, never on the wording of the details.
 """
 
 from __future__ import annotations
 
 import grpc
+
+# The trailing-metadata key of a refusal's machine-readable reason (ServiceError.reason).
+REASON_KEY = "ddiloco-reason"
+# Reasons clients act on (the syncer's membership checks).
+REASON_FENCED = "fenced"  # a newer incarnation of this learner joined: this one must stop
+REASON_NOT_JOINED = "not_joined"  # no such member (never joined, or the syncer restarted): join again
 
 
 class ServiceError(Exception):
@@ -17,6 +25,24 @@ class ServiceError(Exception):
     def __init__(self, message: str, *, reason: str = "") -> None:
         super().__init__(message)
         self.reason = reason or type(self).__name__
+
+
+def status_metadata(error: ServiceError) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata a servicer sends with `error`'s status: its reason, when it is one
+    a metadata value can carry (printable ASCII)."""
+    reason = error.reason
+    return ((REASON_KEY, reason),) if reason.isascii() and reason.isprintable() else ()
+
+
+def reason_of(error: grpc.RpcError) -> str:
+    """The reason a ddiloco server attached to a failed call ("" when none: another server, a
+    transport failure, a deadline)."""
+    if not isinstance(error, (grpc.Call, grpc.aio.AioRpcError)):
+        return ""
+    for key, value in error.trailing_metadata() or ():
+        if key == REASON_KEY:
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
 
 
 class InvalidArgument(ServiceError):

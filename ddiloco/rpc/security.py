@@ -1,6 +1,6 @@
 """Transport security and caller identity, shared by every service and client.
 
-What this module decides (the README's "Security model" section explains why):
+What this module decides (docs/security.md explains why):
 
 * **Transport.** A server either serves mutual TLS (`--tls-ca`, `--tls-cert`, `--tls-key`: file
   paths, so Kubernetes secret mounts and compose volumes work) or plaintext, and plaintext only
@@ -11,9 +11,12 @@ What this module decides (the README's "Security model" section explains why):
   token file (`{"tokens": {token: "kind/name"}, "revoked": [token, ...]}`, tokens may be given as
   `sha256:<hex>`, the digest of the token, which clients still present in full: a digest is never
   itself a credential; the file is re-read when it changes, so revoking takes effect without a
-  restart). Kinds: `learner`, `evaluator`, `reader` (read-only), `syncer` (the store's only
-  writer), `checkpoint`. With neither mTLS nor a token file, every caller is `ANONYMOUS`, which may
-  do anything (local runs).
+  restart). Kinds: `learner`, `evaluator`, `reader` (the training state only), `model-reader`
+  (the state and the model's weights), `syncer` (the store's only writer), `checkpoint`. With
+  neither mTLS nor a token file, every caller is `ANONYMOUS`, which may do anything (local runs).
+* **Revocation.** `--tls-deny-list FILE` (`DenyList`): certificate serials and identities, one a
+  line, re-read when the file changes; a listed certificate still completes the handshake (grpcio
+  cannot consult a list there) and every call it makes is UNAUTHENTICATED.
 * **Authorization.** `AuthInterceptor` authenticates each ddiloco.v1 call before its handler
   runs (no credential or an invalid/revoked one: UNAUTHENTICATED) and checks the method against a
   per-service policy of allowed kinds (PERMISSION_DENIED). Handlers then check request fields
@@ -26,7 +29,9 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import hashlib
+import hmac
 import inspect
 import json
 import logging
@@ -46,16 +51,22 @@ _LOG = logging.getLogger("ddiloco.security")
 
 # Every reason an AuthInterceptor refusal carries. The services export each at 0 before the first
 # refusal: a counter series that appears only with its first increment is invisible to rate() and
-# to dashboards until then.
-AUTH_FAILURE_REASONS = ("no_credentials", "invalid_token", "revoked_token", "no_identity", "wrong_role",
-                        "wrong_learner")
+# to dashboards until then. Only refusals after a completed TLS handshake exist here: a failed
+# handshake (no client certificate, another CA, expired, plaintext) never reaches Python (grpcio
+# runs the handshake in its core and offers no callback for it; docs/security.md).
+AUTH_FAILURE_REASONS = ("no_credentials", "invalid_token", "revoked_token", "no_identity", "unknown_identity",
+                        "revoked_certificate", "revoked_identity", "wrong_role", "wrong_learner")
 
 KIND_LEARNER = "learner"
 KIND_EVALUATOR = "evaluator"
-KIND_READER = "reader"
+KIND_READER = "reader"  # the training state only (operators, dashboards)
+KIND_MODEL_READER = "model-reader"  # the training state and the model's weights (exporters)
 KIND_SYNCER = "syncer"
 KIND_CHECKPOINT = "checkpoint"
-KINDS = (KIND_LEARNER, KIND_EVALUATOR, KIND_READER, KIND_SYNCER, KIND_CHECKPOINT)
+KINDS = (KIND_LEARNER, KIND_EVALUATOR, KIND_READER, KIND_MODEL_READER, KIND_SYNCER, KIND_CHECKPOINT)
+# Who may observe without taking part: the training state, and the model itself (weights).
+STATE_READ_KINDS = frozenset({KIND_EVALUATOR, KIND_READER, KIND_MODEL_READER})
+MODEL_READ_KINDS = frozenset({KIND_EVALUATOR, KIND_MODEL_READER})
 
 URI_PREFIX = "spiffe://ddiloco/"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -173,9 +184,13 @@ class ServerSecurity:
     tls_key: str = ""
     insecure: bool = False
     auth_tokens_file: str = ""  # token -> identity table; enables bearer tokens
+    tls_deny_list: str = ""  # revoked client certificates (serials or identities), re-read on change
 
     def __post_init__(self) -> None:
         check_server_choice(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key, insecure=self.insecure)
+        if self.tls_deny_list and self.insecure:
+            raise ValueError("tls_deny_list revokes client certificates and needs mutual TLS; with insecure=True "
+                             "revoke bearer tokens in the token file's \"revoked\" list instead")
 
     @property
     def tls(self) -> bool:
@@ -193,7 +208,8 @@ class ServerSecurity:
 
     def authenticator(self) -> Authenticator:
         tokens = TokenTable(self.auth_tokens_file) if self.auth_tokens_file else None
-        return Authenticator(mtls=self.tls, tokens=tokens)
+        deny_list = DenyList(self.tls_deny_list) if self.tls_deny_list else None
+        return Authenticator(mtls=self.tls, tokens=tokens, deny_list=deny_list)
 
     def check_files(self) -> None:
         """Reads every configured file once (ValueError naming the first problem)."""
@@ -250,83 +266,214 @@ _DIGEST_PREFIX = "sha256:"
 _HEX_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 
-def _presented_key(token: str) -> str:
+def _presented_key(token: str) -> bytes:
     """The table key of a token a client presents: always the sha256 of the token as a raw secret.
 
     A presented credential is never read as a digest, even when it looks like `sha256:<hex>`:
     otherwise the digests stored in the token file would themselves be credentials (pass-the-hash),
     and anyone who can read the file could act as anyone in it.
     """
-    return hashlib.sha256(token.encode()).hexdigest()
+    return hashlib.sha256(token.encode()).digest()
 
 
-def _file_key(entry: str) -> str:
+def _file_key(entry: str) -> bytes:
     """The table key of a token file entry: a plaintext token is hashed, a `sha256:<hex>` entry is
     already the digest of the token its holder presents (ValueError if it is not 64 hex digits)."""
     if entry.startswith(_DIGEST_PREFIX):
         digest = entry[len(_DIGEST_PREFIX):].strip().lower()
         if not _HEX_DIGEST_RE.fullmatch(digest):
             raise ValueError("a token entry starting with sha256: must be followed by 64 hex digits")
-        return digest
+        return bytes.fromhex(digest)
     return _presented_key(entry)
 
 
-class TokenTable:
-    """Bearer tokens -> identities, with a revocation list; re-read when the file changes.
+class _WatchedFile:
+    """A credential file parsed at start and re-parsed, at most every `reload_interval_s`, when it
+    changes (modification time, size or inode: an atomic replace counts), so revocations take
+    effect without a restart. A file that cannot be read or parsed at start is a ValueError; on a
+    re-read it is logged and the previous contents stay in force (a half-written or deleted file
+    neither opens the door nor locks everyone out)."""
 
-    File: `{"tokens": {"<token or sha256:hex>": "learner/learner-0", ...}, "revoked": [...]}`.
-    A `sha256:<hex>` entry is the digest of the token its holder presents; a client always presents
-    the token itself, which is hashed (a presented `sha256:...` string is just an unknown token).
-    Only sha256 digests of tokens are kept in memory. A file that fails to parse on re-read is
-    reported and the previous table stays in force (so a half-written file never opens the door).
-    """
+    what = "file"
 
     def __init__(self, path: str, *, reload_interval_s: float = 1.0) -> None:
         self.path = path
         self._interval_s = reload_interval_s
         self._lock = threading.Lock()
-        self._checked_at = 0.0
-        self._mtime_ns = -1
-        self._tokens: dict[str, Identity] = {}
-        self._revoked: set[str] = set()
+        self._checked_at = time.monotonic()
+        self._signature: tuple[int, int, int] | None = None
         self._load(initial=True)
+
+    def _parse(self, data: bytes) -> None:
+        """Parses `data` and installs it (raises ValueError/TypeError/... without installing)."""
+        raise NotImplementedError
 
     def _load(self, *, initial: bool) -> None:
         try:
-            mtime_ns = os.stat(self.path).st_mtime_ns
-            if mtime_ns == self._mtime_ns:
+            st = os.stat(self.path)
+            signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if signature == self._signature:
                 return
-            data = json.loads(_read(self.path, "token file"))
-            tokens = {_file_key(t): Identity.parse(i) for t, i in dict(data.get("tokens", {})).items()}
-            revoked = {_file_key(t) for t in data.get("revoked", [])}
+            self._parse(_read(self.path, self.what))
         except (OSError, ValueError, TypeError, AttributeError) as exc:
             if initial:
-                raise ValueError(f"token file {self.path!r}: {exc}") from None
-            _LOG.error(f"token file {self.path!r} not reloaded, keeping the previous table: {exc}")
+                raise ValueError(f"{self.what} {self.path!r}: {exc}") from None
+            _LOG.error(f"{self.what} {self.path!r} not reloaded, keeping the previous contents: {exc}")
             return
-        self._tokens, self._revoked, self._mtime_ns = tokens, revoked, mtime_ns
+        self._signature = signature
         if not initial:
-            _LOG.info(f"token file reloaded: {len(tokens)} tokens, {len(revoked)} revoked")
+            _LOG.info(f"{self.what} {self.path!r} reloaded: {self._summary()}")
+
+    def _summary(self) -> str:
+        return ""
+
+    def _refresh(self) -> None:
+        """Re-reads the file if it changed and the interval has passed (call under self._lock)."""
+        now = time.monotonic()
+        if now - self._checked_at >= self._interval_s:
+            self._checked_at = now
+            self._load(initial=False)
+
+
+class TokenTable(_WatchedFile):
+    """Bearer tokens -> identities, with a revocation list; re-read when the file changes.
+
+    File: `{"tokens": {"<token or sha256:hex>": "learner/learner-0", ...}, "revoked": [...]}`.
+    A `sha256:<hex>` entry is the digest of the token its holder presents; a client always presents
+    the token itself, which is hashed (a presented `sha256:...` string is just an unknown token).
+    Only sha256 digests of tokens are kept in memory, and a presented token's digest is compared
+    with every stored one in constant time (`hmac.compare_digest`, no early exit), so the time a
+    lookup takes does not depend on how much of a stored digest a guess matches.
+    """
+
+    what = "token file"
+
+    def __init__(self, path: str, *, reload_interval_s: float = 1.0) -> None:
+        self._tokens: tuple[tuple[bytes, Identity], ...] = ()
+        self._revoked: tuple[bytes, ...] = ()
+        super().__init__(path, reload_interval_s=reload_interval_s)
+
+    def _parse(self, data: bytes) -> None:
+        table = json.loads(data)
+        tokens = tuple((_file_key(t), Identity.parse(i)) for t, i in dict(table.get("tokens", {})).items())
+        revoked = tuple(_file_key(t) for t in table.get("revoked", []))
+        self._tokens, self._revoked = tokens, revoked
+
+    def _summary(self) -> str:
+        return f"{len(self._tokens)} tokens, {len(self._revoked)} revoked"
 
     def lookup(self, token: str) -> Identity:
         """The identity of `token`; Unauthenticated if unknown or revoked."""
+        key = _presented_key(token)  # hashed as a raw secret, never taken as a digest
         with self._lock:
-            now = time.monotonic()
-            if now - self._checked_at >= self._interval_s:
-                self._checked_at = now
-                self._load(initial=False)
-            # The presented token is hashed as a raw secret (never taken as a digest; see
-            # `_presented_key`) and looked up by its digest. A hash lookup is not a constant-time
-            # comparison, but what its timing could reveal is how the sha256 of the attacker's own
-            # guess relates to the stored digests; steering a guess towards a stored digest would
-            # take a sha256 preimage, so the timing says nothing about any real token.
-            key = _presented_key(token)
-            if key in self._revoked:
-                raise errors.Unauthenticated("bearer token has been revoked", reason="revoked_token")
-            identity = self._tokens.get(key)
+            self._refresh()
+            tokens, revoked_keys = self._tokens, self._revoked
+        revoked = False
+        for stored in revoked_keys:
+            revoked |= hmac.compare_digest(stored, key)
+        identity = None
+        for stored, candidate in tokens:
+            if hmac.compare_digest(stored, key):
+                identity = candidate
+        if revoked:
+            raise errors.Unauthenticated("bearer token has been revoked", reason="revoked_token")
         if identity is None:
             raise errors.Unauthenticated("bearer token is not valid", reason="invalid_token")
         return identity
+
+
+# ------------------------------------------------------------------------- certificate deny list
+
+# RFC 5280: a serial number is a positive integer of at most 20 octets.
+_SERIAL_RE = re.compile(r"(?:0x)?([0-9a-f]{1,40})")
+
+
+def parse_serial(text: str) -> int:
+    """A certificate serial number written in hex (`0x` and `:` separators, as openssl prints
+    them, allowed); ValueError otherwise."""
+    match = _SERIAL_RE.fullmatch(text.strip().lower().replace(":", ""))
+    if match is None:
+        raise ValueError(f"{text!r} is not a certificate serial number (hex, at most 20 octets)")
+    return int(match.group(1), 16)
+
+
+def format_serial(serial: int) -> str:
+    """The deny list's spelling of a serial number: lower-case hex, `0x` prefix."""
+    return f"0x{serial:x}"
+
+
+def parse_deny_list(text: str) -> tuple[frozenset[int], frozenset[Identity]]:
+    """(serials, identities) of a deny list: one entry a line, a certificate serial in hex or an
+    identity (`kind/name` or `spiffe://ddiloco/kind/name`); `#` starts a comment. ValueError
+    names the first bad line."""
+    serials: set[int] = set()
+    identities: set[Identity] = set()
+    for number, raw in enumerate(text.splitlines(), 1):
+        entry = raw.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        try:
+            if "/" in entry:
+                identities.add(Identity.parse(entry))
+            else:
+                serials.add(parse_serial(entry))
+        except ValueError as exc:
+            raise ValueError(f"line {number}: {exc}") from None
+    return frozenset(serials), frozenset(identities)
+
+
+@functools.lru_cache(maxsize=1024)
+def _serial_of_pem(pem: bytes) -> int | None:
+    # Imported here: only servers with a deny list parse peer certificates.
+    from cryptography import x509
+
+    try:
+        return x509.load_pem_x509_certificate(pem).serial_number
+    except ValueError:
+        return None
+
+
+def peer_certificate_serial(auth_context: Mapping[str, Any]) -> int | None:
+    """The serial number of the verified client certificate in a call's auth context (grpc-core
+    puts the peer's PEM there as `x509_pem_cert`), or None without one."""
+    for value in auth_context.get("x509_pem_cert", ()) or ():
+        return _serial_of_pem(value if isinstance(value, bytes) else str(value).encode())
+    return None
+
+
+class DenyList(_WatchedFile):
+    """Revoked client certificates, by serial number or by identity (`--tls-deny-list`).
+
+    Checked on every call after the TLS handshake: the handshake itself cannot consult it (grpcio
+    offers no certificate-verification callback or CRL option), so a revoked certificate still
+    connects, and every call it makes is UNAUTHENTICATED. Re-read when the file changes.
+    """
+
+    what = "deny list"
+
+    def __init__(self, path: str, *, reload_interval_s: float = 1.0) -> None:
+        self._serials: frozenset[int] = frozenset()
+        self._identities: frozenset[Identity] = frozenset()
+        super().__init__(path, reload_interval_s=reload_interval_s)
+
+    def _parse(self, data: bytes) -> None:
+        self._serials, self._identities = parse_deny_list(data.decode())
+
+    def _summary(self) -> str:
+        return f"{len(self._serials)} serials, {len(self._identities)} identities"
+
+    def check(self, *, serial: int | None = None, identity: Identity | None = None) -> None:
+        """Unauthenticated if the certificate `serial` or `identity` is denied."""
+        with self._lock:
+            self._refresh()
+            serials, identities = self._serials, self._identities
+        if serial is not None and serial in serials:
+            raise errors.Unauthenticated(
+                f"client certificate {format_serial(serial)} has been revoked (deny list); ask for a new one",
+                reason="revoked_certificate")
+        if identity is not None and identity in identities:
+            raise errors.Unauthenticated(f"identity {identity} has been revoked (deny list)",
+                                         reason="revoked_identity")
 
 
 # ---------------------------------------------------------------------------- authentication
@@ -340,15 +487,23 @@ def _auth_values(auth_context: Mapping[str, Any], key: str) -> list[str]:
 
 
 def identity_from_auth_context(auth_context: Mapping[str, Any]) -> Identity | None:
-    """The ddiloco identity in a verified peer certificate's URI SANs, if any."""
+    """The ddiloco identity in a verified peer certificate's URI SANs, if any.
+
+    Unauthenticated ("unknown_identity") for a URI in the ddiloco namespace that names no valid
+    identity (an unknown kind, a malformed name): a certificate issued for something this server
+    does not know, not one without an identity."""
     candidates = _auth_values(auth_context, "x509_subject_alternative_name")
     candidates += _auth_values(auth_context, "x509_uri_subject_alternative_name")
+    unknown = ""
     for value in candidates:
         if value.startswith(URI_PREFIX):
             try:
                 return Identity.parse(value)
-            except ValueError:
-                continue
+            except ValueError as exc:
+                unknown = unknown or f"{value}: {exc}"
+    if unknown:
+        raise errors.Unauthenticated(f"the client certificate names an unknown ddiloco identity ({unknown})",
+                                     reason="unknown_identity")
     return None
 
 
@@ -366,9 +521,10 @@ def bearer_token(metadata) -> str | None:
 class Authenticator:
     """Turns a call's transport context and metadata into an Identity (or Unauthenticated)."""
 
-    def __init__(self, *, mtls: bool, tokens: TokenTable | None) -> None:
+    def __init__(self, *, mtls: bool, tokens: TokenTable | None, deny_list: DenyList | None = None) -> None:
         self.mtls = mtls
         self.tokens = tokens
+        self.deny_list = deny_list
 
     @property
     def enabled(self) -> bool:
@@ -377,10 +533,20 @@ class Authenticator:
     def authenticate(self, context: grpc.aio.ServicerContext) -> Identity:
         if not self.enabled:
             return ANONYMOUS
+        identity = None
         if self.mtls:
-            identity = identity_from_auth_context(context.auth_context() or {})
-            if identity is not None:
-                return identity
+            auth_context = context.auth_context() or {}
+            if self.deny_list is not None:
+                # By serial first: a revoked certificate is refused whatever identity it carries.
+                self.deny_list.check(serial=peer_certificate_serial(auth_context))
+            identity = identity_from_auth_context(auth_context)
+        if identity is None:
+            identity = self._from_token(context)
+        if self.deny_list is not None:
+            self.deny_list.check(identity=identity)
+        return identity
+
+    def _from_token(self, context: grpc.aio.ServicerContext) -> Identity:
         if self.tokens is not None:
             token = bearer_token(context.invocation_metadata())
             if token is None:
@@ -425,7 +591,6 @@ def require_kind(*kinds: str) -> None:
 # ----------------------------------------------------------------------------- authorization
 
 _LEARNER = frozenset({KIND_LEARNER})
-_READ = frozenset({KIND_EVALUATOR, KIND_READER})
 
 # Method -> kinds allowed to call it. Methods of a guarded service that are missing here are
 # refused (default deny). Request-level checks (a learner acting as itself) are in the servicers.
@@ -434,21 +599,24 @@ SYNCER_POLICY: Mapping[str, frozenset[str]] = {
     "/ddiloco.v1.Syncer/ReportProgress": _LEARNER,
     "/ddiloco.v1.Syncer/UploadFragment": _LEARNER,
     "/ddiloco.v1.Syncer/Leave": _LEARNER,
-    # Learners watch as themselves; evaluators and readers as observers (empty learner_id).
-    "/ddiloco.v1.Syncer/WatchFragments": _LEARNER | _READ,
+    # Learners watch as themselves; evaluators and model readers as observers (empty learner_id).
+    # The stream carries the model's weights: a state reader may not open it.
+    "/ddiloco.v1.Syncer/WatchFragments": _LEARNER | MODEL_READ_KINDS,
     "/ddiloco.v1.Syncer/ReportEval": frozenset({KIND_EVALUATOR}),
-    "/ddiloco.v1.Syncer/GetTrainingState": _READ,
-    "/ddiloco.v1.Syncer/WatchTrainingState": _READ,
+    "/ddiloco.v1.Syncer/GetTrainingState": STATE_READ_KINDS,
+    "/ddiloco.v1.Syncer/WatchTrainingState": STATE_READ_KINDS,
 }
 
-_STORE_READ = frozenset({KIND_SYNCER, KIND_READER})
+# Blobs hold the checkpointed weights and optimizer state: the syncer and model readers only.
+# Manifests and blob stats (names, digests, sizes, steps) are state: readers too.
+_STORE_METADATA = frozenset({KIND_SYNCER, KIND_READER, KIND_MODEL_READER})
 CHECKPOINT_POLICY: Mapping[str, frozenset[str]] = {
     "/ddiloco.v1.CheckpointStore/PutBlob": frozenset({KIND_SYNCER}),
     "/ddiloco.v1.CheckpointStore/CommitManifest": frozenset({KIND_SYNCER}),
-    "/ddiloco.v1.CheckpointStore/GetBlob": _STORE_READ,
-    "/ddiloco.v1.CheckpointStore/StatBlobs": _STORE_READ,
-    "/ddiloco.v1.CheckpointStore/GetLatestManifest": _STORE_READ,
-    "/ddiloco.v1.CheckpointStore/ListManifests": _STORE_READ,
+    "/ddiloco.v1.CheckpointStore/GetBlob": frozenset({KIND_SYNCER, KIND_MODEL_READER}),
+    "/ddiloco.v1.CheckpointStore/StatBlobs": _STORE_METADATA,
+    "/ddiloco.v1.CheckpointStore/GetLatestManifest": _STORE_METADATA,
+    "/ddiloco.v1.CheckpointStore/ListManifests": _STORE_METADATA,
 }
 
 GUARDED_PREFIX = "/ddiloco.v1."
@@ -496,17 +664,30 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return identity
 
 
+# A response stream re-admits its caller at most this often, before its next message: a token
+# or certificate revoked while a WatchFragments or GetBlob stream is open stops the download
+# within a second of the credential files being re-read, instead of when the stream ends.
+STREAM_RECHECK_S = 1.0
+
+
 def _wrap_handler(handler: grpc.RpcMethodHandler, admit) -> grpc.RpcMethodHandler:
-    """The same handler, with `admit(context)` run (and the identity bound) before the behavior."""
+    """The same handler, with `admit(context)` run (and the identity bound) before the behavior,
+    and for a response stream again before a message once STREAM_RECHECK_S has passed."""
 
     def wrap(behavior):
         if inspect.isasyncgenfunction(behavior):
             async def stream_behavior(request, context):
                 token = _CURRENT.set(await admit(context))
+                admitted_at = time.monotonic()
+                responses = behavior(request, context)
                 try:
-                    async for response in behavior(request, context):
+                    async for response in responses:
+                        if time.monotonic() - admitted_at >= STREAM_RECHECK_S:
+                            await admit(context)  # aborts the call if the credential was revoked meanwhile
+                            admitted_at = time.monotonic()
                         yield response
                 finally:
+                    await responses.aclose()
                     _CURRENT.reset(token)
 
             return stream_behavior

@@ -1345,7 +1345,9 @@ class TrainingState(_message.Message):
     @_builtins.property
     def auth_failures(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Calls refused before reaching the service (UNAUTHENTICATED, PERMISSION_DENIED), by reason:
-        no_credentials, invalid_token, revoked_token, no_identity, wrong_role, wrong_learner.
+        no_credentials, invalid_token, revoked_token, no_identity, unknown_identity,
+        revoked_certificate, revoked_identity, wrong_role, wrong_learner
+        (ddiloco.rpc.security.AUTH_FAILURE_REASONS).
         (TLS handshake failures never reach the application and are not counted here.)
         """
 

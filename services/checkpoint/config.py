@@ -75,6 +75,8 @@ class CheckpointConfig:
     insecure: bool = False
     # Bearer tokens -> identities, with revocations (for TLS terminated elsewhere).
     auth_tokens_file: str = ""
+    # Revoked client certificates (serials or identities, one a line), re-read on change.
+    tls_deny_list: str = ""
     # Also serve the health service alone, in plaintext, on this host:port (probes).
     health_bind: str = ""
     # Fault injection for tests: point -> "crash" | "enospc" (see store.py). Empty in production.
@@ -114,7 +116,8 @@ class CheckpointConfig:
     def server_security(self) -> security.ServerSecurity:
         """ValueError unless mutual TLS is fully configured or plaintext was asked for."""
         return security.ServerSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
-                                       insecure=self.insecure, auth_tokens_file=self.auth_tokens_file)
+                                       insecure=self.insecure, auth_tokens_file=self.auth_tokens_file,
+                                       tls_deny_list=self.tls_deny_list)
 
 
 def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointConfig:
@@ -156,6 +159,8 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointC
     add("insecure", "serve plaintext without client certificates (local runs only; DDILOCO_INSECURE=1 "
         "sets it too)", type=flags.parse_bool, nargs="?", const=True, metavar="BOOL")
     add("auth_tokens_file", "JSON {tokens: {token: kind/name}, revoked: [...]}: accept bearer tokens")
+    add("tls_deny_list", "mutual TLS: file of revoked client certificates, one a line: a serial number in hex or an "
+        "identity (kind/name); # starts a comment; re-read within a second of a change (`ddiloco certs revoke`)")
     add("health_bind", "also serve gRPC health alone, in plaintext, on host:port (probes without certificates)")
     parser.add_env_argument(
         "--failpoints",

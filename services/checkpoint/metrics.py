@@ -19,7 +19,7 @@ from ddiloco.v1 import checkpoint_pb2
 def auth_failure_counter(registry: prometheus_client.CollectorRegistry):
     """`on_reject` for the store's AuthInterceptor: counts refused calls by reason and method.
 
-    Calls that never complete a TLS handshake are not seen by the process (README, security model)."""
+    Calls that never complete a TLS handshake are not seen by the process (docs/security.md)."""
     counter = prometheus_client.Counter(
         "ddiloco_checkpoint_auth_failures",
         "Calls refused as UNAUTHENTICATED or PERMISSION_DENIED after a completed TLS handshake, by reason and method",

@@ -54,6 +54,8 @@ class _Checkpointer:
         self._merges_since = 0
         self._task: asyncio.Task | None = None
         self.on_commit = None  # called with the snapshot of each committed checkpoint (history)
+        # Every checkpoint says what its bytes mean (model, config, fragment plan): `ddiloco export`.
+        self._description = checkpointing.describe_run(cfg, core.config, core.plan)
 
     def on_merge(self) -> None:
         self._merges_since += 1
@@ -67,7 +69,7 @@ class _Checkpointer:
             return False
         started = time.monotonic()
         snapshot = await core.snapshot()
-        blobs, metadata = await asyncio.to_thread(checkpointing.encode_snapshot, snapshot)
+        blobs, metadata = await asyncio.to_thread(checkpointing.encode_snapshot, snapshot, self._description)
         try:
             await asyncio.wait_for(self._write(snapshot["outer_steps"], blobs, metadata), self._cfg.checkpoint_timeout_s)
         except Exception as exc:  # the store being down must not stop training; we retry next time
@@ -215,6 +217,10 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     servicer = servicer_lib.SyncerServicer(
         core, max_concurrent_uploads=cfg.max_concurrent_uploads, upload_idle_timeout_s=cfg.upload_idle_timeout_s,
         max_concurrent_uploads_per_learner=cfg.max_concurrent_uploads_per_learner,
+        state_watch_cap=servicer_lib.StreamCap(cfg.max_state_watchers, cfg.max_state_watchers_per_identity,
+                                               "--max-state-watchers"),
+        fragment_watch_cap=servicer_lib.StreamCap(cfg.max_fragment_watchers, cfg.max_fragment_watchers_per_identity,
+                                                  "--max-fragment-watchers"),
     )
     auth = security_lib.AuthInterceptor(authenticator, security_lib.SYNCER_POLICY,
                                         on_reject=servicer.record_interceptor_refusal)

@@ -4,6 +4,9 @@ Layout of one checkpoint (a manifest in the checkpoint store):
   - `fragment/<id>`: safetensors with `params` (float32) and `opt/<i>` (outer optimizer state);
     unchanged fragments produce identical bytes, so the store keeps them once.
   - `state`: JSON with versions, counters, membership (for fencing) and the eval history.
+  - `run` (ddiloco.run_description): what the bytes mean -- run configuration, model name and
+    configuration, fragment plan with tensor names, shapes and offsets -- so that `ddiloco export`
+    needs no flags. Checkpoints written before it existed lack it; restoring never needs it.
 Bit-exactness: float32 arrays are stored as raw little-endian bytes, and each fragment's sha256
 is recorded in `state` and checked again by `SyncerCore.restore`.
 """
@@ -15,11 +18,29 @@ import json
 import numpy as np
 from safetensors import numpy as st_numpy
 
+from ddiloco import run_description as run_description_lib
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.v1 import syncer_pb2
+
 FORMAT_VERSION = "1"
+# The syncer's own hyperparameters recorded with the run (learners' inner ones are theirs); an
+# allow-list, so that no address, path or credential setting ever lands in a checkpoint.
+_TRAINING_FIELDS = ("sync_mode", "seed", "outer_lr", "outer_momentum", "outer_step_fraction", "grace_gamma",
+                    "max_grace_s", "token_budget", "norm_bound_factor", "norm_bound_action", "direction_check",
+                    "dp_learning_rate", "dp_warmup_steps", "dp_decay_steps", "dp_weight_decay")
 
 
-def encode_snapshot(snapshot: dict) -> tuple[dict[str, bytes], dict]:
-    """Returns ({blob name: bytes}, metadata) for a snapshot from SyncerCore.snapshot()."""
+def describe_run(cfg, run_config: syncer_pb2.RunConfig,
+                 plan: fragments_lib.FragmentPlan) -> run_description_lib.RunDescription:
+    """The `run` blob's record for a syncer started with `cfg` (a SyncerConfig)."""
+    training = {name: getattr(cfg, name) for name in _TRAINING_FIELDS if hasattr(cfg, name)}
+    return run_description_lib.describe(run_config, plan, training)
+
+
+def encode_snapshot(snapshot: dict, description: run_description_lib.RunDescription | None = None,
+                    ) -> tuple[dict[str, bytes], dict]:
+    """Returns ({blob name: bytes}, metadata) for a snapshot from SyncerCore.snapshot(), with the
+    `run` blob when a description is given."""
     blobs: dict[str, bytes] = {}
     fragments_meta = []
     for frag in snapshot["fragments"]:
@@ -40,7 +61,11 @@ def encode_snapshot(snapshot: dict) -> tuple[dict[str, bytes], dict]:
     state["fragments"] = fragments_meta
     state["format"] = FORMAT_VERSION
     blobs["state"] = json.dumps(state, sort_keys=True).encode()
-    return blobs, {"format": FORMAT_VERSION, "kind": "syncer"}
+    metadata = {"format": FORMAT_VERSION, "kind": "syncer"}
+    if description is not None:
+        blobs[run_description_lib.BLOB_NAME] = description.to_json()
+        metadata["model"] = description.model_name
+    return blobs, metadata
 
 
 def decode_snapshot(blobs: dict[str, bytes]) -> dict:

@@ -87,12 +87,18 @@ class SyncerConfig:
     tls_key: str = ""
     insecure: bool = False  # plaintext, no client certificates: local runs and trusted networks only
     auth_tokens_file: str = ""  # bearer tokens -> identities, with revocations (TLS terminated elsewhere)
+    tls_deny_list: str = ""  # revoked client certificates: serials or identities, one a line (re-read on change)
     checkpoint_auth_token_file: str = ""  # bearer token presented to the checkpoint store
     checkpoint_tls_server_name: str = ""  # name expected in the store's certificate, if not its host
     health_bind: str = ""  # also serve the health service alone, in plaintext, here (probes)
     # Bad input and hostile learners.
     max_concurrent_uploads_per_learner: int = 4
     upload_idle_timeout_s: float = 60.0  # an upload stream silent this long is refused
+    # Concurrent watch streams, in total and per authenticated identity (servicer.StreamCap).
+    max_state_watchers: int = 64
+    max_state_watchers_per_identity: int = 16
+    max_fragment_watchers: int = 1024
+    max_fragment_watchers_per_identity: int = 8
     norm_bound_factor: float = 20.0  # k: contribution norm <= k x median of other learners'; 0 disables
     norm_bound_action: str = "reject"  # reject or clip contributions beyond the bound
     norm_bound_min_history: int = 3  # other learners' contributions needed before per-tensor bounds
@@ -146,7 +152,8 @@ class SyncerConfig:
             raise bad("model_config", "must be a JSON object")
         if ":" not in self.bind:
             raise bad("bind", "must be host:port")
-        for name in ("max_concurrent_uploads_per_learner", "norm_bound_min_history"):
+        for name in ("max_concurrent_uploads_per_learner", "norm_bound_min_history", "max_state_watchers",
+                     "max_state_watchers_per_identity", "max_fragment_watchers", "max_fragment_watchers_per_identity"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         for name in ("norm_bound_factor", "quarantine_after", "quarantine_window_s", "quarantine_s"):
@@ -180,7 +187,8 @@ class SyncerConfig:
     def server_security(self) -> security.ServerSecurity:
         """ValueError unless mutual TLS is fully configured or plaintext was asked for."""
         return security.ServerSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
-                                       insecure=self.insecure, auth_tokens_file=self.auth_tokens_file)
+                                       insecure=self.insecure, auth_tokens_file=self.auth_tokens_file,
+                                       tls_deny_list=self.tls_deny_list)
 
     def checkpoint_security(self) -> security.ClientSecurity:
         """How the syncer reaches the store: its own certificate as the client certificate."""
@@ -308,12 +316,20 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "tls_key": "mutual TLS: this syncer's private key (PEM)",
         "insecure": "serve plaintext without client certificates (local runs only; DDILOCO_INSECURE=1 sets it too)",
         "auth_tokens_file": "JSON {tokens: {token: kind/name}, revoked: [...]}: accept bearer tokens (re-read on change)",
+        "tls_deny_list": "mutual TLS: file of revoked client certificates, one a line: a serial number in hex or an "
+                         "identity (kind/name); # starts a comment; re-read within a second of a change "
+                         "(`ddiloco certs revoke` appends to it)",
         "checkpoint_auth_token_file": "file with the bearer token to present to the checkpoint store",
         "checkpoint_tls_server_name": "mutual TLS: name expected in the store's certificate when it differs from "
                                       "the host of --checkpoint-target (e.g. checkpoint, as `ddiloco certs` names it)",
         "health_bind": "also serve gRPC health alone, in plaintext, on host:port (probes without certificates)",
         "max_concurrent_uploads_per_learner": "uploads in flight at once from one learner (RESOURCE_EXHAUSTED above)",
         "upload_idle_timeout_s": "refuse an upload stream that sends nothing for this long",
+        "max_state_watchers": "WatchTrainingState streams open at once, over all callers (RESOURCE_EXHAUSTED above)",
+        "max_state_watchers_per_identity": "WatchTrainingState streams open at once per authenticated identity",
+        "max_fragment_watchers": "WatchFragments streams open at once, learners and observers together "
+                                 "(RESOURCE_EXHAUSTED above)",
+        "max_fragment_watchers_per_identity": "WatchFragments streams open at once per authenticated identity",
         "norm_bound_factor": "k: refuse/clip a contribution whose per-step norms (whole fragment, and each tensor of "
                              ">= 1024 values) exceed k x the median of other learners' recent ones (until there is "
                              "history: its norm exceeds the global fragment's); also caps a claimed batch (tokens "

@@ -176,11 +176,11 @@ class _StateCollector:
         yield uploads
         # Security, kept apart from the upload results above: refused callers and quarantines.
         # TLS handshake failures never reach the process (grpc-core drops the connection before
-        # any call exists) and so are not counted here; see the README's security model.
+        # any call exists) and so are not counted here; see docs/security.md.
         auth = CounterMetricFamily(
             "ddiloco_syncer_auth_failures",
             "Calls refused as UNAUTHENTICATED or PERMISSION_DENIED after a completed TLS handshake, by reason "
-            "(no_credentials, invalid_token, revoked_token, no_identity, wrong_role, wrong_learner)",
+            f"({', '.join(security_lib.AUTH_FAILURE_REASONS)})",
             labels=["reason"])
         for reason in sorted(set(security_lib.AUTH_FAILURE_REASONS) | set(state.auth_failures)):
             auth.add_metric([reason], state.auth_failures.get(reason, 0))

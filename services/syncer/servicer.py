@@ -1,6 +1,7 @@
 """The Syncer gRPC servicer: decode -> SyncerCore -> encode. No state and no policy here.
 
-Every `ServiceError` from the core becomes `context.abort(error.code, message)`; log lines carry
+Every `ServiceError` from the core becomes `context.abort(error.code, message)`, its reason in the
+trailing metadata (errors.status_metadata); log lines carry
 the `[Syncer.<Rpc>]` prefix. Authentication and the per-method role check happen before any
 handler runs (security.AuthInterceptor); handlers check that a learner acts only as itself
 (`security.require_learner`) before touching the core.
@@ -14,7 +15,9 @@ then the core's payload checks (checksum, zstd frame size before decompressing, 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -50,6 +53,75 @@ async def _next_request(iterator, timeout_s: float):
     except protobuf_message.DecodeError:
         raise errors.InvalidArgument("a message of the upload stream is not a valid UploadFragmentRequest",
                                      reason="malformed") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamCap:
+    """Concurrent streams of one watch RPC: at most `total`, and `per_identity` per authenticated
+    caller (without authentication every caller is anonymous and only `total` applies). `flag` names
+    the setting in refusals."""
+
+    total: int
+    per_identity: int
+    flag: str
+
+    def __post_init__(self) -> None:
+        if self.total < 1 or self.per_identity < 1:
+            raise ValueError(f"stream caps must be >= 1, got total={self.total} per_identity={self.per_identity}")
+
+
+# Each WatchTrainingState stream rebuilds the training state as often as every 0.1 s; each
+# WatchFragments stream holds a buffered chunk (WATCH_CHUNK_BYTES) and wakes on every merge. A
+# caller must not be able to open them without bound.
+STATE_WATCH_CAP = StreamCap(total=64, per_identity=16, flag="--max-state-watchers")
+FRAGMENT_WATCH_CAP = StreamCap(total=1024, per_identity=8, flag="--max-fragment-watchers")
+
+
+class _OpenStreams:
+    """The open streams of one watch RPC, in total and per identity (the servicer's event loop
+    only: no lock). A slot is released by the call's done callback, which grpc runs however the
+    call ends (finished, cancelled by the client, aborted, shut down)."""
+
+    def __init__(self, rpc: str, cap: StreamCap) -> None:
+        self._rpc = rpc
+        self._cap = cap
+        self._total = 0
+        self._per_identity: collections.Counter[str] = collections.Counter()
+
+    def open(self, identity: security.Identity, context) -> None:
+        """Takes a slot for the call of `context` (ResourceExhausted when none is left)."""
+        cap = self._cap
+        if self._total >= cap.total:
+            raise errors.ResourceExhausted(
+                f"{self._rpc}: {self._total} streams are open, the syncer's limit ({cap.flag} {cap.total}); "
+                "close one or retry later", reason="watch_streams")
+        key = "" if identity.anonymous else str(identity)
+        if key and self._per_identity[key] >= cap.per_identity:
+            raise errors.ResourceExhausted(
+                f"{self._rpc}: {key} already has {self._per_identity[key]} streams open, the limit per identity "
+                f"({cap.flag}-per-identity {cap.per_identity}); close one before opening another",
+                reason="watch_streams_identity")
+        self._total += 1
+        if key:
+            self._per_identity[key] += 1
+        released = False
+
+        def release(_context) -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self._total -= 1
+            if key:
+                self._per_identity[key] -= 1
+                if not self._per_identity[key]:
+                    del self._per_identity[key]
+
+        context.add_done_callback(release)
+
+    @property
+    def total(self) -> int:
+        return self._total
 
 
 class _UploadScope:
@@ -91,8 +163,11 @@ class _WatchMessages:
 
 class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
     def __init__(self, core: core_lib.SyncerCore, *, max_concurrent_uploads: int, upload_idle_timeout_s: float = 60.0,
-                 max_concurrent_uploads_per_learner: int = 4) -> None:
+                 max_concurrent_uploads_per_learner: int = 4, state_watch_cap: StreamCap = STATE_WATCH_CAP,
+                 fragment_watch_cap: StreamCap = FRAGMENT_WATCH_CAP) -> None:
         self._core = core
+        self._state_streams = _OpenStreams("WatchTrainingState", state_watch_cap)
+        self._fragment_streams = _OpenStreams("WatchFragments", fragment_watch_cap)
         self._upload_slots = asyncio.Semaphore(max_concurrent_uploads)
         self._max_uploads = max_concurrent_uploads
         self._max_per_learner = max_concurrent_uploads_per_learner
@@ -122,7 +197,8 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         _LOG.info(f"[Syncer.{rpc}] {exc.code.name}: {exc}")
         if isinstance(exc, (errors.PermissionDenied, errors.Unauthenticated)) and exc.reason != "quarantined":
             self._record_auth_failure(rpc, exc)
-        await context.abort(exc.code, str(exc))
+        # The reason rides along as trailing metadata: learners act on it (fenced, not joined).
+        await context.abort(exc.code, str(exc), trailing_metadata=errors.status_metadata(exc))
 
     def _record_auth_failure(self, rpc: str, exc: errors.ServiceError) -> None:
         if getattr(exc, "recorded", False):
@@ -254,13 +330,14 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         core = self._core
         observer = not request.learner_id  # evaluators and tools watch without joining
         try:
-            if observer:
-                security.require_kind(security.KIND_EVALUATOR, security.KIND_READER)
+            if observer:  # the stream carries the model's weights: not for state readers
+                security.require_kind(*sorted(security.MODEL_READ_KINDS))
             else:
                 security.require_learner(request.learner_id)
             core.check_protocol(request.protocol_version)
             if not observer:
                 core.require_member(request.learner_id, request.incarnation)
+            self._fragment_streams.open(security.current_identity(), context)
         except errors.ServiceError as exc:
             await self._abort(context, "WatchFragments", exc)
         held = serde.versions_from_proto(request.held) if request.syncer_instance == core.instance else {}
@@ -325,6 +402,10 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         return syncer_pb2.GetTrainingStateResponse(state=self._core.training_state(request.recent_merges))
 
     async def WatchTrainingState(self, request, context):
+        try:
+            self._state_streams.open(security.current_identity(), context)
+        except errors.ServiceError as exc:
+            await self._abort(context, "WatchTrainingState", exc)
         interval_s = max(request.min_interval_s, 0.1)
         while True:
             await self._end_if_shutting_down(context)

@@ -98,11 +98,12 @@ def test_mutual_tls_identities_roles_and_handshake_failures(tmp_path, pki):
         assert member.flags & core_lib.FLAG_IMPERSONATION and member.rejections["wrong_learner"] == 5
         assert next(m for m in state.members if m.learner_id == "learner-1").flags == 0  # the victim is not flagged
 
-        # The read-only credential reads, and nothing else; the evaluator reports.
+        # The read-only credential reads the state, and nothing else (not the model: that takes a
+        # model-reader, tests/security/test_model_reader.py); the evaluator reports.
         reader = _syncer_stub(h.address, client_security(pki, "operator"))
         assert _state_call(reader).state.outer_steps == 1
         assert next(iter(reader.WatchTrainingState(syncer_pb2.WatchTrainingStateRequest(), timeout=5))).state.run_id
-        assert _observe(reader) in (0, 1)
+        assert code_of(lambda: _observe(reader)) == DENIED
         operator = Learner(h.address, "operator", sec=client_security(pki, "operator"), join=False)
         operator.instance = me.instance
         assert code_of(lambda: operator.join()) == DENIED

@@ -79,3 +79,33 @@ def test_the_contract_catches_an_upward_import_inside_a_function(tmp_path):
     assert any(line.startswith("services -> tools: services.learner.loop imports ddiloco.chaos.schedule")
                for line in found)
     assert len(found) == 2, found
+
+
+# docs/architecture.md holds the package-level import table between these markers; the test below
+# regenerates it from the graph, so the drawing of the house stays true.
+TABLE_BEGIN, TABLE_END = "<!-- imports:begin -->", "<!-- imports:end -->"
+PACKAGE_GRAPH = textwrap.dedent("""
+    import collections, grimp
+    def package(module):
+        parts = module.split(".")
+        return ".".join(parts[:2])
+    graph = grimp.build_graph("ddiloco", "services", cache_dir=None)
+    edges = collections.defaultdict(set)
+    for importer in graph.modules:
+        for imported in graph.find_modules_directly_imported_by(importer):
+            if package(importer) != package(imported) and package(imported) != "ddiloco":
+                edges[package(importer)].add(package(imported))
+    print("| package | imports |")
+    print("|---|---|")
+    for importer in sorted(edges):
+        print(f"| `{importer}` | " + ", ".join(f"`{i}`" for i in sorted(edges[importer])) + " |")
+""")
+
+
+def test_the_architecture_doc_shows_the_imports_as_they_are():
+    out = subprocess.run([sys.executable, "-c", PACKAGE_GRAPH], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    shown = doc.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].strip()
+    assert shown == out.stdout.strip(), f"docs/architecture.md is stale; the table now reads:\n{out.stdout}"

@@ -77,12 +77,12 @@ def test_json_logs_is_bare_for_syncer_and_learner_too(service: str, parse) -> No
 
 def test_the_readme_tells_how_ddiloco_up_gives_each_learner_one_xla_thread(tmp_path: pathlib.Path) -> None:
     """Several learners on one host need one XLA compute thread each; `ddiloco up` sets XLA_FLAGS
-    for its processes (unless the user set it), and "Running the services yourself" gives the same
-    setting to users who start the services by hand."""
+    for its processes (unless the user set it), and docs/deploy.md's "The services by hand" gives
+    the same setting to users who start the services by hand."""
     from ddiloco.cli import cluster
 
     flags = cluster.LocalCluster(tmp_path / "run", env={}).env["XLA_FLAGS"]
     assert cluster.LocalCluster(tmp_path / "own", env={"XLA_FLAGS": "--mine"}).env["XLA_FLAGS"] == "--mine"
-    readme = (_REPO / "README.md").read_text()
-    section = readme.split("## Running the services yourself", 1)[1].split("\n## ", 1)[0]
+    deploy = (_REPO / "docs" / "deploy.md").read_text()
+    section = deploy.split("## The services by hand", 1)[1].split("\n## ", 1)[0]
     assert f"XLA_FLAGS={flags}" in section, flags
