@@ -92,7 +92,7 @@ UNSUPPORTED = {
     "evaluator": {"once", *_TLS},  # once: it would exit and be restarted
     "learners": {
         *_TLS,
-        "hostile", "failpoints", "history_file",  # tests and chaos only
+        "failpoints", "history_file",  # tests and chaos only
         "incarnation",  # 0 (the start time) is what a restarted pod needs
         "shard_index",  # the pod ordinal, through the learner id
         "steps", "summary_file",  # a learner that finished would be restarted by its StatefulSet

@@ -7,7 +7,6 @@ looked at the page.
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 import signal
@@ -15,28 +14,14 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests import tools
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-@functools.cache
-def _path() -> tuple[str | None, str]:
-    try:
-        result = subprocess.run(["bash", str(ROOT / "scripts" / "browser_env.sh")], capture_output=True, text=True,
-                                timeout=1500)
-    except subprocess.TimeoutExpired:
-        return None, "scripts/browser_env.sh did not finish within 25 minutes"
-    if result.returncode != 0 or not result.stdout.strip():
-        return None, f"no headless browser (scripts/browser_env.sh exited {result.returncode}):\n{result.stderr[-3000:]}"
-    return result.stdout.strip().splitlines()[-1], ""
 
 
 def chromium() -> str:
     """The path of a working Chromium; fails the calling test when there is none."""
-    path, error = _path()
-    if path is None:
-        pytest.fail(error)
-    return path
+    return tools.require("browser_env.sh", "headless browser")
 
 
 def run(profile: pathlib.Path, *args: str, timeout_s: float = 120.0, virtual_time_ms: int = 4000) -> str:

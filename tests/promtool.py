@@ -6,33 +6,17 @@ checked the metrics and the alerting rules.
 
 from __future__ import annotations
 
-import functools
 import pathlib
 import subprocess
 
-import pytest
+from tests import tools
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@functools.cache
-def _path() -> tuple[str | None, str]:
-    try:
-        result = subprocess.run(["bash", str(ROOT / "scripts" / "promtool_env.sh")], capture_output=True, text=True,
-                                timeout=1500)
-    except subprocess.TimeoutExpired:
-        return None, "scripts/promtool_env.sh did not finish within 25 minutes"
-    if result.returncode != 0 or not result.stdout.strip():
-        return None, f"no promtool (scripts/promtool_env.sh exited {result.returncode}):\n{result.stderr[-3000:]}"
-    return result.stdout.strip().splitlines()[-1], ""
-
-
 def promtool() -> str:
     """The path of a working promtool; fails the calling test when there is none."""
-    path, error = _path()
-    if path is None:
-        pytest.fail(error)
-    return path
+    return tools.require("promtool_env.sh", "promtool")
 
 
 def run(*args: str, stdin: str | None = None, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:

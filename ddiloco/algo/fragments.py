@@ -2,7 +2,8 @@
 
 Owns: ``TensorSpec``, ``Fragment``, ``FragmentPlan``, ``plan_fragments`` (greedy LPT
 bin-packing of whole tensors into P fragments, Decoupled DiLoCo §3.1) and the flat
-float32 layout of a fragment (``flatten_fragment`` / ``unflatten_fragment``).
+float32 layout of a fragment (``flatten_fragment`` / ``unflatten_fragment``) and its digest
+(``fragment_sha256``).
 Must not: do I/O, talk to the network, or know how fragments are merged or encoded.
 
 A fragment is an ordered set of whole tensors (sorted by name), serialized as one flat
@@ -12,6 +13,7 @@ float32 vector: the tensors concatenated in that order, each raveled C-order.
 from __future__ import annotations
 
 import functools
+import hashlib
 import heapq
 import math
 from collections import Counter
@@ -266,3 +268,10 @@ def unflatten_fragment(flat: np.ndarray, fragment: Fragment) -> dict[str, np.nda
         spec.name: flat[where].reshape(spec.shape)
         for spec, where in zip(fragment.tensors, fragment.slices().values(), strict=True)
     }
+
+
+def fragment_sha256(values: np.ndarray) -> str:
+    """sha256 (hex) of a flat fragment's values as little-endian float32 bytes: how learners, the
+    syncer and checkpoints tell whether they hold the same fragment values, whatever the dtype or
+    byte order of the array they hold them in."""
+    return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").tobytes()).hexdigest()

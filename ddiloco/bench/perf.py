@@ -470,19 +470,6 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class _NullClient:
-    """A client that never delivers anything: the loop then does no communication work."""
-
-    def take_updates(self):
-        return []
-
-    def submit_upload(self, job) -> None:
-        pass
-
-    def set_progress(self, request) -> None:
-        pass
-
-
 def _learner_run(target: str, steps: int, warmup: int, capture: dict | None, batch_size: int,
                  null_client: bool = False, shard: int = 0, compiled: dict | None = None,
                  syncer_pid: int | None = None) -> dict:
@@ -496,6 +483,7 @@ def _learner_run(target: str, steps: int, warmup: int, capture: dict | None, bat
     from ddiloco.wire import serde
     from services.learner import client as client_lib
     from services.learner import loop as loop_lib
+    from services.learner import ports as ports_lib
     from services.learner import train as train_lib
 
     incarnation = time.time_ns()
@@ -513,7 +501,8 @@ def _learner_run(target: str, steps: int, warmup: int, capture: dict | None, bat
         sampler = corpus.BatchSampler(split.shards[shard], batch_size, model.seq_len, seed=shard)
         optimizer = train_lib.make_inner_optimizer(train_lib.InnerOptConfig())
         params = {spec.name: np.zeros(spec.shape, np.float32) for spec in model.tensor_specs()}
-        loop_client = _NullClient() if null_client else client
+        # A client that never delivers anything: the loop then does no communication work.
+        loop_client = ports_lib.NullSyncClient() if null_client else client
         key = run_config.model_config_json
         if compiled is None or key not in compiled:
             train_step = train_lib.TrainStep(model, optimizer)

@@ -190,9 +190,11 @@ class LocalCluster:
         svc.wait_ready(timeout_s)
         return svc
 
-    def start_learner(self, index: int, *, region: str, extra: Sequence[str] = ()) -> ServiceProcess:
+    def start_learner(self, index: int, *, region: str, extra: Sequence[str] = (),
+                      module: str = "services.learner") -> ServiceProcess:
+        """`module`: another program taking the learner's flags (ddiloco.chaos.hostile_learner)."""
         name = f"learner-{index}"
-        svc = self.add(name, "services.learner", [
+        svc = self.add(name, module, [
             "--syncer", self.services["syncer"].address, "--learner-id", name, "--region", region,
             "--summary-file", str(self.workdir / f"{name}.summary.json"),
             # Many learners share this host: each its own free health port (logged as "health on").

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import pathlib
 import signal
 import subprocess
@@ -19,11 +21,15 @@ import time
 import grpc
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.cli import render
 from ddiloco.cli import report as report_lib
+from ddiloco import models
 from ddiloco import training_state as status_derived
+from ddiloco.data import corpus
+from ddiloco.data import sources as data_sources
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
@@ -32,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learners", type=int, default=4, help="number of learner processes")
     parser.add_argument("--steps", type=int, default=160, help="inner steps per learner")
     parser.add_argument("--preset", default="small", help="transformer preset (small, tiny)")
+    parser.add_argument("--model", default="transformer",
+                        help="the model: transformer, an installed ddiloco.models plugin, or package.module:factory "
+                             "(imported from the current directory or PYTHONPATH; docs/models.md)")
+    parser.add_argument("--model-config", default="",
+                        help="the model's config as a JSON object (transformer: merged over --preset)")
     parser.add_argument("--num-fragments", type=int, default=4, help="P")
     parser.add_argument("--sync-period-steps", type=int, default=8, help="H")
     parser.add_argument("--min-quorum", type=int, default=1, help="K")
@@ -49,6 +60,91 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dashboard", action="store_true", help="also serve the live web dashboard (prints its URL)")
     parser.add_argument("--dashboard-bind", default="127.0.0.1:8080",
                         help="HOST:PORT of the dashboard (a free port is used if this one is taken)")
+    data = parser.add_argument_group("data", "what the learners train on and the evaluator measures (docs/data.md)")
+    data.add_argument("--data-dir", default="",
+                      help="a directory of text files (recursive, any extension; binary and hidden files skipped), "
+                           "a .bin token file, or a nanoGPT directory with train.bin (+ val.bin, meta.json); "
+                           "empty: the Python standard library sources")
+    data.add_argument("--data-source", default="",
+                      help="instead of --data-dir: package.module:factory returning an iterable of texts or token-id "
+                           "arrays (imported from the current directory or PYTHONPATH)")
+    data.add_argument("--heldout-dir", default="",
+                      help="evaluate on this held-out data (a directory of text files, or a .bin token file) instead "
+                           "of --heldout-fraction of the data")
+    data.add_argument("--heldout-fraction", type=float, default=0.05,
+                      help="fraction of the documents (of the tokens, for a token file without val.bin) held out")
+    data.add_argument("--token-dtype", default="",
+                      help="uint16 or uint32: the element type of .bin token files; empty: meta.json's dtype, else uint16")
+    data.add_argument("--max-corpus-bytes", type=int, default=corpus.DEFAULT_MAX_BYTES,
+                      help="read at most this many bytes of training data (a warning says when it truncates)")
+    data.add_argument("--vocab-size", type=int, default=0,
+                      help="the model's vocabulary; 0: from the data (256 for text; for tokens the largest id + 1, or "
+                           "meta.json's vocab_size, rounded up to a multiple of 64)")
+
+
+def _prepare_data(console: Console, args: argparse.Namespace) -> tuple[list[str], int, data_sources.DataSpec, str]:
+    """Loads the data here once, as each learner and the evaluator will: bad flags or unusable data
+    are refused before any process starts, and the user sees what each shard holds and any warning.
+
+    Returns the services' data flags, the model's vocabulary size, the spec and the loss unit.
+    Raises ValueError or OSError with the reason.
+    """
+    # The services run in the workdir: they get absolute paths.
+    spec = data_sources.DataSpec(
+        data_dir=os.path.abspath(args.data_dir) if args.data_dir else "", data_source=args.data_source,
+        heldout_dir=os.path.abspath(args.heldout_dir) if args.heldout_dir else "", token_dtype=args.token_dtype,
+        max_bytes=args.max_corpus_bytes, heldout_fraction=args.heldout_fraction, num_shards=args.learners,
+    )
+    if spec.data_source and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as the services will import it (see _services_env)
+    logging.getLogger("ddiloco.data").setLevel(logging.ERROR)  # its warnings are printed below, once
+    split = data_sources.load(spec)
+    vocab_size = args.vocab_size or data_sources.suggested_vocab_size(split)
+    data_sources.check_vocabulary(split, vocab_size)
+    # soft_wrap: paths are printed whole (copyable), not folded at the terminal width.
+    console.print(f"data: {escape(split.source)}" + ("" if split.byte_level else f"; model vocab_size {vocab_size:,}"),
+                  soft_wrap=True)
+    for line in split.summary_lines():
+        console.print(f"  {escape(line)}", soft_wrap=True)
+    for warning in split.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True)
+    flags = ["--max-corpus-bytes", str(spec.max_bytes), "--heldout-fraction", repr(spec.heldout_fraction)]
+    for name in ("data_dir", "data_source", "heldout_dir", "token_dtype"):
+        if getattr(spec, name):
+            flags += ["--" + name.replace("_", "-"), getattr(spec, name)]
+    return flags, vocab_size, spec, "nats/byte" if split.byte_level else "nats/token"
+
+
+def _model_config(args: argparse.Namespace, vocab_size: int) -> str:
+    """The syncer's --model-config: for the built-in transformer the preset, the vocabulary the
+    data needs (256: bytes, the preset's) and the user's overrides; for a plugin, the user's."""
+    try:
+        overrides = json.loads(args.model_config or "{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--model-config is not JSON: {exc}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError("--model-config must be a JSON object")
+    if args.model != "transformer":
+        return json.dumps(overrides)
+    return json.dumps({"preset": args.preset, **({"vocab_size": vocab_size} if vocab_size != 256 else {}), **overrides})
+
+
+def _check_model(args: argparse.Namespace, vocab_size: int) -> None:
+    """Builds the model here once, as every service will: an unknown name, a plugin that does not
+    import or a bad config fails before anything starts."""
+    if ":" in args.model and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as the services will import it (see _services_env)
+    models.get_model(args.model, json.loads(_model_config(args, vocab_size)))
+
+
+def _services_env(spec: data_sources.DataSpec, model: str = "transformer") -> dict[str, str] | None:
+    """The services' environment: a --data-source module or a `module:factory` model is importable
+    from the directory `up` runs in (the services run in the workdir)."""
+    if not spec.data_source and ":" not in model:
+        return None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.getcwd() + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
 
 
 def _state(stub, timeout_s: float = 5.0) -> syncer_pb2.TrainingState | None:
@@ -58,11 +154,11 @@ def _state(stub, timeout_s: float = 5.0) -> syncer_pb2.TrainingState | None:
         return None
 
 
-def _final_eval(cluster: cluster_lib.LocalCluster, args) -> float | None:
+def _final_eval(cluster: cluster_lib.LocalCluster, args, data_flags: list[str]) -> float | None:
     """Evaluates the final global parameters once (a separate evaluator process, bounded)."""
     cmd = [sys.executable, "-m", "services.learner.evaluator", "--once", "--syncer",
            cluster.services["syncer"].address, "--num-shards", str(args.learners), "--log-level", "WARNING",
-           *cluster.tls_args("evaluator")]
+           *data_flags, *cluster.tls_args("evaluator")]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cluster.env, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])["heldout_loss"]
@@ -97,8 +193,18 @@ def _start_dashboard(console: Console, target: str, bind: str, security=None):
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    try:
+        data_flags, vocab_size, data_spec, loss_unit = _prepare_data(console, args)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]data: {escape(str(exc))}[/]", soft_wrap=True)
+        return 2
+    try:
+        _check_model(args, vocab_size)
+    except ValueError as exc:
+        console.print(f"[red]model: {escape(str(exc))}[/]", soft_wrap=True)
+        return 2
     workdir = pathlib.Path(args.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    cluster = cluster_lib.LocalCluster(workdir, tls=getattr(args, "tls", False))
+    cluster = cluster_lib.LocalCluster(workdir, env=_services_env(data_spec, args.model), tls=getattr(args, "tls", False))
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
     interrupted = False
     in_main_loop = False
@@ -118,9 +224,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         console.print(f"[bold]ddiloco up[/]: {args.learners} learners x {args.steps} steps; logs in {workdir}/logs")
         cluster.start_store()
-        model_config = json.dumps({"preset": args.preset})
         syncer = cluster.start_syncer(run_id=run_id, extra=[
-            "--model-config", model_config, "--num-fragments", str(args.num_fragments),
+            "--model", args.model, "--model-config", _model_config(args, vocab_size),
+            "--num-fragments", str(args.num_fragments),
             "--sync-period-steps", str(args.sync_period_steps), "--min-quorum", str(args.min_quorum),
             "--upload-codec", args.upload_codec,
         ])
@@ -132,10 +238,12 @@ def run(args: argparse.Namespace) -> int:
                       f"(watch it from another terminal: ddiloco status --watch --target {syncer.address}{tls_hint})")
         if args.dashboard:
             dashboard = _start_dashboard(console, syncer.address, args.dashboard_bind, cluster.client_security())
-        cluster.start_evaluator(extra=["--interval-s", str(args.eval_interval_s), "--num-shards", str(args.learners)])
+        cluster.start_evaluator(extra=["--interval-s", str(args.eval_interval_s), "--num-shards", str(args.learners),
+                                       *data_flags])
         for i in range(args.learners):
             cluster.start_learner(i, region="region-a" if i % 2 == 0 else "region-b", extra=[
                 "--steps", str(args.steps), "--num-shards", str(args.learners), "--batch-size", str(args.batch_size),
+                *data_flags,
                 *(["--compilation-cache-dir", args.compilation_cache_dir] if args.compilation_cache_dir else []),
             ])
         stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address, cluster.client_security()))
@@ -169,11 +277,12 @@ def run(args: argparse.Namespace) -> int:
             if live:
                 live.stop()
         failed = [s.name for s in cluster.learners() if s.proc.returncode not in (0, None)]
-        final_loss = None if interrupted else _final_eval(cluster, args)
+        final_loss = None if interrupted else _final_eval(cluster, args, data_flags)
         state = _state(stub)
         if state is not None:
             (workdir / "final_state.json").write_text(render.to_json(state))
         summary = _summary(state, final_loss, cluster, time.monotonic() - started)
+        summary["data"], summary["loss_unit"] = data_spec.describe(), loss_unit
         _print_summary(console, summary, interrupted, failed)
         if args.summary_json:
             pathlib.Path(args.summary_json).write_text(json.dumps(summary, indent=2))
@@ -222,7 +331,8 @@ def _print_summary(console: Console, s: dict, interrupted: bool, failed: list[st
     console.rule("summary" + (" (interrupted)" if interrupted else ""))
     start, end = s["heldout_loss_start"], s["heldout_loss_end"]
     if start is not None and end is not None:
-        console.print(f"held-out loss of the global model: {start:.4f} -> [bold]{end:.4f}[/] nats/byte")
+        console.print(f"held-out loss of the global model: {start:.4f} -> [bold]{end:.4f}[/] "
+                      f"{s.get('loss_unit', 'nats/byte')}")
     console.print(f"merges (outer steps): {s['merges']}   tokens merged: {s['tokens_merged']:,}" if s["merges"] is not None
                   else "syncer state unavailable")
     if s["merges"] is not None:

@@ -1,4 +1,4 @@
-"""Training data: the byte-level corpus, its deterministic split and batch samplers."""
+"""Training data: text or token corpora, their deterministic split and batch samplers (``sources``: the data flags)."""
 
 from ddiloco.data.corpus import (
     DEFAULT_MAX_BYTES,
@@ -12,6 +12,7 @@ from ddiloco.data.corpus import (
     load_text_directory,
     split_corpus,
 )
+from ddiloco.data.sources import DataSpec, check_vocabulary
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -19,6 +20,8 @@ __all__ = [
     "STDLIB_SOURCE_NAME",
     "BatchSampler",
     "CorpusSplit",
+    "DataSpec",
+    "check_vocabulary",
     "heldout_batches",
     "is_heldout",
     "load_stdlib_documents",

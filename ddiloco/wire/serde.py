@@ -5,7 +5,6 @@ Symmetric names (`x_to_proto` / `x_from_proto`); no grpc import, no I/O.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
 
@@ -137,10 +136,8 @@ def plan_from_proto(infos, sync_period_steps: int) -> fragments_lib.FragmentPlan
     return fragments_lib.FragmentPlan(fragments=frags, sync_period_steps=sync_period_steps)
 
 
-def params_sha256(params: np.ndarray) -> str:
-    """sha256 (hex) of a float32 vector's little-endian bytes: how learners, the syncer and
-    checkpoints tell whether they hold the same fragment values."""
-    return hashlib.sha256(np.ascontiguousarray(params, dtype="<f4").tobytes()).hexdigest()
+# The fragment digest is fragment math (ddiloco.algo.fragments); kept here under its old name.
+params_sha256 = fragments_lib.fragment_sha256
 
 
 def versions_to_proto(versions: Mapping[int, int]) -> list[common_pb2.FragmentVersion]:

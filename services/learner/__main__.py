@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -26,6 +27,7 @@ from ddiloco import logs, models
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco import metrics as metrics_lib
 from ddiloco.data import corpus
+from ddiloco.data import sources as data_sources
 from ddiloco.rpc import security as security_lib
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
@@ -44,7 +46,12 @@ def core_hash(values: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").tobytes()).hexdigest()
 
 
-def run(cfg: config_lib.LearnerConfig) -> int:
+# Builds the learner's SyncClient from its config: the seam through which a tool runs this learner
+# with another client (ddiloco.chaos.hostile_learner corrupts every upload).
+ClientFactory = Callable[[client_lib.ClientConfig], client_lib.SyncClient]
+
+
+def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_lib.SyncClient) -> int:
     if cfg.compilation_cache_dir:
         train_lib.enable_compilation_cache(cfg.compilation_cache_dir)
     # The unit's devices and mesh (and jax.distributed for a multi-host unit), before any JAX use.
@@ -69,12 +76,11 @@ def run(cfg: config_lib.LearnerConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     # In a multi-host unit only process 0 talks to the syncer; the wrapper keeps the others in step.
-    sync_client = client_lib.SyncClient(
+    sync_client = client_factory(
         client_lib.ClientConfig(
             target=cfg.syncer, learner_id=cfg.learner_id, incarnation=incarnation, region=cfg.region,
             tokens_per_step=0, call_timeout_s=cfg.call_timeout_s, retry_bound_s=cfg.retry_bound_s,
             progress_interval_s=cfg.progress_interval_s, security=cfg.client_security(),
-            hostile_factor=config_lib.parse_hostile(cfg.hostile),
             failpoints=cfg.failpoints, history_file=cfg.history_file, initial_values=_initial_fragments,
             encode=_upload_encoder(cfg),
             on_budget_reached=stop.set,  # the run's token budget is spent: finish as on SIGTERM
@@ -113,18 +119,20 @@ def run(cfg: config_lib.LearnerConfig) -> int:
         return 2
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
     try:
-        split = corpus.load_split(cfg.data_dir, cfg.max_corpus_bytes, cfg.num_shards, cfg.heldout_fraction)
-        if split.max_token >= model.vocab_size:
-            raise ValueError(f"the data has token id {split.max_token} but the model's vocabulary has "
-                             f"{model.vocab_size} entries: set the syncer's --model-config vocab_size")
+        split = data_sources.load(cfg.data_spec())  # warnings (a truncating size cap, binary files) are logged
+        data_sources.check_vocabulary(split, model.vocab_size)
     except (ValueError, OSError) as exc:
-        _LOG.error(f"data {cfg.data_dir or 'stdlib'}: {exc}")
+        _LOG.error(f"data {cfg.data_spec().describe()}: {exc}")
         client.close(leave=True)
         return 2
     shard = client.data_shard  # pinned, or assigned by the syncer at the join (same on every process of a unit)
+    _LOG.info(f"data {split.source}: {split.shard_summary(shard)} (this learner's); {split.heldout_summary()}")
     sampler = corpus.BatchSampler(split.shards[shard], cfg.batch_size, model.seq_len,
                                   seed=int(np.random.SeedSequence([cfg.seed, shard, incarnation]).generate_state(1)[0]))
-    optimizer = train_lib.make_inner_optimizer(cfg.inner_optimizer())
+    # A model may choose its own inner optimizer, any optax chain (ddiloco.models, docs/models.md).
+    inner = cfg.inner_optimizer()
+    optimizer = (model.inner_optimizer(inner) if hasattr(model, "inner_optimizer")
+                 else train_lib.make_inner_optimizer(inner))
     # Start from zeros of the right shapes; the global fragments overwrite every tensor before
     # the first step (client.start waited for all of them).
     shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0))  # shapes only: nothing runs
@@ -144,7 +152,9 @@ def run(cfg: config_lib.LearnerConfig) -> int:
     _LOG.info(
         f"learner {cfg.learner_id} training",
         extra={"fields": {"incarnation": incarnation, "shard": shard, "data": split.source, "syncer": cfg.syncer,
-                          "fragments": plan.num_fragments, "H": plan.sync_period_steps, **unit.describe()}},
+                          "fragments": plan.num_fragments, "H": plan.sync_period_steps,
+                          "inner_optimizer": "model" if hasattr(model, "inner_optimizer") else "adamw",
+                          **unit.describe()}},
     )
     started = time.monotonic()
     while not unit.should_stop(client, stop) and (cfg.steps == 0 or loop.stats.steps < cfg.steps):
@@ -219,12 +229,12 @@ def _initial_fragments(run_config) -> dict[int, np.ndarray]:
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
     return {f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments}
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, client_factory: ClientFactory = client_lib.SyncClient) -> int:
     cfg = config_lib.parse_learner_config(sys.argv[1:] if argv is None else argv, os.environ, socket.gethostname())
     # Plaintext must be asked for: refuse to start with neither a CA nor --insecure.
     security_lib.require_choice("ddiloco learner", cfg.client_security)
     logs.setup_logging(cfg.log_level, json_lines=cfg.json_logs)
-    return run(cfg)
+    return run(cfg, client_factory)
 
 
 if __name__ == "__main__":

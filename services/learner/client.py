@@ -31,6 +31,7 @@ import numpy as np
 from ddiloco import failpoints as failpoints_lib
 from ddiloco import history as history_lib
 from ddiloco.rpc import channel as channel_lib
+from ddiloco.rpc import errors as errors_lib
 from ddiloco.rpc import retry as retry_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
@@ -41,8 +42,6 @@ _LOG = logging.getLogger("ddiloco.learner")
 
 MIN_PROGRESS_INTERVAL_S = 0.02  # the fastest a learner reports progress (see _progress_interval_s)
 
-# Refusals after which the same base may be sent again (the contribution was not taken, and a later
-# try can succeed); INVALID_ARGUMENT, PERMISSION_DENIED, ALREADY_EXISTS and the like are final.
 # Upload endings that are not the syncer's verdict: the upload may or may not have been taken.
 _OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                               grpc.StatusCode.CANCELLED})
@@ -51,6 +50,11 @@ _UNKNOWN_OUTCOME_PAUSE_S = 0.2
 # had already ended (grpc/aio/_call.py: set_internal_error), replacing the status that ended it
 # (grpc/grpc#36066): a broken link, a deadline, or a refusal while chunks were still being written.
 _WRITE_FAILED_DETAILS = "Internal error from Core"
+# Refusals (ServiceError.reason, sent as trailing metadata) that end the session: this life of the
+# learner is not (or no longer) a member, so the next step is a re-join.
+_REJOIN_REASONS = frozenset({errors_lib.REASON_FENCED, errors_lib.REASON_NOT_JOINED})
+# Refusals after which the same base may be sent again (the contribution was not taken, and a later
+# try can succeed); INVALID_ARGUMENT, PERMISSION_DENIED, ALREADY_EXISTS and the like are final.
 _RESENDABLE = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
                          grpc.StatusCode.CANCELLED})
@@ -74,8 +78,6 @@ class ClientConfig:
     # --max-concurrent-uploads-per-learner is 4.
     max_concurrent_uploads: int = 4
     security: security_lib.ClientSecurity | None = None  # None: plaintext, no credentials
-    # TESTS AND CHAOS ONLY (--hostile): multiply every pseudo-gradient by this before upload.
-    hostile_factor: float | None = None
     # TESTS AND CHAOS ONLY: crash points (ddiloco.failpoints) and a JSONL history of the
     # syncer's acknowledgements of this learner's uploads (ddiloco.history).
     failpoints: str = ""
@@ -310,6 +312,10 @@ class SyncClient:
     def set_progress(self, request: syncer_pb2.ReportProgressRequest) -> None:
         with self._lock:
             self._progress = request
+
+    def agree_any(self, flag: bool) -> bool:
+        """A single process agrees with itself (a multi-process unit's client agrees across processes)."""
+        return flag
 
     def hit_failpoint(self, name: str) -> None:
         """Fault tests only: the action armed at `name` by ClientConfig.failpoints (none: nothing).
@@ -606,12 +612,9 @@ class SyncClient:
             self.stats.uploads_refused += 1
             return
         codec = serde.codec_from_proto(cfg.upload_codec)
-        delta = job.delta
-        if self.cfg.hostile_factor is not None:  # chaos knob for tests: a hostile learner
-            delta = (delta * np.float32(self.cfg.hostile_factor)).astype(np.float32)
         try:
             encoded = await asyncio.to_thread(
-                self.cfg.encode, delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
+                self.cfg.encode, job.delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
             )
         except codec_lib.NonFiniteError as exc:
             self.stats.uploads_refused += 1
@@ -679,7 +682,9 @@ class SyncClient:
             self._outcome(job, OUTCOME_NOT_TAKEN)
             _LOG.info(f"fragment {job.fragment_id} base {job.base_version} refused: {code.name}: {exc.details()}")
             self._record("refused", job, sent_at, code=code.name)
-            if code == grpc.StatusCode.FAILED_PRECONDITION and ("fenced" in exc.details() or "Join" in exc.details()):
+            if code == grpc.StatusCode.FAILED_PRECONDITION and errors_lib.reason_of(exc) in _REJOIN_REASONS:
+                # The syncer's typed reason, not its wording: fenced off by a newer life (the re-join
+                # is refused and sets `fenced`), or forgotten by a restarted syncer (the re-join works).
                 raise _SessionBroken("the syncer no longer knows this learner") from None
             if code in _RESENDABLE:
                 with self._lock:

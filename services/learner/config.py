@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from ddiloco.algo.inner import InnerOptConfig
 from ddiloco import failpoints as failpoints_lib
 from ddiloco import flags
+from ddiloco.data import sources as data_sources
 from ddiloco.rpc import security
 
 # `--learner-id auto` (or an empty value): `<region>-<hostname>`, resolved in parse_learner_config.
@@ -34,7 +35,11 @@ class LearnerConfig:
     steps: int = 0  # inner steps to run; 0 runs until SIGTERM
     batch_size: int = 16
     seed: int = 0
-    data_dir: str = ""  # text directory, uint16 .bin token file or train.bin/val.bin directory; empty: stdlib
+    data_dir: str = ""  # text directory, .bin token file or train.bin/val.bin directory; empty: stdlib
+    # The rest of the data flags (ddiloco.data.sources.DataSpec): the same on every learner and the evaluator.
+    data_source: str = ""  # package.module:factory returning texts or token arrays
+    heldout_dir: str = ""  # held-out data instead of heldout_fraction of the data
+    token_dtype: str = ""  # uint16 or uint32; empty: meta.json's, else uint16
     max_corpus_bytes: int = 24 * 2**20
     num_shards: int = 4
     shard_index: int = -1  # -1: learner_id's number (learner-3: 3), else the syncer assigns one (see pinned_shard_index)
@@ -90,9 +95,6 @@ class LearnerConfig:
     tls_server_name: str = ""  # expected name in the syncer's certificate, if not the --syncer host
     insecure: bool = False  # plaintext: local runs only
     auth_token_file: str = ""  # bearer token bound to this learner id (TLS terminated elsewhere)
-    # TESTS AND CHAOS ONLY: make this learner hostile ("scale:1e4" multiplies, "signflip" negates
-    # every pseudo-gradient before upload). Never set it in a real run.
-    hostile: str = ""
     # Fault tests only (ddiloco.chaos): crash points and the durable history of acknowledged uploads.
     failpoints: str = ""  # e.g. "learner.after_chunk=crash@5"; empty in production
     history_file: str = ""  # append each upload's acknowledgement (JSONL) here; empty: off
@@ -105,6 +107,12 @@ class LearnerConfig:
                                        tls_server_name=self.tls_server_name, insecure=self.insecure,
                                        auth_token_file=self.auth_token_file)
 
+    def data_spec(self) -> data_sources.DataSpec:
+        """The data flags; ValueError on a bad combination."""
+        return data_sources.DataSpec(data_dir=self.data_dir, data_source=self.data_source, heldout_dir=self.heldout_dir,
+                                     token_dtype=self.token_dtype, max_bytes=self.max_corpus_bytes,
+                                     heldout_fraction=self.heldout_fraction, num_shards=self.num_shards)
+
     def inner_optimizer(self) -> InnerOptConfig:
         """The inner AdamW's hyperparameters, with the LR decay resolved against --steps."""
         decay_steps = self.lr_decay_steps
@@ -115,7 +123,6 @@ class LearnerConfig:
                               final_lr_fraction=self.lr_final_fraction)
 
     def __post_init__(self) -> None:
-        parse_hostile(self.hostile)
         try:
             failpoints_lib.parse(self.failpoints, prefix="learner.")
         except ValueError as exc:
@@ -128,6 +135,10 @@ class LearnerConfig:
                 raise ValueError(f"LearnerConfig.{name}={getattr(self, name)!r}: must be >= 0")
         if not self.learner_id:
             raise ValueError("LearnerConfig.learner_id must not be empty")
+        try:
+            self.data_spec()
+        except ValueError as exc:
+            raise ValueError(f"LearnerConfig: {exc}") from None
         if self.lr_decay_steps < -1:
             raise ValueError(f"LearnerConfig.lr_decay_steps={self.lr_decay_steps}: -1 (over --steps), 0 (none) or N")
         self.inner_optimizer()  # a decay shorter than the warmup, or a bad fraction, fails at start
@@ -187,7 +198,10 @@ class EvaluatorConfig:
     once: bool = False  # evaluate once, print JSON, exit
     eval_batches: int = 8
     batch_size: int = 16
-    data_dir: str = ""
+    data_dir: str = ""  # the data flags: as the learners' (see LearnerConfig)
+    data_source: str = ""
+    heldout_dir: str = ""
+    token_dtype: str = ""
     max_corpus_bytes: int = 24 * 2**20
     num_shards: int = 4
     heldout_fraction: float = 0.05
@@ -208,24 +222,17 @@ class EvaluatorConfig:
                                        tls_server_name=self.tls_server_name, insecure=self.insecure,
                                        auth_token_file=self.auth_token_file)
 
+    def data_spec(self) -> data_sources.DataSpec:
+        """The data flags (the learners' must be the same); ValueError on a bad combination."""
+        return data_sources.DataSpec(data_dir=self.data_dir, data_source=self.data_source, heldout_dir=self.heldout_dir,
+                                     token_dtype=self.token_dtype, max_bytes=self.max_corpus_bytes,
+                                     heldout_fraction=self.heldout_fraction, num_shards=self.num_shards)
 
-def parse_hostile(spec: str) -> float | None:
-    """The factor a hostile (test-only) learner multiplies its pseudo-gradients by; None if honest.
-
-    "" -> None, "signflip" -> -1.0, "scale:<x>" -> x (finite, nonzero).
-    """
-    if not spec:
-        return None
-    if spec == "signflip":
-        return -1.0
-    kind, _, value = spec.partition(":")
-    try:
-        factor = float(value) if kind == "scale" else float("nan")
-    except ValueError:
-        factor = float("nan")
-    if not (factor == factor and abs(factor) not in (0.0, float("inf"))):
-        raise ValueError(f"hostile={spec!r}: use 'signflip' or 'scale:<nonzero number>' (tests only)")
-    return factor
+    def __post_init__(self) -> None:
+        try:
+            self.data_spec()
+        except ValueError as exc:
+            raise ValueError(f"EvaluatorConfig: {exc}") from None
 
 
 _HELP = {
@@ -236,13 +243,22 @@ _HELP = {
     "steps": "inner steps to run; 0 runs until SIGTERM",
     "batch_size": "sequences per inner step: the unit's global batch, split across its devices",
     "seed": "data-order seed (combined with the shard index and incarnation)",
-    "data_dir": "training data: a directory of text files, a flat uint16 token file (.bin), or a directory with "
-                "nanoGPT's train.bin (+ val.bin, held out); empty uses the Python standard library sources",
-    "max_corpus_bytes": "read at most this many bytes of corpus",
+    "data_dir": "training data: a directory of text files (recursive, any extension; binary and hidden files "
+                "skipped), a flat token file (.bin), or a directory with nanoGPT's train.bin (+ val.bin, held out; "
+                "+ meta.json); empty: the Python standard library sources (docs/data.md)",
+    "data_source": "training data from your code instead of --data-dir: package.module:factory, a callable returning "
+                   "an iterable of texts (str/bytes) or token-id arrays, or {'train': ..., 'heldout': ...} "
+                   "(docs/data.md); it must yield the same items in every process",
+    "heldout_dir": "held-out data for evaluation instead of --heldout-fraction: a directory of text files, or a "
+                   ".bin token file for token data (inside --data-dir it is left out of training)",
+    "token_dtype": "element type of .bin token files: uint16 (nanoGPT's) or uint32 (vocabularies over 65,536 ids); "
+                   "empty: the dtype in meta.json next to the file, else uint16",
+    "max_corpus_bytes": "read at most this many bytes of training data (a warning says when this truncates it)",
     "num_shards": "number of data shards (normally the number of learners)",
     "shard_index": "this learner's shard; -1: the number ending learner_id (learner-3: 3), modulo num_shards; "
                    "for other ids (--learner-id auto) the syncer assigns a shard no live learner trains",
-    "heldout_fraction": "fraction of documents held out for evaluation (never trained on)",
+    "heldout_fraction": "fraction of documents (of tokens, for a token file without val.bin) held out for "
+                        "evaluation (never trained on); unused when a held-out split is named",
     "learning_rate": "inner AdamW peak learning rate",
     "warmup_steps": "inner learning-rate warmup steps",
     "lr_decay_steps": "cosine-decay the inner learning rate until this step; -1: over --steps (none if 0); 0: never",
@@ -283,7 +299,6 @@ _HELP = {
     "tls_server_name": "TLS: the name expected in the syncer's certificate (default: the host of --syncer)",
     "insecure": "talk plaintext to the syncer (local runs only; DDILOCO_INSECURE=1 sets it too)",
     "auth_token_file": "file with a bearer token bound to this identity (when TLS is terminated elsewhere)",
-    "hostile": "TESTS/CHAOS ONLY: 'scale:1e4' or 'signflip' corrupts every pseudo-gradient before upload",
     "failpoints": "TESTS ONLY: crash at named points, e.g. learner.after_chunk=crash@5 (ddiloco.failpoints)",
     "history_file": "TESTS/CHAOS: append each upload's acknowledgement as JSONL here (invariant checks)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",

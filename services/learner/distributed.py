@@ -241,12 +241,15 @@ def params_sha256(params: Mapping[str, jax.Array], to_host=train_lib.TrainStep.t
 class UnitClient:
     """The SyncClient of a multi-process unit, on every process (see the module docstring).
 
-    Same interface as the SyncClient for the loop and `__main__`: `start`, `take_updates`,
-    `take_calls`, `take_outcomes`, `submit_upload`, `set_progress`, `flush`, `close`, `fenced`,
-    `stats`, plus `agree_any` for the loop's own decisions that must be the same everywhere (the
-    end-of-training deadline). The synchronous baselines' barrier (`arrivals`,
-    `wait_for_arrivals`) is not offered: `__main__` refuses those modes for multi-process units.
+    The loop's interface (ports.SyncClientLike) plus what `__main__` uses (`start`, `flush`,
+    `close`, `stats`): `agree_any` makes the loop's own decisions the same everywhere (the
+    end-of-training deadline). The syncer life has no name here (`instance` is None: followers
+    only see the leader's tag), and the synchronous baselines' barrier (`arrivals`,
+    `wait_for_arrivals`, `held_values`, `take_refused`) is inert: `__main__` refuses those modes
+    for multi-process units.
     """
+
+    instance: str | None = None
 
     def __init__(self, unit: LearnerUnit, client: client_lib.SyncClient, stop: threading.Event) -> None:
         self._unit = unit
@@ -392,6 +395,14 @@ class UnitClient:
         """Not counted for a unit: `finish` only passes this back to `wait_for_arrivals`."""
         return {}
 
+    def held_values(self) -> dict[int, tuple[int, np.ndarray]]:
+        """Nothing: only the synchronous baselines' barrier asks (never run by a unit)."""
+        return {}
+
+    def take_refused(self) -> set[tuple[int, str, int]]:
+        """Nothing: only the synchronous baselines resend on a refusal (never run by a unit)."""
+        return set()
+
     def wait_for_arrivals(self, after: dict[int, int], timeout_s: float) -> bool:
         """A pause of `timeout_s` on every process (the next `take_updates` agrees on what came)."""
         self._stop.wait(timeout_s)
@@ -428,7 +439,7 @@ def init_unit_from_config(cfg) -> LearnerUnit:
         batch_size=cfg.batch_size, initialization_timeout_s=max(1, int(cfg.join_timeout_s)),
     )
     unit.check_same({name: getattr(cfg, name) for name in (
-        "learner_id", "batch_size", "seed", "data_dir", "max_corpus_bytes", "num_shards",
+        "learner_id", "batch_size", "seed", "data_dir", "data_source", "heldout_dir", "token_dtype", "max_corpus_bytes", "num_shards",
         "shard_index", "heldout_fraction", "learning_rate", "warmup_steps", "lr_decay_steps",
         "lr_final_fraction", "weight_decay", "steps",
         "num_devices", "mesh_shape", "fsdp", "num_processes", "incarnation",

@@ -22,6 +22,7 @@ import numpy as np
 from ddiloco import logs, models
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.data import corpus
+from ddiloco.data import sources as data_sources
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
@@ -30,6 +31,10 @@ from services.learner import config as config_lib
 from services.learner import train as train_lib
 
 _LOG = logging.getLogger("ddiloco.evaluator")
+
+
+class DataError(ValueError):
+    """The data flags name data that cannot be evaluated on (exit status 2)."""
 
 
 class GlobalModelWatcher:
@@ -80,8 +85,14 @@ async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) ->
     run_config = state.config
     model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
-    split = corpus.load_split(cfg.data_dir, cfg.max_corpus_bytes, cfg.num_shards, cfg.heldout_fraction)
-    batches = corpus.heldout_batches(split.heldout, cfg.batch_size, model.seq_len, cfg.eval_batches)
+    try:
+        split = data_sources.load(cfg.data_spec())  # warnings (a truncating size cap, binary files) are logged
+        data_sources.check_vocabulary(split, model.vocab_size)
+        batches = corpus.heldout_batches(split.heldout, cfg.batch_size, model.seq_len, cfg.eval_batches)
+    except (ValueError, OSError) as exc:
+        await channel.close()
+        raise DataError(f"data {cfg.data_spec().describe()}: {exc}") from None
+    _LOG.info(f"data {split.source}: {split.heldout_summary()}")
     eval_fn = train_lib.make_eval_fn(model)
     template = model.init(jax.random.PRNGKey(0))
     watcher = GlobalModelWatcher(stub, plan.num_fragments)
@@ -149,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as exc:
         _LOG.error(str(exc))
         return 3
+    except DataError as exc:
+        _LOG.error(str(exc))
+        return 2
     if cfg.once and result is not None:
         print(json.dumps(result))
     return 0

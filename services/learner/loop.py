@@ -7,7 +7,8 @@ for each fragment whose round is open, queue its pseudo-gradient (the global fra
 the local fragment: all of this learner's progress on it since its last merged contribution) for
 upload. A fragment with an uploaded contribution whose fate is unknown answers once the version
 that decides it arrives (one contribution in flight per fragment, so no work is sent twice).
-Nothing here waits on the network: the SyncClient does that. With the run's round_trigger
+Nothing here waits on the network: the client does that (the loop uses only the members of
+ports.SyncClientLike; the SyncClient in production). With the run's round_trigger
 "upload" the learner's own counter decides instead (the previous design, kept for comparison).
 At the end, `finish` contributes the remaining progress on every fragment and waits (bounded)
 until the global model holds it.
@@ -43,6 +44,7 @@ from ddiloco.algo import grace as grace_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 from services.learner import client as client_lib
+from services.learner import ports
 
 _LOG = logging.getLogger("ddiloco.learner")
 
@@ -80,7 +82,7 @@ class LearnerLoop:
         params: dict,
         train_step,
         sampler,
-        client,
+        client: ports.SyncClientLike,
         learner_id: str,
         incarnation: int,
         mixing_alpha: float = 0.0,
@@ -136,8 +138,7 @@ class LearnerLoop:
         self.finished = False
 
     def _take_outcomes(self) -> None:
-        take = getattr(self._client, "take_outcomes", None)
-        for outcome in take() if take else ():
+        for outcome in self._client.take_outcomes():
             pending = self.pending.get(outcome.fragment_id)
             if pending is None or pending.mark_step != outcome.local_step:
                 continue
@@ -244,13 +245,12 @@ class LearnerLoop:
         the work waits, whole, for the fragment's next round."""
         if not self._called:
             return [fid for fid in self.plan.due(self.stats.steps) if fid not in self.pending]
-        take = getattr(self._client, "take_calls", None)
-        instance = getattr(self._client, "instance", None)  # None: a multi-process unit's client
+        instance = self._client.instance  # None: a multi-process unit's client
         if instance != self._calls_instance:
             # Calls of an earlier syncer life name its rounds and versions: they mean nothing now.
             self._calls.clear()
             self._calls_instance = instance
-        for fid, call in (take() if take else {}).items():
+        for fid, call in self._client.take_calls().items():
             if fid not in self._calls or self._calls[fid].round != call.round:
                 self._call_answers[fid] = 0
             self._calls[fid] = call
@@ -342,11 +342,10 @@ class LearnerLoop:
     def _agreed(self, flag: bool) -> bool:
         # A multi-process unit's processes must leave the loop at the same iteration (their
         # clocks differ): its client agrees on the flag (True when any process says so).
-        agree = getattr(self._client, "agree_any", None)
-        return agree(flag) if agree is not None else flag
+        return self._client.agree_any(flag)
 
     def _should_stop_finish(self) -> bool:
-        return bool(getattr(self._client, "fenced", None))
+        return self._client.fenced is not None
 
     def _wait_for_merges(self, jobs: list, arrivals: dict[int, int], deadline_s: float = math.inf) -> None:
         """The synchronous modes' barrier: block until a new version of every uploaded fragment
@@ -355,7 +354,7 @@ class LearnerLoop:
         after = {job.fragment_id: arrivals.get(job.fragment_id, 0) for job in jobs}
         last_send = started
         while not self._client.wait_for_arrivals(after, timeout_s=1.0):
-            if self._should_stop() or getattr(self._client, "fenced", None) or time.monotonic() >= deadline_s:
+            if self._should_stop() or self._client.fenced is not None or time.monotonic() >= deadline_s:
                 break
             if self._bases_superseded(jobs):
                 # A newer version arrived while the step ran (counted in `arrivals` before the
@@ -376,17 +375,13 @@ class LearnerLoop:
     def _bases_superseded(self, jobs: list) -> bool:
         """True when the client holds a newer version from the same syncer life of every job's fragment
         (a new life is waited for as before: its fragments arrive with the re-join)."""
-        held_values = getattr(self._client, "held_values", None)
-        if held_values is None:
-            return False
-        held = held_values()
-        instance = getattr(self._client, "instance", None)
+        held = self._client.held_values()
+        instance = self._client.instance
         return all(job.syncer_instance == instance and held.get(job.fragment_id, (-1, None))[0] > job.base_version
                    for job in jobs)
 
     def _queue_upload(self, fid: int, grads: dict | None = None) -> client_lib.UploadJob | None:
-        take_refused = getattr(self._client, "take_refused", None)
-        for rfid, instance, version in take_refused() if take_refused else ():
+        for rfid, instance, version in self._client.take_refused():
             # Refused, not taken: this base may be sent again (with the steps taken since).
             if self._last_upload_base.get(rfid) == (instance, version):
                 del self._last_upload_base[rfid]

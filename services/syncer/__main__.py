@@ -71,19 +71,19 @@ class _Checkpointer:
         snapshot = await core.snapshot()
         blobs, metadata = await asyncio.to_thread(checkpointing.encode_snapshot, snapshot, self._description)
         try:
-            await asyncio.wait_for(self._write(snapshot["outer_steps"], blobs, metadata), self._cfg.checkpoint_timeout_s)
+            await asyncio.wait_for(self._write(snapshot.outer_steps, blobs, metadata), self._cfg.checkpoint_timeout_s)
         except Exception as exc:  # the store being down must not stop training; we retry next time
-            _LOG.warning(f"checkpoint at outer step {snapshot['outer_steps']} failed: {exc!r}")
+            _LOG.warning(f"checkpoint at outer step {snapshot.outer_steps} failed: {exc!r}")
             if self._metrics is not None:
                 self._metrics.checkpoint_failures.inc()
             return False
         if self._metrics is not None:
             self._metrics.checkpoint_write.observe(time.monotonic() - started)
-        core.last_checkpoint_outer_step = snapshot["outer_steps"]
+        core.last_checkpoint_outer_step = snapshot.outer_steps
         core.last_checkpoint_unix_s = time.time()
         if self.on_commit is not None:
             self.on_commit(snapshot)
-        _LOG.info("checkpoint committed", extra={"fields": {"outer_step": snapshot["outer_steps"], "seconds": round(time.monotonic() - started, 3)}})
+        _LOG.info("checkpoint committed", extra={"fields": {"outer_step": snapshot.outer_steps, "seconds": round(time.monotonic() - started, 3)}})
         return True
 
     async def _write(self, step: int, blobs: dict[str, bytes], metadata: dict) -> None:
@@ -114,11 +114,8 @@ async def _settle_merges(core: core_lib.SyncerCore, timeout_s: float = 10.0) -> 
     (their uploads are not in the checkpoint, as after a crash; the history lists them)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        for slot in core.slots:
-            if slot.timer is not None:
-                slot.timer.cancel()
-                slot.timer = None
-        if not any(slot.merging for slot in core.slots) or time.monotonic() > deadline:
+        core.cancel_timers()
+        if not core.merging or time.monotonic() > deadline:
             return
         await asyncio.sleep(0.02)
 
@@ -210,9 +207,10 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     history = history_lib.attach(core, cfg.history_file)  # fault tests: what the invariant checkers read
     if history is not None:
         checkpointer.on_commit = history.checkpoint_committed
+    digests = {fid: core.fragment_digest(fid) for fid in core.versions()}
     initial_state = {
         "restored": core.restored_from_checkpoint, "outer_steps": core.outer_steps,
-        "fragments": {s.fragment.fragment_id: {"version": s.version, "sha256": s.params_sha256} for s in core.slots},
+        "fragments": {fid: {"version": version, "sha256": params} for fid, (version, _, params) in digests.items()},
     }
     servicer = servicer_lib.SyncerServicer(
         core, max_concurrent_uploads=cfg.max_concurrent_uploads, upload_idle_timeout_s=cfg.upload_idle_timeout_s,

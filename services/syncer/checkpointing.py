@@ -9,6 +9,7 @@ Layout of one checkpoint (a manifest in the checkpoint store):
     needs no flags. Checkpoints written before it existed lack it; restoring never needs it.
 Bit-exactness: float32 arrays are stored as raw little-endian bytes, and each fragment's sha256
 is recorded in `state` and checked again by `SyncerCore.restore`.
+The snapshot itself is typed (services/syncer/state.py); this module stores its checkpoint form.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors import numpy as st_numpy
 from ddiloco import run_description as run_description_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import syncer_pb2
+from services.syncer import state as state_lib
 
 FORMAT_VERSION = "1"
 # The syncer's own hyperparameters recorded with the run (learners' inner ones are theirs); an
@@ -37,10 +39,13 @@ def describe_run(cfg, run_config: syncer_pb2.RunConfig,
     return run_description_lib.describe(run_config, plan, training)
 
 
-def encode_snapshot(snapshot: dict, description: run_description_lib.RunDescription | None = None,
+def encode_snapshot(snapshot: state_lib.SyncerSnapshot | dict,
+                    description: run_description_lib.RunDescription | None = None,
                     ) -> tuple[dict[str, bytes], dict]:
-    """Returns ({blob name: bytes}, metadata) for a snapshot from SyncerCore.snapshot(), with the
-    `run` blob when a description is given."""
+    """Returns ({blob name: bytes}, metadata) for a snapshot from SyncerCore.snapshot() (or its
+    checkpoint form, SyncerSnapshot.to_dict()), with the `run` blob when a description is given."""
+    if isinstance(snapshot, state_lib.SyncerSnapshot):
+        snapshot = snapshot.to_dict()
     blobs: dict[str, bytes] = {}
     fragments_meta = []
     for frag in snapshot["fragments"]:
@@ -69,7 +74,8 @@ def encode_snapshot(snapshot: dict, description: run_description_lib.RunDescript
 
 
 def decode_snapshot(blobs: dict[str, bytes]) -> dict:
-    """Inverse of encode_snapshot; ValueError when the checkpoint is malformed."""
+    """Inverse of encode_snapshot: the checkpoint form (SyncerSnapshot.from_dict reads it, and
+    SyncerCore.restore takes it as it is); ValueError when the checkpoint is malformed."""
     try:
         state = json.loads(blobs["state"])
     except (KeyError, json.JSONDecodeError) as exc:

@@ -270,7 +270,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "checkpoint_every_merges": "checkpoint after this many merges (and on SIGTERM)",
         "checkpoint_timeout_s": "overall bound for writing one checkpoint, retries included",
         "restore_timeout_s": "wait this long for the checkpoint store at start, then exit non-zero",
-        "model": "model registry name",
+        "model": "the model: a built-in name (transformer), an installed ddiloco.models plugin or package.module:factory",
         "model_config": "JSON object overriding the model configuration",
         "seed": "seed of the initial global parameters",
         "num_fragments": "P: number of fragments (balanced bin-packing of whole tensors)",

@@ -24,26 +24,26 @@ class SyncerHistory:
         self._write("start", restored=core.restored_from_checkpoint, outer_steps=core.outer_steps,
                     min_quorum=core.config.min_quorum, liveness_timeout_s=core.liveness_timeout_s,
                     max_grace_s=core.max_grace_s,
-                    fragments={str(s.fragment.fragment_id): [s.version, s.published_sha256, s.params_sha256]
-                               for s in core.slots})
+                    fragments={str(fid): list(core.fragment_digest(fid)) for fid in core.versions()})
 
     def upload_accepted(self, header) -> None:
         self._write("accepted", learner=header.learner_id, incarnation=header.incarnation,
                     fragment=header.fragment_id, base_version=header.base_version, tokens=header.tokens)
 
     def merged(self, record) -> None:
-        slot = self._core.slots[record.fragment_id]  # called under the slot's lock, right after the merge
-        self._write("merged", fragment=record.fragment_id, version=record.version, sha256=slot.published_sha256,
-                    params_sha256=slot.params_sha256, reason=record.reason,
+        # Called under the fragment's lock, right after the merge: the digests are this version's.
+        _, published_sha256, params_sha256 = self._core.fragment_digest(record.fragment_id)
+        self._write("merged", fragment=record.fragment_id, version=record.version, sha256=published_sha256,
+                    params_sha256=params_sha256, reason=record.reason,
                     contributors=[[c.learner_id, c.incarnation, c.base_version, c.tokens] for c in record.contributors])
 
-    def checkpoint_committed(self, snapshot: dict) -> None:
-        self._write("checkpoint", outer_step=snapshot["outer_steps"],
-                    versions={str(f["fragment_id"]): f["version"] for f in snapshot["fragments"]})
+    def checkpoint_committed(self, snapshot) -> None:
+        """`snapshot`: the committed SyncerSnapshot."""
+        self._write("checkpoint", outer_step=snapshot.outer_steps,
+                    versions={str(f.fragment_id): f.version for f in snapshot.fragments})
 
     def shutdown(self) -> None:
-        pending = [[s.fragment.fragment_id, c.learner_id, c.incarnation, c.base_version]
-                   for s in self._core.slots if s.round is not None for c in s.round.contributions]
+        pending = [[fid, c.learner_id, c.incarnation, c.base_version] for fid, c in self._core.pending_contributions()]
         self._write("shutdown", pending=pending)
         self._writer.close()
 

@@ -219,7 +219,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         except errors.ServiceError as exc:
             await self._abort(context, "Join", exc)
         response.upload_header_ack = True  # see UploadFragment: initial metadata once the header passed
-        member = self._core.members.get(request.learner_id)
+        member = self._core.member(request.learner_id)
         self._core.count_bytes(member, inbound=request.ByteSize(), outbound=response.ByteSize())
         return response
 
@@ -343,7 +343,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         held = serde.versions_from_proto(request.held) if request.syncer_instance == core.instance else {}
         sent = {s.fragment.fragment_id: held.get(s.fragment.fragment_id, -1) for s in core.slots}
         chunk_size = min(core.config.chunk_size_bytes, WATCH_CHUNK_BYTES)
-        member = core.members.get(request.learner_id)
+        member = core.member(request.learner_id)
         called = {s.fragment.fragment_id: 0 for s in core.slots}  # the last round this learner was called to
         seen = -1
         while True:

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -31,24 +31,6 @@ PROJECT_LABEL = "com.docker.compose.project"
 # Timings of the end-to-end scenario, printed in the terminal summary (no -s needed).
 TIMINGS: list[dict] = []
 TIMINGS_FILE: list[pathlib.Path] = []
-
-
-def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str, not_yet: tuple[type[BaseException], ...],
-               interval_s: float = 0.25, describe: Callable[[], str] | None = None):
-    """Polls predicate() until truthy (returns it); the exceptions in `not_yet` (a service not
-    answering yet) count as "not yet", any other fails the wait at once."""
-    deadline = time.monotonic() + timeout_s
-    last_exc: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except not_yet as exc:
-            last_exc = exc
-        time.sleep(interval_s)
-    detail = f"\n{describe()}" if describe else ""
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last_exc}){detail}")
 
 
 def report_logs(project_name: str, logs: str, tmp_path: pathlib.Path, *, last_lines: int = 80) -> None:

@@ -19,18 +19,17 @@ in the terminal summary and written to docker_e2e_timings.json in the test's tmp
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
-import socket
 import time
-from collections.abc import Callable
 
-import grpc
 import pytest
 
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from tests import ports, waits
 from tests.docker import conftest as dc
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
@@ -52,16 +51,8 @@ OUTAGE_MERGES = 6
 SYNCER_OVERRIDES = {"DDILOCO_SYNCER_QUARANTINE_AFTER": "0"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str, interval_s: float = 0.25):
-    """Polls the syncer; gRPC errors (it is not answering yet) count as "not yet"."""
-    return dc.wait_until(predicate, timeout_s=timeout_s, what=what, interval_s=interval_s,
-                               not_yet=(grpc.RpcError,))
+# Polls the syncer; gRPC errors (it is not answering yet) count as "not yet".
+wait_until = functools.partial(waits.wait_for_rpc, interval_s=0.25)
 
 
 class Syncer:
@@ -100,7 +91,7 @@ def record(step: str, **fields) -> None:
 
 def test_compose_regional_outage_partition_and_syncer_crash(compose_project: dc.ComposeProject, tmp_path) -> None:
     project = compose_project
-    port = _free_port()
+    port = ports.free_port()
     project.env.update({
         "DDILOCO_IMAGE": "ddiloco:e2e",
         "DDILOCO_SYNCER_PUBLISH": f"127.0.0.1:{port}",

@@ -26,7 +26,6 @@ import os
 import pathlib
 import re
 import shutil
-import socket
 import time
 import urllib.error
 import urllib.parse
@@ -37,6 +36,7 @@ import pytest
 import yaml
 
 from tests import browser
+from tests import ports, waits
 from tests.docker import conftest as dc
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
@@ -57,17 +57,11 @@ GRAPH_EXPR = "ddiloco_syncer_outer_steps_total"
 SCREENSHOT = dc.REPO / "docs" / "prometheus-graph.png"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str, interval_s: float = 2.0,
                describe: Callable[[], str] | None = None):
     """Polls over HTTP; HTTP and connection errors (Prometheus not answering yet) count as "not yet"."""
-    return dc.wait_until(predicate, timeout_s=timeout_s, what=what, interval_s=interval_s, describe=describe,
-                               not_yet=(urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError))
+    return waits.wait_until(predicate, timeout_s=timeout_s, what=what, interval_s=interval_s, describe=describe,
+                            not_yet=(urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError))
 
 
 class Prometheus:
@@ -135,11 +129,11 @@ def test_monitoring_profile_scrapes_every_service_and_feeds_every_dashboard_quer
     queries = dashboard_queries()
     assert queries, f"no PromQL query found in {DASHBOARD}"
     project = compose_project
-    prometheus_port = _free_port()
+    prometheus_port = ports.free_port()
     project.env.update({
         "DDILOCO_IMAGE": "ddiloco:e2e",
         "DDILOCO_PROMETHEUS_IMAGE": "ddiloco-prometheus:e2e",
-        "DDILOCO_SYNCER_PUBLISH": f"127.0.0.1:{_free_port()}",
+        "DDILOCO_SYNCER_PUBLISH": f"127.0.0.1:{ports.free_port()}",
         "DDILOCO_PROMETHEUS_PUBLISH": f"127.0.0.1:{prometheus_port}",
         "DDILOCO_RUN_ID": "monitoring",
         "DDILOCO_MODEL_CONFIG": json.dumps({"preset": "tiny"}),

@@ -9,16 +9,14 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import time
-from collections.abc import Callable
 
-import grpc
 import pytest
 
 from ddiloco import checkpoint_client
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from tests import waits
 
 # A small, fast configuration: the tiny transformer, 4 fragments due every 4 steps, learners
 # paced at ~30 ms per step so that 2 cores can host a store, a syncer and several learners.
@@ -35,19 +33,8 @@ def cluster(tmp_path):
         c.stop_all(timeout_s=10.0)
 
 
-def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str, interval_s: float = 0.2):
-    """Polls until predicate() is truthy; returns its value or fails with `what`."""
-    deadline = time.monotonic() + timeout_s
-    last_exc = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except grpc.RpcError as exc:  # a restarting service: keep polling until the deadline
-            last_exc = exc
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last_exc})")
+# The tier's tests import it from here: polls a service, gRPC errors (a restarting service) are "not yet".
+wait_until = waits.wait_for_rpc
 
 
 class SyncerProbe:

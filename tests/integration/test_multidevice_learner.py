@@ -13,21 +13,15 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 
 import pytest
 
+from tests import ports
 from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 SEQ_LEN = 32  # the tiny preset
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_learner(cluster, name: str, *, learner_id: str, devices: int, extra: list[str]):
@@ -50,7 +44,7 @@ def _summary(cluster, name: str) -> dict:
 
 def test_two_process_unit_trains_syncs_and_stays_identical(cluster):
     syncer = cluster.start_syncer(run_id="unit-2proc", extra=TINY)
-    port = _free_port()
+    port = ports.free_port()
     batch = 8
     procs = [
         _start_learner(cluster, f"learner-unit-p{i}", learner_id="unit-0", devices=2, extra=[

@@ -727,14 +727,20 @@ def test_network_policies_of_a_region_allow_only_the_hub_syncer(render, name):
     assert not allowed(policies, SCRAPER, learner, 8080)
 
 
+def _operator_resource(render, kind: str, values_key: str) -> tuple[list[dict], dict]:
+    """The hub's documents with `metrics.<values_key>` enabled and labelled release=prom, and the
+    one `kind` resource of the Prometheus operator's API among them, with that label."""
+    docs = render("hub", "--set", f"metrics.{values_key}.enabled=true",
+                  "--set", f"metrics.{values_key}.labels.release=prom", tests=False)
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1
+    assert found[0]["apiVersion"] == "monitoring.coreos.com/v1"
+    assert found[0]["metadata"]["labels"]["release"] == "prom"
+    return docs, found[0]
+
+
 def test_optional_service_monitor_scrapes_every_metrics_port(render, k8s_versions):
-    docs = render("hub", "--set", "metrics.serviceMonitor.enabled=true",
-                  "--set", "metrics.serviceMonitor.labels.release=prom", tests=False)
-    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
-    assert len(monitors) == 1
-    monitor = monitors[0]
-    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    assert monitor["metadata"]["labels"]["release"] == "prom"
+    docs, monitor = _operator_resource(render, "ServiceMonitor", "serviceMonitor")
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
     services = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-metrics")]
     assert len(services) == 1
@@ -765,13 +771,7 @@ def test_optional_prometheus_rule_is_exactly_the_rules_file(render, k8s_versions
     source = ROOT / "deploy" / "prometheus" / "rules.yml"
     assert (CHART / "files" / "prometheus-rules.yml").resolve() == source.resolve()
     rules = yaml.safe_load(source.read_text())
-    docs = render("hub", "--set", "metrics.prometheusRule.enabled=true",
-                  "--set", "metrics.prometheusRule.labels.release=prom", tests=False)
-    found = [d for d in docs if d["kind"] == "PrometheusRule"]
-    assert len(found) == 1
-    rule = found[0]
-    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
-    assert rule["metadata"]["labels"]["release"] == "prom"
+    docs, rule = _operator_resource(render, "PrometheusRule", "prometheusRule")
     assert rule["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
     assert rule["spec"] == rules
     # The alerts' own templates reach Prometheus untouched by Helm.

@@ -5,6 +5,7 @@ syncer's own checkpointer on an asyncio loop in a background thread, served by r
 on 127.0.0.1:0 (plaintext, mutual TLS or bearer tokens). Tests talk to it with ordinary blocking
 stubs, as a learner across the WAN would, and read state through `harness.call(...)` (run on the
 server's loop). The model is a small synthetic fragment plan, so no JAX model is built.
+`hostile_core` is the same plan in a SyncerCore without gRPC, for the hostile-learner checks.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from services.checkpoint import store as store_lib
 from services.syncer import config as syncer_config_lib
 from services.syncer import core as core_lib
 from services.syncer import servicer as servicer_lib
+from tests import fakes, waits
 
 LEARNERS = ("learner-0", "learner-1", "learner-2", "learner-3")
 SERVICES = ("syncer", "checkpoint", "evaluator", "operator")
@@ -179,18 +181,9 @@ class Harness:
                 "tls_key": str(self.pki / "syncer.key")} if self.mode == "mtls" else {}),
             **({"checkpoint_auth_token_file": str(self.pki / "syncer.token")} if self.mode == "tokens" else {}),
         )
-        run_config = core_lib.make_run_config(cfg=cfg, plan=self.plan, model_name="test", model_config_json="{}",
-                                              fingerprint="f" * 64)
-        rng = np.random.default_rng(0)
-        initial = {f.fragment_id: (0.02 * rng.standard_normal(f.numel)).astype(np.float32) for f in self.plan.fragments}
         kwargs = {"norm_bound": robust_lib.NormBoundPolicy(), "quarantine_after": 3, **self._core_kwargs}
-        import time
-
-        self.core = core_lib.SyncerCore(
-            run_config=run_config, plan=self.plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
-            grace_gamma=0.8, max_grace_s=1.0, liveness_timeout_s=30.0, merge_history=64,
-            clock=time.monotonic, wall_clock=time.time, **kwargs, round_trigger="upload",
-        )
+        self.core = fakes.make_core(config=cfg, specs=SPECS, initial_std=0.02, grace_gamma=0.8, max_grace_s=1.0,
+                                    merge_history=64, **kwargs)
         self.store_channel = channel_lib.aio_channel(self.store_handle.address, cfg.checkpoint_security())
         client = checkpoint_client_lib.CheckpointClient(
             self.store_channel, timeout=datetime.timedelta(seconds=5), retry_timeout=datetime.timedelta(seconds=5))
@@ -323,6 +316,26 @@ def error_of(fn) -> grpc.RpcError:
 
 def honest_delta(numel: int, seed: int, scale: float = 1e-3) -> np.ndarray:
     return (scale * np.random.default_rng(seed).standard_normal(numel)).astype(np.float32)
+
+
+def merge_once(h: Harness, learner: Learner) -> None:
+    """`learner` contributes to fragment 0 at version 0; waits for the merge (version 1) and commits
+    a checkpoint."""
+    payload, info = encoded(honest_delta(h.numel(0), 0))
+    assert learner.upload(0, 0, payload, info).result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+    waits.wait_until(lambda: h.model()[0][0] == 1, timeout_s=10, what="the first merge")
+    assert h.checkpoint()
+
+
+def hostile_core(clock, *, action: str = "reject", factor: float = 20.0, quarantine_after: int = 3,
+                 quarantine_s: float = 600.0, min_quorum: int = 1) -> core_lib.SyncerCore:
+    """A SyncerCore without gRPC for the hostile-learner checks: the norm bound (k = `factor`,
+    reject or clip) and quarantine after `quarantine_after` strikes within 300 s; nobody goes silent."""
+    return fakes.make_core(
+        clock, specs=SPECS, model_name="t", initial_std=0.02, min_quorum=min_quorum, max_staleness_versions=4,
+        overlap_steps=4, insecure=True, liveness_timeout_s=1e9, merge_history=64,
+        norm_bound=robust_lib.NormBoundPolicy(factor=factor, action=action), quarantine_after=quarantine_after,
+        quarantine_window_s=300.0, quarantine_s=quarantine_s)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ from ddiloco.rpc import security
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc, syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
 from services.syncer import core as core_lib
-from tests.security.conftest import Harness, Learner, client_security, code_of, encoded, honest_delta
+from tests.security.conftest import Harness, Learner, client_security, code_of, encoded, honest_delta, merge_once
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,21 +34,10 @@ DENIED = grpc.StatusCode.PERMISSION_DENIED
 UNAUTH = grpc.StatusCode.UNAUTHENTICATED
 
 
-def _wait(predicate, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _prime(h: Harness, sec) -> Learner:
     """learner-0 contributes once (fragment 0 -> version 1) and a checkpoint is committed."""
     honest = Learner(h.address, "learner-0", sec=sec)
-    payload, info = encoded(honest_delta(h.numel(0), 0))
-    assert honest.upload(0, 0, payload, info).result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
-    _wait(lambda: h.model()[0][0] == 1, "the first merge")
-    assert h.checkpoint()
+    merge_once(h, honest)
     return honest
 
 
@@ -211,7 +201,8 @@ def test_bearer_tokens_unknown_missing_and_revoked(tmp_path, pki):
         table["revoked"].append((keys / "learner-1.token").read_text().strip())
         (keys / "tokens.json").write_text(json.dumps(table))
         os.utime(keys / "tokens.json")
-        _wait(lambda: _code_or_none(lambda: me.join()) == UNAUTH, "the revocation to take effect")
+        wait_until(lambda: _code_or_none(lambda: me.join()) == UNAUTH, timeout_s=10,
+                   what="the revocation to take effect")
         assert code_of(lambda: me.upload(1, 0, payload, info)) == UNAUTH
         # A half-written (unparseable) token file keeps the previous table in force.
         (keys / "tokens.json").write_text("{not json")

@@ -22,8 +22,9 @@ from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import core as core_lib
 from tests.security.conftest import (
-    CHUNK, Harness, Learner, code_of, encoded, error_of, honest_delta, raw_payload, upload_stream,
+    CHUNK, Harness, Learner, code_of, encoded, error_of, honest_delta, merge_once, raw_payload, upload_stream,
 )
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,24 +39,14 @@ def primed(tmp_path):
     """
     with Harness(tmp_path, core_kwargs={"quarantine_after": 0}) as h:
         honest = Learner(h.address, "learner-0")
-        payload, info = encoded(honest_delta(h.numel(0), 0))
-        assert honest.upload(0, 0, payload, info).result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
-        _wait(lambda: h.model()[0][0] == 1, "the first merge")
-        assert h.checkpoint() and len(h.committed()) == 1
+        merge_once(h, honest)
+        assert len(h.committed()) == 1
         attacker = Learner(h.address, "learner-1")
         try:
             yield h, honest, attacker
         finally:
             honest.close()
             attacker.close()
-
-
-def _wait(predicate, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _unchanged(h: Harness, before) -> None:
@@ -244,11 +235,13 @@ def test_row17_concurrent_and_stalled_uploads_are_bounded(tmp_path):
             return learner.stub.UploadFragment.future(requests(), timeout=20)
 
         held = [half_open(learners[0]), half_open(learners[0])]
-        _wait(lambda: h.call(lambda: dict(h.servicer._in_flight)).get("learner-0") == 2, "two uploads in flight")
+        wait_until(lambda: h.call(lambda: dict(h.servicer._in_flight)).get("learner-0") == 2, timeout_s=10,
+                   what="two uploads in flight", interval_s=0.02)
         # learner-0 is at its own limit; learner-1 can still upload, but then the total is at 3.
         assert code_of(lambda: learners[0].upload(0, 0, payload, info)) == grpc.StatusCode.RESOURCE_EXHAUSTED
         held.append(half_open(learners[1]))
-        _wait(lambda: sum(h.call(lambda: dict(h.servicer._in_flight)).values()) == 3, "three uploads in flight")
+        wait_until(lambda: sum(h.call(lambda: dict(h.servicer._in_flight)).values()) == 3, timeout_s=10,
+                   what="three uploads in flight", interval_s=0.02)
         assert code_of(lambda: learners[2].upload(0, 0, payload, info)) == grpc.StatusCode.RESOURCE_EXHAUSTED
         # Nobody sends anything more: the idle timeout ends every held stream.
         started = time.monotonic()
@@ -369,10 +362,7 @@ def test_row19_replays_duplicates_and_chunk_order(primed):
 def test_row20_fenced_stale_and_foreign_bases_then_the_learner_resyncs(tmp_path):
     with Harness(tmp_path, max_staleness=0, core_kwargs={"quarantine_after": 0}) as h:
         honest = Learner(h.address, "learner-0")
-        payload, info = encoded(honest_delta(h.numel(0), 0))
-        honest.upload(0, 0, payload, info)
-        _wait(lambda: h.model()[0][0] == 1, "the first merge")
-        assert h.checkpoint()
+        merge_once(h, honest)
         before = h.frozen()
         old = Learner(h.address, "learner-1", incarnation=5)
         new = Learner(h.address, "learner-1", incarnation=6)  # a restart fences incarnation 5

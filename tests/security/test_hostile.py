@@ -3,59 +3,34 @@
 A norm bound relative to the other contributors (reject or clip), a cap on inflated merge
 weights, and quarantine after repeated suspicious uploads, visible in the training state and
 kept across the learner's restarts and the syncer's checkpoints. The end-to-end hostile-learner
-run (held-out loss against an honest run) is tests/security/test_hostile_run.py.
+run (held-out loss against an honest run) is tests/security/test_hostile_run.py; the last test here
+runs the chaos tools' hostile client (ddiloco.chaos.hostile_learner) against a real syncer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import grpc
 import numpy as np
 import pytest
 
-from ddiloco.algo import fragments as fragments_lib
-from ddiloco.algo import robust as robust_lib
+from ddiloco.chaos import hostile_learner
 from ddiloco.rpc import errors
+from ddiloco.rpc import security
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
+from services.learner import client as client_lib
 from services.syncer import checkpointing
-from services.syncer import config as config_lib
 from services.syncer import core as core_lib
-from tests.security.conftest import SPECS, Harness, Learner, code_of, encoded, honest_delta
+from tests.fakes import FakeClock, join, settle
+from tests.security.conftest import Harness, Learner, code_of, encoded, honest_delta
+from tests.security.conftest import hostile_core as make_core
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
-def make_core(clock, *, action: str = "reject", factor: float = 20.0, quarantine_after: int = 3,
-              quarantine_s: float = 600.0, min_quorum: int = 1) -> core_lib.SyncerCore:
-    plan = fragments_lib.plan_fragments(SPECS, 2, 2)
-    cfg = config_lib.SyncerConfig(min_quorum=min_quorum, max_staleness_versions=4, num_fragments=2,
-                                  sync_period_steps=2, upload_codec="fp32", insecure=True)
-    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name="t", model_config_json="{}", fingerprint="f" * 64)
-    rng = np.random.default_rng(0)
-    initial = {f.fragment_id: (0.02 * rng.standard_normal(f.numel)).astype(np.float32) for f in plan.fragments}
-    return core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.5,
-        max_grace_s=10.0, liveness_timeout_s=1e9, merge_history=64, clock=clock, wall_clock=clock, round_trigger="upload",
-        norm_bound=robust_lib.NormBoundPolicy(factor=factor, action=action), quarantine_after=quarantine_after,
-        quarantine_window_s=300.0, quarantine_s=quarantine_s,
-    )
-
-
-def join(core, learner_id: str, incarnation: int = 1) -> None:
-    core.join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id,
-                                     incarnation=incarnation))
 
 
 async def upload(core, learner_id: str, fid: int, delta: np.ndarray, *, base: int | None = None, tokens: int = 1024,
@@ -66,11 +41,6 @@ async def upload(core, learner_id: str, fid: int, delta: np.ndarray, *, base: in
         base_version=core.slots[fid].version if base is None else base, syncer_instance=core.instance,
         steps=steps, tokens=tokens, payload=serde.payload_info_to_proto(enc))
     return await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=len(enc.payload))
-
-
-async def settle() -> None:
-    for _ in range(20):
-        await asyncio.sleep(0.01)
 
 
 async def rounds_of_honest_history(core, learners=("h1", "h2", "h3"), fid: int = 0, rounds: int = 2) -> None:
@@ -309,3 +279,48 @@ def test_hostile_learner_over_grpc_is_refused_then_quarantined(tmp_path):
         assert h.model()[1] == before[1]  # fragment 1 untouched
         honest.close()
         hostile.close()
+
+
+def _upload_outcome(client: client_lib.SyncClient, fid: int, delta: np.ndarray, step: int) -> str:
+    """Submits one upload through `client` and waits (bounded) for what became of it."""
+    client.submit_upload(client_lib.UploadJob(fragment_id=fid, base_version=0, syncer_instance=client.instance,
+                                              steps=1, tokens=10, delta=delta, local_step=step))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        outcomes = [o for o in client.take_outcomes() if o.local_step == step]
+        if outcomes:
+            return outcomes[0].result
+        time.sleep(0.02)
+    raise AssertionError(f"no outcome for upload {step}: {vars(client.stats)}")
+
+
+def test_the_chaos_hostile_learner_corrupts_every_upload_over_grpc(tmp_path):
+    # The hostile learner of the chaos tools (no knob in the production client): the deltas the loop
+    # submits are honest, the ones on the wire x1e4; refused by the norm bound, then quarantined. The
+    # same deltas through a plain SyncClient are accepted.
+    def client(cls, learner_id: str, **kwargs) -> client_lib.SyncClient:
+        out = cls(client_lib.ClientConfig(target=h.address, learner_id=learner_id, incarnation=1, region="r",
+                                          tokens_per_step=0, call_timeout_s=5.0, retry_bound_s=5.0,
+                                          security=security.ClientSecurity(insecure=True)), **kwargs)
+        out.start(30.0)
+        return out
+
+    with Harness(tmp_path) as h:
+        honest = Learner(h.address, "learner-0")
+        payload, info = encoded(honest_delta(h.numel(0), 0))
+        honest.upload(0, 0, payload, info)
+        hostile = client(hostile_learner.HostileSyncClient, "learner-1", factor=hostile_learner.parse_hostile("scale:1e4"))
+        plain = client(client_lib.SyncClient, "learner-2")
+        try:
+            deltas = [honest_delta(h.numel(1), i) for i in range(3)]
+            sent = [d.copy() for d in deltas]
+            assert [_upload_outcome(hostile, 1, d, step) for step, d in enumerate(deltas, 1)] == \
+                [client_lib.OUTCOME_NOT_TAKEN] * 3
+            assert all(np.array_equal(d, s) for d, s in zip(deltas, sent))  # the loop's own values stay honest
+            m = next(m for m in h.state().members if m.learner_id == "learner-1")
+            assert m.quarantined and m.rejections["norm_bound"] == 3 and m.uploads_accepted == 0, m
+            assert _upload_outcome(plain, 1, deltas[0], 1) == client_lib.OUTCOME_ACCEPTED
+        finally:
+            for c in (hostile, plain):
+                c.close(leave=False)
+            honest.close()

@@ -1,5 +1,6 @@
-"""Fault-matrix row 21 end to end: one of four learners is hostile (`--hostile`, a test knob that
-multiplies every pseudo-gradient it uploads), against an honest run of four learners.
+"""Fault-matrix row 21 end to end: one of four learners is hostile (`python -m
+ddiloco.chaos.hostile_learner --hostile ...`, the learner with a client that multiplies every
+pseudo-gradient it uploads), against an honest run of four learners.
 
 The hard guarantees, asserted: for huge updates (`scale:1e4`) not one upload of the hostile
 learner is accepted; it is refused by the norm bound and quarantined after three refusals. For
@@ -47,8 +48,10 @@ def _run(workdir, hostile: str | None, learners: int = 4) -> dict:
             # A fixed incarnation fixes each learner's data order: both runs see the same batches.
             extra = ["--steps", str(STEPS), "--num-shards", "4", "--seed", "1", "--incarnation", "1", *LEARNER_PACE]
             if hostile and i == 3:
-                extra += ["--hostile", hostile]
-            cluster.start_learner(i, region=f"region-{i % 2}", extra=extra)
+                cluster.start_learner(i, region=f"region-{i % 2}", extra=["--hostile", hostile, *extra],
+                                      module="ddiloco.chaos.hostile_learner")
+            else:
+                cluster.start_learner(i, region=f"region-{i % 2}", extra=extra)
         started = time.monotonic()
         for svc in cluster.learners():
             assert svc.wait(600) == 0, svc.log_tail()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import time
 
 import grpc
 import pytest
@@ -20,7 +19,7 @@ from ddiloco.cli import certs as certs_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc, syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
-from tests.security.conftest import Harness, Learner, client_security, code_of, encoded, honest_delta
+from tests.security.conftest import Harness, Learner, client_security, code_of, merge_once
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,13 +40,7 @@ def keys(tmp_path_factory, pki):
 def _merged(h: Harness, sec) -> None:
     """learner-0 contributes to fragment 0 (version 1) and the syncer commits a checkpoint."""
     learner = Learner(h.address, "learner-0", sec=sec)
-    payload, info = encoded(honest_delta(h.numel(0), 0))
-    assert learner.upload(0, 0, payload, info).result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
-    deadline = time.monotonic() + 10
-    while h.model()[0][0] != 1:
-        assert time.monotonic() < deadline, "timed out waiting for the merge"
-        time.sleep(0.05)
-    assert h.checkpoint()
+    merge_once(h, learner)
     learner.close()
 
 

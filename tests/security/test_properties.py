@@ -20,7 +20,8 @@ from ddiloco.rpc import errors
 from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from tests.security.conftest import CHUNK, Harness, Learner, encoded, honest_delta
+from tests.fakes import FakeClock, join
+from tests.security.conftest import CHUNK, Harness, Learner, encoded, honest_delta, hostile_core
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,9 +112,7 @@ def test_reordered_duplicated_and_dropped_chunks_never_assemble_wrong_bytes(payl
 
 
 def _core():
-    from tests.security.test_hostile import FakeClock, join, make_core
-
-    core = make_core(FakeClock())
+    core = hostile_core(FakeClock())
     join(core, "learner-0")
     return core
 

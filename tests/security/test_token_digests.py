@@ -30,7 +30,7 @@ from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors, security
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc, syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
-from tests.security.conftest import Harness, Learner, client_security, code_of, encoded, honest_delta
+from tests.security.conftest import Harness, Learner, client_security, code_of, merge_once
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -98,13 +98,8 @@ def test_stored_digest_is_not_a_credential_on_a_real_server(tmp_path, pki):
         # (b) The real tokens of digest-only entries work: learner-1 joins, the operator reads, and
         # the syncer's own token (digest-only) commits a checkpoint to the store.
         me = Learner(h.address, "learner-1", sec=client_security(keys, None, token="learner-1", tls=False))
-        payload, info = encoded(honest_delta(h.numel(0), 0))
-        assert me.upload(0, 0, payload, info).result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
-        deadline = time.monotonic() + 10
-        while h.model()[0][0] != 1:
-            assert time.monotonic() < deadline, "timed out waiting for the merge"
-            time.sleep(0.05)
-        assert h.checkpoint() and len(h.committed()) == 1
+        merge_once(h, me)
+        assert len(h.committed()) == 1
         reader = syncer_pb2_grpc.SyncerStub(
             channel_lib.sync_channel(h.address, client_security(keys, None, token="operator", tls=False)))
         assert reader.GetTrainingState(syncer_pb2.GetTrainingStateRequest(), timeout=5).state.outer_steps == 1

@@ -21,6 +21,7 @@ from ddiloco.rpc import server as server_lib
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 from services.checkpoint import servicer as servicer_lib
 from services.checkpoint import store as store_lib
+from tests.waits import wait_until_async
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -241,9 +242,9 @@ def test_client_cancelling_mid_upload_leaves_no_temp_file(run) -> None:
             await hold.wait()  # never set: the client stalls mid-upload
 
         call = env.stub.PutBlob(stream(), timeout=10)
-        await _wait_until(lambda: len(_tmp_files(env.root)) == 1, "the upload's temp file")
+        await wait_until_async(lambda: len(_tmp_files(env.root)) == 1, timeout_s=5, what="the upload's temp file")
         call.cancel()
-        await _wait_until(lambda: _tmp_files(env.root) == [], "the temp file to be removed")
+        await wait_until_async(lambda: _tmp_files(env.root) == [], timeout_s=5, what="the temp file to be removed")
         assert await env.client.stat_blobs([_sha(data)]) == set()
         assert await env.client.put_blob(data) == _sha(data)  # the store still works
 
@@ -286,11 +287,3 @@ def test_client_verifies_downloaded_blobs() -> None:
             await handle.server.stop(None)
 
     asyncio.run(main())
-
-
-async def _wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.01)

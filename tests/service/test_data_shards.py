@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
-import numpy as np
 import pytest
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.cli import render
-from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import security
-from ddiloco.rpc import server as server_lib
-from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.v1 import syncer_pb2
 from services.learner import client as client_lib
 from services.learner import config as learner_config
 from services.syncer import config as config_lib
-from services.syncer import core as core_lib
-from services.syncer import servicer as servicer_lib
+from tests.fakes import make_core
+from tests.service.conftest import serve_syncer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,18 +32,6 @@ NUM_SHARDS = 6
 # some ending in letters, some in digits).
 AUTO_IDS = [f"region-{r}-{h}" for r, h in (("a", "3f2a9c1b0e1a"), ("a", "77c0ffee00b2"), ("a", "0d15ea5e0c30"),
                                            ("b", "c0ffee123abc"), ("b", "deadbeef0042"), ("b", "0badf00d000f"))]
-
-
-def _core() -> core_lib.SyncerCore:
-    plan = fragments_lib.plan_fragments(SPECS, 1, 1)
-    cfg = config_lib.SyncerConfig(num_fragments=1, sync_period_steps=1, upload_codec="fp32")
-    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name="test", model_config_json="{}",
-                                          fingerprint="f" * 64)
-    initial = {0: np.zeros(plan.fragments[0].numel, np.float32)}
-    return core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
-        grace_gamma=0.0, max_grace_s=0.0, liveness_timeout_s=30.0, merge_history=16,
-        clock=time.monotonic, wall_clock=time.time, round_trigger="upload")
 
 
 def _client(address: str, learner_id: str, incarnation: int = 1) -> client_lib.SyncClient:
@@ -62,42 +46,38 @@ def _client(address: str, learner_id: str, incarnation: int = 1) -> client_lib.S
 
 def test_learners_with_container_ids_train_distinct_shards_and_keep_them_across_restarts():
     async def run():
-        core = _core()
-        servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=4)
-        handle = await server_lib.start_server(
-            "127.0.0.1:0", ["ddiloco.v1.Syncer"],
-            [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)])
-        channel = channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
-        stub = syncer_pb2_grpc.SyncerStub(channel)
-        clients: list[client_lib.SyncClient] = []
-        try:
-            for learner_id in AUTO_IDS + ["learner-9"]:  # learner-9: a numbered id pins shard 9 % 6 = 3
-                client = _client(handle.address, learner_id)
-                clients.append(client)
-                await asyncio.wait_for(asyncio.to_thread(client.start, 20.0), 30)
-            state = (await stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(), timeout=10)).state
-            shards = {m.learner_id: (m.data_shard, m.data_shard_assigned, m.num_data_shards) for m in state.members}
-            auto = [shards[lid] for lid in AUTO_IDS]
-            # Every learner with a container id trains its own shard, chosen by the syncer, and
-            # trains the one the state shows.
-            assert sorted(s for s, _, _ in auto) == list(range(NUM_SHARDS)), shards
-            assert all(assigned and n == NUM_SHARDS for _, assigned, n in auto), shards
-            assert [c.data_shard for c in clients[:len(AUTO_IDS)]] == [s for s, _, _ in auto]
-            # The numbered id keeps its own shard (existing behaviour), recorded as pinned.
-            assert shards["learner-9"] == (3, False, NUM_SHARDS) and clients[-1].data_shard == 3
-            # `ddiloco status --json` shows every shard, shard 0 included (proto JSON omits zeros).
-            listed = {m["learner_id"]: m["data_shard"] for m in json.loads(render.status_json(state))["members"]}
-            assert listed == {lid: s for lid, (s, _, _) in shards.items()}
-            # A learner restarts (a new life, as a restarted container): it gets its shard back.
-            before = clients[1].data_shard
-            await asyncio.to_thread(clients[1].close, leave=False)
-            clients[1] = _client(handle.address, AUTO_IDS[1], incarnation=2)
-            await asyncio.wait_for(asyncio.to_thread(clients[1].start, 20.0), 30)
-            assert clients[1].data_shard == before
-        finally:
-            for client in clients:
-                await asyncio.to_thread(client.close, leave=True)
-            await channel.close()
-            await handle.stop(grace_s=0)
+        cfg = config_lib.SyncerConfig(num_fragments=1, sync_period_steps=1, upload_codec="fp32")
+        core = make_core(config=cfg, specs=SPECS, initial_std=0.0, grace_gamma=0.0, max_grace_s=0.0)
+        async with serve_syncer(core, auth=False) as served:
+            clients: list[client_lib.SyncClient] = []
+            try:
+                for learner_id in AUTO_IDS + ["learner-9"]:  # learner-9: a numbered id pins shard 9 % 6 = 3
+                    client = _client(served.handle.address, learner_id)
+                    clients.append(client)
+                    await asyncio.wait_for(asyncio.to_thread(client.start, 20.0), 30)
+                state = (await served.stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(), timeout=10)).state
+                shards = {m.learner_id: (m.data_shard, m.data_shard_assigned, m.num_data_shards)
+                          for m in state.members}
+                auto = [shards[lid] for lid in AUTO_IDS]
+                # Every learner with a container id trains its own shard, chosen by the syncer, and
+                # trains the one the state shows.
+                assert sorted(s for s, _, _ in auto) == list(range(NUM_SHARDS)), shards
+                assert all(assigned and n == NUM_SHARDS for _, assigned, n in auto), shards
+                assert [c.data_shard for c in clients[:len(AUTO_IDS)]] == [s for s, _, _ in auto]
+                # The numbered id keeps its own shard (existing behaviour), recorded as pinned.
+                assert shards["learner-9"] == (3, False, NUM_SHARDS) and clients[-1].data_shard == 3
+                # `ddiloco status --json` shows every shard, shard 0 included (proto JSON omits zeros).
+                listed = {m["learner_id"]: m["data_shard"]
+                          for m in json.loads(render.status_json(state))["members"]}
+                assert listed == {lid: s for lid, (s, _, _) in shards.items()}
+                # A learner restarts (a new life, as a restarted container): it gets its shard back.
+                before = clients[1].data_shard
+                await asyncio.to_thread(clients[1].close, leave=False)
+                clients[1] = _client(served.handle.address, AUTO_IDS[1], incarnation=2)
+                await asyncio.wait_for(asyncio.to_thread(clients[1].start, 20.0), 30)
+                assert clients[1].data_shard == before
+            finally:
+                for client in clients:
+                    await asyncio.to_thread(client.close, leave=True)
 
     asyncio.run(run())

@@ -13,7 +13,6 @@ names. Every wait has a timeout.
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 
 import grpc
@@ -23,19 +22,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
-from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import interceptors as rpc_interceptors
 from ddiloco.rpc import security
-from ddiloco.rpc import server as server_lib
-from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.learner import client as client_lib
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
 from services.syncer import metrics as syncer_metrics
-from services.syncer import servicer as servicer_lib
 from tests import promtool
+from tests.fakes import make_core
+from tests.service.conftest import serve_syncer
+from tests.waits import wait_until_async
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,18 +44,11 @@ SYNCER = "ddiloco.v1.Syncer"
 
 
 def _core() -> core_lib.SyncerCore:
-    plan = fragments_lib.plan_fragments([fragments_lib.TensorSpec("w", (256, 256))], 1, 1)
     # The run's codecs are int4 both ways; the learner below uploads fp32 and the first download
     # is a whole version (fp32): the codec label must tell the codec used, not the configured one.
     cfg = config_lib.SyncerConfig(num_fragments=1, sync_period_steps=1, upload_codec="int4", download_codec="int4",
                                   chunk_size_bytes=CHUNK_BYTES)
-    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name="test", model_config_json="{}",
-                                          fingerprint="f" * 64)
-    initial = {0: np.random.default_rng(0).standard_normal(NUMEL).astype(np.float32)}
-    return core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
-        grace_gamma=0.0, max_grace_s=0.0, liveness_timeout_s=30.0, merge_history=16,
-        clock=time.monotonic, wall_clock=time.time, round_trigger="upload")
+    return make_core(config=cfg, specs=[fragments_lib.TensorSpec("w", (256, 256))], grace_gamma=0.0, max_grace_s=0.0)
 
 
 def _upload(core, *, instance: str | None = None) -> list:
@@ -102,37 +94,27 @@ async def _exercise_syncer() -> tuple[str, int, int]:
     registry = metrics_lib.new_registry("syncer")
     syncer_metrics.SyncerMetrics(core, registry)
     endpoint = metrics_lib.serve("127.0.0.1:0", registry)
-    servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=4)
-    sec = security.ServerSecurity(insecure=True)
-    auth = security.AuthInterceptor(sec.authenticator(), security.SYNCER_POLICY,
-                                    on_reject=servicer.record_interceptor_refusal)
-    handle = await server_lib.start_server(
-        "127.0.0.1:0", [SYNCER], [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
-        interceptors=[rpc_interceptors.MetricsInterceptor(registry), auth])
-    channel = channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
     try:
-        stub = syncer_pb2_grpc.SyncerStub(channel)
-        await stub.Join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-0",
-                                               incarnation=1, region="eu"), timeout=10)
-        watched = await asyncio.wait_for(_download_first_version(stub), 30)
-        await stub.ReportProgress(syncer_pb2.ReportProgressRequest(
-            protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-0", incarnation=1, local_step=5,
-            tokens_total=640, step_time_s=0.25, inner_loss=2.5), timeout=10)
-        good = _upload(core)
-        response = await asyncio.wait_for(client_lib.send_upload(stub, good, 10.0), 15)
-        assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await asyncio.wait_for(client_lib.send_upload(stub, _upload(core, instance="another-life"), 10.0), 15)
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        deadline = time.monotonic() + 30
-        while core.training_state(0).outer_steps < 1:
-            assert time.monotonic() < deadline, "the accepted upload was not merged within 30 s"
-            await asyncio.sleep(0.05)
-        # Scrapes run on the endpoint's thread and read the core on this loop: never block it.
-        return await asyncio.to_thread(_scrape, endpoint.address), watched, len(good)
+        async with serve_syncer(core, interceptors=[rpc_interceptors.MetricsInterceptor(registry)]) as served:
+            await served.stub.Join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION,
+                                                          learner_id="learner-0", incarnation=1, region="eu"),
+                                   timeout=10)
+            watched = await asyncio.wait_for(_download_first_version(served.stub), 30)
+            await served.stub.ReportProgress(syncer_pb2.ReportProgressRequest(
+                protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-0", incarnation=1, local_step=5,
+                tokens_total=640, step_time_s=0.25, inner_loss=2.5), timeout=10)
+            good = _upload(core)
+            response = await asyncio.wait_for(client_lib.send_upload(served.stub, good, 10.0), 15)
+            assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await asyncio.wait_for(
+                    client_lib.send_upload(served.stub, _upload(core, instance="another-life"), 10.0), 15)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            await wait_until_async(lambda: core.training_state(0).outer_steps >= 1, timeout_s=30,
+                                   what="the accepted upload's merge", interval_s=0.05)
+            # Scrapes run on the endpoint's thread and read the core on this loop: never block it.
+            return await asyncio.to_thread(_scrape, endpoint.address), watched, len(good)
     finally:
-        await channel.close()
-        await handle.stop(grace_s=0)
         endpoint.stop()
 
 

@@ -10,7 +10,6 @@ refusal worth resending from a bug. Every wait has a timeout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import grpc
@@ -21,14 +20,15 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors
 from ddiloco.rpc import security
-from ddiloco.rpc import server as server_lib
-from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.learner import client as client_lib
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
 from services.syncer import servicer as servicer_lib
+from tests.fakes import make_core
+from tests.service.conftest import serve_syncer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,17 +37,11 @@ CHUNK_BYTES = 64 * 1024
 
 
 def _core() -> core_lib.SyncerCore:
-    plan = fragments_lib.plan_fragments([fragments_lib.TensorSpec("w", (1024, 1024))], 1, 1)
     # A quorum of 2 that one learner never reaches: an accepted upload is folded in, never merged.
     cfg = config_lib.SyncerConfig(num_fragments=1, sync_period_steps=1, upload_codec="fp32", chunk_size_bytes=CHUNK_BYTES,
                                   min_quorum=2)
-    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name="test", model_config_json="{}",
-                                          fingerprint="f" * 64)
-    initial = {0: np.zeros(NUMEL, np.float32)}
-    return core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
-        grace_gamma=0.0, max_grace_s=0.0, liveness_timeout_s=30.0, merge_history=16,
-        clock=time.monotonic, wall_clock=time.time, round_trigger="upload")
+    return make_core(config=cfg, specs=[fragments_lib.TensorSpec("w", (1024, 1024))], initial_std=0.0,
+                     grace_gamma=0.0, max_grace_s=0.0)
 
 
 def _messages(core, *, base_version: int, instance: str | None = None, seed: int = 0) -> list:
@@ -61,32 +55,6 @@ def _messages(core, *, base_version: int, instance: str | None = None, seed: int
         syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(enc.payload, CHUNK_BYTES)]
 
 
-@contextlib.asynccontextmanager
-async def _server(core, *, max_concurrent_uploads: int = 4):
-    """A real syncer server on 127.0.0.1:0; yields its handle (`.address`)."""
-    servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=max_concurrent_uploads)
-    sec = security.ServerSecurity(insecure=True)
-    auth = security.AuthInterceptor(sec.authenticator(), security.SYNCER_POLICY,
-                                    on_reject=servicer.record_interceptor_refusal)
-    handle = await server_lib.start_server(
-        "127.0.0.1:0", ["ddiloco.v1.Syncer"], [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
-        interceptors=[auth])
-    try:
-        yield handle
-    finally:
-        await handle.stop(grace_s=0)
-
-
-@contextlib.asynccontextmanager
-async def _syncer(core, *, max_concurrent_uploads: int = 4):
-    async with _server(core, max_concurrent_uploads=max_concurrent_uploads) as handle:
-        channel = channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
-        try:
-            yield syncer_pb2_grpc.SyncerStub(channel)
-        finally:
-            await channel.close()
-
-
 async def _join(stub) -> syncer_pb2.JoinResponse:
     return await stub.Join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-0",
                                                   incarnation=1), timeout=10)
@@ -95,21 +63,21 @@ async def _join(stub) -> syncer_pb2.JoinResponse:
 def test_refused_headers_keep_their_status_and_accepted_uploads_go_through():
     async def run():
         core = _core()
-        async with _syncer(core) as stub:
-            joined = await _join(stub)
+        async with serve_syncer(core) as served:
+            joined = await _join(served.stub)
             assert joined.upload_header_ack
             stale = _messages(core, base_version=0, instance="another-syncer-life")
             codes = []
             for _ in range(40):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await asyncio.wait_for(client_lib.send_upload(stub, stale, 10.0), 15)
+                    await asyncio.wait_for(client_lib.send_upload(served.stub, stale, 10.0), 15)
                 codes.append((info.value.code(), info.value.details()))
             assert {code for code, _ in codes} == {grpc.StatusCode.FAILED_PRECONDITION}, codes[:3]
             assert all("instance" in details for _, details in codes), codes[0]
 
             chunks_written, good = [], _messages(core, base_version=0)
             response = await asyncio.wait_for(client_lib.send_upload(
-                stub, good, 10.0, after_chunk=lambda: chunks_written.append(1)), 15)
+                served.stub, good, 10.0, after_chunk=lambda: chunks_written.append(1)), 15)
             assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
             assert len(chunks_written) == len(good) - 1 > 30
             assert core.members["learner-0"].uploads_accepted == 1
@@ -120,17 +88,18 @@ def test_refused_headers_keep_their_status_and_accepted_uploads_go_through():
 def test_a_full_syncer_refuses_with_resource_exhausted():
     async def run():
         core = _core()
-        async with _syncer(core, max_concurrent_uploads=1) as stub:
-            await _join(stub)
+        async with serve_syncer(core, max_concurrent_uploads=1) as served:
+            await _join(served.stub)
             # Hold the only upload slot: a header that is accepted, then no chunk.
-            holder = stub.UploadFragment(timeout=20)
+            holder = served.stub.UploadFragment(timeout=20)
             await holder.write(_messages(core, base_version=0)[0])
             await asyncio.wait_for(holder.initial_metadata(), 10)
             try:
                 for seed in range(5):
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await asyncio.wait_for(
-                            client_lib.send_upload(stub, _messages(core, base_version=0, seed=seed + 1), 10.0), 15)
+                            client_lib.send_upload(served.stub, _messages(core, base_version=0, seed=seed + 1), 10.0),
+                            15)
                     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
             finally:
                 holder.cancel()
@@ -164,30 +133,25 @@ def test_frames_that_are_not_messages_are_refused_as_malformed_not_internal():
     and the syncer's state is untouched (a valid upload is accepted afterwards)."""
     async def run():
         core = _core()
-        async with _server(core) as handle:
+        async with serve_syncer(core) as served:
             for frame in _GARBAGE_FRAMES:  # in place of the header
-                error = await asyncio.to_thread(_send_raw_frames, handle.address, [frame])
+                error = await asyncio.to_thread(_send_raw_frames, served.handle.address, [frame])
                 assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
                 assert "not a valid UploadFragmentRequest" in error.details(), error.details()
-            channel = channel_lib.aio_channel(handle.address, security.ClientSecurity(insecure=True))
-            try:
-                stub = syncer_pb2_grpc.SyncerStub(channel)
-                await _join(stub)
-                good = _messages(core, base_version=0)
-                # A valid header, then a garbage frame in place of a chunk: refused and counted on the learner.
-                frames = [good[0].SerializeToString(), _GARBAGE_FRAMES[0]]
-                error = await asyncio.to_thread(_send_raw_frames, handle.address, frames)
-                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
-                state = core.training_state(0)
-                assert state.uploads["rejected_malformed"] == len(_GARBAGE_FRAMES) + 1, dict(state.uploads)
-                assert "rejected_internal" not in state.uploads, dict(state.uploads)
-                member = core.members["learner-0"]
-                assert member.rejections["malformed"] == 1 and member.flags & core_lib.FLAG_MALFORMED
-                assert [f.pending_contributions for f in state.fragments] == [0] and core.slots[0].version == 0
-                response = await asyncio.wait_for(client_lib.send_upload(stub, good, 10.0), 15)
-                assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
-            finally:
-                await channel.close()
+            await _join(served.stub)
+            good = _messages(core, base_version=0)
+            # A valid header, then a garbage frame in place of a chunk: refused and counted on the learner.
+            frames = [good[0].SerializeToString(), _GARBAGE_FRAMES[0]]
+            error = await asyncio.to_thread(_send_raw_frames, served.handle.address, frames)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+            state = core.training_state(0)
+            assert state.uploads["rejected_malformed"] == len(_GARBAGE_FRAMES) + 1, dict(state.uploads)
+            assert "rejected_internal" not in state.uploads, dict(state.uploads)
+            member = core.members["learner-0"]
+            assert member.rejections["malformed"] == 1 and member.flags & core_lib.FLAG_MALFORMED
+            assert [f.pending_contributions for f in state.fragments] == [0] and core.slots[0].version == 0
+            response = await asyncio.wait_for(client_lib.send_upload(served.stub, good, 10.0), 15)
+            assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
 
     asyncio.run(run())
 
@@ -216,28 +180,27 @@ def test_an_upload_interrupted_while_writing_is_sent_again_not_taken_as_a_refusa
     so the learner's client sends the same job again instead of dropping it as refused."""
     async def run():
         core = _core()
-        servicer = _InterruptingServicer(core, max_concurrent_uploads=4)
-        handle = await server_lib.start_server(
-            "127.0.0.1:0", ["ddiloco.v1.Syncer"],
-            [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)])
-        client = client_lib.SyncClient(client_lib.ClientConfig(
-            target=handle.address, learner_id="learner-0", incarnation=1, region="r", tokens_per_step=0,
-            call_timeout_s=10.0, retry_bound_s=10.0, security=security.ClientSecurity(insecure=True)))
-        try:
-            await asyncio.wait_for(asyncio.to_thread(client.start, 30.0), 40)
-            delta = np.random.default_rng(0).standard_normal(NUMEL).astype(np.float32) * np.float32(1e-3)
-            client.submit_upload(client_lib.UploadJob(fragment_id=0, base_version=0, syncer_instance=client.instance,
-                                                      steps=2, tokens=200, delta=delta, local_step=2))
-            outcomes = []
-            deadline = time.monotonic() + 60
-            while not outcomes and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-                outcomes = client.take_outcomes()
-            assert [o.result for o in outcomes] == [client_lib.OUTCOME_ACCEPTED], (outcomes, vars(client.stats))
-            assert servicer.interruptions == 0 and client.stats.uploads_refused == 0, vars(client.stats)
-            assert core.members["learner-0"].uploads_accepted == 1
-        finally:
-            await asyncio.to_thread(client.close, leave=True)
-            await handle.stop(grace_s=0)
+        async with serve_syncer(core, servicer=_InterruptingServicer(core, max_concurrent_uploads=4),
+                                auth=False) as served:
+            client = client_lib.SyncClient(client_lib.ClientConfig(
+                target=served.handle.address, learner_id="learner-0", incarnation=1, region="r",
+                tokens_per_step=0, call_timeout_s=10.0, retry_bound_s=10.0,
+                security=security.ClientSecurity(insecure=True)))
+            try:
+                await asyncio.wait_for(asyncio.to_thread(client.start, 30.0), 40)
+                delta = np.random.default_rng(0).standard_normal(NUMEL).astype(np.float32) * np.float32(1e-3)
+                client.submit_upload(client_lib.UploadJob(fragment_id=0, base_version=0,
+                                                          syncer_instance=client.instance, steps=2, tokens=200,
+                                                          delta=delta, local_step=2))
+                outcomes = []
+                deadline = time.monotonic() + 60
+                while not outcomes and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                    outcomes = client.take_outcomes()
+                assert [o.result for o in outcomes] == [client_lib.OUTCOME_ACCEPTED], (outcomes, vars(client.stats))
+                assert served.servicer.interruptions == 0 and client.stats.uploads_refused == 0, vars(client.stats)
+                assert core.members["learner-0"].uploads_accepted == 1
+            finally:
+                await asyncio.to_thread(client.close, leave=True)
 
     asyncio.run(run())

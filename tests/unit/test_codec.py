@@ -249,16 +249,22 @@ def test_block_size_is_ignored_by_unquantized_codecs():
     np.testing.assert_array_equal(_decode(encoded), 1.0)
 
 
+def _each_byte_flipped(payload: bytes):
+    """`payload` once per byte, with that byte flipped (xor 0x5A)."""
+    for index in range(len(payload)):
+        flipped = bytearray(payload)
+        flipped[index] ^= 0x5A
+        yield bytes(flipped)
+
+
 @pytest.mark.parametrize("codec", codec_lib.CODECS)
 def test_every_single_byte_flip_is_caught_by_the_checksum(codec):
     values = np.random.default_rng(0).standard_normal(100).astype(np.float32)
     encoded = codec_lib.encode(values, codec)
 
-    for index in range(len(encoded.payload)):
-        flipped = bytearray(encoded.payload)
-        flipped[index] ^= 0x5A
+    for flipped in _each_byte_flipped(encoded.payload):
         with pytest.raises(codec_lib.ChecksumError):
-            _decode(encoded, payload=bytes(flipped))
+            _decode(encoded, payload=flipped)
 
 
 @pytest.mark.parametrize("codec", codec_lib.CODECS)
@@ -267,12 +273,10 @@ def test_flipped_payloads_with_a_matching_checksum_never_crash(codec):
     values = np.random.default_rng(1).standard_normal(100).astype(np.float32)
     encoded = codec_lib.encode(values, codec)
 
-    for index in range(len(encoded.payload)):
-        flipped = bytearray(encoded.payload)
-        flipped[index] ^= 0x5A
+    for flipped in _each_byte_flipped(encoded.payload):
         checksum = hashlib.sha256(flipped).digest()
         try:
-            decoded = _decode(encoded, payload=bytes(flipped), checksum=checksum)
+            decoded = _decode(encoded, payload=flipped, checksum=checksum)
         except codec_lib.CodecError:
             continue
         assert decoded.shape == (100,) and np.isfinite(decoded).all()

@@ -199,7 +199,7 @@ def test_text_directory_loads_regular_files_sorted_and_capped(tmp_path):
 def test_text_directory_errors(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         load_text_directory(tmp_path / "missing")
-    with pytest.raises(ValueError, match="no non-empty files"):
+    with pytest.raises(ValueError, match="no non-empty text files"):
         load_text_directory(tmp_path)
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from ddiloco.dashboard import Dashboard, parse_bind
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,16 +79,6 @@ def _json(url: str) -> dict:
     return json.loads(_get(url)[2], parse_constant=no_nan)
 
 
-def _wait(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 @pytest.fixture
 def fake_syncer():
     server, port, fake = _serve()
@@ -102,7 +93,8 @@ def test_state_history_page_and_health(fake_syncer):
     with Dashboard(f"127.0.0.1:{port}", bind="127.0.0.1:0", interval_s=0.05, timeout_s=5) as dash:
         assert dash.url.startswith("http://127.0.0.1:") and dash.port != 0
         base = dash.url.rstrip("/")
-        state = _wait(lambda: (s := _json(base + "/api/state"))["available"] and s, what="a first state")
+        state = wait_until(lambda: (s := _json(base + "/api/state"))["available"] and s, timeout_s=20,
+                           what="a first state")
         assert state["target"] == f"127.0.0.1:{port}" and isinstance(state["fetched_at"], float)
         assert state["run_id"] == "fake-run" and state["error"] == ""
         assert isinstance(state["outer_steps"], int) and state["outer_steps"] >= 1  # uint64 as a number
@@ -127,7 +119,7 @@ def test_state_history_page_and_health(fake_syncer):
         assert participation["contributors_per_expected"] == pytest.approx(0.75)
         assert state["sample"]["work_merged"] == pytest.approx(0.4)
         first = state["outer_steps"]
-        _wait(lambda: _json(base + "/api/state")["outer_steps"] > first, what="a newer state")
+        wait_until(lambda: _json(base + "/api/state")["outer_steps"] > first, timeout_s=20, what="a newer state")
 
         history = _json(base + "/api/history")
         n = len(history["samples"])
@@ -138,7 +130,7 @@ def test_state_history_page_and_health(fake_syncer):
         assert sample["inner_loss"]["learner-1"] is None  # NaN is not JSON: null
         assert [s["t"] for s in history["samples"]] == sorted(s["t"] for s in history["samples"])
         assert len(history["evals"]) >= 2  # accumulated across polls, not only the syncer's last list
-        _wait(lambda: len(_json(base + "/api/history")["samples"]) > n, what="the history to grow")
+        wait_until(lambda: len(_json(base + "/api/history")["samples"]) > n, timeout_s=20, what="the history to grow")
 
         status, ctype, body = _get(base + "/")
         assert status == 200 and ctype == "text/html; charset=utf-8"
@@ -165,17 +157,18 @@ def test_syncer_down_then_back():
     dash.start()
     try:
         base = dash.url.rstrip("/")
-        _wait(lambda: _json(base + "/api/state")["available"], what="available")
+        wait_until(lambda: _json(base + "/api/state")["available"], timeout_s=20, what="available")
         server.stop(grace=None).wait(10)
-        down = _wait(lambda: (s := _json(base + "/api/state"))["available"] is False and s, what="unavailable")
+        down = wait_until(lambda: (s := _json(base + "/api/state"))["available"] is False and s, timeout_s=20,
+                          what="unavailable")
         assert down["error"] and down["run_id"] == "fake-run"  # the last state seen stays visible
         assert down["last_ok_at"] <= down["fetched_at"]
         assert _json(base + "/healthz")["syncer_available"] is False
         assert _get(base + "/")[0] == 200  # the page is still served
         polls = dash._polls
-        _wait(lambda: dash._polls > polls + 2, what="polling to continue while the syncer is down")
+        wait_until(lambda: dash._polls > polls + 2, timeout_s=20, what="polling to continue while the syncer is down")
         server, _, _ = _serve(port)  # the syncer comes back at the same address
-        _wait(lambda: _json(base + "/api/state")["available"], what="available again")
+        wait_until(lambda: _json(base + "/api/state")["available"], timeout_s=20, what="available again")
     finally:
         dash.stop()
         server.stop(grace=None)
@@ -183,7 +176,8 @@ def test_syncer_down_then_back():
 
 def test_never_reachable_syncer_reports_unavailable():
     with Dashboard("127.0.0.1:1", bind="127.0.0.1:0", interval_s=0.05, timeout_s=1, max_backoff_s=0.2) as dash:
-        state = _wait(lambda: (s := _json(dash.url + "api/state"))["fetched_at"] and s, what="a failed poll")
+        state = wait_until(lambda: (s := _json(dash.url + "api/state"))["fetched_at"] and s, timeout_s=20,
+                           what="a failed poll")
         assert state["available"] is False and "UNAVAILABLE" in state["error"] and state["last_ok_at"] is None
         assert len(_json(dash.url + "api/history")["samples"]) == 0
 

@@ -15,6 +15,7 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import syncer_pb2
 from services.learner import client as client_lib
 from services.learner import loop as loop_lib
+from services.learner import ports
 
 
 class _Step:
@@ -43,7 +44,7 @@ class _Sampler:
         return None
 
 
-class _Client:
+class _Client(ports.NullSyncClient):
     """Records uploads; the test decides which the syncer refused."""
 
     def __init__(self) -> None:

@@ -16,19 +16,7 @@ from services.learner import config as learner_config
 pytestmark = pytest.mark.timeout(60)
 
 
-class FakeClock:
-    def __init__(self, now_s: float = 1000.0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: float) -> None:
-        self.now_s += seconds
-
-
-def test_alive_within_the_bound_since_the_start_or_the_last_beat():
-    clock = FakeClock()
+def test_alive_within_the_bound_since_the_start_or_the_last_beat(clock):
     liveness = liveness_lib.LoopLiveness(30.0, clock=clock)
     assert liveness.alive() and liveness.since_beat_s() == 0.0  # the start counts as progress
     clock.advance(30.0)
@@ -45,8 +33,7 @@ def test_alive_within_the_bound_since_the_start_or_the_last_beat():
     assert not liveness.alive()
 
 
-def test_status_maps_to_the_grpc_health_enum_and_zero_disables():
-    clock = FakeClock()
+def test_status_maps_to_the_grpc_health_enum_and_zero_disables(clock):
     liveness = liveness_lib.LoopLiveness(5.0, clock=clock)
     serving, not_serving = 1, 2  # grpc.health.v1 HealthCheckResponse.ServingStatus
     assert liveness.status() == serving
@@ -60,8 +47,7 @@ def test_status_maps_to_the_grpc_health_enum_and_zero_disables():
             liveness_lib.LoopLiveness(bad)
 
 
-def test_health_server_reports_serving_then_not_serving_when_the_loop_stalls():
-    clock = FakeClock()
+def test_health_server_reports_serving_then_not_serving_when_the_loop_stalls(clock):
     liveness = liveness_lib.LoopLiveness(10.0, clock=clock)
     server = liveness_lib.HealthServer("127.0.0.1:0", liveness)
     try:

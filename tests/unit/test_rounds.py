@@ -14,9 +14,7 @@ from ddiloco.algo import rounds as rounds_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.syncer import config as config_lib
-from services.syncer import core as core_lib
-from tests.unit.test_syncer_core import SPECS, FakeClock, join, settle
+from tests.fakes import FakeClock, join, make_core, settle
 
 # --------------------------------------------------------------------------------- schedule
 
@@ -113,17 +111,10 @@ def test_pending_is_resolved_unmerged_only_by_a_later_version_or_another_syncer_
 # ------------------------------------------------------------------------ scheduled core
 
 
-def make_scheduled_core(clock: FakeClock, *, min_quorum: int = 1, gamma: float = 0.8):
-    plan = fragments_lib.plan_fragments(SPECS, 2, 4)  # offsets 0 and 2: rounds at global steps 2, 4, 6, ...
-    cfg = config_lib.SyncerConfig(min_quorum=min_quorum, num_fragments=2, sync_period_steps=4, upload_codec="fp32",
-                                  overlap_steps=4)
-    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name="test", model_config_json="{}",
-                                          fingerprint="f" * 64)
-    initial = {f.fragment_id: np.zeros(f.numel, np.float32) for f in plan.fragments}
-    return core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
-        grace_gamma=gamma, max_grace_s=10.0, liveness_timeout_s=30.0, merge_history=64, clock=clock,
-        wall_clock=clock)
+def make_scheduled_core(clock: FakeClock, *, grace_gamma: float = 0.8):
+    # Offsets 0 and 2: rounds at global steps 2, 4, 6, ...
+    return make_core(clock, sync_period_steps=4, overlap_steps=4, max_staleness_versions=4, initial_std=0.0,
+                     grace_gamma=grace_gamma, merge_history=64, round_trigger="schedule")
 
 
 def report(core, learner_id: str, step: int, *, step_time_s: float = 1.0, finished: bool = False) -> None:
@@ -143,9 +134,8 @@ async def contribute(core, learner_id: str, fid: int, *, mark: int, value: float
     return await core.accept_upload(ticket, enc.payload, wire_bytes=0)
 
 
-def test_rounds_open_on_the_syncers_schedule_and_merge_every_called_learner():
+def test_rounds_open_on_the_syncers_schedule_and_merge_every_called_learner(clock):
     async def run():
-        clock = FakeClock()
         core = make_scheduled_core(clock)
         for lid in ("a", "b", "c"):
             join(core, lid)
@@ -181,10 +171,9 @@ def test_rounds_open_on_the_syncers_schedule_and_merge_every_called_learner():
     asyncio.run(run())
 
 
-def test_quorum_time_runs_from_the_call_and_the_grace_window_closes_a_round_without_a_straggler():
+def test_quorum_time_runs_from_the_call_and_the_grace_window_closes_a_round_without_a_straggler(clock):
     async def run():
-        clock = FakeClock()
-        core = make_scheduled_core(clock, gamma=0.5)
+        core = make_scheduled_core(clock, grace_gamma=0.5)
         for lid in ("a", "b"):
             join(core, lid)
             report(core, lid, 0)
@@ -210,9 +199,8 @@ def test_quorum_time_runs_from_the_call_and_the_grace_window_closes_a_round_with
     asyncio.run(run())
 
 
-def test_final_contributions_join_the_next_scheduled_round_until_nobody_trains():
+def test_final_contributions_join_the_next_scheduled_round_until_nobody_trains(clock):
     async def run():
-        clock = FakeClock()
         core = make_scheduled_core(clock)
         for lid in ("a", "b"):
             join(core, lid)
@@ -238,9 +226,8 @@ def test_final_contributions_join_the_next_scheduled_round_until_nobody_trains()
     asyncio.run(run())
 
 
-def test_receipts_and_tokens_of_earlier_lives_survive_a_restart():
+def test_receipts_and_tokens_of_earlier_lives_survive_a_restart(clock):
     async def run():
-        clock = FakeClock()
         core = make_scheduled_core(clock)
         join(core, "a")
         core.report_progress(syncer_pb2.ReportProgressRequest(
@@ -261,9 +248,8 @@ def test_receipts_and_tokens_of_earlier_lives_survive_a_restart():
     asyncio.run(run())
 
 
-def test_claimed_steps_beyond_the_local_steps_since_the_last_merged_mark_are_not_credited():
+def test_claimed_steps_beyond_the_local_steps_since_the_last_merged_mark_are_not_credited(clock):
     async def run():
-        clock = FakeClock()
         core = make_scheduled_core(clock)
         join(core, "a")
         await contribute(core, "a", 0, mark=4, final=True)  # merged at once (nobody else trains)

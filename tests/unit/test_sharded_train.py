@@ -18,6 +18,8 @@ import sys
 import numpy as np
 import pytest
 
+from services.learner import ports
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 8
 BATCH = 8
@@ -109,7 +111,7 @@ def scenario_train_step() -> dict:
     return {"max_abs_diff": diffs, "moved": moved}
 
 
-class _FakeClient:
+class _FakeClient(ports.NullSyncClient):
     """Delivers scripted global fragments and records uploads (no network)."""
 
     def __init__(self) -> None:

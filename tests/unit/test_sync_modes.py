@@ -26,20 +26,13 @@ from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
-from tests.unit.test_syncer_core import SPECS, FakeClock, join, settle, upload
+from tests.fakes import SPECS, join, make_core, settle, upload
 
 
-def _core(clock, cfg: config_lib.SyncerConfig, *, stepper_factory=None, staggered=True) -> core_lib.SyncerCore:
-    plan = fragments_lib.plan_fragments(SPECS, cfg.num_fragments, cfg.sync_period_steps, staggered=staggered)
-    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name="test", model_config_json="{}",
-                                          fingerprint="f" * 64)
-    rng = np.random.default_rng(0)
-    initial = {f.fragment_id: rng.normal(size=f.numel).astype(np.float32) for f in plan.fragments}
-    return core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
-        liveness_timeout_s=30.0, merge_history=16, clock=clock, wall_clock=clock, stepper_factory=stepper_factory, round_trigger="upload",
-    )
+def _core(clock, cfg: config_lib.SyncerConfig, **overrides) -> core_lib.SyncerCore:
+    """The core as the syncer builds it from `cfg`: its outer step and grace window."""
+    return make_core(clock, config=cfg, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+                     grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s, **overrides)
 
 
 def _decode(encoded: codec_lib.EncodedPayload) -> np.ndarray:
@@ -47,9 +40,8 @@ def _decode(encoded: codec_lib.EncodedPayload) -> np.ndarray:
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "bf16"])
-def test_delta_downloads_reconstruct_published_bit_exactly_with_error_feedback(codec):
+def test_delta_downloads_reconstruct_published_bit_exactly_with_error_feedback(clock, codec):
     async def run():
-        clock = FakeClock()
         cfg = config_lib.SyncerConfig(num_fragments=2, sync_period_steps=2, upload_codec="fp32", download_codec=codec,
                                       min_quorum=1, grace_gamma=0.0, max_grace_s=0.0)
         core = _core(clock, cfg)
@@ -87,9 +79,8 @@ def test_delta_downloads_reconstruct_published_bit_exactly_with_error_feedback(c
     asyncio.run(run())
 
 
-def test_fp32_downloads_publish_the_parameters_themselves():
+def test_fp32_downloads_publish_the_parameters_themselves(clock):
     async def run():
-        clock = FakeClock()
         core = _core(clock, config_lib.SyncerConfig(num_fragments=2, sync_period_steps=2, upload_codec="fp32",
                                                     download_codec="fp32"))
         assert not core.delta_downloads
@@ -105,9 +96,8 @@ def test_fp32_downloads_publish_the_parameters_themselves():
     asyncio.run(run())
 
 
-def test_dp_mode_applies_adamw_to_the_mean_gradient():
+def test_dp_mode_applies_adamw_to_the_mean_gradient(clock):
     async def run():
-        clock = FakeClock()
         cfg = config_lib.apply_sync_mode(config_lib.SyncerConfig(sync_mode="dp", min_quorum=2, dp_learning_rate=1e-2,
                                                                  dp_warmup_steps=0))
         assert (cfg.num_fragments, cfg.sync_period_steps, cfg.merge_rule, cfg.upload_codec) == (1, 1, "mean", "fp32")
@@ -178,9 +168,8 @@ def test_diloco_mode_merges_with_the_equal_weight_mean_whatever_the_flags(capsys
     assert (parsed.merge_rule, parsed.embedding_merge_rule) == ("equal_mean", "equal_mean")
 
 
-def test_diloco_mode_outer_gradient_is_the_plain_mean_of_very_differently_weighted_contributions():
+def test_diloco_mode_outer_gradient_is_the_plain_mean_of_very_differently_weighted_contributions(clock):
     async def run():
-        clock = FakeClock()
         cfg = config_lib.apply_sync_mode(config_lib.SyncerConfig(sync_mode="diloco", min_quorum=2, num_fragments=2,
                                                                  sync_period_steps=2, norm_bound_factor=0.0))
         core = _core(clock, cfg, staggered=False)

@@ -10,76 +10,18 @@ import asyncio
 import numpy as np
 import pytest
 
-from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import robust as robust_lib
 from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2
-from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import checkpointing
 from services.syncer import config as config_lib
-from services.syncer import core as core_lib
+from tests.fakes import FakeClock, join, make_core, progress, settle, upload
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
-SPECS = [fragments_lib.TensorSpec("a", (8, 4)), fragments_lib.TensorSpec("b", (16,)),
-         fragments_lib.TensorSpec("emb", (4, 4), is_embedding=True)]
-
-
-def make_core(clock: FakeClock, *, min_quorum: int = 1, staleness: int = 2, gamma: float = 0.5,
-              direction: robust_lib.DirectionPolicy | None = None,
-              outer_step_fraction: str = "whole", token_budget: int = 0) -> core_lib.SyncerCore:
-    plan = fragments_lib.plan_fragments(SPECS, 2, 2)
-    cfg = config_lib.SyncerConfig(min_quorum=min_quorum, max_staleness_versions=staleness, num_fragments=2, overlap_steps=2,
-                                  sync_period_steps=2, upload_codec="fp32")
-    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name="test", model_config_json="{}", fingerprint="f" * 64)
-    rng = np.random.default_rng(0)
-    initial = {f.fragment_id: rng.normal(size=f.numel).astype(np.float32) for f in plan.fragments}
-    return core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=0.7, outer_momentum=0.9,
-        grace_gamma=gamma, max_grace_s=10.0, liveness_timeout_s=30.0, merge_history=16, clock=clock, wall_clock=clock, round_trigger="upload",
-        direction=direction, outer_step_fraction=outer_step_fraction, token_budget=token_budget,
-    )
-
-
-def join(core, learner_id: str, incarnation: int = 1):
-    return core.join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id,
-                                            incarnation=incarnation))
-
-
-def progress(core, learner_id: str, step_time_s: float, incarnation: int = 1) -> None:
-    core.report_progress(syncer_pb2.ReportProgressRequest(
-        protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, local_step=1,
-        step_time_s=step_time_s), wire_bytes=0)
-
-
-async def upload(core, learner_id: str, fid: int, base: int, delta: np.ndarray, *, steps: int = 2, incarnation: int = 1):
-    enc = codec_lib.encode(delta.astype(np.float32), "fp32")
-    header = syncer_pb2.UploadHeader(
-        protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, fragment_id=fid,
-        base_version=base, syncer_instance=core.instance, steps=steps, tokens=steps * 100,
-        payload=serde.payload_info_to_proto(enc),
-    )
-    ticket = core.validate_upload_header(header)
-    return await core.accept_upload(ticket, enc.payload, wire_bytes=len(enc.payload))
-
-
-async def settle() -> None:
-    for _ in range(20):  # let merge tasks (which hop to worker threads) finish
-        await asyncio.sleep(0.01)
-
-
-def test_grace_window_waits_for_stragglers_then_merges_everyone():
+def test_grace_window_waits_for_stragglers_then_merges_everyone(clock):
     async def run():
-        clock = FakeClock()
-        core = make_core(clock, min_quorum=1, gamma=0.5)
+        core = make_core(clock, min_quorum=1, grace_gamma=0.5)
         for lid in ("l1", "l2", "l3"):
             join(core, lid)
             progress(core, lid, step_time_s=2.0)  # grace = 0.5 * (tau=2 * 2 s) = 2 s
@@ -104,10 +46,9 @@ def test_grace_window_waits_for_stragglers_then_merges_everyone():
     asyncio.run(run())
 
 
-def test_merge_is_immediate_when_every_live_member_contributed_and_respects_quorum():
+def test_merge_is_immediate_when_every_live_member_contributed_and_respects_quorum(clock):
     async def run():
-        clock = FakeClock()
-        core = make_core(clock, min_quorum=2, gamma=0.5)
+        core = make_core(clock, min_quorum=2, grace_gamma=0.5)
         for lid in ("l1", "l2"):
             join(core, lid)
             progress(core, lid, step_time_s=5.0)
@@ -124,10 +65,9 @@ def test_merge_is_immediate_when_every_live_member_contributed_and_respects_quor
     asyncio.run(run())
 
 
-def test_stale_contribution_is_corrected_to_the_current_version():
+def test_stale_contribution_is_corrected_to_the_current_version(clock):
     async def run():
-        clock = FakeClock()
-        core = make_core(clock, min_quorum=2, staleness=2)
+        core = make_core(clock, min_quorum=2, max_staleness_versions=2)
         for lid in ("l1", "l2", "l3"):
             join(core, lid)
         slot = core.slots[0]
@@ -151,10 +91,9 @@ def test_stale_contribution_is_corrected_to_the_current_version():
     asyncio.run(run())
 
 
-def test_staleness_bound_fencing_and_duplicates():
+def test_staleness_bound_fencing_and_duplicates(clock):
     async def run():
-        clock = FakeClock()
-        core = make_core(clock, staleness=0)
+        core = make_core(clock, max_staleness_versions=0)
         join(core, "l1", incarnation=5)
         n = core.plan.fragments[0].numel
         first = await upload(core, "l1", 0, 0, np.full(n, 0.1), incarnation=5)
@@ -178,9 +117,8 @@ def test_staleness_bound_fencing_and_duplicates():
     asyncio.run(run())
 
 
-def test_snapshot_round_trips_bit_exactly_through_checkpoint_blobs():
+def test_snapshot_round_trips_bit_exactly_through_checkpoint_blobs(clock):
     async def run():
-        clock = FakeClock()
         core = make_core(clock)
         join(core, "l1")
         for fid in (0, 1):
@@ -210,12 +148,11 @@ def _directed(numel: int, seed: int, sign: float) -> np.ndarray:
     return (sign * (shared + 0.5 * rng.standard_normal(numel)) * 1e-3).astype(np.float32)
 
 
-def test_first_contributions_judge_each_other_before_anything_is_merged():
+def test_first_contributions_judge_each_other_before_anything_is_merged(clock):
     # Without the wait, x's sign-flipped first upload (nothing to compare it with yet) would be
     # merged alone at quorum 1; with it, the three simultaneous contributions are compared.
     async def run():
-        clock = FakeClock()
-        core = make_core(clock, min_quorum=1, gamma=0.0, direction=robust_lib.DirectionPolicy(judge_wait_s=30.0))
+        core = make_core(clock, min_quorum=1, grace_gamma=0.0, direction=robust_lib.DirectionPolicy(judge_wait_s=30.0))
         for lid in ("x", "a", "b", "c"):
             join(core, lid)
         n = core.plan.fragments[0].numel
@@ -234,10 +171,9 @@ def test_first_contributions_judge_each_other_before_anything_is_merged():
     asyncio.run(run())
 
 
-def test_the_wait_for_references_is_bounded_and_skipped_when_nobody_could_send_one():
+def test_the_wait_for_references_is_bounded_and_skipped_when_nobody_could_send_one(clock):
     async def run():
         # A 30 s wait inside a 10 s timeout: any of these uploads that waited would time out.
-        clock = FakeClock()
         core = make_core(clock, direction=robust_lib.DirectionPolicy(judge_wait_s=30.0))
         join(core, "a")
         join(core, "b")
@@ -371,13 +307,12 @@ def _shards(core) -> dict[str, tuple[int, bool]]:
             if m.num_data_shards}
 
 
-def test_learners_that_ask_get_distinct_data_shards_stable_across_their_lives():
+def test_learners_that_ask_get_distinct_data_shards_stable_across_their_lives(clock):
     """Hex container ids (`--learner-id auto` in compose) ask the syncer for a shard: each gets its
     own, a restarted learner (new incarnation) gets its shard back, a shard whose learner left or went
     silent is handed out again, and pinned shards (`--shard-index`, numbered ids) are recorded as the
     learners chose them."""
     async def run():
-        clock = FakeClock()
         core = make_core(clock)  # liveness timeout 30 s
         ids = ["region-a-3f2a9c1b0e1a", "region-a-77c0ffee00b2", "region-b-0d15ea5e0c3f"]
         responses = [_join_data(core, lid) for lid in ids]
@@ -424,13 +359,12 @@ def test_data_shards_survive_a_syncer_restart():
     asyncio.run(run())
 
 
-def test_work_merged_never_exceeds_the_work_processed_while_progress_reports_lag():
+def test_work_merged_never_exceeds_the_work_processed_while_progress_reports_lag(clock):
     # Progress reports lag the uploads by up to one report interval: a merge could hold tokens the
     # syncer had not yet heard were processed, and work merged read 1.028 in a live run. Merged
     # contributions of a fragment carry disjoint progress, so their sum bounds the life's tokens.
     async def run():
-        clock = FakeClock()
-        core = make_core(clock, min_quorum=1, gamma=0.0)
+        core = make_core(clock, min_quorum=1, grace_gamma=0.0)
         join(core, "l1")
         progress(core, "l1", step_time_s=1.0)  # reports local_step 1 and no tokens yet
         for fid in range(2):

@@ -20,7 +20,8 @@ from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import core as core_lib
-from tests.unit.test_syncer_core import FakeClock, join, make_core, settle
+from tests.fakes import FakeClock, join, make_core, settle
+from tests.waits import wait_until_async
 
 
 def _header(core, learner_id: str, fid: int, base: int, enc: codec_lib.EncodedPayload) -> syncer_pb2.UploadHeader:
@@ -34,18 +35,9 @@ def _encode(values: np.ndarray) -> codec_lib.EncodedPayload:
     return codec_lib.encode(np.asarray(values, np.float32), "fp32")
 
 
-async def _wait_for(predicate, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
-def test_a_contribution_admitted_within_the_staleness_bound_is_not_refused_when_merges_pass_it():
+def test_a_contribution_admitted_within_the_staleness_bound_is_not_refused_when_merges_pass_it(clock):
     async def run():
-        clock = FakeClock()
-        core = make_core(clock, min_quorum=1, staleness=0, gamma=0.0)
+        core = make_core(clock, min_quorum=1, max_staleness_versions=0, grace_gamma=0.0)
         for lid in ("early", "late"):
             join(core, lid)
         slot = core.slots[0]
@@ -69,10 +61,9 @@ def test_a_contribution_admitted_within_the_staleness_bound_is_not_refused_when_
     asyncio.run(run())
 
 
-def test_the_correction_uses_the_pinned_base_values():
+def test_the_correction_uses_the_pinned_base_values(clock):
     async def run():
-        clock = FakeClock()
-        core = make_core(clock, min_quorum=2, staleness=0, gamma=0.0)
+        core = make_core(clock, min_quorum=2, max_staleness_versions=0, grace_gamma=0.0)
         for lid in ("a", "b", "late"):
             join(core, lid)
         slot = core.slots[0]
@@ -96,7 +87,7 @@ def test_the_correction_uses_the_pinned_base_values():
 
 def test_a_base_already_out_of_the_history_at_admission_is_still_refused():
     async def run():
-        core = make_core(FakeClock(), min_quorum=1, staleness=0, gamma=0.0)
+        core = make_core(FakeClock(), min_quorum=1, max_staleness_versions=0, grace_gamma=0.0)
         join(core, "a")
         join(core, "b")
         n = core.slots[0].fragment.numel
@@ -144,13 +135,7 @@ def test_decoded_contributions_waiting_at_once_are_bounded(monkeypatch):
     monkeypatch.setattr(core_lib.serde, "decode_payload", slow_decode)
 
     async def run():
-        clock = FakeClock()
-        plan = make_core(clock).plan
-        core = make_core(clock, min_quorum=10)
-        core = core_lib.SyncerCore(
-            run_config=core.config, plan=plan, initial_params={s.fragment.fragment_id: s.params for s in core.slots},
-            outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.0, max_grace_s=10.0, liveness_timeout_s=30.0,
-            merge_history=16, clock=clock, wall_clock=clock, max_decoding=2, round_trigger="upload")
+        core = make_core(FakeClock(), min_quorum=10, grace_gamma=0.0, max_decoding=2)
         learners = [f"l{i}" for i in range(5)]
         uploads = []
         for i, lid in enumerate(learners):
@@ -159,7 +144,7 @@ def test_decoded_contributions_waiting_at_once_are_bounded(monkeypatch):
             enc = _encode(np.full(core.slots[fid].fragment.numel, 0.01 * (i + 1)))
             ticket = core.validate_upload_header(_header(core, lid, fid, 0, enc))
             uploads.append(asyncio.ensure_future(core.accept_upload(ticket, enc.payload, 0)))
-        await _wait_for(lambda: decoding[0] == 2)
+        await wait_until_async(lambda: decoding[0] == 2, timeout_s=10, what="two decodes at once")
         await settle()  # the others had every chance to start decoding too
         assert decoding[0] == 2
         release.set()

@@ -1,0 +1,396 @@
+"""Who takes part in the run: learner lives, fencing, liveness, data shards and the security record.
+
+Owns `Member` (one learner's current life plus what is kept across its lives), the
+MemberState.flags bits, the reasons that count as strikes, and `Membership`: join (incarnation
+fencing, data-shard placement), progress, leave, liveness (who a round waits for), traffic and
+token accounting, refusal counting, strikes and quarantine.
+Must not: touch fragments, rounds or payloads. It tells the core what changed through the
+callbacks it is given (`on_change`, `on_quarantine`, `emit`), all called on the core's loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+
+from ddiloco.rpc import errors
+from ddiloco.v1 import syncer_pb2
+from ddiloco.wire import serde
+
+_LOG = logging.getLogger("ddiloco.syncer")
+
+MAX_ID_CHARS = 128
+# Idempotency records kept per learner: enough to recognise retries of recent uploads.
+IDEMPOTENCY_KEYS_PER_LEARNER = 64
+RECEIPT_HISTORY = 16  # (version, mark) entries kept per learner and fragment for MergeReceipts
+
+# MemberState.flags bits (syncer.proto): suspicious events seen from a learner, never cleared.
+FLAG_REPLAY_MISMATCH = 1 << 0  # same idempotency key with another payload (ALREADY_EXISTS)
+FLAG_MALFORMED = 1 << 1  # sizes, checksum, corrupt frame, non-finite values or a message that does not parse
+FLAG_NORM_BOUND = 1 << 2  # a contribution beyond the norm bound (rejected or clipped)
+FLAG_IMPERSONATION = 1 << 3  # tried to act as another learner
+FLAG_QUARANTINED = 1 << 4  # quarantined at least once
+FLAG_DIRECTION = 1 << 5  # a contribution pointing away from the other learners' (direction check)
+FLAG_BY_REASON = {
+    "replay_mismatch": FLAG_REPLAY_MISMATCH,
+    "size": FLAG_MALFORMED, "checksum": FLAG_MALFORMED, "corrupt": FLAG_MALFORMED, "nonfinite": FLAG_MALFORMED,
+    "codec": FLAG_MALFORMED, "chunks": FLAG_MALFORMED, "malformed": FLAG_MALFORMED,
+    "norm_bound": FLAG_NORM_BOUND, "clipped_norm_bound": FLAG_NORM_BOUND,
+    "norm_bound_marginal": FLAG_NORM_BOUND, "clipped_norm_bound_marginal": FLAG_NORM_BOUND,
+    "wrong_learner": FLAG_IMPERSONATION,
+    "direction": FLAG_DIRECTION,
+}
+# Reasons that count towards quarantine: things an honest learner never sends. Network trouble,
+# staleness, fencing and busy refusals do not count, nor do "marginal" norm-bound violations (less
+# than admission.NORM_STRIKE_RATIO times the bound), which honest learners with unusual data can produce.
+STRIKE_REASONS = frozenset({"replay_mismatch", "size", "checksum", "corrupt", "nonfinite", "malformed", "norm_bound",
+                            "clipped_norm_bound", "wrong_learner", "direction"})
+
+
+def check_protocol(version: int) -> None:
+    """FAILED_PRECONDITION unless a request speaks this syncer's protocol version."""
+    if version != serde.PROTOCOL_VERSION:
+        raise errors.FailedPrecondition(
+            f"protocol_version {version} is not supported; this syncer speaks "
+            f"[{serde.PROTOCOL_VERSION}]",
+            reason="protocol_version",
+        )
+
+
+@dataclasses.dataclass
+class Member:
+    learner_id: str
+    incarnation: int
+    region: str
+    tokens_per_step: int
+    last_seen_s: float  # clock()
+    last_seen_unix_s: float
+    left: bool = False
+    local_step: int = 0
+    tokens_total: int = 0
+    step_time_s: float = 0.0
+    inner_loss: float = 0.0
+    uploads_accepted: int = 0
+    uploads_rejected: int = 0
+    joins: int = 1
+    bytes_in: int = 0
+    bytes_out: int = 0
+    # (fragment_id, base_version, local_step) -> payload checksum of accepted uploads, oldest first.
+    accepted_keys: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
+    # Security record, kept across incarnations (see Membership.record_rejection).
+    flags: int = 0
+    rejections: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    strikes: collections.deque = dataclasses.field(default_factory=collections.deque)  # clock() of each
+    quarantined_until_s: float = -math.inf  # clock()
+    quarantined_until_unix_s: float = 0.0
+    # Mean of cos(contribution, the fragment's last merged outer gradient) over the learner's
+    # accepted contributions: honest learners agree with the merged direction on average; a
+    # sign-flipping learner does not (observability only).
+    direction_sum: float = 0.0
+    direction_count: int = 0
+    # Finished its steps (ReportProgressRequest.finished): flushing its last work, not waited for.
+    finished: bool = False
+    tokens_prev_lives: int = 0  # tokens processed by this learner's earlier incarnations
+    # fragment -> (version, highest merged local_step mark of this life) per merge that held one.
+    merged_marks: dict = dataclasses.field(default_factory=dict)
+    # fragment -> tokens of this life's merged contributions. Each carries the progress since the
+    # previous merged one, so each sum is a lower bound of the life's tokens processed, known before
+    # the progress report that says so (reports lag uploads by up to one report interval).
+    merged_tokens: dict = dataclasses.field(default_factory=dict)
+    # The data shard this learner trains, of num_data_shards (0: not reported; see assign_data_shard).
+    num_data_shards: int = 0
+    data_shard: int = -1
+    data_shard_assigned: bool = False  # chosen by this syncer, not pinned by the learner
+
+    def tokens_this_life(self) -> int:
+        """Tokens processed by this life: as reported, or more once merges hold more."""
+        return max(self.tokens_total, max(self.merged_tokens.values(), default=0))
+
+    def mark_at(self, fragment_id: int, version: int) -> int:
+        """The highest mark of this life's contributions that `version` of the fragment holds."""
+        best = 0
+        for merged_version, mark in self.merged_marks.get(fragment_id, ()):
+            if merged_version <= version:
+                best = max(best, mark)
+        return best
+
+    def record_merged(self, fragment_id: int, version: int, mark: int, tokens: int) -> None:
+        """`version` of the fragment holds this life's contribution up to local step `mark`."""
+        marks = self.merged_marks.setdefault(fragment_id, collections.deque(maxlen=RECEIPT_HISTORY))
+        marks.append((version, mark))
+        self.merged_tokens[fragment_id] = self.merged_tokens.get(fragment_id, 0) + tokens
+
+    def remember_accepted(self, key: tuple[int, int, int], checksum: bytes) -> None:
+        """Records an accepted upload's idempotency key (bounded: the oldest go first)."""
+        self.accepted_keys[key] = checksum
+        while len(self.accepted_keys) > IDEMPOTENCY_KEYS_PER_LEARNER:
+            self.accepted_keys.popitem(last=False)
+
+    def carry_record_from(self, previous: Member) -> None:
+        """A new life does not wipe the security record, the direction agreement or the tokens."""
+        self.flags, self.rejections, self.strikes = previous.flags, previous.rejections, previous.strikes
+        self.quarantined_until_s = previous.quarantined_until_s
+        self.quarantined_until_unix_s = previous.quarantined_until_unix_s
+        self.direction_sum, self.direction_count = previous.direction_sum, previous.direction_count
+        self.tokens_prev_lives = previous.tokens_prev_lives + previous.tokens_this_life()
+
+
+class Membership:
+    """The membership table and its policies (liveness, quarantine). See the module docstring."""
+
+    def __init__(self, *, run_config: syncer_pb2.RunConfig, clock: Callable[[], float],
+                 wall_clock: Callable[[], float], liveness_timeout_s: float, quarantine_after: int,
+                 quarantine_window_s: float, quarantine_s: float, uploads: collections.Counter,
+                 emit: Callable[..., None], on_change: Callable[[], None],
+                 on_quarantine: Callable[[], None]) -> None:
+        """`uploads` is the core's upload counter (refusals are counted there by reason);
+        `on_quarantine` runs after a learner is quarantined (rounds waiting for it may be due)."""
+        self.members: dict[str, Member] = {}
+        self.auth_failures: collections.Counter = collections.Counter()
+        self.quarantines = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.uploads = uploads
+        self.liveness_timeout_s = liveness_timeout_s
+        self.quarantine_after = quarantine_after
+        self._config = run_config
+        self._clock = clock
+        self._wall = wall_clock
+        self._quarantine_window_s = quarantine_window_s
+        self._quarantine_s = quarantine_s
+        self._emit = emit
+        self._on_change = on_change
+        self._on_quarantine = on_quarantine
+
+    # ---------------------------------------------------------------------------------- lives
+
+    def join(self, req: syncer_pb2.JoinRequest) -> tuple[Member, Member | None]:
+        """Registers a learner; a higher incarnation replaces (fences off) the previous life.
+        Returns the member and the life it replaced (None when there was none)."""
+        self._check_join(req)
+        now, wall = self._clock(), self._wall()
+        member = self.members.get(req.learner_id)
+        if member is not None and req.incarnation < member.incarnation:
+            raise errors.FailedPrecondition(
+                f"learner {req.learner_id!r} incarnation {req.incarnation} is older than the "
+                f"registered {member.incarnation}: a newer life of this learner has joined",
+                reason="fenced",
+            )
+        replaced = None
+        if member is None or req.incarnation > member.incarnation:
+            replaced, member = member, self._new_life(req, member, now, wall)
+        else:  # same incarnation re-joining after a broken connection
+            member.left = False
+            member.last_seen_s, member.last_seen_unix_s = now, wall
+            self._place_on_data_shard(member, req, member)
+        self._on_change()
+        return member, replaced
+
+    def _check_join(self, req: syncer_pb2.JoinRequest) -> None:
+        check_protocol(req.protocol_version)
+        if not req.learner_id or len(req.learner_id) > MAX_ID_CHARS or len(req.region) > MAX_ID_CHARS:
+            raise errors.InvalidArgument(
+                f"learner_id must be 1-{MAX_ID_CHARS} characters and region at most {MAX_ID_CHARS}",
+                reason="learner_id",
+            )
+        if req.model_fingerprint and req.model_fingerprint != self._config.model_fingerprint:
+            raise errors.FailedPrecondition(
+                f"model fingerprint {req.model_fingerprint[:12]}... does not match the run's "
+                f"{self._config.model_fingerprint[:12]}... (model {self._config.model_name})",
+                reason="fingerprint",
+            )
+
+    def _new_life(self, req: syncer_pb2.JoinRequest, previous: Member | None, now: float, wall: float) -> Member:
+        if previous is not None and math.isfinite(previous.last_seen_s):
+            self._emit("rejoined", req.learner_id, now - previous.last_seen_s)
+        member = Member(
+            learner_id=req.learner_id,
+            incarnation=req.incarnation,
+            region=req.region,
+            tokens_per_step=req.tokens_per_step,
+            last_seen_s=now,
+            last_seen_unix_s=wall,
+            joins=previous.joins + 1 if previous else 1,
+            bytes_in=previous.bytes_in if previous else 0,
+            bytes_out=previous.bytes_out if previous else 0,
+        )
+        if previous is not None:
+            member.carry_record_from(previous)
+        self.members[req.learner_id] = member
+        self._place_on_data_shard(member, req, previous)
+        _LOG.info("learner joined", extra={"fields": {"learner": req.learner_id, "incarnation": req.incarnation,
+                                                      "region": req.region, "data_shard": member.data_shard}})
+        return member
+
+    def _place_on_data_shard(self, member: Member, req: syncer_pb2.JoinRequest, previous: Member | None) -> None:
+        """Records the joining learner's data shard, choosing it when the learner asks
+        (JoinRequest.assign_data_shard). Learners that pick their own shard from a hashed id
+        (`--learner-id auto`: a container id) collide: with 4 shards and 4 learners most runs put
+        two on one shard. The syncer sees every member, so it hands out the lowest shard no live
+        learner (not left, heard from within the liveness timeout) of the same shard count trains;
+        a returning learner id gets its previous shard back unless another live learner took it
+        meanwhile. With more learners than shards, the least-trained shard (lowest on ties)."""
+        shards = req.num_data_shards
+        if shards == 0:  # the learner reports nothing about its data (older learners)
+            member.num_data_shards, member.data_shard, member.data_shard_assigned = 0, -1, False
+            return
+        if not req.assign_data_shard:
+            member.num_data_shards, member.data_shard, member.data_shard_assigned = shards, req.data_shard % shards, False
+            return
+        now = self._clock()
+        held = collections.Counter(
+            m.data_shard for m in self.members.values()
+            if m.learner_id != member.learner_id and m.num_data_shards == shards and m.data_shard >= 0
+            and not m.left and now - m.last_seen_s <= self.liveness_timeout_s)
+        if previous is not None and previous.num_data_shards == shards and previous.data_shard >= 0 \
+                and not held[previous.data_shard]:
+            shard = previous.data_shard
+        else:
+            shard = min(range(shards), key=lambda index: (held[index], index))
+        member.num_data_shards, member.data_shard, member.data_shard_assigned = shards, shard, True
+
+    def require_member(self, learner_id: str, incarnation: int) -> Member:
+        """The registered member for this exact life, or FAILED_PRECONDITION."""
+        member = self.members.get(learner_id)
+        if member is None:
+            raise errors.FailedPrecondition(
+                f"learner {learner_id!r} has not joined (or the syncer restarted): call Join first",
+                reason="not_joined",
+            )
+        if incarnation != member.incarnation:
+            raise errors.FailedPrecondition(
+                f"learner {learner_id!r} incarnation {incarnation} is fenced off: the registered "
+                f"incarnation is {member.incarnation}",
+                reason="fenced",
+            )
+        return member
+
+    def is_current(self, learner_id: str, incarnation: int) -> bool:
+        member = self.members.get(learner_id)
+        return member is not None and member.incarnation == incarnation and not member.left
+
+    def seen(self, req: syncer_pb2.ReportProgressRequest) -> Member:
+        """A progress report's first effect: the life is alive at this local step and token count."""
+        check_protocol(req.protocol_version)
+        member = self.require_member(req.learner_id, req.incarnation)
+        member.last_seen_s, member.last_seen_unix_s = self._clock(), self._wall()
+        member.left = False
+        member.local_step = req.local_step
+        member.tokens_total = req.tokens_total
+        return member
+
+    def note_step_stats(self, member: Member, req: syncer_pb2.ReportProgressRequest, wire_bytes: int) -> None:
+        """A progress report's measurements (ignored when not finite) and its size."""
+        if math.isfinite(req.step_time_s) and req.step_time_s > 0:
+            member.step_time_s = req.step_time_s
+        if math.isfinite(req.inner_loss):
+            member.inner_loss = req.inner_loss
+        self.count_bytes(member, inbound=wire_bytes)
+
+    def leave(self, req: syncer_pb2.LeaveRequest) -> Member:
+        check_protocol(req.protocol_version)
+        member = self.require_member(req.learner_id, req.incarnation)
+        member.left = True
+        _LOG.info("learner left", extra={"fields": {"learner": req.learner_id}})
+        return member
+
+    # ------------------------------------------------------------------------------ liveness
+
+    def _live(self, m: Member, now: float) -> bool:
+        return not m.left and now - m.last_seen_s <= self.liveness_timeout_s
+
+    def expected_learners(self) -> set[str]:
+        """Learners a round waits for: live (seen within the liveness timeout), not left, not
+        quarantined, not finished."""
+        now = self._clock()
+        return {m.learner_id for m in self.members.values()
+                if self._live(m, now) and not m.finished and now >= m.quarantined_until_s}
+
+    def comparable_learners(self, learner_id: str) -> int:
+        """Live, unquarantined learners other than `learner_id`: who could still send a reference."""
+        now = self._clock()
+        return sum(1 for lid, m in self.members.items()
+                   if lid != learner_id and self._live(m, now) and now >= m.quarantined_until_s)
+
+    def step_time_s(self) -> float:
+        """Mean smoothed step time over live learners that reported one."""
+        now = self._clock()
+        times = [m.step_time_s for m in self.members.values() if self._live(m, now) and m.step_time_s > 0]
+        return sum(times) / len(times) if times else 0.0
+
+    def tokens_processed(self) -> int:
+        """Tokens processed by every life of every learner known to this run."""
+        return sum(m.tokens_prev_lives + m.tokens_this_life() for m in self.members.values())
+
+    def count_bytes(self, member: Member | None, *, inbound: int = 0, outbound: int = 0, codec: str = "") -> None:
+        self.bytes_in += inbound
+        self.bytes_out += outbound
+        if member is not None:
+            member.bytes_in += inbound
+            member.bytes_out += outbound
+        if codec:  # a fragment transfer: observers count it by the codec it actually used
+            self._emit("fragment_bytes", "in" if inbound else "out", codec, inbound or outbound)
+
+    # ------------------------------------------------------------------------------ security
+
+    def is_quarantined(self, member: Member) -> bool:
+        return self._clock() < member.quarantined_until_s
+
+    def record_rejection(self, reason: str, learner_id: str = "", exc: BaseException | None = None) -> None:
+        """Counts one refused upload (or impersonation attempt) by reason, on the learner too.
+
+        Every refusal path ends here exactly once (`exc` is marked as recorded). Reasons in
+        STRIKE_REASONS count towards quarantining the learner.
+        """
+        if exc is not None:
+            if getattr(exc, "recorded", False):
+                return
+            exc.recorded = True
+        self.uploads[f"rejected_{reason}"] += 1
+        member = self.members.get(learner_id) if learner_id else None
+        if member is None:
+            return
+        member.uploads_rejected += 1
+        member.rejections[reason] += 1
+        self.flag(member, reason)
+
+    def record_auth_failure(self, reason: str, *, caller: str = "", method: str = "") -> None:
+        """Counts a call refused as UNAUTHENTICATED or PERMISSION_DENIED; flags the calling learner
+        (by its authenticated identity, never by the id it claimed)."""
+        self.auth_failures[reason] += 1
+        if method == "UploadFragment":
+            self.uploads[f"rejected_{reason}"] += 1
+        member = self.members.get(caller) if caller else None
+        if member is not None:
+            member.rejections[reason] += 1
+            self.flag(member, reason)
+
+    def flag(self, member: Member, reason: str) -> None:
+        """Sets the reason's flag bit; a strike reason may quarantine the learner."""
+        member.flags |= FLAG_BY_REASON.get(reason, 0)
+        if reason not in STRIKE_REASONS or self.quarantine_after <= 0:
+            return
+        now = self._clock()
+        member.strikes.append(now)
+        while member.strikes and now - member.strikes[0] > self._quarantine_window_s:
+            member.strikes.popleft()
+        if len(member.strikes) >= self.quarantine_after and not self.is_quarantined(member):
+            self.quarantine(member, reason=f"{len(member.strikes)} suspicious uploads, last {reason}")
+
+    def quarantine(self, member: Member, *, reason: str, duration_s: float | None = None) -> None:
+        """Refuses the learner's uploads for `duration_s` (default quarantine_s; 0 or inf: until restart)."""
+        duration_s = self._quarantine_s if duration_s is None else duration_s
+        if duration_s <= 0:
+            duration_s = math.inf
+        member.quarantined_until_s = self._clock() + duration_s
+        member.quarantined_until_unix_s = self._wall() + duration_s
+        member.flags |= FLAG_QUARANTINED
+        member.strikes.clear()
+        self.quarantines += 1
+        _LOG.warning("learner quarantined", extra={"fields": {"learner": member.learner_id, "reason": reason,
+                                                              "seconds": duration_s}})
+        self._on_change()
+        self._on_quarantine()

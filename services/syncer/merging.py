@@ -1,0 +1,367 @@
+"""Merge rounds: when each fragment's round opens and merges, and the merge itself.
+
+Owns `Rounds`: the open merge round of every fragment (early contributions gather until the
+schedule, ddiloco.algo.rounds, or the first contribution opens it), folding admitted
+contributions in (re-anchored, ddiloco.algo.reanchor), the merge decision (quorum plus the adaptive
+grace window, ddiloco.algo.grace: its measurements, the decision, the timers), and the merge: the
+outer step in a worker thread under the fragment's lock, the new version, the contributors'
+receipt marks and the merge log.
+Must not: admit or refuse contributions (services/syncer/admission.py) or encode (it asks the
+publisher). It re-evaluates rounds through the core's `tick` hook, so that the core stays the one
+entry point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import grace as grace_lib
+from ddiloco.algo import merge as merge_lib
+from ddiloco.algo import outer as outer_lib
+from ddiloco.algo import reanchor as reanchor_lib
+from ddiloco.algo import rounds as rounds_lib
+from ddiloco.rpc import errors
+from ddiloco.v1 import syncer_pb2
+from services.syncer import membership as membership_lib
+from services.syncer import publishing as publishing_lib
+from services.syncer import slots as slots_lib
+from services.syncer import state as state_lib
+
+_LOG = logging.getLogger("ddiloco.syncer")
+
+
+class Rounds:
+    """Every fragment's merge round and the outer step. See the module docstring."""
+
+    def __init__(self, *, run_config: syncer_pb2.RunConfig, plan: fragments_lib.FragmentPlan,
+                 slots: list[slots_lib.FragmentSlot], steppers: list[outer_lib.OuterStepper], scheduled: bool,
+                 outer_step_fraction: str, merge_history: int, grace_gamma: float, max_grace_s: float,
+                 uploads: collections.Counter, clock: Callable[[], float], wall_clock: Callable[[], float],
+                 membership: membership_lib.Membership, publisher: publishing_lib.Publisher,
+                 tick: Callable[[], None], notify: Callable[[], None], emit: Callable[..., None],
+                 failpoint: Callable[[str], None], merged: Callable[[], None]) -> None:
+        """`uploads` is the core's upload counter (dropped rounds are counted there); `tick`
+        re-evaluates every round (the core's, so that an override there applies);
+        `merged` runs after each merge (the checkpointer's hook); `failpoint` is the core's."""
+        self.config = run_config
+        self.plan = plan
+        self.slots = slots
+        self.scheduled = scheduled
+        self.schedule = rounds_lib.RoundSchedule(plan)
+        self.merges: collections.deque = collections.deque(maxlen=merge_history)
+        self.outer_steps = 0
+        self.tokens_merged = 0
+        self.quorum_time = grace_lib.Ema()
+        self.sync_time = grace_lib.Ema()
+        self.max_grace_s = max_grace_s
+        self._steppers = steppers
+        self._uploads = uploads
+        self._outer_step_fraction = outer_step_fraction
+        self._grace_gamma = grace_gamma
+        self._clock = clock
+        self._wall = wall_clock
+        self._membership = membership
+        self._publisher = publisher
+        self._tick = tick
+        self._notify = notify
+        self._emit = emit
+        self._failpoint = failpoint
+        self._merged = merged
+
+    def grace_window_s(self, step_time_s: float) -> float:
+        window = grace_lib.grace_window_s(
+            step_time_s=step_time_s,
+            quorum_time_s=self.quorum_time.value or 0.0,
+            sync_time_s=self.sync_time.value or 0.0,
+            tau_steps=self.config.overlap_steps,
+            gamma=self._grace_gamma,
+        )
+        return min(window, self.max_grace_s)
+
+    # ------------------------------------------------------------------------- gathering
+
+    def round_for(self, slot: slots_lib.FragmentSlot) -> slots_lib.Round:
+        """The slot's round gathering contributions, started if there is none."""
+        return slot.round if slot.round is not None else self._new_round(slot)
+
+    def _new_round(self, slot: slots_lib.FragmentSlot) -> slots_lib.Round:
+        """Starts gathering contributions for the slot's next merge. With the schedule, the round
+        opens (calls its learners, may merge) only when the schedule says; until then early
+        contributions (a learner's final work, an answer that came after its round closed) wait."""
+        slot.round = slots_lib.Round(
+            accumulator=merge_lib.MergeAccumulator(
+                slot.fragment, rule=self.config.merge_rule, embedding_rule=self.config.embedding_merge_rule
+            ),
+            opened_at_s=self._clock(),
+        )
+        if not self.scheduled:
+            self._open_round(slot, "upload")
+        return slot.round
+
+    @staticmethod
+    async def fold(slot: slots_lib.FragmentSlot, rnd: slots_lib.Round, fragment_id: int, delta: np.ndarray,
+                   norms: np.ndarray, weight: float, base: np.ndarray) -> None:
+        """Adds a contribution to the round in a worker thread, re-anchored at the current global
+        fragment (paper App. D.2); learners hold the published values, so the correction is in
+        that space. Call under the slot's lock."""
+
+        def fold() -> None:
+            corrected = reanchor_lib.reanchor(delta, base, slot.published)
+            # Not stale: the norms gathered while decoding are this delta's, no second pass over it.
+            rnd.accumulator.add(corrected, weight, norms=norms if corrected is delta else None)
+
+        try:
+            await asyncio.to_thread(fold)
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"fragment {fragment_id}: {exc}", reason="nonfinite") from None
+
+    def add(self, rnd: slots_lib.Round, header: syncer_pb2.UploadHeader, weight: float) -> None:
+        """Records a folded-in contribution in its round."""
+        rnd.learners.add(header.learner_id)
+        rnd.contributions.append(
+            syncer_pb2.Contribution(
+                learner_id=header.learner_id,
+                incarnation=header.incarnation,
+                base_version=header.base_version,
+                steps=header.steps,
+                tokens=header.tokens,
+                weight=weight,
+                local_step=header.local_step,
+            )
+        )
+
+    def note_quorum(self, rnd: slots_lib.Round) -> None:
+        """Marks when an open round first holds K contributions; ξ_quorum is measured from the
+        round's opening (the syncer's call), as the paper means it."""
+        if rnd.open and rnd.quorum_reached_at_s is None and len(rnd.contributions) >= self.config.min_quorum:
+            rnd.quorum_reached_at_s = self._clock()
+            self.quorum_time.update(rnd.quorum_reached_at_s - rnd.opened_at_s)
+
+    # --------------------------------------------------------------------------- opening
+
+    def _open_round(self, slot: slots_lib.FragmentSlot, why: str) -> None:
+        rnd = self.round_for(slot)
+        if rnd.open:
+            return
+        rnd.open = True
+        rnd.opened_at_s = self._clock()
+        slot.rounds_opened += 1
+        rnd.number = slot.rounds_opened
+        self.note_quorum(rnd)
+        _LOG.debug("round opened", extra={"fields": {"fragment": slot.fragment.fragment_id, "round": rnd.number,
+                                                     "why": why, "early": len(rnd.contributions)}})
+        self._notify()  # watch streams call every learner
+
+    def open_if_nobody_trains(self) -> bool:
+        """Opens every round holding contributions once no learner is training any more (all have
+        finished, left or gone silent): nobody advances the schedule, and the last work must merge.
+        While some learner trains, finished learners' last contributions join the fragments' next
+        scheduled rounds: merging each learner's tail in a round of its own added a full outer step,
+        momentum included, per learner and fragment at the end (16 extra merges of 4 learners)."""
+        opened = False
+        if self.scheduled and not self._membership.expected_learners():
+            for slot in self.slots:
+                if slot.round is not None and slot.round.contributions and not slot.round.open:
+                    self._open_round(slot, "last")
+                    opened = True
+        return opened
+
+    def open_due(self) -> list[int]:
+        """Opens the rounds the schedule says are due; returns their fragment ids."""
+        if not self.scheduled:
+            return []
+        due = self.schedule.due(lambda fid: self.slots[fid].round is not None and self.slots[fid].round.open)
+        for fid in due:
+            self._open_round(self.slots[fid], "schedule")
+        if due:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop (unit tests of pure parts)
+                return due
+            self._tick()
+        return due
+
+    def round_call(self, fragment_id: int, learner_id: str) -> syncer_pb2.RoundCall | None:
+        """The call to send this learner for the fragment's open round, if it has not contributed."""
+        slot = self.slots[fragment_id]
+        rnd = slot.round
+        if rnd is None or not rnd.open or learner_id in rnd.learners:
+            return None
+        return syncer_pb2.RoundCall(fragment_id=fragment_id, round=rnd.number, version=slot.version)
+
+    def broadcast_sent(self, learner_id: str, fragment_id: int, version: int) -> None:
+        """A watch stream sent `version` to a learner: once every learner the merge was broadcast
+        to has it, the merge's sync time (merge + publish + broadcast) is measured."""
+        pending = self.slots[fragment_id].broadcast
+        if pending is None or version < pending[0]:
+            return
+        pending[2].discard(learner_id)
+        if not pending[2]:
+            self.sync_time.update(self._clock() - pending[1])
+            self.slots[fragment_id].broadcast = None
+
+    # ------------------------------------------------------------------- deciding, timers
+
+    def decide(self, grace_s: float) -> None:
+        """Merges the open rounds that are due at the current time; arms timers for the others."""
+        now = self._clock()
+        expected = self._membership.expected_learners()
+        for slot in self.slots:
+            rnd = slot.round
+            if rnd is None or not rnd.open or slot.merging or slot.lock.locked():
+                continue
+            decision = grace_lib.decide_merge(
+                now,
+                grace_lib.RoundView(
+                    opened_at_s=rnd.opened_at_s,
+                    contributors=len(rnd.learners),
+                    quorum_reached_at_s=rnd.quorum_reached_at_s,
+                    expected_contributors=max(len(expected | rnd.learners), 1),
+                ),
+                min_quorum=self.config.min_quorum,
+                grace_s=grace_s,
+            )
+            if decision.merge:
+                slot.merging = True
+                asyncio.get_running_loop().create_task(self._merge(slot, decision.reason, grace_s))
+            elif decision.wake_at_s is not None:
+                self._arm_timer(slot, decision.wake_at_s - now)
+
+    def _arm_timer(self, slot: slots_lib.FragmentSlot, delay_s: float) -> None:
+        if slot.timer is not None:
+            slot.timer.cancel()
+        slot.timer = asyncio.get_running_loop().call_later(max(delay_s, 0.0) + 1e-3, self._tick)
+
+    # ---------------------------------------------------------------------------- merging
+
+    async def _merge(self, slot: slots_lib.FragmentSlot, reason: str, grace_s: float) -> None:
+        try:
+            await self._merge_locked(slot, reason, grace_s)
+        finally:
+            slot.merging = False
+        self._notify()
+        self._merged()
+        if not self.open_due():  # a round the schedule held back while this one was open
+            self._tick()  # contributions that arrived during the merge may already form a round
+
+    def _step_fraction(self, rnd: slots_lib.Round) -> float:
+        """The outer step's fraction (config outer_step_fraction): the token-weighted mean of the
+        contributions' inner steps over H (below 1: a short round; above 1: many rounds' work,
+        whose momentum share OuterStepper.step_scaled bounds); 1 with "whole"."""
+        if self._outer_step_fraction != "steps":
+            return 1.0
+        tokens = sum(c.tokens for c in rnd.contributions)
+        if tokens <= 0:
+            return 1.0
+        mean_steps = sum(c.tokens * c.steps for c in rnd.contributions) / tokens
+        return max(mean_steps, 1.0) / self.plan.sync_period_steps
+
+    async def _merge_locked(self, slot: slots_lib.FragmentSlot, reason: str, grace_s: float) -> None:
+        async with slot.lock:
+            rnd = slot.round
+            if rnd is None:  # merged by a concurrent task
+                return
+            self._failpoint("syncer.after_quorum")  # quorum reached, outer step not yet applied
+            started = self._clock()
+            slot.cancel_timer()
+            stepped = await self._outer_step(slot, rnd)
+            if not stepped.finite:
+                # Never publish a non-finite global fragment; drop the round instead.
+                _LOG.error("outer step produced non-finite values; round dropped",
+                           extra={"fields": {"fragment": slot.fragment.fragment_id}})
+                slot.round = None
+                self._uploads["dropped_nonfinite_round"] += 1
+                return
+            published = await self._publisher.next_published(slot, stepped.params)
+            slot.advance(stepped.params, stepped.state, published, self.config.max_staleness_versions + 1)
+            self.outer_steps += 1
+            self.tokens_merged += sum(c.tokens for c in rnd.contributions)
+            self._credit_contributors(slot.fragment.fragment_id, slot.version, rnd)
+            expected = self._membership.expected_learners()
+            slot.broadcast = (slot.version, started, set(expected))
+            record = self._merge_record(slot, rnd, reason, grace_s, started, expected, stepped.outer_grad_norm)
+            self.merges.append(record)
+            await self._publisher.encoded_payload(slot)
+            if self.sync_time.value is None or not expected:
+                # Until a broadcast has been measured (broadcast_sent), merge and publish time.
+                self.sync_time.update(self._clock() - started)
+            # This merge's record: after the await above, merges[-1] may be another fragment's.
+            self._emit("merged", record)
+            _LOG.info(
+                "merged",
+                extra={"fields": {"fragment": slot.fragment.fragment_id, "version": slot.version,
+                                  "contributors": len(rnd.contributions), "reason": reason}},
+            )
+
+    async def _outer_step(self, slot: slots_lib.FragmentSlot, rnd: slots_lib.Round) -> outer_lib.OuterStepResult:
+        """The round's merged outer gradient, stepped on from the slot's values in a worker thread;
+        the gradient (factored) becomes the direction agreement's reference."""
+        stepper = self._steppers[slot.fragment.fragment_id]
+        # The delta stays factored (sums x per-tensor scales) until the step writes it out.
+        merged = await asyncio.to_thread(rnd.accumulator.scaled_result)
+        # Δ is kept factored (the round's sums are not written again): one stream less.
+        stepped = await asyncio.to_thread(functools.partial(
+            stepper.step_scaled, slot.params, slot.opt_state, *merged, write_grad=False,
+            fraction=self._step_fraction(rnd)))
+        slot.last_outer_grad = (merged, stepped.outer_grad_norm)
+        return stepped
+
+    def _credit_contributors(self, fragment_id: int, version: int, rnd: slots_lib.Round) -> None:
+        """What each contributor's MergeReceipt will say (only the life that sent it is credited)."""
+        for c in rnd.contributions:
+            member = self._membership.members.get(c.learner_id)
+            if member is not None and member.incarnation == c.incarnation:
+                member.record_merged(fragment_id, version, c.local_step, c.tokens)
+
+    def _merge_record(self, slot: slots_lib.FragmentSlot, rnd: slots_lib.Round, reason: str, grace_s: float,
+                      started: float, expected: set[str], outer_grad_norm: float) -> syncer_pb2.MergeRecord:
+        quorum_at = rnd.quorum_reached_at_s if rnd.quorum_reached_at_s is not None else started
+        return syncer_pb2.MergeRecord(
+            fragment_id=slot.fragment.fragment_id,
+            version=slot.version,
+            merged_at_unix_s=self._wall(),
+            contributors=rnd.contributions,
+            quorum_wait_s=quorum_at - rnd.opened_at_s,
+            grace_window_s=grace_s,
+            grace_used_s=max(0.0, started - quorum_at),
+            reason=reason,
+            outer_grad_norm=outer_grad_norm,
+            expected_contributors=len(expected | rnd.learners),
+            round=rnd.number,
+        )
+
+    # ---------------------------------------------------------------------- restart, shutdown
+
+    def restore(self, snapshot: state_lib.SyncerSnapshot) -> None:
+        """Takes up the counters, the grace window's measurements and the schedule's position of
+        a snapshot (the slots themselves are restored by the core)."""
+        self.outer_steps = snapshot.outer_steps
+        self.tokens_merged = snapshot.tokens_merged
+        if snapshot.quorum_time_s is not None:
+            self.quorum_time.update(snapshot.quorum_time_s)
+        if snapshot.sync_time_s is not None:
+            self.sync_time.update(snapshot.sync_time_s)
+        self.schedule = rounds_lib.RoundSchedule(self.plan, global_step=snapshot.global_step)
+        for slot, opened in zip(self.slots, snapshot.rounds_opened, strict=False):
+            slot.rounds_opened = opened
+
+    def cancel_timers(self) -> None:
+        """Cancels every round's grace timer (shutdown: nothing merges after the last checkpoint)."""
+        for slot in self.slots:
+            slot.cancel_timer()
+
+    @property
+    def merging(self) -> bool:
+        """Whether a merge is scheduled or running on some fragment."""
+        return any(slot.merging for slot in self.slots)
+
+    def pending_contributions(self) -> list[tuple[int, syncer_pb2.Contribution]]:
+        """(fragment id, contribution) of every round not merged yet."""
+        return [(s.fragment.fragment_id, c) for s in self.slots if s.round is not None for c in s.round.contributions]

@@ -1,0 +1,126 @@
+"""What leaves the syncer core: fragment versions for learners, wake-ups for watch streams, events for observers.
+
+Owns `Publisher` (what learners will hold of a new version, with the error-fed delta of a lossy
+download codec; each version's exact float32 encoding, one encode shared by concurrent watchers;
+the cached delta for a learner one version behind), `Watchers` (the change counter and condition
+every watch stream waits on) and `Observers` (the passive listeners: metrics, history).
+Must not: decide what a version holds; the core calls `next_published` under the fragment's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import serde
+from services.syncer import slots as slots_lib
+
+
+class Publisher:
+    """Encodings of the published fragment values, in the run's download codec."""
+
+    def __init__(self, *, download_codec: str, block_size: int, zstd_level: int) -> None:
+        self.download_codec = download_codec
+        # A lossy download codec sends each new version as a delta (error-fed, see FragmentSlot).
+        self.delta_downloads = download_codec != "fp32"
+        self._block_size = block_size
+        self._zstd_level = zstd_level
+
+    def error_fed_delta(self, published: np.ndarray, new_params: np.ndarray,
+                        ) -> tuple[np.ndarray, codec_lib.EncodedPayload]:
+        """Encodes new_params - published in the download codec; returns what learners will hold
+        after applying it (computed exactly as they compute it) and the encoding."""
+        encoded = codec_lib.encode(
+            (new_params - published).astype(np.float32), self.download_codec,
+            block_size=self._block_size, zstd_level=self._zstd_level,
+        )
+        step = codec_lib.decode(
+            encoded.payload, codec=encoded.codec, numel=encoded.numel, raw_size_bytes=encoded.raw_size_bytes,
+            checksum=encoded.checksum, block_size=encoded.block_size,
+        )
+        return serde.apply_delta(published, step), encoded
+
+    async def next_published(self, slot: slots_lib.FragmentSlot, new_params: np.ndarray) -> np.ndarray:
+        """What learners will hold of the slot's next version (`new_params` itself when downloads
+        are lossless); caches that version's delta on the slot. Call under the slot's lock."""
+        if not self.delta_downloads:
+            return new_params
+        published, delta_encoded = await asyncio.to_thread(self.error_fed_delta, slot.published, new_params)
+        slot.delta_encoded = (slot.version + 1, delta_encoded)
+        return published
+
+    @staticmethod
+    def delta_payload(slot: slots_lib.FragmentSlot, from_version: int,
+                      ) -> tuple[int, codec_lib.EncodedPayload] | None:
+        """The current version as a delta from `from_version`, if one is cached for exactly that step."""
+        cached = slot.delta_encoded
+        if cached is None or cached[0] != slot.version or from_version != slot.version - 1:
+            return None
+        return cached
+
+    async def encoded_payload(self, slot: slots_lib.FragmentSlot) -> tuple[int, codec_lib.EncodedPayload]:
+        """The current published values of a fragment as exact float32 (cached per version).
+
+        Concurrent callers share one encode: at start (and after a restore) every watcher asks
+        for the same uncached version at once, and one encode and one copy each per watcher made
+        the syncer's peak memory grow with the number of learners."""
+        if slot.encoded is None:
+            version = slot.version
+            if slot.encoding is None or slot.encoding[0] != version:
+                slot.encoding = (version, asyncio.ensure_future(asyncio.to_thread(
+                    codec_lib.encode, slot.published, "fp32", zstd_level=self._zstd_level,
+                )))
+            pending = slot.encoding[1]
+            try:
+                encoded = await asyncio.shield(pending)  # a watcher that goes away leaves it to the others
+            finally:
+                if slot.encoding is not None and slot.encoding[1] is pending and pending.done():
+                    slot.encoding = None
+            if slot.version == version:
+                slot.encoded = encoded
+            return version, encoded
+        return slot.version, slot.encoded
+
+
+class Watchers:
+    """The change counter watch streams poll, and the condition that wakes them when it moves."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Condition()
+        self.counter = 0
+
+    def notify(self) -> None:
+        self.counter += 1
+
+        async def _wake() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        try:
+            asyncio.get_running_loop().create_task(_wake())
+        except RuntimeError:  # no loop (unit tests of pure parts)
+            pass
+
+    async def wait_for_change(self, seen_counter: int, timeout_s: float) -> int:
+        """Waits until the state changed after `seen_counter` (or timeout); returns the counter."""
+        async with self._changed:
+            if self.counter == seen_counter:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+        return self.counter
+
+
+class Observers(list):
+    """Passive observers (metrics, history): objects with optional methods merged(record),
+    upload_accepted(header), rejoined(learner_id, gap_s) and fragment_bytes(direction, codec,
+    wire_bytes). They must not mutate state."""
+
+    def emit(self, event: str, *args) -> None:
+        for observer in self:
+            handler = getattr(observer, event, None)
+            if handler is not None:
+                handler(*args)

@@ -1,0 +1,115 @@
+"""One fragment's state on the syncer, and its open merge round.
+
+Owns `FragmentSlot` (the global values and outer optimizer state of one fragment, the versions
+learners may still base contributions on, what learners hold, the caches of its encodings, its
+lock and grace timer) and `Round` (the streaming accumulator of the contributions to its next
+version), plus the two ways a slot changes version: `advance` (a merge) and `reset` (a restore).
+Must not: decide when to merge, validate uploads or encode; the core does that under `lock`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+
+import numpy as np
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import merge as merge_lib
+from ddiloco.algo import outer as outer_lib
+from ddiloco.algo import robust as robust_lib
+from ddiloco.wire import codec as codec_lib
+
+
+@dataclasses.dataclass
+class Round:
+    """The open merge round of one fragment: an accumulator plus small per-contribution records."""
+
+    accumulator: merge_lib.MergeAccumulator
+    opened_at_s: float
+    quorum_reached_at_s: float | None = None
+    contributions: list = dataclasses.field(default_factory=list)  # syncer_pb2.Contribution
+    learners: set = dataclasses.field(default_factory=set)
+    # Opened by the schedule (its learners were called); before that, early contributions only
+    # gather. The round number is the slot's count of rounds opened.
+    open: bool = False
+    number: int = 0
+
+
+@dataclasses.dataclass
+class FragmentSlot:
+    fragment: fragments_lib.Fragment
+    version: int
+    params: np.ndarray
+    opt_state: list
+    history: collections.OrderedDict  # version -> published values (current included)
+    params_sha256: str
+    # What learners hold for the current version: `params` itself when downloads are lossless;
+    # with a lossy download codec, the reconstruction learners compute from the deltas sent so
+    # far (the quantization error is carried into the next delta, error feedback).
+    published: np.ndarray | None = None
+    published_sha256: str = ""
+    # (version, encoding of published[version] - published[version - 1]) for lossy downloads.
+    delta_encoded: tuple[int, codec_lib.EncodedPayload] | None = None
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    round: Round | None = None
+    encoded: codec_lib.EncodedPayload | None = None  # current published values, float32
+    # (version, the encode in progress): watchers asking at once share one encode.
+    encoding: tuple[int, asyncio.Future] | None = None
+    timer: asyncio.TimerHandle | None = None
+    merging: bool = False  # a merge task is scheduled or running
+    norms: robust_lib.NormHistory | None = None  # recent accepted contributions (norm bound)
+    # The last merged outer gradient in factored form (the round's sums x per-tensor scales, never
+    # written out) and its norm: the cosine's reference for direction agreement.
+    last_outer_grad: tuple[merge_lib.ScaledResult, float] | None = None
+    # (params_sha256, norm of params): the norm bound's reference, computed once per version, not
+    # once per upload (a float64 pass over the fragment under its lock).
+    params_norm: tuple[str, float] | None = None
+    rounds_opened: int = 0
+    # The latest merge's broadcast: (version, merge start, learners it has not reached yet); sync
+    # time (grace window input) is measured when the last of them was sent the version.
+    broadcast: tuple[int, float, set] | None = None
+
+    @classmethod
+    def initial(cls, fragment: fragments_lib.Fragment, initial_params: np.ndarray, stepper: outer_lib.OuterStepper,
+                norm_bound: robust_lib.NormBoundPolicy) -> FragmentSlot:
+        """Version 0 of a fragment: a float32 copy of `initial_params` are its values and what
+        learners hold; `stepper` (the fragment's outer optimizer) gives its initial state."""
+        params = np.asarray(initial_params, dtype=np.float32).copy()
+        digest = fragments_lib.fragment_sha256(params)
+        return cls(fragment=fragment, version=0, params=params, opt_state=stepper.init(params),
+                   history=collections.OrderedDict({0: params}), params_sha256=digest, published=params,
+                   published_sha256=digest, norms=robust_lib.NormHistory(norm_bound, fragment))
+
+    def advance(self, params: np.ndarray, opt_state: list, published: np.ndarray, keep_versions: int) -> None:
+        """The next version (a merge): new values and optimizer state, what learners will hold of
+        it, at most `keep_versions` versions kept to base contributions on; the round is done."""
+        self.params, self.opt_state = params, opt_state
+        self.version += 1
+        self.published = published
+        self.history[self.version] = published
+        while len(self.history) > keep_versions:
+            self.history.popitem(last=False)
+        self.params_sha256 = fragments_lib.fragment_sha256(params)
+        self.published_sha256 = (self.params_sha256 if published is params
+                                 else fragments_lib.fragment_sha256(published))
+        self.encoded = None
+        self.round = None
+
+    def reset(self, params: np.ndarray, opt_state: list, version: int, digest: str) -> None:
+        """Restored values (a restart): a new instance, so every learner re-downloads exact
+        values and what they hold restarts from the parameters themselves."""
+        self.params = params
+        self.opt_state = opt_state
+        self.version = version
+        self.published, self.published_sha256, self.delta_encoded = params, digest, None
+        self.history = collections.OrderedDict({version: params})
+        self.params_sha256 = digest
+        self.encoded = None
+        self.round = None
+
+    def cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None

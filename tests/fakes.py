@@ -1,0 +1,107 @@
+"""A SyncerCore to drive without gRPC: the fake clock the tests advance, the core factory, and the
+learner-side calls (join, progress, upload) that feed it.
+
+`make_core` is the one place that turns a test's knobs into a SyncerCore; each test module passes
+the knobs its scenario depends on, over the defaults below (those of the unit tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.v1 import syncer_pb2
+from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import serde
+from services.syncer import config as config_lib
+from services.syncer import core as core_lib
+
+
+class FakeClock:
+    """A clock that moves only when a test moves it (`now_s += ...` or `advance`)."""
+
+    def __init__(self, now_s: float = 1000.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+# Two fragments of a small model with an embedding (its own merge rule).
+SPECS = [fragments_lib.TensorSpec("a", (8, 4)), fragments_lib.TensorSpec("b", (16,)),
+         fragments_lib.TensorSpec("emb", (4, 4), is_embedding=True)]
+
+# The SyncerConfig fields a core is made with unless the test gives a whole `config`.
+CONFIG_DEFAULTS = {"min_quorum": 1, "max_staleness_versions": 2, "num_fragments": 2, "overlap_steps": 2,
+                   "sync_period_steps": 2, "upload_codec": "fp32"}
+# SyncerCore's keyword arguments unless the test overrides them. Rounds open with their first
+# upload (the RunConfig still says what `config` says: no learner reads it here).
+CORE_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "grace_gamma": 0.5, "max_grace_s": 10.0,
+                 "liveness_timeout_s": 30.0, "merge_history": 16, "round_trigger": "upload"}
+_CORE_ARGS = frozenset(inspect.signature(core_lib.SyncerCore.__init__).parameters) - {"self"}
+
+
+def make_core(clock: Callable[[], float] | None = None, *, config: config_lib.SyncerConfig | None = None,
+              specs: Sequence[fragments_lib.TensorSpec] = SPECS, staggered: bool = True, initial_std: float = 1.0,
+              model_name: str = "test", **overrides) -> core_lib.SyncerCore:
+    """A SyncerCore over a plan of `specs`, as the syncer builds one, without gRPC.
+
+    clock: both its monotonic and wall clock (a FakeClock); None: the real ones.
+    config: the fragment plan's shape and the RunConfig; without it, the SyncerConfig fields among
+      `overrides` over CONFIG_DEFAULTS.
+    initial_std: the initial parameters are N(0, initial_std^2) drawn from seed 0; 0 gives zeros.
+    overrides: SyncerCore's keyword arguments over CORE_DEFAULTS (a knob both take, such as
+      grace_gamma, goes to the core: the one that acts on it) and SyncerConfig fields.
+    """
+    core_kwargs = {**CORE_DEFAULTS, **{k: v for k, v in overrides.items() if k in _CORE_ARGS}}
+    fields = {k: v for k, v in overrides.items() if k not in _CORE_ARGS}
+    if config is None:
+        config = config_lib.SyncerConfig(**{**CONFIG_DEFAULTS, **fields})
+    elif fields:
+        raise TypeError(f"give either a config or its fields, not both: {sorted(fields)}")
+    plan = fragments_lib.plan_fragments(specs, config.num_fragments, config.sync_period_steps, staggered=staggered)
+    run_config = core_lib.make_run_config(cfg=config, plan=plan, model_name=model_name, model_config_json="{}",
+                                          fingerprint="f" * 64)
+    rng = np.random.default_rng(0)
+    initial = {f.fragment_id: (initial_std * rng.standard_normal(f.numel)).astype(np.float32) if initial_std
+               else np.zeros(f.numel, np.float32) for f in plan.fragments}
+    clocks = {"clock": clock, "wall_clock": clock} if clock is not None else {"clock": time.monotonic,
+                                                                              "wall_clock": time.time}
+    return core_lib.SyncerCore(run_config=run_config, plan=plan, initial_params=initial, **clocks, **core_kwargs)
+
+
+def join(core: core_lib.SyncerCore, learner_id: str, incarnation: int = 1) -> syncer_pb2.JoinResponse:
+    return core.join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id,
+                                            incarnation=incarnation))
+
+
+def progress(core: core_lib.SyncerCore, learner_id: str, step_time_s: float, incarnation: int = 1) -> None:
+    core.report_progress(syncer_pb2.ReportProgressRequest(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, local_step=1,
+        step_time_s=step_time_s), wire_bytes=0)
+
+
+async def upload(core: core_lib.SyncerCore, learner_id: str, fid: int, base: int, delta: np.ndarray, *,
+                 steps: int = 2, incarnation: int = 1) -> syncer_pb2.UploadFragmentResponse:
+    """An fp32 contribution of `steps` steps (100 tokens each) to fragment `fid`, based on version `base`."""
+    enc = codec_lib.encode(delta.astype(np.float32), "fp32")
+    header = syncer_pb2.UploadHeader(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, fragment_id=fid,
+        base_version=base, syncer_instance=core.instance, steps=steps, tokens=steps * 100,
+        payload=serde.payload_info_to_proto(enc),
+    )
+    ticket = core.validate_upload_header(header)
+    return await core.accept_upload(ticket, enc.payload, wire_bytes=len(enc.payload))
+
+
+async def settle() -> None:
+    for _ in range(20):  # let merge tasks (which hop to worker threads) finish
+        await asyncio.sleep(0.01)

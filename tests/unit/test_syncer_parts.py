@@ -1,0 +1,125 @@
+"""The syncer core's parts, through the facade: the typed snapshot and its checkpoint form (older
+checkpoints included), the digests and pending contributions the history records, and the grace
+timers shutdown cancels. Without gRPC; the clock is a fake the tests advance."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from ddiloco.rpc import errors
+from ddiloco.v1 import syncer_pb2
+from ddiloco.wire import serde
+from services.syncer import checkpointing
+from services.syncer import state as state_lib
+from tests.fakes import FakeClock, join, make_core, progress, settle, upload
+
+
+def _plain(checkpoint_form: dict) -> str:
+    """The JSON part of a snapshot's checkpoint form (what the `state` blob holds, arrays aside)."""
+    fragments = [{k: v for k, v in f.items() if k not in ("params", "opt_state")} for f in checkpoint_form["fragments"]]
+    return json.dumps({**checkpoint_form, "fragments": fragments}, sort_keys=True)
+
+
+def test_the_snapshot_is_typed_and_its_checkpoint_form_round_trips():
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock, quarantine_after=3)
+        join(core, "a")
+        join(core, "b")
+        core.quarantine(core.members["b"], reason="test", duration_s=100.0)
+        n = core.plan.fragments[0].numel
+        await upload(core, "a", 0, 0, np.full(n, 0.05))
+        await settle()
+        core.report_eval(syncer_pb2.ReportEvalRequest(protocol_version=serde.PROTOCOL_VERSION, heldout_loss=3.5,
+                                                      tokens_merged=200))
+        clock.advance(40.0)
+        snap = await core.snapshot()
+        assert isinstance(snap, state_lib.SyncerSnapshot) and snap.outer_steps == 1
+        assert snap.fragments[0].merged_marks == {} and snap.fragments[0].version == 1
+        assert snap.members["b"].quarantine_remaining_s == pytest.approx(60.0)
+        assert snap.members["a"].quarantine_remaining_s == 0.0 and snap.evals[0].heldout_loss == 3.5
+        # The copy is a copy: a later merge does not change it.
+        kept = snap.fragments[0].params.copy()
+        await upload(core, "a", 0, 1, np.full(n, 0.05))
+        await settle()
+        assert core.slots[0].version == 2 and np.array_equal(snap.fragments[0].params, kept)
+
+        form = snap.to_dict()
+        again = state_lib.SyncerSnapshot.from_dict(form)
+        assert _plain(again.to_dict()) == _plain(form)
+        assert all(np.array_equal(x.params, y.params) for x, y in zip(again.fragments, snap.fragments))
+        # Typed or in its checkpoint form, a snapshot makes the same checkpoint blobs.
+        assert checkpointing.encode_snapshot(snap) == checkpointing.encode_snapshot(form)
+        # Item access reads the checkpoint form, as the dict this replaced did.
+        assert snap["outer_steps"] == 1 and snap["fragments"][0]["params_sha256"] == snap.fragments[0].params_sha256
+        assert snap["members"]["b"]["incarnation"] == 1 and "learner_id" not in snap["members"]["b"]
+
+        restored = make_core(clock)
+        restored.restore(snap)
+        b = restored.members["b"]
+        assert restored.is_quarantined(b) and b.quarantined_until_s == pytest.approx(clock.now_s + 60.0)
+        assert restored.training_state(0).quarantines == 1 and restored.outer_steps == 1
+        assert [e.heldout_loss for e in restored.training_state(0).evals] == [3.5]
+
+    asyncio.run(run())
+
+
+def test_a_checkpoint_from_before_the_newer_fields_restores_with_their_defaults():
+    async def run():
+        template = (await make_core(FakeClock()).snapshot()).to_dict()
+        # What the oldest checkpoints hold: no merged marks, traffic, counters, evals or schedule.
+        oldest = {
+            "fragments": [{k: f[k] for k in ("fragment_id", "version", "params", "opt_state", "params_sha256")}
+                          for f in template["fragments"]],
+            "outer_steps": 7,
+            "tokens_merged": 900,
+            "members": {"a": {"incarnation": 3}},
+        }
+        core = make_core(FakeClock())
+        core.restore(oldest)
+        member = core.members["a"]
+        assert (member.incarnation, member.region, member.joins, member.data_shard) == (3, "", 1, -1)
+        assert not core.is_quarantined(member) and member.merged_marks == {}
+        state = core.training_state(0)
+        assert (state.outer_steps, state.tokens_merged, state.bytes_in, dict(state.uploads)) == (7, 900, 0, {})
+        assert state.restored_from_checkpoint and core.schedule.global_step == 0.0
+        with pytest.raises(errors.FailedPrecondition, match="older than the registered"):
+            join(core, "a", incarnation=2)  # fencing survived
+
+        # A checkpoint whose fragment fails its digest is refused.
+        oldest["fragments"][0] = {**oldest["fragments"][0], "params_sha256": "0" * 64}
+        with pytest.raises(ValueError, match="sha256"):
+            make_core(FakeClock()).restore(oldest)
+
+    asyncio.run(run())
+
+
+def test_the_facade_reports_digests_pending_work_and_cancels_grace_timers():
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock, min_quorum=1, grace_gamma=0.5)
+        for lid in ("l1", "l2"):
+            join(core, lid)
+            progress(core, lid, step_time_s=2.0)  # a grace window of 2 s: l1's contribution waits for l2
+        assert core.fragment_digest(0) == (0, core.slots[0].published_sha256, core.slots[0].params_sha256)
+        n = core.plan.fragments[0].numel
+        await upload(core, "l1", 0, 0, np.full(n, 0.01))
+        await settle()
+        assert [(fid, c.learner_id) for fid, c in core.pending_contributions()] == [(0, "l1")]
+        assert core.slots[0].timer is not None and not core.merging
+        assert core.member("l1") is core.members["l1"] and core.member("nobody") is None
+        core.cancel_timers()
+        assert all(slot.timer is None for slot in core.slots)
+        clock.advance(5.0)  # past the grace window: the next tick merges
+        core.tick()
+        await settle()
+        version, published, params = core.fragment_digest(0)
+        assert version == 1 and core.pending_contributions() == []
+        assert (published, params) == (core.slots[0].published_sha256, core.slots[0].params_sha256)
+        assert published == serde.params_sha256(core.slots[0].published)
+
+    asyncio.run(run())
