@@ -151,8 +151,12 @@ def _directed(numel: int, seed: int, sign: float) -> np.ndarray:
 def test_first_contributions_judge_each_other_before_anything_is_merged(clock):
     # Without the wait, x's sign-flipped first upload (nothing to compare it with yet) would be
     # merged alone at quorum 1; with it, the three simultaneous contributions are compared.
+    # Which of them is judged first depends on thread timing: when x is refused (and withdrawn)
+    # before a and b look again, they are left with one reference each and go on unjudged once
+    # judge_wait_s has passed (bounded here well inside the test's timeout; a full CI run hit
+    # that order once with a 30 s wait). Either way x is refused and only a and b are merged.
     async def run():
-        core = make_core(clock, min_quorum=1, grace_gamma=0.0, direction=robust_lib.DirectionPolicy(judge_wait_s=30.0))
+        core = make_core(clock, min_quorum=1, grace_gamma=0.0, direction=robust_lib.DirectionPolicy(judge_wait_s=3.0))
         for lid in ("x", "a", "b", "c"):
             join(core, lid)
         n = core.plan.fragments[0].numel
@@ -166,7 +170,8 @@ def test_first_contributions_judge_each_other_before_anything_is_merged(clock):
         await settle()
         merged = {c.learner_id for m in core.merges for c in m.contributors}
         assert merged == {"a", "b"}, merged
-        assert core.direction_judgments["waited"] >= 2 and core.direction_judgments["unjudged"] == 0
+        judged = core.direction_judgments
+        assert judged["waited"] >= 1 and judged["waited"] + judged["unjudged"] >= 2, judged
 
     asyncio.run(run())
 
