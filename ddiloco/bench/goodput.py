@@ -10,7 +10,16 @@ differs:
   * diloco: synchronous DiLoCo (`--sync-mode diloco`, quorum = every learner): learners wait for
     each merge, so a dead or hung learner stalls everyone until it is back;
   * dp: data-parallel through the syncer (`--sync-mode dp`, quorum = every learner): a barrier at
-    every step.
+    every step;
+  * diloco-job, dp-job: the same syncers, but a learner's kill takes the whole learner job down
+    (every learner is killed and restarted after the kill's delay, the syncer keeps the global
+    state): the paper's "DP, no elasticity" baseline, a synchronous SPMD job that is relaunched as
+    a whole when one worker dies. In diloco and dp only the killed learner restarts and rejoins
+    while the others wait at the barrier: a more forgiving baseline than the paper's.
+
+The default invocation runs decoupled, diloco-job and dp-job (the paper's comparison); --modes
+adds diloco and dp. A -job mode's fault-free run is its base mode's (without faults the two are
+the same run), so it is run once per seed and shared.
 
 With `--seeds 0,1,2` every mode runs (fault-free, then faulty) for each seed: the seed sets the
 failure schedule, the data order and the initial model. The report gives each figure per run and,
@@ -69,7 +78,14 @@ import sys
 
 from ddiloco.bench import results as results_lib
 
-MODES = ("decoupled", "diloco", "dp")
+MODES = ("decoupled", "diloco", "dp", "diloco-job", "dp-job")
+DEFAULT_MODES = ("decoupled", "diloco-job", "dp-job")
+JOB_SUFFIX = "-job"  # a learner's kill restarts every learner (Scenario.kill_scope "job")
+
+
+def base_mode(mode: str) -> str:
+    """The syncer's sync mode of a benchmark mode: dp-job -> dp."""
+    return mode.removesuffix(JOB_SUFFIX)
 
 # How each number of goodput.json / goodput.md is computed (written into both, next to the numbers).
 DEFINITIONS = {
@@ -158,17 +174,19 @@ def mode_scenario(cfg: GoodputConfig, mode: str):
     from ddiloco.chaos import scenarios
     from ddiloco.chaos.harness import Scenario
 
-    quorum = cfg.decoupled_quorum if mode == "decoupled" else cfg.learners
+    sync_mode = base_mode(mode)
+    quorum = cfg.decoupled_quorum if sync_mode == "decoupled" else cfg.learners
     # Synchronous modes: once one learner finished, no barrier can complete again, so a learner
     # still running is stopped after a few seconds. It can only be one whose restart was handed a
     # few steps too many (the harness counts a killed life's steps from its last progress report),
     # and the default 90 s wait at its barrier would be charged to the mode as lost time.
     # Decoupled learners never wait: a restarted one finishing late is real lost time.
-    finish_grace_s = 90.0 if mode == "decoupled" else 5.0
+    finish_grace_s = 90.0 if sync_mode == "decoupled" else 5.0
     # Decoupled runs the shipped syncer defaults. The baselines clip contributions beyond the
     # norm bound instead of refusing them: with a quorum of every learner, one refused upload
     # stalls the barrier for good, which would charge them a loss that is not a failure's.
-    args = ("--sync-mode", mode) if mode == "decoupled" else (*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", mode)
+    args = (("--sync-mode", sync_mode) if sync_mode == "decoupled"
+            else (*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", sync_mode))
     steps = cfg.steps
     if cfg.run_end == "budget":
         args = (*args, "--token-budget", str(token_budget(cfg)))
@@ -177,7 +195,8 @@ def mode_scenario(cfg: GoodputConfig, mode: str):
                     step_delay_s=cfg.step_delay_s, num_fragments=cfg.num_fragments,
                     sync_period_steps=cfg.sync_period_steps, finish_grace_s=finish_grace_s,
                     syncer_args=args, learner_args=("--batch-size", str(cfg.batch_size)), max_wall_s=cfg.max_wall_s,
-                    liveness_timeout_s=cfg.liveness_timeout_s, max_grace_s=cfg.max_grace_s)
+                    liveness_timeout_s=cfg.liveness_timeout_s, max_grace_s=cfg.max_grace_s,
+                    kill_scope="job" if mode.endswith(JOB_SUFFIX) else "learner")
 
 
 def failure_schedule(cfg: GoodputConfig):
@@ -383,7 +402,7 @@ def add_token_milestones(out: dict, workdir: pathlib.Path) -> None:
     fragments = out["config"]["num_fragments"]
     curves = {(mode, run): merged_token_curve(workdir / name / "history" / "syncer.jsonl",
                                               out["modes"][mode].get("num_fragments") or fragments)
-              for mode in out["modes"] for run, name in (("faulty", mode), ("fault-free", f"{mode}-baseline"))}
+              for mode in out["modes"] for run, name in (("faulty", mode), ("fault-free", f"{base_mode(mode)}-baseline"))}
     finals = [curve[-1][1] for curve in curves.values() if curve]
     if not finals:
         return
@@ -447,8 +466,9 @@ def _settings_text(cfg: dict, runs: list[dict]) -> str:
         return f"Every mode runs with a {values} (`--liveness-timeout-s`, `--max-grace-s`), not the shipped defaults."
     return (f"Every mode runs the syncer's shipped {values}: no hang of the schedule (at most {cfg['max_fault_s']:g} "
             f"s) outlasts the liveness timeout, so the synchronous baselines wait for a hung learner to come back "
-            f"and for a killed one until its restart rejoins or the timeout passes (the paper's 'no elasticity' "
-            f"baselines).")
+            f"and for a killed one until its restart rejoins or the timeout passes. In the -job modes a kill "
+            f"restarts every learner (the paper's 'DP, no elasticity': a synchronous job relaunched as a whole); "
+            f"in diloco and dp only the killed learner restarts while the others wait for it.")
 
 
 def _shape_text(cfg: dict) -> str:
@@ -596,7 +616,9 @@ def parse_seeds(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = GoodputConfig()
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of decoupled,diloco,dp")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help=f"comma-separated subset of {','.join(MODES)} (-job: a learner's kill restarts every "
+                             "learner, the paper's 'DP, no elasticity')")
     parser.add_argument("--learners", type=int, default=d.learners)
     parser.add_argument("--steps", type=int, default=d.steps,
                         help="inner steps per learner (budget runs: the fleet's budget is learners x this)")
@@ -665,12 +687,16 @@ def run(args: argparse.Namespace) -> int:
         events = failure_schedule(seed_cfg)
         run_out = {"seed": seed, "schedule": [e.to_json() for e in events], "modes": {}}
         seed_dir = workdir / f"seed-{seed}"
+        baselines = {}  # base mode -> its fault-free run (a -job mode without faults is its base mode)
         for mode in modes:
             scenario = mode_scenario(seed_cfg, mode)
-            print(f"[seed {seed}] [{mode}] fault-free run", file=sys.stderr, flush=True)
-            baseline = harness.run_scenario(scenario.fault_free(), [], seed_dir / f"{mode}-baseline",
-                                            jax_cache_dir=workdir / ".jax-cache", on_event=lambda line: None)
-            print(baseline.report_line, flush=True)
+            if base_mode(mode) not in baselines:
+                print(f"[seed {seed}] [{base_mode(mode)}] fault-free run", file=sys.stderr, flush=True)
+                baselines[base_mode(mode)] = harness.run_scenario(
+                    mode_scenario(seed_cfg, base_mode(mode)).fault_free(), [], seed_dir / f"{base_mode(mode)}-baseline",
+                    jax_cache_dir=workdir / ".jax-cache", on_event=lambda line: None)
+                print(baselines[base_mode(mode)].report_line, flush=True)
+            baseline = baselines[base_mode(mode)]
             print(f"[seed {seed}] [{mode}] under the failure schedule ({len(events)} faults planned)",
                   file=sys.stderr, flush=True)
             result = harness.run_scenario(scenario, events, seed_dir / mode, baseline_loss=None,
@@ -679,6 +705,8 @@ def run(args: argparse.Namespace) -> int:
             run_out["modes"][mode] = _summary(result, baseline)
         add_decoupled_rate(run_out["modes"])
         out["runs"].append(run_out)
+        if seed != seeds[-1]:  # the seeds so far, so a run cut short still leaves its finished seeds
+            _write(out, pathlib.Path(args.out), workdir)
     return _write(out, pathlib.Path(args.out), workdir)
 
 

@@ -100,6 +100,11 @@ class Scenario:
     compilation_cache: bool = True
     syncer_args: tuple[str, ...] = ()
     learner_args: tuple[str, ...] = ()
+    # What a learner's kill takes down. "learner": that process only; it restarts and rejoins (the
+    # others go on, or wait at a barrier). "job": every learner, all restarting after the kill's
+    # delay, as a synchronous SPMD job is torn down and relaunched when one worker dies (the
+    # paper's "DP, no elasticity" baseline; the syncer, standing for the checkpoint, survives).
+    kill_scope: str = "learner"
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -558,6 +563,8 @@ class Harness:
                 armed = str(ev.params.get("failpoints", ""))
                 if delay >= 0:
                     self._later(delay, f"restart {name}", lambda: self._restart(name, fault, armed))
+                if self.scenario.kill_scope == "job" and name.startswith("learner-"):
+                    fault.detail += f"; job restart: {self._kill_job(delay)} other learners killed"
             elif ev.kind == "term":
                 svc.signal(signal.SIGTERM)
                 proc.state, proc.term_at = "terming", time.time()
@@ -607,6 +614,21 @@ class Harness:
 
             self._later(float(p.get("duration_s", 2.0)), f"heal {ev.kind} {name}", heal)
         self._emit(f"injected {ev.describe()}")
+
+    def _kill_job(self, delay_s: float) -> int:
+        """SIGKILL every other running (or hung) learner and restart each after delay_s: a job restart."""
+        killed = 0
+        for name, proc in self.procs.items():
+            svc = self.cluster.services[name]
+            if not name.startswith("learner-") or proc.state not in ("up", "stopped") or not svc.alive():
+                continue
+            svc.signal(signal.SIGKILL)
+            svc.wait(10)
+            proc.state = "down"
+            killed += 1
+            if delay_s >= 0:
+                self._later(delay_s, f"restart {name}", lambda n=name: self._restart(n, None))
+        return killed
 
     def _supervise(self) -> None:
         for name, proc in self.procs.items():

@@ -36,3 +36,21 @@ def test_step_gated_faults_fire_at_the_target_learners_step(tmp_path, jax_cache)
     kill = result.faults[0]
     assert kill.recovery_s is not None, kill  # the restarted learner-1 contributed again
     assert result.summaries["learner-1"] is not None and result.summaries["learner-1"]["steps"] < 200
+
+
+def test_a_job_scoped_kill_restarts_every_learner_and_the_run_keeps_its_invariants(tmp_path, jax_cache):
+    """kill_scope "job" (the goodput benchmark's dp-job / diloco-job): one learner's kill takes the whole
+    learner job down, every learner restarts after the kill's delay and rejoins the syncer's state."""
+    scenario = harness.Scenario(name="job-kill", seed=1, learners=2, min_quorum=2, steps=120, step_delay_s=0.03,
+                                syncer_args=(*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", "diloco"),
+                                finish_grace_s=5.0, max_wall_s=200.0, kill_scope="job")
+    events = [FaultEvent(0.0, "kill", "learner-1", {"restart_after_s": 0.5}, at_step=50)]
+    result = harness.run_scenario(scenario, events, tmp_path, jax_cache_dir=jax_cache)
+    print(result.report_line)
+    assert result.ok, "\n".join([result.report_line, *result.violations()])
+    [kill] = result.faults
+    assert "job restart: 1 other learners killed" in kill.detail, kill
+    assert kill.recovery_s is not None, kill
+    # Both learners' last lives started after the kill: each ran only the steps left to it.
+    for name in ("learner-0", "learner-1"):
+        assert result.summaries[name] is not None and result.summaries[name]["steps"] < 120, (name, result.summaries)

@@ -200,11 +200,16 @@ def test_contributors_per_merge_counts_distinct_learners_of_each_merge_over_the_
 def test_decoupled_runs_the_shipped_syncer_defaults_and_the_baselines_clip():
     cfg = goodput.GoodputConfig(run_end="steps")
     assert goodput.mode_scenario(cfg, "decoupled").syncer_args == ("--sync-mode", "decoupled")
-    for mode in ("diloco", "dp"):
+    assert goodput.mode_scenario(cfg, "decoupled").kill_scope == "learner"
+    for mode in ("diloco", "dp", "diloco-job", "dp-job"):
         scenario = goodput.mode_scenario(cfg, mode)
-        assert scenario.syncer_args[-2:] == ("--sync-mode", mode) and "clip" in scenario.syncer_args
+        assert scenario.syncer_args[-2:] == ("--sync-mode", goodput.base_mode(mode)) and "clip" in scenario.syncer_args
         assert scenario.min_quorum == cfg.learners
         assert scenario.steps == cfg.steps
+        # -job: the paper's "DP, no elasticity" (a kill relaunches every learner); else only the killed one.
+        assert scenario.kill_scope == ("job" if mode.endswith("-job") else "learner")
+    # The default invocation is the paper's comparison; the forgiving baselines are opt-in.
+    assert goodput.DEFAULT_MODES == ("decoupled", "diloco-job", "dp-job")
 
 
 def test_budget_runs_end_at_the_fleets_tokens_for_every_mode_alike():
