@@ -307,15 +307,17 @@ class ReplicatedCheckpointClient:
         """
         runs = list(run_ids)
         held: dict[str, dict[str, list[Manifest]]] = {run: {} for run in runs}
+        unreachable: dict[str, str] = {}
         for run in runs:
-            answers, _ = await self._fan_out(f"ListManifests {run}", lambda c, r=run: c.list_manifests(r),
-                                             self._call_timeout_s, skip_down=False)
+            answers, errors = await self._fan_out(f"ListManifests {run}", lambda c, r=run: c.list_manifests(r),
+                                                  self._call_timeout_s, skip_down=False)
             held[run] = answers
+            unreachable.update(errors)
         reports = []
         for name in self._stores:
             report = RepairReport(store=name)
-            if any(name not in held[run] for run in runs):
-                report.errors.append("unreachable")
+            if name in unreachable:
+                report.errors.append(f"unreachable ({unreachable[name]})")
                 report.complete = False
             else:
                 await self._repair_store(name, runs, held, report, max_bytes)

@@ -222,7 +222,8 @@ def test_repair_is_bounded_per_pass_and_reports_unreachable_stores() -> None:
     stores["s2"].down = True
     reports = {r.store: r for r in asyncio.run(client.repair(["run"], max_bytes=150))}
     assert reports["s1"].blobs_copied == 1 and not reports["s1"].complete
-    assert reports["s2"].errors == ["unreachable"]
+    assert reports["s2"].errors == ["unreachable (RetriesExhausted: fake: gave up after 1 attempts; last error "
+                                    "NoneType: None)"]
     passes = 1
     while not reports["s1"].complete:
         reports = {r.store: r for r in asyncio.run(client.repair(["run"], max_bytes=150))}
