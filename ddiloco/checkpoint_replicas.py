@@ -144,9 +144,11 @@ class ReplicatedCheckpointClient:
         return self._down_until.get(name, 0.0) > self._clock()
 
     def _mark(self, name: str, ok: bool) -> None:
-        if ok:
-            self._down_until.pop(name, None)
-        else:
+        if ok and name in self._down_until:
+            # Back after an outage: it probably missed writes (or lost its disk); repair it soon.
+            self._repair_now.set()
+            self._down_until.pop(name)
+        elif not ok:
             self._down_until[name] = self._clock() + self._down_backoff_s
 
     def _ordered(self) -> list[str]:
