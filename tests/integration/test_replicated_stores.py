@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from ddiloco import checkpoint_client
 from ddiloco import checkpoint_replicas as replicas
 from ddiloco.rpc import channel as channel_lib
 from services.syncer import checkpointing
-from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, store_call, wait_until
+from tests.integration.conftest import TINY, SyncerProbe, store_call, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -63,37 +64,50 @@ def _load_every_checkpoint(address: str, run_id: str, steps: list[int], *, decod
     return store_call(address, go)
 
 
+# Slower learners than LEARNER_PACE: the tiny model merges ~20 times a second at that pace, so the
+# store's 5 retained checkpoints (default --keep-latest, one per 16 merges) would span only a few
+# seconds, and the checkpoints from before the loss would be pruned before repair could show it
+# restored them. At 0.2 s a step they span tens of seconds, as minutes do on a real model.
+_SLOW_PACE = ["--step-delay-s", "0.2", "--log-every-steps", "50"]
+# Longer than the syncer's per-store retry (5 s), so checkpoints fail during the outage.
+_OUTAGE_S = 12.0
+
+
 def test_a_store_that_lost_its_disk_is_rebuilt_and_every_checkpoint_loads_from_either(cluster):
     run_id = "replicated-disk-loss"
     stores = [cluster.start_store(index=i) for i in range(2)]
-    syncer = cluster.start_syncer(run_id=run_id, extra=[*TINY, "--checkpoint-repair-interval-s", "30"])
+    syncer = cluster.start_syncer(run_id=run_id, extra=TINY)
     for i in range(2):
-        cluster.start_learner(i, region=f"region-{i}", extra=["--num-shards", "2", *LEARNER_PACE])
+        cluster.start_learner(i, region=f"region-{i}", extra=["--num-shards", "2", *_SLOW_PACE])
     probe = SyncerProbe(syncer.address)
     try:
-        wait_until(lambda: len(_steps(stores[1].address, run_id)) >= 2, timeout_s=240,
-                   what="two checkpoints on the second store")
+        wait_until(lambda: len(_steps(stores[1].address, run_id)) >= 3, timeout_s=240,
+                   what="three checkpoints on the second store")
         stores[1].signal(signal.SIGKILL)
         assert stores[1].wait(10) == -signal.SIGKILL
         shutil.rmtree(cluster.workdir / "store-1")  # the disk is gone, not just the process
         merges_at_loss = probe.state(0).outer_steps
+        before_loss = _steps(stores[0].address, run_id)
+        time.sleep(_OUTAGE_S)
+        # Training went on; checkpoints did not (write quorum 2 of 2: refused, not half-written).
+        assert probe.state(0).outer_steps >= merges_at_loss + 16
+        assert "QuorumError" in syncer.log_path.read_text()
         stores[1].start()
         stores[1].wait_ready(60)
-        assert _steps(stores[1].address, run_id) == []
-        # The run goes on; the store gets every retained manifest of its peer back (repair after
-        # the outage, plus the commits it takes again).
-        wait_until(lambda: probe.state(0).outer_steps >= merges_at_loss + 32, timeout_s=180,
-                   what="merges after the store lost its disk")
-        wait_until(lambda: set(_steps(stores[0].address, run_id)) <= set(_steps(stores[1].address, run_id))
-                   and min(_steps(stores[1].address, run_id)) < merges_at_loss, timeout_s=120,
-                   what="the emptied store rebuilt from its peer, including checkpoints from before the loss")
+        # Repair starts when the syncer's first call reaches the store again: the checkpoints
+        # from before the loss come back from its peer (below the new commits' steps).
+        wait_until(lambda: set(before_loss) & set(_steps(stores[1].address, run_id)), timeout_s=120,
+                   what="checkpoints from before the loss restored to the emptied store")
+        merges_back = probe.state(0).outer_steps
+        wait_until(lambda: probe.state(0).outer_steps >= merges_back + 32, timeout_s=180,
+                   what="merges after the store came back")
         assert all(s.alive() for s in cluster.learners()) and syncer.alive()
         assert syncer.stop(30) == 0  # the final checkpoint goes to both stores
         steps = sorted(set(_steps(stores[0].address, run_id)) | set(_steps(stores[1].address, run_id)))
-        assert len(steps) >= 3
+        assert len(steps) >= 3 and _steps(stores[0].address, run_id) == _steps(stores[1].address, run_id)
         for store in stores:
             assert _load_every_checkpoint(store.address, run_id, steps) == steps, store.name
-        assert "checkpoint repair" in syncer.log_path.read_text()
+        assert "manifests restored: " + f"{run_id}@" in syncer.log_path.read_text()
     finally:
         probe.close()
 
