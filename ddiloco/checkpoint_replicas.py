@@ -232,12 +232,14 @@ class ReplicatedCheckpointClient:
     ) -> int:
         """Commits the manifest on every reachable store (QuorumError below write_quorum), then,
         with a `pointer`, moves it to (run_id, step, epoch) (CommitFenced if a newer leader
-        holds it). Stores that missed the commit are queued for repair."""
+        holds it). Stores that refused the commit are queued for repair."""
         refs = blobs if isinstance(blobs, Mapping) else list(blobs)
         timeout_s = timeout.total_seconds() if timeout else self._call_timeout_s
         acked, errors = await self._fan_out(
             "CommitManifest", lambda c: c.commit_manifest(run_id, step, refs, metadata), timeout_s)
-        if errors:
+        if any(not self._is_down(n) for n in errors):
+            # A store answered but refused (e.g. a blob it missed): repair it now. A store that is
+            # down is repaired once it answers again (see _mark).
             self._repair_now.set()
         self._require(f"CommitManifest {run_id}@{step}", acked, errors, self.write_quorum)
         if pointer is not None:

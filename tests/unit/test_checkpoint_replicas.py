@@ -249,3 +249,22 @@ def test_background_repair_runs_after_a_commit_a_store_missed() -> None:
             await client.close()
 
     asyncio.run(asyncio.wait_for(go(), 10))
+
+
+def test_a_store_that_refuses_a_commit_is_repaired_at_once() -> None:
+    async def go() -> None:
+        client, stores = _client(2, write_quorum=1)
+        client.start_repair(["run"], interval_s=3600.0)  # only the refused commit can wake it
+        try:
+            digest = await stores["s0"].put_blob(b"a")  # s1 missed this upload
+            await client.commit_manifest("run", 1, {"params": (digest, 1)})  # s1: "blob missing"
+            assert "run" not in stores["s1"].manifests
+            for _ in range(200):
+                if stores["s1"].manifests.get("run"):
+                    break
+                await asyncio.sleep(0.01)
+            assert sorted(stores["s1"].manifests["run"]) == [1] and digest in stores["s1"].blobs
+        finally:
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(go(), 10))
