@@ -1,12 +1,13 @@
 """`CheckpointClient`: the typed grpc.aio client of the checkpoint store (used by the syncer).
 
 Every call has a deadline and is retried on transient failures under an overall time bound.
-All six RPCs are idempotent, so DEADLINE_EXCEEDED is retried as well as UNAVAILABLE:
+All seven RPCs are idempotent, so DEADLINE_EXCEEDED is retried as well as UNAVAILABLE:
   * reads (GetBlob, StatBlobs, GetLatestManifest, ListManifests) change nothing;
   * PutBlob is content-addressed: storing the same bytes again is a no-op;
   * CommitManifest: the store accepts a re-commit of the run's latest step with the same blobs
     and metadata as a no-op, so a retry after a lost response succeeds instead of failing the
-    step check.
+    step check;
+  * RestoreManifest (repair of a replica): storing a manifest already held is a no-op.
 Blobs are verified again on the client after download.
 """
 
@@ -54,6 +55,16 @@ class Manifest:
             if ref.name == name:
                 return ref
         raise KeyError(f"manifest {self.run_id}/{self.step} has no blob {name!r}")
+
+
+def _manifest_to_proto(m: Manifest) -> checkpoint_pb2.Manifest:
+    return checkpoint_pb2.Manifest(
+        run_id=m.run_id,
+        step=m.step,
+        created_unix_s=m.created_unix_s,
+        blobs=[checkpoint_pb2.BlobRef(**dataclasses.asdict(r)) for r in m.blobs],
+        metadata=dict(m.metadata),
+    )
 
 
 def _manifest_from_proto(m: checkpoint_pb2.Manifest) -> Manifest:
@@ -219,3 +230,20 @@ class CheckpointClient:
             "ListManifests", lambda: self._stub.ListManifests(request, timeout=seconds)
         )
         return [_manifest_from_proto(m) for m in response.manifests]
+
+    async def restore_manifest(
+        self, manifest: Manifest, *, timeout: datetime.timedelta | None = None
+    ) -> tuple[bool, bool]:
+        """Stores `manifest` (read from a peer replica) verbatim, even below the run's latest step.
+
+        Returns (restored, retained): restored is False when the store already held it, retained
+        False when its retention policy dropped it at once. Raises grpc.aio.AioRpcError:
+        FAILED_PRECONDITION (a blob is missing: copy blobs first), ALREADY_EXISTS (a different
+        manifest is held at that step).
+        """
+        request = checkpoint_pb2.RestoreManifestRequest(manifest=_manifest_to_proto(manifest))
+        seconds = (timeout or self._timeout).total_seconds()
+        response = await self._call(
+            "RestoreManifest", lambda: self._stub.RestoreManifest(request, timeout=seconds)
+        )
+        return response.restored, response.retained

@@ -13,6 +13,8 @@ BENCHMARKS = {
     "quality": ("ddiloco.bench.quality", "held-out loss and bytes on the wire: decoupled vs DiLoCo vs data-parallel"),
     "perf": ("ddiloco.bench.perf", "codec, merge, transport and scale throughput against measured machine limits"),
     "goodput": ("ddiloco.bench.goodput", "goodput under one seeded failure schedule: decoupled vs DiLoCo vs dp"),
+    "checkpoint": ("ddiloco.bench.checkpoint_cost", "one checkpoint's cost with 1 and 2 stores: commit-before-broadcast "
+                   "vs the default cadence"),
 }
 
 

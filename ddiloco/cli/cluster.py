@@ -170,10 +170,12 @@ class LocalCluster:
         self.services[name] = svc
         return svc
 
-    def start_store(self, *, extra: Sequence[str] = (), timeout_s: float = 60.0) -> ServiceProcess:
-        svc = self.add("checkpoint", "services.checkpoint", [
-            "--bind", "127.0.0.1:0", "--root", str(self.workdir / "store"),
-            "--ready-file", str(self.workdir / "checkpoint.ready.json"), "--metrics-bind", "127.0.0.1:0",
+    def start_store(self, *, extra: Sequence[str] = (), timeout_s: float = 60.0, index: int = 0) -> ServiceProcess:
+        """Store `index` 0 is "checkpoint" (root store/); replicas 1, 2, ... are "checkpoint-<i>" (store-<i>/)."""
+        name, root = ("checkpoint", "store") if index == 0 else (f"checkpoint-{index}", f"store-{index}")
+        svc = self.add(name, "services.checkpoint", [
+            "--bind", "127.0.0.1:0", "--root", str(self.workdir / root),
+            "--ready-file", str(self.workdir / f"{name}.ready.json"), "--metrics-bind", "127.0.0.1:0",
             *self.tls_args("checkpoint"), *extra,
         ])
         svc.start()
@@ -183,8 +185,8 @@ class LocalCluster:
     def start_syncer(self, *, run_id: str, extra: Sequence[str] = (), timeout_s: float = 120.0) -> ServiceProcess:
         args = ["--bind", "127.0.0.1:0", "--run-id", run_id, "--ready-file", str(self.workdir / "syncer.ready.json"),
                 "--metrics-bind", "127.0.0.1:0"]
-        if "checkpoint" in self.services:
-            args += ["--checkpoint-target", self.services["checkpoint"].address]
+        if self.stores():  # several stores: the syncer replicates every checkpoint to all of them
+            args += ["--checkpoint-target", ",".join(s.address for s in self.stores())]
         svc = self.add("syncer", "services.syncer", [*args, *self.tls_args("syncer"), *extra])
         svc.start()
         svc.wait_ready(timeout_s)
@@ -210,12 +212,16 @@ class LocalCluster:
         svc.start()
         return svc
 
+    def stores(self) -> list[ServiceProcess]:
+        return [s for n, s in self.services.items() if n == "checkpoint" or n.startswith("checkpoint-")]
+
     def learners(self) -> list[ServiceProcess]:
         return [s for n, s in self.services.items() if n.startswith("learner-")]
 
     def stop_all(self, timeout_s: float = 15.0) -> None:
         """Stops learners and the evaluator first, then the syncer (it checkpoints), then the store."""
-        order = [s for s in self.services.values() if s.name not in ("syncer", "checkpoint")]
-        order += [self.services[n] for n in ("syncer", "checkpoint") if n in self.services]
+        stores = self.stores()
+        order = [s for s in self.services.values() if s.name != "syncer" and s not in stores]
+        order += [self.services[n] for n in ("syncer",) if n in self.services] + stores
         for svc in order:
             svc.stop(timeout_s)

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(_SERVICES[argv[0]]).main(argv[1:])
     if argv and argv[0] in _TOOLS:
         return importlib.import_module(_TOOLS[argv[0]][0]).main(argv[1:])
-    from ddiloco.cli import certs, record, report, status, up  # imported here: rich and grpc only when needed
+    from ddiloco.cli import certs, record, report, status, store, up  # imported here: rich and grpc only when needed
     from ddiloco.dashboard import cli as dashboard
 
     parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo as gRPC services.")
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                             default_target=os.environ.get("DDILOCO_TARGET", "127.0.0.1:50051"))
     certs.add_arguments(sub.add_parser("certs", help="write a development CA plus per-service and per-learner "
                                        "certificates (mutual TLS)", formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    store.add_arguments(sub.add_parser("store", help="operate replicated checkpoint stores: `ddiloco store repair "
+                                       "--store A --store B --run-id RUN` copies what each store misses"))
     for name in _SERVICES:
         sub.add_parser(name, help=f"run the {name} service (see `ddiloco {name} --help`)", add_help=False)
     for name, (_, help_text) in _TOOLS.items():
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return record.run(args)
     if args.command == "certs":
         return certs.run(args)
+    if args.command == "store":
+        return store.run(args)
     return status.run(args)
 
 

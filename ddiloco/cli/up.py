@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
     parser.add_argument("--tls", action="store_true",
                         help="mutual TLS everywhere: a development CA and certificates under <workdir>/certs")
+    parser.add_argument("--checkpoint-stores", type=int, default=1,
+                        help="checkpoint store processes; 2 or more: every checkpoint is replicated to all of them "
+                             "(write quorum 2) and a store that loses its data is repaired from the others")
     parser.add_argument("--dashboard", action="store_true", help="also serve the live web dashboard (prints its URL)")
     parser.add_argument("--dashboard-bind", default="127.0.0.1:8080",
                         help="HOST:PORT of the dashboard (a free port is used if this one is taken)")
@@ -223,7 +226,10 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         console.print(f"[bold]ddiloco up[/]: {args.learners} learners x {args.steps} steps; logs in {workdir}/logs")
-        cluster.start_store()
+        if args.checkpoint_stores < 1:
+            raise cluster_lib.ServiceStartError("--checkpoint-stores must be 1 or more")
+        for index in range(args.checkpoint_stores):
+            cluster.start_store(index=index)
         syncer = cluster.start_syncer(run_id=run_id, extra=[
             "--model", args.model, "--model-config", _model_config(args, vocab_size),
             "--num-fragments", str(args.num_fragments),

@@ -617,6 +617,8 @@ CHECKPOINT_POLICY: Mapping[str, frozenset[str]] = {
     "/ddiloco.v1.CheckpointStore/StatBlobs": _STORE_METADATA,
     "/ddiloco.v1.CheckpointStore/GetLatestManifest": _STORE_METADATA,
     "/ddiloco.v1.CheckpointStore/ListManifests": _STORE_METADATA,
+    # Repair of a replica writes manifests: the syncer (or `ddiloco store repair` as the syncer).
+    "/ddiloco.v1.CheckpointStore/RestoreManifest": frozenset({KIND_SYNCER}),
 }
 
 GUARDED_PREFIX = "/ddiloco.v1."

@@ -6,7 +6,7 @@ blobs atomically. A checkpoint exists once its manifest is committed; a manifest
 references blobs the store already holds, so a committed checkpoint is always readable.
 
 Authentication (mutual TLS or bearer tokens, when configured): only the `syncer` identity may
-write (PutBlob, CommitManifest); `syncer` and `reader` identities may read; anyone else gets
+write (PutBlob, CommitManifest, RestoreManifest); `syncer` and `reader` identities may read; anyone else gets
 PERMISSION_DENIED, and no or an invalid credential UNAUTHENTICATED.
 """
 
@@ -412,3 +412,47 @@ class ListManifestsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListManifestsResponse: _TypeAlias = ListManifestsResponse  # noqa: Y015
+
+@_typing.final
+class RestoreManifestRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def manifest(self) -> Global___Manifest: ...
+    def __init__(
+        self,
+        *,
+        manifest: Global___Manifest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreManifestRequest: _TypeAlias = RestoreManifestRequest  # noqa: Y015
+
+@_typing.final
+class RestoreManifestResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESTORED_FIELD_NUMBER: _builtins.int
+    RETAINED_FIELD_NUMBER: _builtins.int
+    restored: _builtins.bool
+    """False when the store already held this manifest (nothing was written)."""
+    retained: _builtins.bool
+    """False when the retention policy dropped it at once (older than every retained step)."""
+    def __init__(
+        self,
+        *,
+        restored: _builtins.bool = ...,
+        retained: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["restored", b"restored", "retained", b"retained"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreManifestResponse: _TypeAlias = RestoreManifestResponse  # noqa: Y015

@@ -64,6 +64,11 @@ class CheckpointStoreStub:
                 request_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.ListManifestsRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.ListManifestsResponse.FromString,
                 _registered_method=True)
+        self.RestoreManifest = channel.unary_unary(
+                '/ddiloco.v1.CheckpointStore/RestoreManifest',
+                request_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestRequest.SerializeToString,
+                response_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointStoreServicer:
@@ -117,6 +122,18 @@ class CheckpointStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestoreManifest(self, request, context):
+        """Repair of a replica: stores a manifest copied from a peer store verbatim, at its own step,
+        which may be older than the run's latest (CommitManifest refuses that, to stop a stale
+        writer). Every referenced blob must exist (FAILED_PRECONDITION otherwise); a manifest
+        already held at that step with the same blobs and metadata is a no-op, a different one is
+        ALREADY_EXISTS. The run's retention policy applies afterwards, so a step older than the
+        retained ones is dropped again (retained = false). Only the `syncer` identity may call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +166,11 @@ def add_CheckpointStoreServicer_to_server(servicer, server):
                     servicer.ListManifests,
                     request_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.ListManifestsRequest.FromString,
                     response_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.ListManifestsResponse.SerializeToString,
+            ),
+            'RestoreManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreManifest,
+                    request_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestRequest.FromString,
+                    response_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +335,33 @@ class CheckpointStore:
             '/ddiloco.v1.CheckpointStore/ListManifests',
             ddiloco_dot_v1_dot_checkpoint__pb2.ListManifestsRequest.SerializeToString,
             ddiloco_dot_v1_dot_checkpoint__pb2.ListManifestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddiloco.v1.CheckpointStore/RestoreManifest',
+            ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestRequest.SerializeToString,
+            ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestResponse.FromString,
             options,
             channel_credentials,
             insecure,

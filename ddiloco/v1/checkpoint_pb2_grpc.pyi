@@ -6,7 +6,7 @@ blobs atomically. A checkpoint exists once its manifest is committed; a manifest
 references blobs the store already holds, so a committed checkpoint is always readable.
 
 Authentication (mutual TLS or bearer tokens, when configured): only the `syncer` identity may
-write (PutBlob, CommitManifest); `syncer` and `reader` identities may read; anyone else gets
+write (PutBlob, CommitManifest, RestoreManifest); `syncer` and `reader` identities may read; anyone else gets
 PERMISSION_DENIED, and no or an invalid credential UNAUTHENTICATED.
 """
 
@@ -59,6 +59,14 @@ class CheckpointStoreStub:
     """The latest committed manifest of a run (found = false when there is none)."""
     ListManifests: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.ListManifestsRequest, _checkpoint_pb2.ListManifestsResponse]
     """The committed manifests of a run still retained, oldest first."""
+    RestoreManifest: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.RestoreManifestRequest, _checkpoint_pb2.RestoreManifestResponse]
+    """Repair of a replica: stores a manifest copied from a peer store verbatim, at its own step,
+    which may be older than the run's latest (CommitManifest refuses that, to stop a stale
+    writer). Every referenced blob must exist (FAILED_PRECONDITION otherwise); a manifest
+    already held at that step with the same blobs and metadata is a no-op, a different one is
+    ALREADY_EXISTS. The run's retention policy applies afterwards, so a step older than the
+    retained ones is dropped again (retained = false). Only the `syncer` identity may call it.
+    """
 
 @_typing.type_check_only
 class CheckpointStoreAsyncStub(CheckpointStoreStub):
@@ -84,6 +92,14 @@ class CheckpointStoreAsyncStub(CheckpointStoreStub):
     """The latest committed manifest of a run (found = false when there is none)."""
     ListManifests: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.ListManifestsRequest, _checkpoint_pb2.ListManifestsResponse]  # type: ignore[assignment]
     """The committed manifests of a run still retained, oldest first."""
+    RestoreManifest: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.RestoreManifestRequest, _checkpoint_pb2.RestoreManifestResponse]  # type: ignore[assignment]
+    """Repair of a replica: stores a manifest copied from a peer store verbatim, at its own step,
+    which may be older than the run's latest (CommitManifest refuses that, to stop a stale
+    writer). Every referenced blob must exist (FAILED_PRECONDITION otherwise); a manifest
+    already held at that step with the same blobs and metadata is a no-op, a different one is
+    ALREADY_EXISTS. The run's retention policy applies afterwards, so a step older than the
+    retained ones is dropped again (retained = false). Only the `syncer` identity may call it.
+    """
 
 class CheckpointStoreServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -142,5 +158,19 @@ class CheckpointStoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_checkpoint_pb2.ListManifestsResponse, _abc.Awaitable[_checkpoint_pb2.ListManifestsResponse]]:
         """The committed manifests of a run still retained, oldest first."""
+
+    @_abc_1.abstractmethod
+    def RestoreManifest(
+        self,
+        request: _checkpoint_pb2.RestoreManifestRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.RestoreManifestResponse, _abc.Awaitable[_checkpoint_pb2.RestoreManifestResponse]]:
+        """Repair of a replica: stores a manifest copied from a peer store verbatim, at its own step,
+        which may be older than the run's latest (CommitManifest refuses that, to stop a stale
+        writer). Every referenced blob must exist (FAILED_PRECONDITION otherwise); a manifest
+        already held at that step with the same blobs and metadata is a no-op, a different one is
+        ALREADY_EXISTS. The run's retention policy applies afterwards, so a step older than the
+        retained ones is dropped again (retained = false). Only the `syncer` identity may call it.
+        """
 
 def add_CheckpointStoreServicer_to_server(servicer: CheckpointStoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -167,3 +167,17 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
         return checkpoint_pb2.ListManifestsResponse(
             manifests=[_manifest_to_proto(m) for m in manifests]
         )
+
+    async def RestoreManifest(self, request, context):
+        try:
+            restored, retained = await asyncio.to_thread(
+                self._store.restore_manifest, _manifest_from_proto(request.manifest)
+            )
+        except errors.ServiceError as exc:
+            await _abort(context, "RestoreManifest", exc)
+        _LOG.info(
+            "%s run=%s step=%d restored=%s retained=%s",
+            _P.format("RestoreManifest"), request.manifest.run_id, request.manifest.step,
+            restored, retained,
+        )
+        return checkpoint_pb2.RestoreManifestResponse(restored=restored, retained=retained)

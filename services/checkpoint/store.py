@@ -8,6 +8,7 @@ Layout under `root`:
 
     blobs/<first 2 hex>/<sha256 hex>          immutable blob bytes
     manifests/<run_id>/<step:020d>.json       one committed checkpoint of a run
+    quarantine/<sha256 hex>.<unix s>          a blob that failed verification, kept for forensics
 
 Every file is written as `<name>.tmp-<random>` in its target's directory, then flushed,
 fsynced, renamed over the target with `os.replace`, and the directory is fsynced (without
@@ -35,13 +36,22 @@ import logging
 import os
 import pathlib
 import re
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from ddiloco.rpc import errors
+from services.checkpoint.blob_io import (  # noqa: F401 (BlobReader, BlobWriter: re-exported)
+    DEFAULT_CHUNK_BYTES,
+    BlobReader,
+    BlobWriter,
+)
+from services.checkpoint.blob_io import disk_full_as_resource_exhausted as _disk_full_as_resource_exhausted
+from services.checkpoint.blob_io import ensure_dir as _ensure_dir
+from services.checkpoint.blob_io import fsync_dir as _fsync_dir
+from services.checkpoint.blob_io import tmp_path as _tmp_path
+from services.checkpoint.blob_io import unlink_quietly as _unlink_quietly
 
 _LOG = logging.getLogger(__name__)
 
@@ -57,7 +67,6 @@ FAILPOINT_ACTIONS: frozenset[str] = frozenset({"crash", "enospc"})
 # The exit status of a process killed by SIGKILL, so a crash failpoint looks like one.
 CRASH_EXIT_CODE = 137
 
-DEFAULT_CHUNK_BYTES = 512 * 1024
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 # A run id becomes a directory name: no separators, no leading dot, bounded length.
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -65,7 +74,6 @@ _MANIFEST_RE = re.compile(r"(\d{20})\.json")
 _TMP_RE = re.compile(r".+\.tmp-[0-9a-f]+")
 # Written into every manifest so a future layout change can be recognized.
 _MANIFEST_FORMAT_VERSION = 1
-_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,215 +156,6 @@ def validate_run_id(run_id: str) -> str:
     return run_id
 
 
-def _tmp_path(target: pathlib.Path) -> pathlib.Path:
-    return target.with_name(f"{target.name}.tmp-{secrets.token_hex(8)}")
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _ensure_dir(path: pathlib.Path) -> None:
-    """Creates `path` (one level) durably: the new entry is fsynced into its parent."""
-    if path.is_dir():
-        return
-    with contextlib.suppress(FileExistsError):  # a concurrent writer created it first
-        path.mkdir()
-        _fsync_dir(path.parent)
-
-
-def _unlink_quietly(path: pathlib.Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
-@contextlib.contextmanager
-def _disk_full_as_resource_exhausted(what: str) -> Iterator[None]:
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno in _DISK_FULL_ERRNOS:
-            raise errors.ResourceExhausted(f"{what}: no space left on the store's disk") from exc
-        raise
-
-
-# ---------------------------------------------------------------------------------------------
-# Blob streams.
-
-
-class BlobWriter:
-    """One blob being uploaded: stream `write()`s, then `commit()` or `abort()`.
-
-    The bytes go to a temp file and become visible only in `commit()`, after their size and
-    sha256 match the header. Any failure (or `abort()`, or leaving the `with` block without
-    committing) removes the temp file. If the store already holds the digest at commit time,
-    the verified temp copy is discarded and the stored blob is touched instead (a no-op for
-    readers). Re-uploads still write a temp copy: rare (clients stat first), and it means a
-    blob garbage-collected during the upload is simply stored again.
-
-    NOTE: methods take a lock, so the servicer may call `abort()` from a cleanup path while a
-    `write()` is still running in a worker thread.
-    """
-
-    def __init__(self, store: BlobStore, digest: str, size_bytes: int, target: pathlib.Path):
-        self.digest = digest
-        self.size_bytes = size_bytes
-        self.written_bytes = 0
-        self._store = store
-        self._target = target
-        self._tmp = _tmp_path(target)
-        self._hash = hashlib.sha256()
-        self._lock = threading.Lock()
-        self._done = False
-        self._file = None
-        with self._failing_aborts("creating a temp file"):
-            _ensure_dir(target.parent)
-            self._file = open(self._tmp, "xb")
-
-    def __enter__(self) -> BlobWriter:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.abort()
-
-    def write(self, data: bytes) -> None:
-        """Appends `data`. Raises InvalidArgument past the declared size (and aborts)."""
-        with self._lock:
-            self._check_open()
-            if self.written_bytes + len(data) > self.size_bytes:
-                self._abort_locked()
-                raise errors.InvalidArgument(
-                    f"blob {self.digest}: more than the declared {self.size_bytes} bytes arrived"
-                )
-            self._hash.update(data)
-            self.written_bytes += len(data)
-            with self._failing_aborts("writing"):
-                self._store._failpoint("store.write")
-                self._file.write(data)
-
-    def commit(self) -> bool:
-        """Verifies size and sha256, then makes the blob visible atomically.
-
-        Returns:
-          True if the store already held the blob (the upload changed nothing).
-
-        Raises:
-          InvalidArgument: size or digest mismatch (the temp file is removed).
-          ResourceExhausted: the disk filled up (the temp file is removed).
-        """
-        with self._lock:
-            self._check_open()
-            if self.written_bytes != self.size_bytes:
-                self._abort_locked()
-                raise errors.InvalidArgument(
-                    f"blob {self.digest}: got {self.written_bytes} bytes, header declared "
-                    f"{self.size_bytes}"
-                )
-            actual = self._hash.hexdigest()
-            if actual != self.digest:
-                self._abort_locked()
-                raise errors.InvalidArgument(
-                    f"blob {self.digest}: the data hashes to {actual}; nothing was stored"
-                )
-            if self._store._touch(self._target):
-                self._abort_locked()
-                return True
-            with self._failing_aborts("committing"):
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self._file.close()
-                self._store._rename_into_place(self._tmp, self._target)
-            self._done = True
-            return False
-
-    def abort(self) -> None:
-        """Discards the upload and its temp file; a no-op after commit or a previous abort."""
-        with self._lock:
-            self._abort_locked()
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise errors.FailedPrecondition(f"blob {self.digest}: upload already finished")
-
-    def _abort_locked(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                self._file.close()
-        _unlink_quietly(self._tmp)
-
-    @contextlib.contextmanager
-    def _failing_aborts(self, what: str) -> Iterator[None]:
-        try:
-            with _disk_full_as_resource_exhausted(f"blob {self.digest}: {what}"):
-                yield
-        except BaseException:
-            self._abort_locked()
-            raise
-
-
-class BlobReader:
-    """An open blob whose full content was verified against its digest on open.
-
-    `read()` streams the same open file again and re-hashes it; if the bytes changed after the
-    first pass, the final `read()` raises DataLoss instead of signalling a clean end. So a
-    caller never sees a complete blob that does not match its digest, while memory stays at one
-    chunk (the cost is reading the blob twice; the second pass is usually page cache).
-
-    NOTE: methods take a lock, so `close()` may run while a `read()` is in a worker thread.
-    """
-
-    def __init__(self, path: pathlib.Path, digest: str):
-        self.digest = digest
-        self._lock = threading.Lock()
-        try:
-            self._file = open(path, "rb")
-        except FileNotFoundError:
-            raise errors.NotFound(f"blob {digest} not found") from None
-        try:
-            first_pass = hashlib.sha256()
-            while chunk := self._file.read(DEFAULT_CHUNK_BYTES):
-                first_pass.update(chunk)
-            if first_pass.hexdigest() != digest:
-                raise errors.DataLoss(
-                    f"blob {digest}: stored bytes hash to {first_pass.hexdigest()}"
-                )
-            self.size_bytes = self._file.tell()
-            self._file.seek(0)
-        except BaseException:
-            self._file.close()
-            raise
-        self._hash = hashlib.sha256()
-        self._read_bytes = 0
-
-    def __enter__(self) -> BlobReader:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def read(self, max_bytes: int) -> bytes:
-        """The next chunk, or b"" at a verified end. Raises DataLoss if the bytes changed."""
-        with self._lock:
-            chunk = self._file.read(max_bytes)
-            self._hash.update(chunk)
-            self._read_bytes += len(chunk)
-            if not chunk and (
-                self._hash.hexdigest() != self.digest or self._read_bytes != self.size_bytes
-            ):
-                raise errors.DataLoss(f"blob {self.digest}: stored bytes changed while reading")
-            return chunk
-
-    def close(self) -> None:
-        with self._lock:
-            self._file.close()
-
 
 # ---------------------------------------------------------------------------------------------
 # The store.
@@ -430,8 +229,26 @@ class BlobStore:
             return digest, writer.commit()
 
     def open_blob(self, digest: str) -> BlobReader:
-        """Opens a blob after verifying all of its bytes (NotFound, DataLoss)."""
-        return BlobReader(self._blob_path(validate_digest(digest)), digest)
+        """Opens a blob after verifying all of its bytes (NotFound, DataLoss).
+
+        A blob whose bytes no longer match its digest is moved to `quarantine/` before DataLoss
+        is raised: the store then reports it absent (StatBlobs), so a replica's repair or the
+        next upload stores the right bytes again instead of being told it already exists.
+        """
+        path = self._blob_path(validate_digest(digest))
+        try:
+            return BlobReader(path, digest)
+        except errors.DataLoss:
+            self._quarantine(path)
+            raise
+
+    def _quarantine(self, path: pathlib.Path) -> None:
+        quarantine = self.root / "quarantine"
+        with self._lock, contextlib.suppress(FileNotFoundError):
+            _ensure_dir(quarantine)
+            os.replace(path, quarantine / f"{path.name}.{int(self._clock())}")
+            _fsync_dir(path.parent)
+            _LOG.error("blob %s failed verification; moved to %s", path.name, quarantine)
 
     def read_blob(self, digest: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
         """Yields the blob in chunks; nothing is yielded unless the whole blob verified first.
@@ -473,19 +290,7 @@ class BlobStore:
         record = self._normalize_manifest(manifest)
         run_id, step = record["run_id"], record["step"]
         with self._lock:
-            for ref in record["blobs"]:
-                try:
-                    stored_bytes = self._blob_path(ref["digest"]).stat().st_size
-                except FileNotFoundError:
-                    raise errors.FailedPrecondition(
-                        f"run {run_id} step {step}: blob {ref['name']!r} ({ref['digest']}) is "
-                        "not in the store; upload it before committing"
-                    ) from None
-                if stored_bytes != ref["size_bytes"]:
-                    raise errors.InvalidArgument(
-                        f"run {run_id} step {step}: blob {ref['name']!r} is {stored_bytes} bytes, "
-                        f"the manifest says {ref['size_bytes']}"
-                    )
+            self._check_blobs_locked(record, "upload it before committing")
             steps = self._steps(run_id)
             if steps and step <= steps[-1]:
                 if step == steps[-1] and self._same_content(self._load(run_id, step), record):
@@ -502,6 +307,41 @@ class BlobStore:
             self._collect_garbage()
         _LOG.info("committed run=%s step=%d pruned=%d", run_id, step, pruned)
         return step, pruned
+
+    def restore_manifest(self, manifest: Mapping[str, Any]) -> tuple[bool, bool]:
+        """Stores a manifest copied from a peer replica verbatim, at its own step (repair).
+
+        Unlike `commit_manifest`, the step may be older than the run's latest: a replica that
+        was down missed commits its peers hold, and later commits may already have reached it.
+
+        Returns:
+          (restored: False if this manifest was already held, retained: False if the retention
+          policy dropped it at once because it is older than every retained step).
+
+        Raises:
+          InvalidArgument: malformed manifest (as `commit_manifest`).
+          FailedPrecondition: a referenced blob is missing (copy the blobs first).
+          AlreadyExists: a different manifest is held at that step.
+          ResourceExhausted: the disk is full.
+        """
+        record = self._normalize_manifest(manifest)
+        run_id, step = record["run_id"], record["step"]
+        with self._lock:
+            self._check_blobs_locked(record, "copy the blobs before the manifest")
+            steps = self._steps(run_id)
+            if step in steps:
+                if self._same_content(self._load(run_id, step), record):
+                    return False, True
+                raise errors.AlreadyExists(
+                    f"run {run_id}: a different manifest is already held at step {step}"
+                )
+            _ensure_dir(self._manifests / run_id)
+            data = json.dumps({"format_version": _MANIFEST_FORMAT_VERSION, **record}, indent=1)
+            self._write_atomic(self._manifest_path(run_id, step), data.encode())
+            self._apply_retention(run_id, sorted([*steps, step]))
+            retained = step in self._steps(run_id)
+        _LOG.info("restored run=%s step=%d retained=%s", run_id, step, retained)
+        return True, retained
 
     def latest_manifest(self, run_id: str) -> dict[str, Any] | None:
         """The latest committed manifest of `run_id`, or None."""
@@ -596,6 +436,23 @@ class BlobStore:
         created = float(manifest.get("created_unix_s") or 0.0) or self._clock()
         return {"run_id": run_id, "step": step, "created_unix_s": created, "blobs": blobs,
                 "metadata": metadata}
+
+    def _check_blobs_locked(self, record: Mapping[str, Any], hint: str) -> None:
+        """Every blob of `record` is held at its declared size. NOTE: call with the lock held."""
+        run_id, step = record["run_id"], record["step"]
+        for ref in record["blobs"]:
+            try:
+                stored_bytes = self._blob_path(ref["digest"]).stat().st_size
+            except FileNotFoundError:
+                raise errors.FailedPrecondition(
+                    f"run {run_id} step {step}: blob {ref['name']!r} ({ref['digest']}) is "
+                    f"not in the store; {hint}"
+                ) from None
+            if stored_bytes != ref["size_bytes"]:
+                raise errors.InvalidArgument(
+                    f"run {run_id} step {step}: blob {ref['name']!r} is {stored_bytes} bytes, "
+                    f"the manifest says {ref['size_bytes']}"
+                )
 
     @staticmethod
     def _same_content(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

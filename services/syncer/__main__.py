@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from ddiloco import checkpoint_client as checkpoint_client_lib
+from ddiloco import checkpoint_replicas as replicas_lib
 from ddiloco import logs, models, runtime
 from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
@@ -134,6 +135,27 @@ async def _restore(client, cfg: config_lib.SyncerConfig) -> dict | None:
     return state
 
 
+# Replicated stores: how long one store's client retries a transient failure before the replicated
+# client counts that store as down for the call (its peers carry the checkpoint; repair catches up).
+_REPLICA_RETRY_S = 5.0
+
+
+def _checkpoint_client(cfg: config_lib.SyncerConfig, security: security_lib.ClientSecurity):
+    """One store: the plain client, as always. Several: the replicated client over one per store."""
+    def one(target: str, retry_s: float) -> checkpoint_client_lib.CheckpointClient:
+        return checkpoint_client_lib.CheckpointClient(
+            channel_lib.aio_channel(target, security), timeout=datetime.timedelta(seconds=10),
+            retry_timeout=datetime.timedelta(seconds=retry_s))
+
+    targets = cfg.checkpoint_targets
+    if len(targets) == 1:
+        return one(targets[0], cfg.restore_timeout_s)
+    return replicas_lib.ReplicatedCheckpointClient(
+        {t: one(t, min(_REPLICA_RETRY_S, cfg.restore_timeout_s)) for t in targets},
+        write_quorum=cfg.checkpoint_write_quorum or None, call_timeout_s=10.0,
+        blob_timeout_s=cfg.checkpoint_timeout_s, quorum_wait_s=cfg.restore_timeout_s)
+
+
 def _dp_stepper_factory(cfg: config_lib.SyncerConfig):
     """dp mode: each fragment gets the learners' AdamW (tensor-aware: decay mask, clipping)."""
     optimizer = inner_lib.make_inner_optimizer(inner_lib.InnerOptConfig(
@@ -170,13 +192,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         cfg=cfg, plan=plan, model_name=model.name, model_config_json=json.dumps(dict(model.config), sort_keys=True),
         fingerprint=fingerprint,
     )
-    client = None
-    if cfg.checkpoint_target:
-        client = checkpoint_client_lib.CheckpointClient(
-            channel_lib.aio_channel(cfg.checkpoint_target, store_security),
-            timeout=datetime.timedelta(seconds=10),
-            retry_timeout=datetime.timedelta(seconds=cfg.restore_timeout_s),
-        )
+    client = _checkpoint_client(cfg, store_security) if cfg.checkpoint_target else None
     core = core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
@@ -197,12 +213,14 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         restore_started = time.monotonic()
         try:
             state = await _restore(client, cfg)
-        except retry_lib.RetriesExhausted as exc:
+        except (retry_lib.RetriesExhausted, replicas_lib.QuorumError) as exc:
             _LOG.error(f"checkpoint store unreachable, refusing to start a fresh run over it: {exc}")
             return 3
         if state is not None:
             core.restore(state)
             metrics.restore_seconds.set(time.monotonic() - restore_started)
+        if isinstance(client, replicas_lib.ReplicatedCheckpointClient):
+            client.start_repair([cfg.run_id], interval_s=cfg.checkpoint_repair_interval_s)
     # Captured before serving, so the ready file shows exactly what was restored.
     history = history_lib.attach(core, cfg.history_file)  # fault tests: what the invariant checkers read
     if history is not None:
@@ -259,6 +277,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     await _settle_merges(core)
     await checkpointer.drain()
     await checkpointer.save()
+    if isinstance(client, replicas_lib.ReplicatedCheckpointClient):
+        await client.close()
     if history is not None:
         history.shutdown()
     _exit_if_teardown_hangs(0, _TEARDOWN_LIMIT_S)

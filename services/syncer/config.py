@@ -27,6 +27,10 @@ class SyncerConfig:
     ready_file: str = ""  # if set, JSON {address, pid} is written here once serving
     run_id: str = "default"  # names the run in the checkpoint store; keep it across restarts
     checkpoint_target: str = ""  # host:port of the checkpoint store; empty disables checkpoints
+    # Replicated stores (--checkpoint-target a,b[,c]): stores that must take each blob and manifest;
+    # 0: 2 with two or more stores (a checkpoint survives losing any one store), else 1.
+    checkpoint_write_quorum: int = 0
+    checkpoint_repair_interval_s: float = 30.0  # replicated stores: background repair pass period
     checkpoint_every_merges: int = 16  # checkpoint after this many merges (and on SIGTERM)
     checkpoint_timeout_s: float = 30.0  # overall bound for one checkpoint write, retries included
     restore_timeout_s: float = 30.0  # how long to wait for the store at start before giving up
@@ -179,6 +183,11 @@ class SyncerConfig:
             raise bad("direction_judge_wait_s", "must be >= 0")
         if self.health_bind and ":" not in self.health_bind:
             raise bad("health_bind", "must be host:port")
+        if not 0 <= self.checkpoint_write_quorum <= max(1, len(self.checkpoint_targets)):
+            raise bad("checkpoint_write_quorum", f"must be 0 (default) or 1..{len(self.checkpoint_targets)}, the "
+                      "number of --checkpoint-target stores")
+        if not self.checkpoint_repair_interval_s > 0:
+            raise bad("checkpoint_repair_interval_s", "must be > 0")
         try:
             failpoints_lib.parse(self.failpoints, prefix="syncer.")
         except ValueError as exc:
@@ -189,6 +198,11 @@ class SyncerConfig:
         return security.ServerSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
                                        insecure=self.insecure, auth_tokens_file=self.auth_tokens_file,
                                        tls_deny_list=self.tls_deny_list)
+
+    @property
+    def checkpoint_targets(self) -> list[str]:
+        """The checkpoint stores: --checkpoint-target split at commas (one store: today's single store)."""
+        return [t.strip() for t in self.checkpoint_target.split(",") if t.strip()]
 
     def checkpoint_security(self) -> security.ClientSecurity:
         """How the syncer reaches the store: its own certificate as the client certificate."""
@@ -266,7 +280,12 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "dp_weight_decay": "dp mode: AdamW weight decay (matrices only)",
         "ready_file": "write {address, pid} JSON here once serving",
         "run_id": "run name in the checkpoint store; the same id restores the same run",
-        "checkpoint_target": "checkpoint store host:port (empty: no checkpoints)",
+        "checkpoint_target": "checkpoint store host:port (empty: no checkpoints); a comma list of stores replicates "
+                             "every checkpoint (docs/failover-stores.md)",
+        "checkpoint_write_quorum": "replicated stores: how many must take each blob and manifest for a checkpoint "
+                                   "to count (0: 2 with two or more stores, else 1)",
+        "checkpoint_repair_interval_s": "replicated stores: seconds between background passes that copy what a "
+                                        "store missed from its peers (also run after a commit some store missed)",
         "checkpoint_every_merges": "checkpoint after this many merges (and on SIGTERM)",
         "checkpoint_timeout_s": "overall bound for writing one checkpoint, retries included",
         "restore_timeout_s": "wait this long for the checkpoint store at start, then exit non-zero",

@@ -1024,3 +1024,22 @@ def test_gpu_learners_may_use_their_own_image_and_need_a_divisible_batch(render,
     bad.write_text(json.dumps({"learners": {"gpu": {"enabled": True, "count": 3}}}))  # batchSize 16
     proc = tools.helm_run("template", "ddiloco", str(CHART), "--values", str(bad), check=False)
     assert proc.returncode != 0 and "not divisible by learners.gpu.count=3" in proc.stderr, proc.stderr
+
+
+def test_store_replicas_are_spread_over_zones_and_all_replicated_to(render, k8s_versions):
+    """store.replicas=3: one StatefulSet of 3 pods (a volume each) spread over zones, and the syncer
+    writes every checkpoint to the 3 stable pod names."""
+    docs = render("default", "--set", "store.replicas=3")
+    problems = validate_strictly(docs, k8s_versions)
+    assert not problems, "\n".join(problems)
+    store = one(docs, "StatefulSet", "store")
+    assert store["spec"]["replicas"] == 3
+    (spread,) = store["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "topology.kubernetes.io/zone"
+    syncer = one(docs, "Deployment", "syncer")
+    (container,) = syncer["spec"]["template"]["spec"]["containers"]
+    env = container_env(docs, syncer, container, first_pod_name(syncer))
+    assert env["DDILOCO_SYNCER_CHECKPOINT_TARGET"] == ",".join(
+        f"ddiloco-store-{i}.ddiloco-store:50052" for i in range(3))
+    single = one(render("default"), "StatefulSet", "store")
+    assert single["spec"]["replicas"] == 1 and "topologySpreadConstraints" not in single["spec"]["template"]["spec"]

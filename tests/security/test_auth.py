@@ -163,6 +163,12 @@ def test_checkpoint_store_only_lets_the_syncer_write(tmp_path, pki):
         assert code_of(lambda: operator.PutBlob(iter(put), timeout=5)) == DENIED
         assert code_of(lambda: operator.CommitManifest(checkpoint_pb2.CommitManifestRequest(
             manifest=checkpoint_pb2.Manifest(run_id="security", step=99)), timeout=5)) == DENIED
+        restore = checkpoint_pb2.RestoreManifestRequest(manifest=checkpoint_pb2.Manifest(run_id="security", step=0))
+        assert code_of(lambda: operator.RestoreManifest(restore, timeout=5)) == DENIED  # repair writes too
+        assert code_of(lambda: learner.RestoreManifest(restore, timeout=5)) == DENIED
+        held = operator.GetLatestManifest(latest, timeout=5).manifest
+        again = store("syncer").RestoreManifest(checkpoint_pb2.RestoreManifestRequest(manifest=held), timeout=5)
+        assert (again.restored, again.retained) == (False, True)  # the syncer may; it held it already
         assert operator.GetLatestManifest(latest, timeout=5).manifest.step == committed[0][0]  # readers read
         assert code_of(lambda: store("rogue").GetLatestManifest(latest, timeout=3)) == grpc.StatusCode.UNAVAILABLE
         assert h.committed() == committed

@@ -356,3 +356,25 @@ def test_config_help_mentions_every_env_var(capsys) -> None:
     for field in [f.name for f in dataclasses.fields(config_lib.CheckpointConfig)]:
         env = config_lib.FAILPOINTS_ENV if field == "failpoints" else config_lib._env(field)
         assert env in out
+
+
+def test_restore_manifest_fills_a_step_below_the_latest(tmp_path: pathlib.Path) -> None:
+    store = store_lib.BlobStore(tmp_path, retention=store_lib.LatestN(3))
+    blobs = {f"b{i}": os.urandom(100) for i in range(6)}
+    for data in blobs.values():
+        store.put_blob(data)
+    for step in (1, 3, 4):
+        store.commit_manifest(_manifest("run", step, {"p": blobs[f"b{step}"]}))
+    with pytest.raises(errors.FailedPrecondition):  # a writer may not go back ...
+        store.commit_manifest(_manifest("run", 2, {"p": blobs["b2"]}))
+    # ... a repair may: its peer committed step 2 while this replica was down.
+    assert store.restore_manifest(_manifest("run", 2, {"p": blobs["b2"]})) == (True, True)
+    assert [m["step"] for m in store.list_manifests("run")] == [2, 3, 4]  # LatestN(3) dropped 1
+    assert store.restore_manifest(_manifest("run", 2, {"p": blobs["b2"]})) == (False, True)
+    with pytest.raises(errors.AlreadyExists, match="step 3"):
+        store.restore_manifest(_manifest("run", 3, {"p": blobs["b5"]}))
+    # Older than every retained step: written, then dropped by retention at once.
+    assert store.restore_manifest(_manifest("run", 0, {"p": blobs["b0"]})) == (True, False)
+    with pytest.raises(errors.FailedPrecondition, match="copy the blobs"):
+        store.restore_manifest(_manifest("run", 9, {"p": b"not stored"}))
+    assert store.latest_manifest("run")["step"] == 4

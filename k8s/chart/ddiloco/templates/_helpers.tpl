@@ -96,8 +96,9 @@ the in-cluster Service of this release's syncer.
 {{- end }}
 
 {{/*
-host:port of the checkpoint store as the syncer reaches it: the stable DNS name of the store's
-only pod behind its headless Service, or syncer.checkpointTarget.
+host:port of the checkpoint store(s) as the syncer reaches them: the stable DNS names of the
+store's pods behind its headless Service (a comma list with store.replicas > 1), or
+syncer.checkpointTarget.
 */}}
 {{- define "ddiloco.checkpointTarget" -}}
 {{- if .Values.syncer.checkpointTarget }}
@@ -105,7 +106,11 @@ only pod behind its headless Service, or syncer.checkpointTarget.
 {{- .Values.syncer.checkpointTarget }}
 {{- else if .Values.store.enabled }}
 {{- $store := printf "%s-store" (include "ddiloco.fullname" .) }}
-{{- printf "%s-0.%s:%d" $store $store (int .Values.store.port) }}
+{{- $targets := list }}
+{{- range $i := until (int (.Values.store.replicas | default 1)) }}
+{{- $targets = append $targets (printf "%s-%d.%s:%d" $store $i $store (int $.Values.store.port)) }}
+{{- end }}
+{{- join "," $targets }}
 {{- else }}
 {{- fail "the syncer needs a checkpoint store: set store.enabled=true or syncer.checkpointTarget" }}
 {{- end }}
