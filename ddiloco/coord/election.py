@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -29,7 +30,7 @@ from ddiloco.coord import etcd as etcd_lib
 
 _LOG = logging.getLogger("ddiloco.coord")
 
-KEEPALIVES_PER_TTL = 3  # keep-alives per lease TTL: two may be lost before the lease is at risk
+KEEPALIVES_PER_TTL = 6  # keep-alives per lease TTL: several may be lost or late before the lease is at risk
 FENCE_MARGIN_FRACTION = 0.2  # of the TTL: leadership ends locally this long before etcd's expiry
 
 
@@ -147,12 +148,16 @@ class Election:
                 on_observed(self.leader)
             await asyncio.sleep(self.poll_interval_s)
 
-    async def hold(self) -> str:
+    async def hold(self, etcd: etcd_lib.Etcd | None = None) -> str:
         """While leading: keeps the lease alive; returns why leadership ended (lease expired, or
-        not refreshed before the local deadline)."""
+        not refreshed before the local deadline, or step_down). `etcd`: another client of the
+        same cluster, when this runs on another event loop than the campaign (LeaseKeeper)."""
+        etcd = etcd or self._etcd
         while True:
             now = self._clock()
             deadline_s = self.valid_until_s()
+            if not self.epoch:
+                return "stepped down"
             if now >= deadline_s:
                 return f"lease not refreshed for {self._ttl_s - self.fence_margin_s:.1f} s (etcd unreachable)"
             await asyncio.sleep(max(0.0, min(self._next_refresh_s, deadline_s) - now))
@@ -160,7 +165,7 @@ class Election:
                 continue
             sent_at = self._clock()
             try:
-                ttl_s = await self._etcd.keepalive(self.lease_id, timeout_s=self.valid_until_s() - sent_at)
+                ttl_s = await etcd.keepalive(self.lease_id, timeout_s=self.valid_until_s() - sent_at)
             except etcd_lib.EtcdUnavailable as exc:
                 _LOG.warning(f"leader lease keep-alive: {exc}")
                 self._next_refresh_s = self._clock() + min(0.2, self._ttl_s / 10)
@@ -184,3 +189,43 @@ class Election:
             except etcd_lib.EtcdUnavailable as exc:
                 _LOG.warning(f"resign: {exc}; the lease expires on its own")
             self.lease_id = 0
+
+
+class LeaseKeeper:
+    """Runs a leader's `Election.hold()` on a thread of its own, with its own event loop and etcd
+    client: a busy or stalled event loop of the service (a long merge, a loaded machine) then
+    cannot delay the keep-alives and cost the leadership. `on_lost(reason)` is called from that
+    thread once leadership is gone; the service's own checks (`is_leader`) need no thread: they
+    compare the clock with the deadline the keeper moves forward."""
+
+    def __init__(self, election: Election, endpoints: list[str], *, call_timeout_s: float,
+                 on_lost: Callable[[str], None]) -> None:
+        self._election = election
+        self._endpoints = endpoints
+        self._call_timeout_s = call_timeout_s
+        self._on_lost = on_lost
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        async def hold() -> str:
+            etcd = etcd_lib.Etcd(self._endpoints, call_timeout_s=self._call_timeout_s)
+            try:
+                return await self._election.hold(etcd)
+            finally:
+                await etcd.close()
+
+        try:
+            reason = asyncio.run(hold())
+        except Exception as exc:  # noqa: BLE001 - whatever broke the keeper, the lease is no longer kept
+            reason = f"lease keeper failed: {exc!r}"
+        self._election.step_down()
+        try:
+            self._on_lost(reason)
+        except RuntimeError as exc:  # the service's event loop is already closed: it is stopping anyway
+            _LOG.info(f"leadership ended ({reason}) while stopping: {exc}")
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)

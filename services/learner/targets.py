@@ -50,6 +50,8 @@ class SyncerTargets:
         """The address of the next session: a named leader, else after a failure the next address."""
         if self._hint:
             target, self._hint = self._hint, ""
+            if target in self.targets:  # a later rotation goes on from the leader's place
+                self._index = self.targets.index(target)
         elif self.current and len(self.targets) > 1:
             self._index = (self._index + 1) % len(self.targets)
             target = self.targets[self._index]

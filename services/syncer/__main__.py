@@ -300,7 +300,13 @@ async def _lead(cfg, leadership, address, core, client, servicer, checkpointer, 
     """Leader election (--coord-etcd): campaigns, and once elected restores the committed
     checkpoint and opens the gate. Sets `stop` when leadership is lost or cannot be taken up."""
     pointer, _etcd = leadership_lib.elect(cfg, leadership, address, core.instance)
-    leadership.on_lost = lambda _reason: stop.set()
+
+    def lost(_reason: str) -> None:
+        stop.set()
+        # Whatever the event loop is busy with, the process is gone soon (its gate refuses already).
+        _exit_if_teardown_hangs(leadership_lib.EXIT_LOST_LEADERSHIP, 2.0)
+
+    leadership.on_lost = lost
 
     def observed(leader_address: str) -> None:
         servicer.leader_address = leader_address
@@ -336,7 +342,7 @@ async def _stop_deposed(handle: server_lib.ServerHandle, servicer: servicer_lib.
     """A leader that lost its lease (or could not take it up): no final checkpoint, no waiting for
     uploads; the gate already refuses everything. Its supervisor starts it again as a standby."""
     await stop_serving(handle, servicer, 0.0)
-    _exit_if_teardown_hangs(leadership_lib.EXIT_LOST_LEADERSHIP, 1.0)
+    _exit_if_teardown_hangs(leadership_lib.EXIT_LOST_LEADERSHIP, 0.5)
     return leadership_lib.EXIT_LOST_LEADERSHIP
 
 

@@ -50,7 +50,9 @@ class Leadership:
         self.elected = False  # this syncer won the election, restored and leads
         self.lost_reason = ""
         self.on_lost: Callable[[str], None] | None = None
-        self.hold_task: asyncio.Task | None = None
+        self.keeper: election_lib.LeaseKeeper | None = None
+        self.endpoints: list[str] = []  # etcd, for the keeper's own client
+        self.call_timeout_s = 1.0
         self.history = None  # the fault tests' history, attached once elected (services/syncer/history.py)
 
     @property
@@ -88,6 +90,9 @@ class Leadership:
         """A clean shutdown: gives the lease back, so a standby need not wait for it to expire."""
         if self.election is not None:
             self.lost_reason = self.lost_reason or "resigned"
+            self.election.step_down()
+            if self.keeper is not None:  # the keeper stops refreshing before the lease is revoked
+                await asyncio.to_thread(self.keeper.join, 2.0)
             await self.election.resign()
 
     async def commit(self, pointer: commit_lib.EtcdCommitPointer, run_id: str, step: int) -> None:
@@ -172,10 +177,10 @@ async def restore_committed(client, pointer: commit_lib.EtcdCommitPointer, run_i
                       "is not in the checkpoint store")
 
 
-async def campaign_and_lead(leadership: Leadership, *, on_observed: Callable[[str], None],
-                            become_leader) -> asyncio.Task:
-    """Campaigns until elected, runs `become_leader()` (restore; raises to give up), then holds the
-    lease in the background; the returned task ends (calling leadership.lose) when it is lost."""
+async def campaign_and_lead(leadership: Leadership, *, on_observed: Callable[[str], None], become_leader) -> int:
+    """Campaigns until elected, runs `become_leader()` (restore; raises to give up), then keeps the
+    lease on a thread of its own (LeaseKeeper: leadership.lose is called when it is lost); returns
+    the epoch."""
     election = leadership.election
 
     def observed(leader: election_lib.Leader | None) -> None:
@@ -194,14 +199,13 @@ async def campaign_and_lead(leadership: Leadership, *, on_observed: Callable[[st
         raise
     leadership.elected = True
     leadership.leader_address = ""
-
-    async def hold() -> None:
-        reason = await election.hold()
-        leadership.lose(reason)
-
+    loop = asyncio.get_running_loop()
+    leadership.keeper = election_lib.LeaseKeeper(
+        election, leadership.endpoints, call_timeout_s=leadership.call_timeout_s,
+        on_lost=lambda reason: loop.call_soon_threadsafe(leadership.lose, reason))
+    leadership.keeper.start()
     _LOG.info(f"leading with epoch {epoch}")
-    leadership.hold_task = asyncio.get_running_loop().create_task(hold())  # referenced: never collected
-    return leadership.hold_task
+    return epoch
 
 
 def elect(cfg, leadership: Leadership, address: str, instance: str) -> tuple[commit_lib.EtcdCommitPointer,
@@ -213,4 +217,5 @@ def elect(cfg, leadership: Leadership, address: str, instance: str) -> tuple[com
     election = election_lib.Election(etcd, key, address=cfg.coord_advertise or address, instance=instance,
                                      lease_ttl_s=cfg.coord_lease_s)
     leadership.election = election
+    leadership.endpoints, leadership.call_timeout_s = etcd.endpoints, cfg.coord_call_timeout_s
     return commit_lib.EtcdCommitPointer(etcd, prefix=cfg.coord_prefix, leader_key=key), etcd

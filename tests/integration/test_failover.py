@@ -13,13 +13,21 @@ Every setting is the shipped default (lease 3 s, checkpoint every 16 merges), bu
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
 
+import grpc
 import pytest
 
 from ddiloco import history as history_lib
+from ddiloco.coord import election as election_lib
+from ddiloco.coord import etcd as etcd_lib
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.rpc import errors
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.wire import serde
 from ddiloco.chaos import invariants
 from ddiloco.chaos import proxy as proxy_lib
 from tests import etcd as etcd_helper
@@ -83,6 +91,18 @@ def _step_times(cluster, name: str) -> list[float]:
     return times
 
 
+def _logged_at(cluster, name: str, prefix: str) -> float:
+    """The time of the first JSON log line of `name` whose message starts with `prefix`."""
+    for line in cluster.services[name].log_path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if str(record.get("msg", "")).startswith(prefix):
+            return record["ts"]
+    raise AssertionError(f"{name} never logged {prefix!r}")
+
+
 def _versions(cluster, name: str) -> list[dict]:
     return [r for r in history_lib.read(cluster.workdir / f"{name}.history.jsonl") if r["event"] == "version"]
 
@@ -99,6 +119,38 @@ def _check_epochs(cluster, learners, epochs: set[int]) -> dict[int, list[float]]
             seen = record["epoch"]
             times.setdefault(record["epoch"], []).append(record["t"])
     return times
+
+
+def test_a_standby_refuses_learners_naming_the_leader_and_leads_once_the_key_is_free(cluster, etcd_server):
+    """Another candidate (this test) holds the run's leader key: the syncer stays a standby, refuses
+    Join with UNAVAILABLE + not_leader + the leader's address, answers the training state; once the
+    key is given up it leads with a newer epoch, which Join and the training state carry."""
+    run_id = "failover-standby"
+    other = election_lib.Election(etcd_lib.Etcd([etcd_server.endpoint]), election_lib.leader_key("/ddiloco", run_id),
+                                  address="10.0.0.9:50051", lease_ttl_s=600)
+    assert asyncio.run(other.try_acquire())
+    cluster.start_store()
+    syncer = _start_syncer(cluster, "syncer-a", etcd_server.endpoint, run_id)
+    channel = channel_lib.sync_channel(syncer.address)
+    stub = syncer_pb2_grpc.SyncerStub(channel)
+    join = syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id="l0", incarnation=1, region="r")
+    try:
+        wait_until(lambda: _epoch(syncer.address) == (0, "10.0.0.9:50051"), timeout_s=10, what="standby sees leader")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Join(join, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert errors.reason_of(refused.value) == errors.REASON_NOT_LEADER
+        assert errors.metadata_value(refused.value, errors.LEADER_KEY) == "10.0.0.9:50051"
+        assert "standby" in refused.value.details()
+        # The other candidate gives up (its lease revoked, from a fresh client on a fresh loop).
+        asyncio.run(etcd_lib.Etcd([etcd_server.endpoint]).revoke(other.lease_id))
+        other_epoch = other.epoch
+        epoch = _wait_leader(syncer, timeout_s=10)
+        assert epoch > other_epoch
+        response = stub.Join(join, timeout=10)
+        assert response.epoch == epoch
+    finally:
+        channel.close()
 
 
 def test_sigkill_of_the_leader_the_standby_leads_within_10_s_and_merges_resume(cluster, etcd_server):
@@ -181,13 +233,14 @@ def test_a_leader_cut_off_from_etcd_stops_within_its_lease_and_learners_follow_t
         link.set(blackhole=True)  # a's keep-alives go nowhere; learners still reach a
         cut_at = time.time()
         code = a.wait(15)
-        stopped_s = time.time() - cut_at
+        exited_s = time.time() - cut_at
         epoch_b = _wait_leader(b, timeout_s=FAILOVER_BOUND_S + 5)
         failover_s = time.time() - cut_at
-        print(f"\ncut off from etcd: syncer-a exited ({code}) {stopped_s:.2f} s after the cut (lease 3 s); "
-              f"syncer-b leads {failover_s:.2f} s after it")
+        stepped_down_s = _logged_at(cluster, "syncer-a", "lost leadership") - cut_at
+        print(f"\ncut off from etcd: syncer-a stepped down {stepped_down_s:.2f} s after the cut (lease 3 s) and "
+              f"exited ({code}) after {exited_s:.2f} s; syncer-b leads {failover_s:.2f} s after the cut")
         assert code == 4, a.log_tail()
-        assert stopped_s <= 3.0 + 0.5  # within its lease (plus process exit)
+        assert stepped_down_s <= 3.0  # within its lease: before etcd could elect anyone else
         assert epoch_b > epoch_a
         probe = SyncerProbe(b.address)
         try:
@@ -202,5 +255,7 @@ def test_a_leader_cut_off_from_etcd_stops_within_its_lease_and_learners_follow_t
     b.stop(30)
     times = _check_epochs(cluster, learners, {epoch_a, epoch_b})
     assert times.get(epoch_b), "no learner folded in a version of the new leader"
-    # Fencing: nothing of the old epoch was folded in after the new leader's first version.
+    # Fencing: nothing of the old epoch was folded in after a stepped down, nor after the new
+    # leader's first version.
+    assert max(times.get(epoch_a, [0.0])) <= cut_at + stepped_down_s + 0.5
     assert max(times.get(epoch_a, [0.0])) < min(times[epoch_b]), (max(times.get(epoch_a, [0.0])), min(times[epoch_b]))

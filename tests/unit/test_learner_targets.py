@@ -1,0 +1,39 @@
+"""services/learner/targets.py: which syncer the learner's next session uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.learner import targets as targets_lib
+
+
+def test_one_address_is_always_used():
+    t = targets_lib.SyncerTargets("syncer.example:50051")
+    assert [t.next() for _ in range(3)] == ["syncer.example:50051"] * 3
+
+
+def test_failures_rotate_through_the_list_and_a_named_leader_comes_first():
+    t = targets_lib.SyncerTargets("a:1, b:2,c:3")
+    assert t.next() == "a:1"
+    assert t.next() == "b:2"  # a failed session moves on
+    assert t.redirected(targets_lib.NotLeader("standby", leader="c:3")) == "c:3"
+    assert t.next() == "c:3"
+    assert t.redirected(targets_lib.NotLeader("standby", leader="")) == ""  # no leader known: rotate
+    assert t.next() == "a:1"
+
+
+def test_redirects_in_a_row_are_bounded_then_back_off_like_failures():
+    t = targets_lib.SyncerTargets("a:1,b:2")
+    t.next()
+    hops = []
+    for i in range(targets_lib.MAX_REDIRECTS + 2):
+        hops.append(t.redirected(targets_lib.NotLeader("standby", leader="b:2" if i % 2 == 0 else "a:1")))
+        t.next()
+    assert hops[:targets_lib.MAX_REDIRECTS] == ["b:2", "a:1", "b:2"] and hops[-1] == ""
+    t.joined()
+    assert t.redirected(targets_lib.NotLeader("standby", leader="a:1" if t.current == "b:2" else "b:2")) != ""
+
+
+def test_an_empty_list_is_refused():
+    with pytest.raises(ValueError):
+        targets_lib.SyncerTargets(" , ")
