@@ -37,3 +37,30 @@ def test_redirects_in_a_row_are_bounded_then_back_off_like_failures():
 def test_an_empty_list_is_refused():
     with pytest.raises(ValueError):
         targets_lib.SyncerTargets(" , ")
+
+
+def test_the_client_never_folds_in_a_version_of_an_older_epoch():
+    import asyncio
+
+    import numpy as np
+
+    from ddiloco.v1 import syncer_pb2
+    from ddiloco.wire import codec as codec_lib
+    from ddiloco.wire import serde
+    from services.learner import client as client_lib
+
+    client = client_lib.SyncClient(client_lib.ClientConfig(target="a:1,b:2", learner_id="l", incarnation=1,
+                                                           region="r", tokens_per_step=1))
+    client.instance = "new"
+    encoded = codec_lib.encode(np.ones(8, np.float32), "fp32")
+
+    def header(epoch: int, instance: str) -> syncer_pb2.GlobalFragmentHeader:
+        return syncer_pb2.GlobalFragmentHeader(fragment_id=0, version=3, syncer_instance=instance, epoch=epoch,
+                                               payload=serde.payload_info_to_proto(encoded))
+
+    asyncio.run(client._receive(header(7, "new"), encoded.payload))
+    assert client.max_epoch == 7 and [u.version for u in client.take_updates()] == [3]
+    client.instance = "old"  # a deposed leader's stream, still open
+    with pytest.raises(targets_lib.NotLeader):
+        asyncio.run(client._receive(header(5, "old"), encoded.payload))
+    assert client.take_updates() == []
