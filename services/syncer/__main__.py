@@ -18,6 +18,7 @@ import time
 
 import jax
 import numpy as np
+from grpc_health.v1 import health_pb2
 
 from ddiloco import checkpoint_client as checkpoint_client_lib
 from ddiloco import logs, models, runtime
@@ -266,7 +267,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     leading = None
     if leadership.coordinated:
-        leading = loop.create_task(_lead(cfg, leadership, handle.address, core, client, servicer, checkpointer,
+        leading = loop.create_task(_lead(cfg, leadership, handle, core, client, servicer, checkpointer,
                                          metrics, stop))
     await stop.wait()
     if leadership.lost_reason or (leading is not None and leading.done() and leading.exception() is not None):
@@ -296,9 +297,14 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
 _TEARDOWN_LIMIT_S = 5.0
 
 
-async def _lead(cfg, leadership, address, core, client, servicer, checkpointer, metrics, stop) -> None:
+async def _lead(cfg, leadership, handle, core, client, servicer, checkpointer, metrics, stop) -> None:
     """Leader election (--coord-etcd): campaigns, and once elected restores the committed
-    checkpoint and opens the gate. Sets `stop` when leadership is lost or cannot be taken up."""
+    checkpoint and opens the gate. Sets `stop` when leadership is lost or cannot be taken up.
+    The health status of the Syncer service is NOT_SERVING until then (the overall status stays
+    SERVING: a standby is alive), so a readiness probe on it routes a Service to the leader only."""
+    address = handle.address
+    syncer_service = syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].full_name
+    await handle.health.set(syncer_service, health_pb2.HealthCheckResponse.NOT_SERVING)
     pointer, _etcd = leadership_lib.elect(cfg, leadership, address, core.instance)
 
     def lost(_reason: str) -> None:
@@ -325,6 +331,7 @@ async def _lead(cfg, leadership, address, core, client, servicer, checkpointer, 
         servicer.epoch = leadership.election.epoch
         servicer.leader_address = address
         checkpointer.on_written = lambda step: leadership.commit(pointer, cfg.run_id, step)
+        await handle.health.set(syncer_service, health_pb2.HealthCheckResponse.SERVING)
         _LOG.info("elected: serving learners", extra={"fields": {
             "epoch": servicer.epoch, "outer_step": core.outer_steps, "restored": core.restored_from_checkpoint,
             "seconds": round(time.monotonic() - started, 3)}})

@@ -178,9 +178,9 @@ async def restore_committed(client, pointer: commit_lib.EtcdCommitPointer, run_i
 
 
 async def campaign_and_lead(leadership: Leadership, *, on_observed: Callable[[str], None], become_leader) -> int:
-    """Campaigns until elected, runs `become_leader()` (restore; raises to give up), then keeps the
-    lease on a thread of its own (LeaseKeeper: leadership.lose is called when it is lost); returns
-    the epoch."""
+    """Campaigns until elected, then keeps the lease on a thread of its own (LeaseKeeper:
+    leadership.lose is called when it is lost) and runs `become_leader()` (restore; raises to give
+    up); returns the epoch."""
     election = leadership.election
 
     def observed(leader: election_lib.Leader | None) -> None:
@@ -191,19 +191,24 @@ async def campaign_and_lead(leadership: Leadership, *, on_observed: Callable[[st
         on_observed(address)
 
     epoch = await election.campaign(on_observed=observed)
-    try:
-        await become_leader()
-    except BaseException:
-        election.step_down()
-        await election.resign()
-        raise
-    leadership.elected = True
-    leadership.leader_address = ""
+    # The lease is kept from now on, while the checkpoint is restored (a large model takes longer
+    # than a lease); the gate stays closed until `elected`.
     loop = asyncio.get_running_loop()
     leadership.keeper = election_lib.LeaseKeeper(
         election, leadership.endpoints, call_timeout_s=leadership.call_timeout_s,
         on_lost=lambda reason: loop.call_soon_threadsafe(leadership.lose, reason))
     leadership.keeper.start()
+    try:
+        await become_leader()
+        if leadership.lost_reason:
+            raise RuntimeError(f"leadership lost while restoring: {leadership.lost_reason}")
+    except BaseException:
+        election.step_down()
+        await asyncio.to_thread(leadership.keeper.join, 2.0)
+        await election.resign()
+        raise
+    leadership.elected = True
+    leadership.leader_address = ""
     _LOG.info(f"leading with epoch {epoch}")
     return epoch
 

@@ -20,6 +20,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddiloco import history as history_lib
 from ddiloco.coord import election as election_lib
@@ -142,6 +143,12 @@ def test_a_standby_refuses_learners_naming_the_leader_and_leads_once_the_key_is_
         assert errors.reason_of(refused.value) == errors.REASON_NOT_LEADER
         assert errors.metadata_value(refused.value, errors.LEADER_KEY) == "10.0.0.9:50051"
         assert "standby" in refused.value.details()
+        # Alive (overall SERVING), but not ready as the Syncer: a Service's readiness probe on it
+        # routes to the leader only.
+        health = health_pb2_grpc.HealthStub(channel)
+        status = lambda service: health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status  # noqa: E731
+        assert status("") == health_pb2.HealthCheckResponse.SERVING
+        assert status("ddiloco.v1.Syncer") == health_pb2.HealthCheckResponse.NOT_SERVING
         # The other candidate gives up (its lease revoked, from a fresh client on a fresh loop).
         asyncio.run(etcd_lib.Etcd([etcd_server.endpoint]).revoke(other.lease_id))
         other_epoch = other.epoch
@@ -149,6 +156,7 @@ def test_a_standby_refuses_learners_naming_the_leader_and_leads_once_the_key_is_
         assert epoch > other_epoch
         response = stub.Join(join, timeout=10)
         assert response.epoch == epoch
+        assert status("ddiloco.v1.Syncer") == health_pb2.HealthCheckResponse.SERVING
     finally:
         channel.close()
 
