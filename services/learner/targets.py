@@ -55,8 +55,9 @@ class SyncerTargets:
         elif self.current and len(self.targets) > 1:
             self._index = (self._index + 1) % len(self.targets)
             target = self.targets[self._index]
-        else:
-            target = self.current or self.targets[0]
+        else:  # one address: always it again (after a named leader failed too: a load balancer or
+            # a DNS name may lead elsewhere on a new connection)
+            target = self.targets[self._index]
         self.current = target
         return target
 

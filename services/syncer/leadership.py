@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import socket
 from collections.abc import Callable
 
 import grpc
@@ -213,13 +214,25 @@ async def campaign_and_lead(leadership: Leadership, *, on_observed: Callable[[st
     return epoch
 
 
+def advertised(address: str) -> str:
+    """The address learners can reach a syncer bound to `address` at: a wildcard host (0.0.0.0,
+    ::) becomes this host's address (on Kubernetes, the pod IP its hostname resolves to)."""
+    host, _, port = address.rpartition(":")
+    if host.strip("[]") not in ("0.0.0.0", "::", ""):
+        return address
+    try:
+        return f"{socket.gethostbyname(socket.gethostname())}:{port}"
+    except OSError:
+        return address
+
+
 def elect(cfg, leadership: Leadership, address: str, instance: str) -> tuple[commit_lib.EtcdCommitPointer,
                                                                                etcd_lib.Etcd]:
     """Gives a coordinated Leadership its election (once the syncer serves at `address`), from its
     SyncerConfig; returns the commit pointer and the etcd client."""
     etcd = etcd_lib.Etcd(etcd_lib.parse_endpoints(cfg.coord_etcd), call_timeout_s=cfg.coord_call_timeout_s)
     key = election_lib.leader_key(cfg.coord_prefix, cfg.run_id)
-    election = election_lib.Election(etcd, key, address=cfg.coord_advertise or address, instance=instance,
+    election = election_lib.Election(etcd, key, address=cfg.coord_advertise or advertised(address), instance=instance,
                                      lease_ttl_s=cfg.coord_lease_s)
     leadership.election = election
     leadership.endpoints, leadership.call_timeout_s = etcd.endpoints, cfg.coord_call_timeout_s

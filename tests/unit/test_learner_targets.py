@@ -12,6 +12,14 @@ def test_one_address_is_always_used():
     assert [t.next() for _ in range(3)] == ["syncer.example:50051"] * 3
 
 
+def test_one_address_behind_a_load_balancer_is_tried_again_after_a_named_leader_fails():
+    t = targets_lib.SyncerTargets("syncers.example:50051")
+    assert t.next() == "syncers.example:50051"
+    assert t.redirected(targets_lib.NotLeader("standby", leader="10.1.2.3:50051")) == "10.1.2.3:50051"
+    assert t.next() == "10.1.2.3:50051"
+    assert t.next() == "syncers.example:50051"  # the named leader was unreachable: back to the list
+
+
 def test_failures_rotate_through_the_list_and_a_named_leader_comes_first():
     t = targets_lib.SyncerTargets("a:1, b:2,c:3")
     assert t.next() == "a:1"
