@@ -270,14 +270,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         leading = loop.create_task(_lead(cfg, leadership, handle, core, client, servicer, checkpointer,
                                          metrics, stop))
     await stop.wait()
-    if leadership.lost_reason or (leading is not None and leading.done() and leading.exception() is not None):
-        return await _stop_deposed(handle, servicer, leadership)
-    if leading is not None and not leadership.elected:  # a standby: nothing to checkpoint
-        leading.cancel()
-        await stop_serving(handle, servicer, cfg.grace_s)
-        await leadership.resign()
-        _exit_if_teardown_hangs(0, _TEARDOWN_LIMIT_S)
-        return 0
+    if leading is not None and not leadership.leading():
+        return await _stop_not_leading(handle, servicer, leadership, leading, cfg.grace_s)
     _LOG.info("shutting down: draining RPCs and writing a final checkpoint")
     await handle.health.enter_graceful_shutdown()
     # RPCs first (in-flight uploads finish), then merges, then the final checkpoint: no merge may
@@ -344,10 +338,18 @@ async def _lead(cfg, leadership, handle, core, client, servicer, checkpointer, m
         raise
 
 
-async def _stop_deposed(handle: server_lib.ServerHandle, servicer: servicer_lib.SyncerServicer,
-                        leadership: leadership_lib.Leadership) -> int:
-    """A leader that lost its lease (or could not take it up): no final checkpoint, no waiting for
-    uploads; the gate already refuses everything. Its supervisor starts it again as a standby."""
+async def _stop_not_leading(handle: server_lib.ServerHandle, servicer: servicer_lib.SyncerServicer,
+                            leadership: leadership_lib.Leadership, leading: asyncio.Task, grace_s: float) -> int:
+    """Shutdown of a syncer that does not lead. A standby (SIGTERM) has nothing to checkpoint: it
+    gives its candidate lease back and exits 0. A leader that lost its lease, or could not take
+    it up, writes no final checkpoint and waits for no upload (the gate refuses everything) and
+    exits EXIT_LOST_LEADERSHIP; its supervisor starts it again as a standby."""
+    if not leadership.lost_reason and not (leading.done() and not leading.cancelled() and leading.exception()):
+        leading.cancel()
+        await stop_serving(handle, servicer, grace_s)
+        await leadership.resign()
+        _exit_if_teardown_hangs(0, _TEARDOWN_LIMIT_S)
+        return 0
     await stop_serving(handle, servicer, 0.0)
     _exit_if_teardown_hangs(leadership_lib.EXIT_LOST_LEADERSHIP, 0.5)
     return leadership_lib.EXIT_LOST_LEADERSHIP
