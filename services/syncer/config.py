@@ -345,7 +345,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
                          "stops, within about this long",
         "coord_prefix": "etcd key prefix for this deployment's leader and commit keys",
         "coord_advertise": "host:port at which learners reach this syncer, told to them by standbys "
-                           "(default: the address it serves on)",
+                           "(default: the address it serves on; bound to 0.0.0.0, this host's address)",
         "coord_call_timeout_s": "deadline of one etcd call (below half of --coord-lease-s)",
         "max_concurrent_uploads_per_learner": "uploads in flight at once from one learner (RESOURCE_EXHAUSTED above)",
         "upload_idle_timeout_s": "refuse an upload stream that sends nothing for this long",
