@@ -206,6 +206,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     if cfg.failpoints:  # fault tests only
         core.failpoint = failpoints_lib.Failpoints(cfg.failpoints, prefix="syncer.").hit
     leadership = leadership_lib.Leadership(coordinated=bool(cfg.coord_etcd))
+    if leadership.coordinated:
+        leadership_lib.register_metrics(leadership, registry)
     checkpointer.may_write = leadership.leading
     if client is not None and not leadership.coordinated:  # with election: once elected (_lead)
         restore_started = time.monotonic()

@@ -25,6 +25,7 @@ import socket
 from collections.abc import Callable
 
 import grpc
+import prometheus_client
 
 from ddiloco.checkpoint_commit import CommitFenced, CommitRecord
 from ddiloco.coord import commit as commit_lib
@@ -212,6 +213,19 @@ async def campaign_and_lead(leadership: Leadership, *, on_observed: Callable[[st
     leadership.leader_address = ""
     _LOG.info(f"leading with epoch {epoch}")
     return epoch
+
+
+def register_metrics(leadership: Leadership, registry) -> None:
+    """With election: whether this syncer leads (1) or stands by (0), and its epoch, at scrape time
+    (an alert on "no syncer of the run leads" sums the first over the run's syncers)."""
+    leader = prometheus_client.Gauge("ddiloco_syncer_leader",
+                                     "1 while this syncer leads its run (leader election), 0 while it stands by",
+                                     registry=registry)
+    leader.set_function(lambda: 1.0 if leadership.leading() else 0.0)
+    epoch = prometheus_client.Gauge("ddiloco_syncer_leader_epoch",
+                                    "Leader epoch of this syncer while it leads (etcd revision), 0 otherwise",
+                                    registry=registry)
+    epoch.set_function(lambda: float(leadership.epoch if leadership.leading() else 0))
 
 
 def advertised(address: str) -> str:

@@ -17,6 +17,7 @@ import asyncio
 import json
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -49,7 +50,8 @@ def _start_syncer(cluster, name: str, etcd_endpoint: str, run_id: str):
     svc = cluster.add(name, "services.syncer", [
         "--bind", "127.0.0.1:0", "--run-id", run_id, "--ready-file", str(cluster.workdir / f"{name}.ready.json"),
         "--checkpoint-target", cluster.services["checkpoint"].address, "--coord-etcd", etcd_endpoint,
-        "--history-file", str(cluster.workdir / f"{name}.history.jsonl"), "--json-logs", *TINY])
+        "--history-file", str(cluster.workdir / f"{name}.history.jsonl"), "--json-logs", "--metrics-bind",
+        "127.0.0.1:0", *TINY])
     svc.start()
     svc.wait_ready(120)
     return svc
@@ -90,6 +92,16 @@ def _step_times(cluster, name: str) -> list[float]:
         if record.get("msg") == "step":
             times.append(record["ts"])
     return times
+
+
+def _metric(svc, name: str) -> float:
+    """The value of an unlabelled metric on the syncer's /metrics endpoint (its ready file's address)."""
+    address = json.loads(svc.ready_file.read_text())["metrics_address"].replace("0.0.0.0", "127.0.0.1")
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} is not exported")
 
 
 def _logged_at(cluster, name: str, prefix: str) -> float:
@@ -149,6 +161,7 @@ def test_a_standby_refuses_learners_naming_the_leader_and_leads_once_the_key_is_
         status = lambda service: health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status  # noqa: E731
         assert status("") == health_pb2.HealthCheckResponse.SERVING
         assert status("ddiloco.v1.Syncer") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert _metric(syncer, "ddiloco_syncer_leader") == 0.0
         # The other candidate gives up (its lease revoked, from a fresh client on a fresh loop).
         asyncio.run(etcd_lib.Etcd([etcd_server.endpoint]).revoke(other.lease_id))
         other_epoch = other.epoch
@@ -157,6 +170,8 @@ def test_a_standby_refuses_learners_naming_the_leader_and_leads_once_the_key_is_
         response = stub.Join(join, timeout=10)
         assert response.epoch == epoch
         assert status("ddiloco.v1.Syncer") == health_pb2.HealthCheckResponse.SERVING
+        assert _metric(syncer, "ddiloco_syncer_leader") == 1.0
+        assert _metric(syncer, "ddiloco_syncer_leader_epoch") == float(epoch)
     finally:
         channel.close()
 
