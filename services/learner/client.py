@@ -453,7 +453,8 @@ class SyncClient:
                     raise
         self.stats.bytes_sent += request.ByteSize()
         self.stats.bytes_received += response.ByteSize()
-        if response.epoch < self.max_epoch:
+        # Epoch 0: a syncer without election (the operator turned it off), which is never deposed.
+        if response.epoch and response.epoch < self.max_epoch:
             raise _NotLeader(f"{self._targets.current} leads with epoch {response.epoch}, older than {self.max_epoch}: "
                              "a deposed leader")
         self.max_epoch = response.epoch

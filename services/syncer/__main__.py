@@ -99,6 +99,10 @@ class _Checkpointer:
         for name, data in blobs.items():
             digest = await self._client.put_blob(data)
             refs[name] = (digest, len(data))
+        if self.may_write is not None and not self.may_write():
+            # Deposed while the blobs went out (harmless: content-addressed, unreferenced): no
+            # manifest, which the store would keep as its latest although nobody commits it.
+            raise RuntimeError(f"no longer the leader: checkpoint at step {step} not written")
         await self._client.commit_manifest(self._cfg.run_id, step, refs, metadata)
         if self.on_written is not None:
             await self.on_written(step)
