@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddiloco import history as history_lib
+from ddiloco.coord import commit as commit_lib
 from ddiloco.coord import election as election_lib
 from ddiloco.coord import etcd as etcd_lib
 from ddiloco.rpc import channel as channel_lib
@@ -73,6 +74,14 @@ def _epoch(address: str) -> tuple[int, str]:
     try:
         state = probe.state(0)
         return state.epoch, state.leader_address
+    finally:
+        probe.close()
+
+
+def _state_of(address: str) -> syncer_pb2.TrainingState:
+    probe = SyncerProbe(address)
+    try:
+        return probe.state(0)
     finally:
         probe.close()
 
@@ -214,7 +223,14 @@ def test_sigkill_of_the_leader_the_standby_leads_within_10_s_and_merges_resume(c
           f"{resumed_at - killed_at:.2f} s after the kill")
     for name in learners:
         cluster.services[name].stop(30)
-    b.stop(30)
+    final_step = _state_of(b.address).outer_steps
+    assert b.stop(30) == 0, b.log_tail()
+    # The new leader's final checkpoint went through the fenced commit pointer, under its epoch.
+    pointer = commit_lib.EtcdCommitPointer(etcd_lib.Etcd([etcd_server.endpoint]), prefix="/ddiloco",
+                                           leader_key=election_lib.leader_key("/ddiloco", "failover-kill"))
+    committed_at_end = asyncio.run(pointer.latest("failover-kill"))
+    # (a round's grace timer may still merge between the read and the SIGTERM: at least that step)
+    assert committed_at_end.epoch == epoch_b and committed_at_end.step >= final_step, (committed_at_end, final_step)
     # Learners stepped throughout: no gap between logged steps (every 5) while the leader changed.
     for name in learners:
         times = [t for t in _step_times(cluster, name) if killed_at - 5 <= t <= resumed_at]
