@@ -144,6 +144,9 @@ class Election:
                 if unreachable_since is None:
                     unreachable_since = self._clock()
                     _LOG.warning(f"campaign: {exc}")
+            except etcd_lib.EtcdError as exc:  # e.g. a lease etcd no longer knows: start with a new one
+                _LOG.warning(f"campaign: {exc}; granting a new lease")
+                self.lease_id = 0
             if on_observed is not None:
                 on_observed(self.leader)
             await asyncio.sleep(self.poll_interval_s)
@@ -166,7 +169,7 @@ class Election:
             sent_at = self._clock()
             try:
                 ttl_s = await etcd.keepalive(self.lease_id, timeout_s=self.valid_until_s() - sent_at)
-            except etcd_lib.EtcdUnavailable as exc:
+            except etcd_lib.EtcdError as exc:  # unreachable, or refused: try again until the deadline
                 _LOG.warning(f"leader lease keep-alive: {exc}")
                 self._next_refresh_s = self._clock() + min(0.2, self._ttl_s / 10)
                 continue

@@ -21,7 +21,11 @@ from aetcd import exceptions as aetcd_errors
 _LOG = logging.getLogger("ddiloco.coord")
 
 
-class EtcdUnavailable(Exception):
+class EtcdError(Exception):
+    """etcd refused a call (e.g. a lease it no longer knows)."""
+
+
+class EtcdUnavailable(EtcdError):
     """No endpoint answered within its deadline (the outcome of a write is then unknown)."""
 
 
@@ -93,6 +97,8 @@ class Etcd:
                     aetcd_errors.ConnectionTimeoutError, aetcd_errors.InternalError) as exc:
                 failures.append(f"{endpoint}: {type(exc).__name__}")
                 continue
+            except aetcd_errors.ClientError as exc:  # etcd's answer: another endpoint would say the same
+                raise EtcdError(f"etcd {what}: {exc}") from exc
             self._preferred = index
             return result
         raise EtcdUnavailable(f"etcd {what}: no endpoint answered within {bound_s:.1f} s ({'; '.join(failures)})")
@@ -111,7 +117,9 @@ class Etcd:
         """Ends the lease now: the keys attached to it are deleted (a resigning leader)."""
         try:
             await self._call("lease revoke", lambda c: c.revoke_lease(lease_id), timeout_s)
-        except aetcd_errors.ClientError as exc:  # already expired: nothing left to end
+        except EtcdError as exc:  # already expired: nothing left to end
+            if isinstance(exc, EtcdUnavailable):
+                raise
             _LOG.info(f"lease {lease_id:x} revoke: {exc}")
 
     async def get(self, key: bytes, timeout_s: float | None = None) -> KeyValue | None:

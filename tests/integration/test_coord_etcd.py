@@ -128,3 +128,21 @@ def test_unreachable_endpoints_fail_within_the_deadline_and_the_next_one_answers
             await client.close()
 
     _run(scenario())
+
+
+def test_a_candidate_whose_lease_etcd_forgot_takes_a_new_one_and_still_wins(etcd_server):
+    async def scenario():
+        client = etcd_lib.Etcd([etcd_server.endpoint])
+        key = election_lib.leader_key("/t", "run")
+        a = election_lib.Election(client, key, address="a:1", lease_ttl_s=30)
+        b = election_lib.Election(client, key, address="b:1", lease_ttl_s=30, poll_interval_s=0.1)
+        assert await a.try_acquire()
+        assert not await b.try_acquire()
+        forgotten = b.lease_id
+        await client.revoke(forgotten)  # etcd no longer knows b's lease; b still thinks it valid
+        await a.resign()
+        epoch = await asyncio.wait_for(b.campaign(), 10)
+        assert epoch > a.leader.epoch and b.lease_id != forgotten
+        await client.close()
+
+    _run(scenario())
