@@ -17,6 +17,7 @@ Learner records (`--history-file` of a learner):
               result: accepted | duplicate (the syncer's acknowledgement of the upload)
   refused     {..., code}   the syncer refused the upload (a status code)
   failed      {...}         retries exhausted (no acknowledgement)
+  version     {instance, fragment, version, epoch}  a global version folded in (leader epochs)
 Every record also has `event` and `t` (unix seconds).
 """
 

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "goodput": ("ddiloco.bench.goodput", "goodput under one seeded failure schedule: decoupled vs DiLoCo vs dp"),
     "checkpoint": ("ddiloco.bench.checkpoint_cost", "one checkpoint's cost with 1 and 2 stores: commit-before-broadcast "
                    "vs the default cadence"),
+    "failover": ("ddiloco.bench.failover", "time without a leading syncer after SIGKILL of the leader (leader election)"),
 }
 
 

@@ -15,6 +15,10 @@ REASON_KEY = "ddiloco-reason"
 # Reasons clients act on (the syncer's membership checks).
 REASON_FENCED = "fenced"  # a newer incarnation of this learner joined: this one must stop
 REASON_NOT_JOINED = "not_joined"  # no such member (never joined, or the syncer restarted): join again
+REASON_NOT_LEADER = "not_leader"  # a standby syncer (leader election): go to the leader
+# The trailing-metadata key with which a standby names the leader's address (host:port; absent
+# while it knows of none).
+LEADER_KEY = "ddiloco-leader"
 
 
 class ServiceError(Exception):
@@ -32,6 +36,16 @@ def status_metadata(error: ServiceError) -> tuple[tuple[str, str], ...]:
     a metadata value can carry (printable ASCII)."""
     reason = error.reason
     return ((REASON_KEY, reason),) if reason.isascii() and reason.isprintable() else ()
+
+
+def metadata_value(error: grpc.RpcError, key: str) -> str:
+    """The trailing-metadata value `key` of a failed call ("" when absent)."""
+    if not isinstance(error, (grpc.Call, grpc.aio.AioRpcError)):
+        return ""
+    for k, value in error.trailing_metadata() or ():
+        if k == key:
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
 
 
 def reason_of(error: grpc.RpcError) -> str:

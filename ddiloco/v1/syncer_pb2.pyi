@@ -241,6 +241,7 @@ class JoinResponse(_message.Message):
     UPLOAD_HEADER_ACK_FIELD_NUMBER: _builtins.int
     DATA_SHARD_FIELD_NUMBER: _builtins.int
     DATA_SHARD_ASSIGNED_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     syncer_instance: _builtins.str
     """Identifies this life of the syncer; versions are only meaningful within it."""
     upload_header_ack: _builtins.bool
@@ -255,6 +256,10 @@ class JoinResponse(_message.Message):
     syncers leave data_shard_assigned false: the learner then picks its shard itself.
     """
     data_shard_assigned: _builtins.bool
+    epoch: _builtins.int
+    """The leader epoch of this syncer (docs/failover.md): 0 without leader election. A learner that
+    has seen a newer epoch treats this syncer as deposed and looks for the leader.
+    """
     @_builtins.property
     def config(self) -> Global___RunConfig: ...
     @_builtins.property
@@ -275,10 +280,11 @@ class JoinResponse(_message.Message):
         upload_header_ack: _builtins.bool = ...,
         data_shard: _builtins.int = ...,
         data_shard_assigned: _builtins.bool = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "epoch", b"epoch", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -579,6 +585,7 @@ class GlobalFragmentHeader(_message.Message):
     PAYLOAD_FIELD_NUMBER: _builtins.int
     DELTA_FIELD_NUMBER: _builtins.int
     DELTA_BASE_VERSION_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     fragment_id: _builtins.int
     version: _builtins.int
     syncer_instance: _builtins.str
@@ -588,6 +595,10 @@ class GlobalFragmentHeader(_message.Message):
     syncer computed them (the syncer carries the quantization error into the next delta).
     """
     delta_base_version: _builtins.int
+    epoch: _builtins.int
+    """The leader epoch the version was published under (0 without leader election): learners
+    never fold in a version from an epoch older than one they have seen.
+    """
     @_builtins.property
     def payload(self) -> _common_pb2.PayloadInfo: ...
     def __init__(
@@ -599,10 +610,11 @@ class GlobalFragmentHeader(_message.Message):
         payload: _common_pb2.PayloadInfo | None = ...,
         delta: _builtins.bool = ...,
         delta_base_version: _builtins.int = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "delta_base_version", b"delta_base_version", "fragment_id", b"fragment_id", "payload", b"payload", "syncer_instance", b"syncer_instance", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "delta_base_version", b"delta_base_version", "epoch", b"epoch", "fragment_id", b"fragment_id", "payload", b"payload", "syncer_instance", b"syncer_instance", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1294,6 +1306,8 @@ class TrainingState(_message.Message):
     DIRECTION_JUDGMENTS_FIELD_NUMBER: _builtins.int
     TOKENS_PROCESSED_FIELD_NUMBER: _builtins.int
     TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    LEADER_ADDRESS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     syncer_instance: _builtins.str
     started_at_unix_s: _builtins.float
@@ -1326,6 +1340,11 @@ class TrainingState(_message.Message):
     runs its own --steps). A fleet-wide budget: a learner that was down does not hold the end of
     the run back, the others' work makes up for it.
     """
+    epoch: _builtins.int
+    """Leader election (docs/failover.md): this syncer's epoch while it leads (0 otherwise, and
+    without election), and the leader it last saw.
+    """
+    leader_address: _builtins.str
     @_builtins.property
     def fragments(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentState]: ...
     @_builtins.property
@@ -1387,10 +1406,12 @@ class TrainingState(_message.Message):
         direction_judgments: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         tokens_processed: _builtins.int = ...,
         token_budget: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        leader_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "token_budget", b"token_budget", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "epoch", b"epoch", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "leader_address", b"leader_address", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "token_budget", b"token_budget", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -37,6 +37,7 @@ from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
+from services.learner import targets as targets_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
 
@@ -161,6 +162,10 @@ class _SessionBroken(Exception):
     """The session must be re-established (re-join, new watch stream)."""
 
 
+class _NotLeader(targets_lib.NotLeader, _SessionBroken):
+    """A session that reached a syncer which does not lead."""
+
+
 class SyncClient:
     """See the module docstring. Start with `start()`, stop with `close()`."""
 
@@ -199,6 +204,10 @@ class SyncClient:
         self._joined = threading.Event()
         self._sending: set[int] = set()  # fragments with an upload in flight
         self._seed_checked = False
+        # Leader election (docs/failover.md): the syncers to try, the one in use, the leader a
+        # standby named, and the newest leader epoch seen (versions of older epochs are ignored).
+        self._targets = targets_lib.SyncerTargets(cfg.target)
+        self.max_epoch = 0
         self._failpoints = failpoints_lib.Failpoints(cfg.failpoints, prefix="learner.")
         self._history = history_lib.HistoryWriter(cfg.history_file) if cfg.history_file else None
 
@@ -361,13 +370,23 @@ class SyncClient:
         if self._channel is not None:
             await self._channel.close()
 
+    async def _connect(self) -> None:
+        """Points the stub at the syncer the next session should use (services/learner/targets.py)."""
+        previous = self._targets.current
+        target = self._targets.next()
+        if target == previous and self._channel is not None:
+            return
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = channel_lib.aio_channel(target, self.cfg.security)
+        self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
+
     async def _supervise(self) -> None:
         self._upload_wakeup = asyncio.Event()
-        self._channel = channel_lib.aio_channel(self.cfg.target, self.cfg.security)
-        self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
         failures = 0
         while not self._closing:
             try:
+                await self._connect()
                 await self._join()
                 failures = 0
                 self.stats.sessions += 1
@@ -391,9 +410,13 @@ class SyncClient:
                     return
                 if self._closing:
                     return
+                leader = self._targets.redirected(cause)
+                if leader:
+                    _LOG.info(f"{self._targets.current} is not the leader; going to {leader}")
+                    continue
                 failures += 1
                 detail = cause.code().name if isinstance(cause, grpc.RpcError) else repr(cause)
-                _LOG.warning(f"session with the syncer broke ({detail}); re-joining")
+                _LOG.warning(f"session with the syncer at {self._targets.current} broke ({detail}); re-joining")
             # Jittered, capped exponential backoff: a restarting syncer is not stampeded.
             delay_s = min(self.cfg.reconnect_max_backoff_s, 0.2 * 2 ** min(failures, 6))
             await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
@@ -411,12 +434,18 @@ class SyncClient:
             assign_data_shard=self.cfg.num_data_shards > 0 and self.data_shard < 0,
         )
         async for attempt in retry_lib.async_retrying(
-            what=f"Join {self.cfg.target}", timeout=datetime.timedelta(seconds=self.cfg.retry_bound_s), idempotent=True
+            what=f"Join {self._targets.current}", timeout=datetime.timedelta(seconds=self.cfg.retry_bound_s), idempotent=True
         ):
             with attempt:
                 try:
                     response = await self._stub.Join(request, timeout=self.cfg.call_timeout_s)
                 except grpc.aio.AioRpcError as exc:
+                    refusal = self._targets.not_leader(exc)
+                    if refusal is not None:
+                        raise _NotLeader(str(refusal), refusal.leader) from None
+                    if len(self._targets.targets) > 1 and exc.code() in _OUTCOME_UNKNOWN:
+                        # Another syncer of the list may lead: try it rather than wait for this one.
+                        raise _SessionBroken(f"{self._targets.current}: {exc.code().name}") from None
                     if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
                                       grpc.StatusCode.UNAUTHENTICATED):
                         # Fenced, or credentials that do not allow this learner id: retrying is futile.
@@ -424,6 +453,12 @@ class SyncClient:
                     raise
         self.stats.bytes_sent += request.ByteSize()
         self.stats.bytes_received += response.ByteSize()
+        # Epoch 0: a syncer without election (the operator turned it off), which is never deposed.
+        if response.epoch and response.epoch < self.max_epoch:
+            raise _NotLeader(f"{self._targets.current} leads with epoch {response.epoch}, older than {self.max_epoch}: "
+                             "a deposed leader")
+        self.max_epoch = response.epoch
+        self._targets.joined()
         with self._lock:
             if response.syncer_instance != self.instance:
                 # Versions are only meaningful within one syncer life: start from the full model.
@@ -515,6 +550,10 @@ class SyncClient:
         raise _SessionBroken("the syncer ended the watch stream")
 
     async def _receive(self, header: syncer_pb2.GlobalFragmentHeader, payload: bytes) -> None:
+        if header.epoch < self.max_epoch:  # never fold in a deposed leader's version
+            raise _NotLeader(f"version {header.version} of fragment {header.fragment_id} has epoch {header.epoch}, "
+                             f"older than {self.max_epoch}: {self._targets.current} was deposed")
+        self.max_epoch = header.epoch
         values = await asyncio.to_thread(serde.decode_payload, header.payload, payload)
         fid = header.fragment_id
         if header.delta:
@@ -540,6 +579,9 @@ class SyncClient:
             self._arrivals[fid] = self._arrivals.get(fid, 0) + 1
             self._arrived.notify_all()
         self.stats.fragments_received += 1
+        if self._history is not None:  # fault tests check every version folded in against leader epochs
+            self._history.write("version", instance=header.syncer_instance, fragment=fid, version=header.version,
+                                epoch=header.epoch)
 
     async def _report_progress(self) -> None:
         while True:

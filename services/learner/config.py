@@ -236,7 +236,8 @@ class EvaluatorConfig:
 
 
 _HELP = {
-    "syncer": "syncer host:port",
+    "syncer": "syncer host:port, or the comma-separated syncers of a run with leader election (the client "
+              "follows the leader; docs/failover.md)",
     "learner_id": "stable learner identity (keep it across restarts); 'auto' or empty: <region>-<hostname>",
     "incarnation": "life counter; 0 uses the start time in ns",
     "region": "region label shown in the training state",

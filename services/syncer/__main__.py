@@ -18,6 +18,7 @@ import time
 
 import jax
 import numpy as np
+from grpc_health.v1 import health_pb2
 
 from ddiloco import checkpoint_client as checkpoint_client_lib
 from ddiloco import checkpoint_replicas as replicas_lib
@@ -38,6 +39,7 @@ from services.syncer import checkpointing
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
 from services.syncer import history as history_lib
+from services.syncer import leadership as leadership_lib
 from services.syncer import metrics as syncer_metrics
 from services.syncer import servicer as servicer_lib
 
@@ -55,6 +57,10 @@ class _Checkpointer:
         self._merges_since = 0
         self._task: asyncio.Task | None = None
         self.on_commit = None  # called with the snapshot of each committed checkpoint (history)
+        # Leader election (services/syncer/leadership.py): whether this syncer may write, and the
+        # fenced commit of a written checkpoint (awaited with its step). None: no election.
+        self.may_write = None
+        self.on_written = None
         # Every checkpoint says what its bytes mean (model, config, fragment plan): `ddiloco export`.
         self._description = checkpointing.describe_run(cfg, core.config, core.plan)
 
@@ -67,6 +73,8 @@ class _Checkpointer:
     async def save(self) -> bool:
         core = self._core
         if self._client is None or core.outer_steps <= core.last_checkpoint_outer_step:
+            return False
+        if self.may_write is not None and not self.may_write():
             return False
         started = time.monotonic()
         snapshot = await core.snapshot()
@@ -92,7 +100,13 @@ class _Checkpointer:
         for name, data in blobs.items():
             digest = await self._client.put_blob(data)
             refs[name] = (digest, len(data))
+        if self.may_write is not None and not self.may_write():
+            # Deposed while the blobs went out (harmless: content-addressed, unreferenced): no
+            # manifest, which the store would keep as its latest although nobody commits it.
+            raise RuntimeError(f"no longer the leader: checkpoint at step {step} not written")
         await self._client.commit_manifest(self._cfg.run_id, step, refs, metadata)
+        if self.on_written is not None:
+            await self.on_written(step)
 
     async def drain(self) -> None:
         if self._task is not None and not self._task.done():
@@ -121,10 +135,12 @@ async def _settle_merges(core: core_lib.SyncerCore, timeout_s: float = 10.0) -> 
         await asyncio.sleep(0.02)
 
 
-async def _restore(client, cfg: config_lib.SyncerConfig) -> dict | None:
-    """The latest committed snapshot of this run, None for a new run; raises if the store is down."""
+async def _restore(client, cfg: config_lib.SyncerConfig, manifest=None) -> dict | None:
+    """The latest committed snapshot of this run (or that of `manifest`), None for a new run;
+    raises if the store is down."""
     # The client retries transient failures for at most restore_timeout_s (see serve()).
-    manifest = await client.latest_manifest(cfg.run_id)
+    if manifest is None:
+        manifest = await client.latest_manifest(cfg.run_id)
     if manifest is None:
         return None
     blobs = {}
@@ -209,7 +225,11 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     core.on_merge = checkpointer.on_merge
     if cfg.failpoints:  # fault tests only
         core.failpoint = failpoints_lib.Failpoints(cfg.failpoints, prefix="syncer.").hit
-    if client is not None:
+    leadership = leadership_lib.Leadership(coordinated=bool(cfg.coord_etcd))
+    if leadership.coordinated:
+        leadership_lib.register_metrics(leadership, registry)
+    checkpointer.may_write = leadership.leading
+    if client is not None and not leadership.coordinated:  # with election: once elected (_lead)
         restore_started = time.monotonic()
         try:
             state = await _restore(client, cfg)
@@ -222,8 +242,9 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         if isinstance(client, replicas_lib.ReplicatedCheckpointClient):
             client.start_repair([cfg.run_id], interval_s=cfg.checkpoint_repair_interval_s)
     # Captured before serving, so the ready file shows exactly what was restored.
-    history = history_lib.attach(core, cfg.history_file)  # fault tests: what the invariant checkers read
-    if history is not None:
+    # With election a syncer's life (for the history) starts when it leads, once restored (_lead).
+    history = None if leadership.coordinated else history_lib.attach(core, cfg.history_file)
+    if history is not None:  # fault tests: what the invariant checkers read
         checkpointer.on_commit = history.checkpoint_committed
     digests = {fid: core.fragment_digest(fid) for fid in core.versions()}
     initial_state = {
@@ -244,7 +265,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         cfg.bind,
         [syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].full_name],
         [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
-        interceptors=[rpc_interceptors.MetricsInterceptor(registry), auth],
+        interceptors=[rpc_interceptors.MetricsInterceptor(registry), auth, leadership_lib.LeaderGate(leadership)],
         credentials=server_credentials,
         health_bind=cfg.health_bind,
     )
@@ -268,7 +289,13 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    leading = None
+    if leadership.coordinated:
+        leading = loop.create_task(_lead(cfg, leadership, handle, core, client, servicer, checkpointer,
+                                         metrics, stop))
     await stop.wait()
+    if leading is not None and not leadership.leading():
+        return await _stop_not_leading(handle, servicer, leadership, leading, cfg.grace_s)
     _LOG.info("shutting down: draining RPCs and writing a final checkpoint")
     await handle.health.enter_graceful_shutdown()
     # RPCs first (in-flight uploads finish), then merges, then the final checkpoint: no merge may
@@ -277,6 +304,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     await _settle_merges(core)
     await checkpointer.drain()
     await checkpointer.save()
+    await leadership.resign()  # after the final commit: a standby leads at once, without waiting for the lease
+    history = history or leadership.history
     if isinstance(client, replicas_lib.ReplicatedCheckpointClient):
         await client.close()
     if history is not None:
@@ -286,6 +315,70 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
 
 
 _TEARDOWN_LIMIT_S = 5.0
+
+
+async def _lead(cfg, leadership, handle, core, client, servicer, checkpointer, metrics, stop) -> None:
+    """Leader election (--coord-etcd): campaigns, and once elected restores the committed
+    checkpoint and opens the gate. Sets `stop` when leadership is lost or cannot be taken up.
+    The health status of the Syncer service is NOT_SERVING until then (the overall status stays
+    SERVING: a standby is alive), so a readiness probe on it routes a Service to the leader only."""
+    address = handle.address
+    syncer_service = syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].full_name
+    await handle.health.set(syncer_service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    pointer, _etcd = leadership_lib.elect(cfg, leadership, address, core.instance)
+
+    def lost(_reason: str) -> None:
+        stop.set()
+        # Whatever the event loop is busy with, the process is gone soon (its gate refuses already).
+        _exit_if_teardown_hangs(leadership_lib.EXIT_LOST_LEADERSHIP, 2.0)
+
+    leadership.on_lost = lost
+
+    def observed(leader_address: str) -> None:
+        servicer.leader_address = leader_address
+
+    async def become_leader() -> None:
+        started = time.monotonic()
+        if client is not None:
+            manifest = await leadership_lib.restore_committed(client, pointer, cfg.run_id)
+            state = await _restore(client, cfg, manifest) if manifest is not None else None
+            if state is not None:
+                core.restore(state)
+                metrics.restore_seconds.set(time.monotonic() - started)
+        leadership.history = history_lib.attach(core, cfg.history_file)
+        if leadership.history is not None:
+            checkpointer.on_commit = leadership.history.checkpoint_committed
+        servicer.epoch = leadership.election.epoch
+        servicer.leader_address = address
+        checkpointer.on_written = lambda step: leadership.commit(pointer, cfg.run_id, step)
+        await handle.health.set(syncer_service, health_pb2.HealthCheckResponse.SERVING)
+        _LOG.info("elected: serving learners", extra={"fields": {
+            "epoch": servicer.epoch, "outer_step": core.outer_steps, "restored": core.restored_from_checkpoint,
+            "seconds": round(time.monotonic() - started, 3)}})
+
+    try:
+        await leadership_lib.campaign_and_lead(leadership, on_observed=observed, become_leader=become_leader)
+    except Exception as exc:
+        _LOG.error(f"could not take up leadership (restoring the committed checkpoint): {exc!r}")
+        stop.set()
+        raise
+
+
+async def _stop_not_leading(handle: server_lib.ServerHandle, servicer: servicer_lib.SyncerServicer,
+                            leadership: leadership_lib.Leadership, leading: asyncio.Task, grace_s: float) -> int:
+    """Shutdown of a syncer that does not lead. A standby (SIGTERM) has nothing to checkpoint: it
+    gives its candidate lease back and exits 0. A leader that lost its lease, or could not take
+    it up, writes no final checkpoint and waits for no upload (the gate refuses everything) and
+    exits EXIT_LOST_LEADERSHIP; its supervisor starts it again as a standby."""
+    if not leadership.lost_reason and not (leading.done() and not leading.cancelled() and leading.exception()):
+        leading.cancel()
+        await stop_serving(handle, servicer, grace_s)
+        await leadership.resign()
+        _exit_if_teardown_hangs(0, _TEARDOWN_LIMIT_S)
+        return 0
+    await stop_serving(handle, servicer, 0.0)
+    _exit_if_teardown_hangs(leadership_lib.EXIT_LOST_LEADERSHIP, 0.5)
+    return leadership_lib.EXIT_LOST_LEADERSHIP
 
 
 def _exit_if_teardown_hangs(code: int, limit_s: float) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from ddiloco.algo import robust as robust_lib
 from ddiloco import failpoints as failpoints_lib
 from ddiloco import flags
+from ddiloco.coord import etcd as etcd_lib
 from ddiloco.rpc import security
 from ddiloco.wire import codec as codec_lib
 
@@ -95,6 +96,12 @@ class SyncerConfig:
     checkpoint_auth_token_file: str = ""  # bearer token presented to the checkpoint store
     checkpoint_tls_server_name: str = ""  # name expected in the store's certificate, if not its host
     health_bind: str = ""  # also serve the health service alone, in plaintext, here (probes)
+    # Leader election (docs/failover.md): etcd endpoints; empty runs one syncer, as before.
+    coord_etcd: str = ""
+    coord_lease_s: int = 3  # the leader's lease: a dead leader is replaced within about this long
+    coord_prefix: str = "/ddiloco"  # etcd key prefix of this deployment's election and commit keys
+    coord_advertise: str = ""  # host:port learners reach this syncer at (default: its bound address)
+    coord_call_timeout_s: float = 1.0  # deadline of one etcd call
     # Bad input and hostile learners.
     max_concurrent_uploads_per_learner: int = 4
     upload_idle_timeout_s: float = 60.0  # an upload stream silent this long is refused
@@ -160,6 +167,15 @@ class SyncerConfig:
                      "max_state_watchers_per_identity", "max_fragment_watchers", "max_fragment_watchers_per_identity"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
+        if self.coord_etcd:
+            try:
+                etcd_lib.parse_endpoints(self.coord_etcd)
+            except ValueError as exc:
+                raise bad("coord_etcd", str(exc)) from None
+            if self.coord_lease_s < 2:
+                raise bad("coord_lease_s", "must be >= 2 (etcd grants no shorter lease)")
+            if self.coord_call_timeout_s <= 0 or self.coord_call_timeout_s >= self.coord_lease_s / 2:
+                raise bad("coord_call_timeout_s", "must be > 0 and below half of --coord-lease-s")
         for name in ("norm_bound_factor", "quarantine_after", "quarantine_window_s", "quarantine_s"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")
@@ -342,6 +358,14 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         "checkpoint_tls_server_name": "mutual TLS: name expected in the store's certificate when it differs from "
                                       "the host of --checkpoint-target (e.g. checkpoint, as `ddiloco certs` names it)",
         "health_bind": "also serve gRPC health alone, in plaintext, on host:port (probes without certificates)",
+        "coord_etcd": "leader election among several syncers of this run (docs/failover.md): etcd endpoints "
+                      "host:port[,host:port...]; empty: a single syncer, no election",
+        "coord_lease_s": "leader lease in seconds: a dead leader is replaced, and a leader cut off from etcd "
+                         "stops, within about this long",
+        "coord_prefix": "etcd key prefix for this deployment's leader and commit keys",
+        "coord_advertise": "host:port at which learners reach this syncer, told to them by standbys "
+                           "(default: the address it serves on; bound to 0.0.0.0, this host's address)",
+        "coord_call_timeout_s": "deadline of one etcd call (below half of --coord-lease-s)",
         "max_concurrent_uploads_per_learner": "uploads in flight at once from one learner (RESOURCE_EXHAUSTED above)",
         "upload_idle_timeout_s": "refuse an upload stream that sends nothing for this long",
         "max_state_watchers": "WatchTrainingState streams open at once, over all callers (RESOURCE_EXHAUSTED above)",

@@ -141,7 +141,7 @@ class _WatchMessages:
         self._newest: dict[tuple[int, bool], tuple[int, object, tuple, int]] = {}
 
     def get(self, instance: str, fid: int, version: int, encoded, delta: bool,
-            chunk_size_bytes: int) -> tuple[tuple, int]:
+            chunk_size_bytes: int, epoch: int = 0) -> tuple[tuple, int]:
         key = (fid, delta)
         entry = self._newest.get(key)
         if entry is not None and entry[0] == version and entry[1] is encoded:
@@ -150,7 +150,7 @@ class _WatchMessages:
             header=syncer_pb2.GlobalFragmentHeader(
                 fragment_id=fid, version=version, syncer_instance=instance,
                 payload=serde.payload_info_to_proto(encoded),
-                delta=delta, delta_base_version=version - 1 if delta else 0,
+                delta=delta, delta_base_version=version - 1 if delta else 0, epoch=epoch,
             )
         )
         messages = (header, *(syncer_pb2.WatchFragmentsResponse(chunk=chunk)
@@ -176,6 +176,10 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         self._watch_messages = _WatchMessages()
         self._uploads_running = 0
         self._ending_streams = asyncio.Event()
+        # The leader epoch (services/syncer/leadership.py) on every version and join answer; 0
+        # without election. Set once, before this syncer serves learners as the leader.
+        self.epoch = 0
+        self.leader_address = ""  # the leader as last seen (standby), for the training state
 
     async def end_streams(self, timeout_s: float) -> None:
         """Shutdown, once the server refuses new calls: waits (at most timeout_s) for the uploads in
@@ -219,6 +223,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         except errors.ServiceError as exc:
             await self._abort(context, "Join", exc)
         response.upload_header_ack = True  # see UploadFragment: initial metadata once the header passed
+        response.epoch = self.epoch
         member = self._core.member(request.learner_id)
         self._core.count_bytes(member, inbound=request.ByteSize(), outbound=response.ByteSize())
         return response
@@ -370,7 +375,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 else:
                     version, encoded = await core.encoded_payload(slot)
                 messages, out_bytes = self._watch_messages.get(core.instance, fid, version, encoded,
-                                                                delta is not None, chunk_size)
+                                                                delta is not None, chunk_size, self.epoch)
                 if not observer:  # which of this learner's work the version holds (rebase on arrival)
                     receipt = core.receipt(request.learner_id, request.incarnation, fid, version)
                     yield syncer_pb2.WatchFragmentsResponse(receipt=receipt)
@@ -398,8 +403,13 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             await self._abort(context, "Leave", exc)
         return syncer_pb2.LeaveResponse()
 
+    def _training_state(self, recent_merges: int) -> syncer_pb2.TrainingState:
+        state = self._core.training_state(recent_merges)
+        state.epoch, state.leader_address = self.epoch, self.leader_address
+        return state
+
     async def GetTrainingState(self, request, context):
-        return syncer_pb2.GetTrainingStateResponse(state=self._core.training_state(request.recent_merges))
+        return syncer_pb2.GetTrainingStateResponse(state=self._training_state(request.recent_merges))
 
     async def WatchTrainingState(self, request, context):
         try:
@@ -409,6 +419,6 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         interval_s = max(request.min_interval_s, 0.1)
         while True:
             await self._end_if_shutting_down(context)
-            yield syncer_pb2.WatchTrainingStateResponse(state=self._core.training_state(request.recent_merges))
+            yield syncer_pb2.WatchTrainingStateResponse(state=self._training_state(request.recent_merges))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._ending_streams.wait(), interval_s)

@@ -231,6 +231,7 @@ def test_schema_rejects_bad_values(tools, tmp_path, values, complaint):
         ({"syncer": {"terminationGracePeriodSeconds": 20}}, "too short"),
         ({"syncer": {"startupProbe": {"failureThreshold": 2}}}, "startupProbe"),
         ({"fullnameOverride": "a" * 45}, "learner StatefulSet name"),  # its pods could never be created
+        ({"syncer": {"replicas": 2}}, "needs leader election"),  # two syncers merging: two outer steps
     ],
 )
 def test_template_refuses_inconsistent_values(tools, tmp_path, values, complaint):
@@ -463,6 +464,23 @@ def test_syncer_restore_and_shutdown_budgets(render):
     pdb = one(docs, "PodDisruptionBudget", "syncer")
     assert selects(pdb["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])
     assert pdb["spec"]["maxUnavailable"] == values["podDisruptionBudget"]["maxUnavailable"]
+
+
+def test_syncer_replicas_with_leader_election_roll_one_at_a_time(render, k8s_versions):
+    """syncer.replicas > 1 with settings.coordEtcd (docs/failover.md): the pods get the etcd
+    endpoints, and a rollout replaces them one at a time (a standby is up before the leader goes)."""
+    docs = render("hub", "--set", "syncer.replicas=2", "--set", "syncer.settings.coordEtcd=etcd-0.etcd:2379\\,etcd-1.etcd:2379",
+                  "--set", "syncer.settings.coordLeaseS=5")
+    problems = validate_strictly(docs, k8s_versions)
+    assert not problems, "\n".join(problems)
+    deployment = one(docs, "Deployment", "syncer")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = container_env(docs, deployment, container, first_pod_name(deployment))
+    assert env["DDILOCO_SYNCER_COORD_ETCD"] == "etcd-0.etcd:2379,etcd-1.etcd:2379"
+    assert env["DDILOCO_SYNCER_COORD_LEASE_S"] == "5"
 
 
 def test_store_volume_is_persistent(render):
