@@ -13,6 +13,7 @@ BENCHMARKS = {
     "quality": ("ddiloco.bench.quality", "held-out loss and bytes on the wire: decoupled vs DiLoCo vs data-parallel"),
     "perf": ("ddiloco.bench.perf", "codec, merge, transport and scale throughput against measured machine limits"),
     "goodput": ("ddiloco.bench.goodput", "goodput under one seeded failure schedule: decoupled vs DiLoCo vs dp"),
+    "snapshot": ("ddiloco.bench.snapshot", "size and write time of a learner's resume snapshot (--state-dir)"),
 }
 
 

@@ -502,4 +502,5 @@ class LearnerLoop:
         self.stats.steps = self.stats.resumed_from_step = snap.step
         self.tokens_before = snap.tokens_total
         return {"step": snap.step, "contributed_after_snapshot": sorted(dropped),
-                "pending_assumed_merged": sorted(assumed_merged)}
+                "pending_assumed_merged": sorted(assumed_merged),
+                "opt_state_sha256": snapshot_lib.leaves_sha256(snapshot_lib.opt_state_to_host(self.opt_state))}

@@ -105,6 +105,17 @@ def opt_state_to_host(opt_state) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
 
+def leaves_sha256(leaves: dict[str, np.ndarray]) -> str:
+    """sha256 over named arrays (names, dtypes, shapes and bytes, in name order): the resume log line
+    states the restored optimizer state's, so it can be checked against the snapshot file."""
+    digest = hashlib.sha256()
+    for name in sorted(leaves):
+        value = np.asarray(leaves[name])
+        digest.update(f"{name}:{value.dtype.str}:{list(value.shape)};".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()
+
+
 def opt_state_from_host(template, leaves: dict[str, np.ndarray]):
     """Rebuilds an optimizer state shaped like ``template`` (a fresh init of the same optimizer)
     from named host leaves, each placed like the template's leaf. SnapshotMismatch when the trees
@@ -125,12 +136,17 @@ def opt_state_from_host(template, leaves: dict[str, np.ndarray]):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def _contiguous(value, dtype=None) -> np.ndarray:
+    # Not np.ascontiguousarray: it turns a 0-d leaf (AdamW's step count) into shape (1,).
+    return np.array(value, dtype=dtype, order="C", copy=None)
+
+
 def _encode(snap: LearnerSnapshot) -> bytes:
     tensors: dict[str, np.ndarray] = {"c_steps": snap.c_steps.astype(np.int64), "c_tokens": snap.c_tokens.astype(np.int64)}
-    tensors.update({f"param/{k}": np.ascontiguousarray(v) for k, v in snap.params.items()})
-    tensors.update({f"opt/{k}": np.ascontiguousarray(v) for k, v in snap.opt_leaves.items()})
-    tensors.update({f"held/{f}": np.ascontiguousarray(v, np.float32) for f, v in snap.global_copy.items()})
-    tensors.update({f"pending/{f}": np.ascontiguousarray(p.values, np.float32) for f, p in snap.pending.items()})
+    tensors.update({f"param/{k}": _contiguous(v) for k, v in snap.params.items()})
+    tensors.update({f"opt/{k}": _contiguous(v) for k, v in snap.opt_leaves.items()})
+    tensors.update({f"held/{f}": _contiguous(v, np.float32) for f, v in snap.global_copy.items()})
+    tensors.update({f"pending/{f}": _contiguous(p.values, np.float32) for f, p in snap.pending.items()})
     header = {
         "format": FORMAT, **dataclasses.asdict(snap.identity), "step": snap.step, "tokens_total": snap.tokens_total,
         "held": {str(f): [inst, v] for f, (inst, v) in snap.held.items()},
