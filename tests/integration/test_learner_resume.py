@@ -23,6 +23,7 @@ import signal
 import numpy as np
 import pytest
 
+from ddiloco import build_info
 from ddiloco.data import corpus
 from services.learner import snapshot as snapshot_lib
 from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
@@ -90,6 +91,9 @@ def test_a_killed_learner_resumes_its_optimizer_state_and_data_position_without_
         resumed = re.search(r"resumed from snapshot .*?step=(\d+) .*?opt_state_sha256=([0-9a-f]{64})",
                             svc.log_path.read_text())
         assert resumed, svc.log_tail()
+        # The start line names the build (version from the package metadata, the commit).
+        assert re.search(rf"learner learner-0 training .*version={re.escape(build_info.version())} "
+                         rf"commit={build_info.commit()}", svc.log_path.read_text()), svc.log_tail()
         assert int(resumed.group(1)) == snap.step == summary["resumed_from_step"]
         assert resumed.group(2) == snapshot_lib.leaves_sha256(snap.opt_leaves)  # the restored leaves, hashed
         assert summary["steps"] == snap.step + MORE_STEPS and summary["finish"]["all_merged"], summary["finish"]
