@@ -6,7 +6,8 @@ steps after its snapshot, then restarted with --steps 40 beyond the snapshot's s
 that step (its log says so, with a sha256 of the optimizer state it restored, which equals the
 snapshot file's leaves'), and at exit its data position is the snapshot's advanced by exactly 40
 batches (it continued the sequence: no new one, no replay of batches before the snapshot) and its
-optimizer's step counts went on from the snapshot's.
+optimizer's step counts went on from the snapshot's. Last, the snapshot relabelled as another run's
+is refused with a warning and the learner starts from the global model.
 
 Throughout, no step of learner-0's work reaches the global model twice: on every fragment, the
 merged contributions of the later lives never cover a step up to the snapshot that the killed life
@@ -16,6 +17,7 @@ as documented).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -111,17 +113,28 @@ def test_a_killed_learner_resumes_its_optimizer_state_and_data_position_without_
         assert counts and set(counts.values()) == {snap.step + MORE_STEPS}, counts
         assert {int(v) for k, v in snap.opt_leaves.items() if k.endswith(".count")} == {snap.step}
         merges.poll()
+        _assert_no_step_merged_twice(merges, killed.incarnation, snap.step)
+
+        # A snapshot of another run (here: the same file, relabelled) is refused with a warning; the
+        # learner starts from the global model at step 0.
+        store.write(dataclasses.replace(final, identity=dataclasses.replace(final.identity, run_id="another-run")))
+        svc, summary = _restart(cluster, state_dir, steps=5, merges=merges)
+        assert "not resuming: the snapshot" in svc.log_path.read_text() and "another run id" in svc.log_path.read_text()
+        assert summary["resumed_from_step"] == 0 and summary["steps"] == 5
+        assert store.load().identity.run_id == "resume"  # replaced by this run's snapshot at exit
     finally:
         probe.close()
 
-    # No work merged twice: later lives' merged steps up to the snapshot never overlap the killed life's.
+
+def _assert_no_step_merged_twice(merges: _Merges, killed_incarnation: int, snapshot_step: int) -> None:
+    """Later lives' merged steps up to the snapshot never overlap the killed life's."""
     by_life = merges.intervals("learner-0")
-    killed_life = [i for i in by_life if i[1] == killed.incarnation]
-    later = [i for i in by_life if i[1] != killed.incarnation]
+    killed_life = [i for i in by_life if i[1] == killed_incarnation]
+    later = [i for i in by_life if i[1] != killed_incarnation]
     assert killed_life and later
     for fid, _, lo, hi in later:
         for kfid, _, klo, khi in killed_life:
             if kfid == fid:
-                assert min(hi, khi, snap.step) < max(lo, klo), (
+                assert min(hi, khi, snapshot_step) < max(lo, klo), (
                     f"fragment {fid}: steps {lo}-{hi} of a resumed life and {klo}-{khi} of the killed life "
-                    f"overlap at or before the snapshot step {snap.step}: merged twice")
+                    f"overlap at or before the snapshot step {snapshot_step}: merged twice")
