@@ -14,6 +14,7 @@ BENCHMARKS = {
     "perf": ("ddiloco.bench.perf", "codec, merge, transport and scale throughput against measured machine limits"),
     "goodput": ("ddiloco.bench.goodput", "goodput under one seeded failure schedule: decoupled vs DiLoCo vs dp"),
     "snapshot": ("ddiloco.bench.snapshot", "size and write time of a learner's resume snapshot (--state-dir)"),
+    "resume": ("ddiloco.bench.resume", "held-out loss cost of a learner restart, with and without resume"),
 }
 
 
