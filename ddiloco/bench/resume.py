@@ -1,14 +1,15 @@
 """`ddiloco bench resume`: the held-out loss cost of a learner restart, with and without resume.
 
 Each run goes through the real services on 127.0.0.1: a syncer (the tiny transformer, 4
-fragments, H = 4, a fleet-wide token budget so every run processes the same tokens), two learners
-and a final `evaluate --once`. Three modes per seed:
+fragments, H = 4), two learners of --steps steps each (paced at 30 ms per step) and a final
+`evaluate --once`. Three modes per seed:
 
 - ``no-crash``: nothing happens (the reference);
 - ``resume``: learner-0 runs with --state-dir (the shipped snapshot interval, 100 steps), is
-  SIGKILLed at --kill-step and restarted at once with the same flags: it resumes its snapshot;
-- ``fresh``: the same kill and restart without --state-dir: the restarted learner starts from the
-  global model with a fresh optimizer (warm-up again) and its un-merged work is lost.
+  SIGKILLed at --kill-step and restarted at once with the same flags: it resumes its snapshot and
+  redoes the steps since (its --steps count every life);
+- ``fresh``: the same kill, restarted without --state-dir for the steps it had left: it starts
+  from the global model with a fresh optimizer (warm-up again) and its un-merged work is lost.
 
 Reports the final held-out loss of each run and each mode's difference to ``no-crash`` per seed
 (mean and spread over the seeds). Writes bench/results/resume.{json,md}.
@@ -34,7 +35,7 @@ _TINY = ["--model-config", json.dumps({"preset": "tiny"}), "--num-fragments", "4
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="syncer init + learner data seeds")
-    parser.add_argument("--budget-steps", type=int, default=600, help="the fleet's token budget, in learner steps")
+    parser.add_argument("--steps", type=int, default=300, help="inner steps of each learner")
     parser.add_argument("--kill-step", type=int, default=140, help="learner-0 is SIGKILLed at this step")
     parser.add_argument("--eval-batches", type=int, default=32)
     parser.add_argument("--workdir", default="", help="keep the runs here (default: a temporary directory)")
@@ -71,24 +72,19 @@ def _final_loss(cluster, eval_batches: int) -> float:
 
 
 def run_one(mode: str, seed: int, args: argparse.Namespace, workdir: pathlib.Path) -> dict:
-    """One run to the token budget; returns its final held-out loss and how the restart went."""
-    from ddiloco import models
+    """One run to the end; returns its final held-out loss and how the restart went."""
     from ddiloco.cli import cluster as cluster_lib
-    from services.learner import config as learner_config
 
-    tokens_per_step = learner_config.LearnerConfig().batch_size * models.get_model("transformer",
-                                                                                     {"preset": "tiny"}).seq_len
     cluster = cluster_lib.LocalCluster(workdir / f"{mode}-seed{seed}")
     try:
         syncer = cluster.start_syncer(run_id=f"resume-bench-{mode}-{seed}", extra=[
-            *_TINY, "--seed", str(seed), "--token-budget", str(args.budget_steps * tokens_per_step)])
+            *_TINY, "--seed", str(seed)])
         # Paced (as the integration tests): two learners on a shared machine step at similar speeds.
-        flags = ["--steps", "0", "--num-shards", "2", "--seed", str(seed), "--log-every-steps", "100",
+        flags = ["--steps", str(args.steps), "--num-shards", "2", "--seed", str(seed), "--log-every-steps", "100",
                  "--step-delay-s", "0.03"]
         state_dir = ["--state-dir", str(cluster.workdir / "state" / "learner-0")] if mode == "resume" else []
         learner = cluster.start_learner(0, region="region-a", extra=[*flags, *state_dir])
-        # learner-1 starts once learner-0 trains: compile times differ, and the budget must not run
-        # out before the kill.
+        # learner-1 starts once learner-0 trains (compile times differ on a shared machine).
         _wait_for_step(syncer.address, 1)
         cluster.start_learner(1, region="region-b", extra=flags)
         restarted_at = None
@@ -96,7 +92,9 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, workdir: pathlib.Pat
             member = _wait_for_step(syncer.address, args.kill_step)
             learner.signal(signal.SIGKILL)
             learner.wait(30)
-            restarted_at = member.local_step
+            restarted_at = member.local_step  # as last reported (the kill may come a step or two later)
+            if mode == "fresh":  # the steps it had left; a resumed learner counts its earlier lives itself
+                flags[1] = str(args.steps - restarted_at)
             learner = cluster.start_learner(0, region="region-a", extra=[*flags, *state_dir])
         for svc in cluster.learners():
             if svc.wait(900) is None:
@@ -114,6 +112,7 @@ def run_one(mode: str, seed: int, args: argparse.Namespace, workdir: pathlib.Pat
 
 def run(args: argparse.Namespace) -> int:
     runs = []
+    provenance = results_lib.provenance()
     with tempfile.TemporaryDirectory() as scratch:
         workdir = pathlib.Path(args.workdir or scratch)
         for seed in args.seeds:
@@ -126,17 +125,18 @@ def run(args: argparse.Namespace) -> int:
         deltas = [r["final_heldout_loss"] - base[r["seed"]] for r in runs if r["mode"] == mode]
         summary[mode] = {"mean_delta": statistics.mean(deltas),
                          "stdev_delta": statistics.stdev(deltas) if len(deltas) > 1 else None, "deltas": deltas}
-    result = {"what": "final held-out loss after a fleet token budget; learner-0 SIGKILLed and restarted",
-              "budget_steps": args.budget_steps, "kill_step": args.kill_step, "seeds": args.seeds,
-              "runs": runs, "vs_no_crash": summary, "provenance": results_lib.provenance()}
+    result = {"what": "final held-out loss of two learners' runs; learner-0 SIGKILLed and restarted",
+              "steps": args.steps, "kill_step": args.kill_step, "seeds": args.seeds,
+              "runs": runs, "vs_no_crash": summary, "provenance": provenance}
     rows = [[r["seed"], r["mode"], f"{r['final_heldout_loss']:.4f}",
              f"{r['final_heldout_loss'] - base[r['seed']]:+.4f}" if r["mode"] != "no-crash" else "",
              r["killed_at_step"] or "", r["resumed_from_step"] or "", f"{100 * r['work_merged']:.1f} %"] for r in runs]
     md = "\n".join([
         "# The loss cost of a learner restart, with and without resume (`ddiloco bench resume`)", "",
-        f"Tiny transformer, 4 fragments, H = 4, two learners (paced at 30 ms per step), a fleet token budget of {args.budget_steps} learner "
-        f"steps; learner-0 SIGKILLed at step {args.kill_step} (its snapshot: step 100, the shipped interval) and "
-        "restarted at once. Final held-out loss by `evaluate --once` "
+        f"Tiny transformer, 4 fragments, H = 4, two learners of {args.steps} steps (paced at 30 ms per step); "
+        f"learner-0 SIGKILLed at step {args.kill_step} (its snapshot: step 100, the shipped interval) and "
+        "restarted at once (resume: with its --state-dir, redoing the steps since the snapshot; fresh: without, for "
+        "the steps it had left). Final held-out loss by `evaluate --once` "
         f"({args.eval_batches} batches); deltas against the same seed's run without a crash.", "",
         results_lib.markdown_table(["seed", "mode", "final held-out loss", "vs no crash", "killed at",
                                     "resumed from", "work merged"], rows), "",
