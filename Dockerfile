@@ -70,6 +70,10 @@ FROM deps AS project
 COPY pyproject.toml README.md /src/
 COPY ddiloco /src/ddiloco
 COPY services /src/services
+# The commit this image is built from (`--build-arg GIT_COMMIT=$(git rev-parse HEAD)`): `--version`,
+# the start log lines and TrainingState.build_commit report it (ddiloco/build_info.py).
+ARG GIT_COMMIT=unknown
+RUN echo "$GIT_COMMIT" > /src/ddiloco/BUILD_COMMIT
 RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --target /opt/ddiloco /src \
     && PYTHONPATH=/opt/ddiloco /opt/venv/bin/python -c \
        "import ddiloco.healthcheck, ddiloco.cli.main, services.syncer.config, services.learner.config, services.checkpoint.config"

@@ -23,6 +23,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
         self._environ = environ
+        # Every service: the build it runs (package metadata and the commit it was built from).
+        from ddiloco import build_info
+
+        self.add_argument("--version", action="version", version=build_info.describe(self.prog))
 
     def add_env_argument(self, flag: str, *, env: str, type: Callable[[str], Any] = str, **kwargs: Any):
         """Adds `flag`, defaulting to the value of `env` when it is set (parsed with `type`)."""

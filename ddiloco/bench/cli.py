@@ -16,6 +16,8 @@ BENCHMARKS = {
     "checkpoint": ("ddiloco.bench.checkpoint_cost", "one checkpoint's cost with 1 and 2 stores: commit-before-broadcast "
                    "vs the default cadence"),
     "failover": ("ddiloco.bench.failover", "time without a leading syncer after SIGKILL of the leader (leader election)"),
+    "snapshot": ("ddiloco.bench.snapshot", "size and write time of a learner's resume snapshot (--state-dir)"),
+    "resume": ("ddiloco.bench.resume", "held-out loss cost of a learner restart, with and without resume"),
 }
 
 

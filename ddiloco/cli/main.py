@@ -30,6 +30,11 @@ _TOOLS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        from ddiloco import build_info
+
+        print(build_info.describe())
+        return 0
     if argv and argv[0] in _SERVICES:
         return importlib.import_module(_SERVICES[argv[0]]).main(argv[1:])
     if argv and argv[0] in _TOOLS:

@@ -251,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
                 "--steps", str(args.steps), "--num-shards", str(args.learners), "--batch-size", str(args.batch_size),
                 *data_flags,
                 *(["--compilation-cache-dir", args.compilation_cache_dir] if args.compilation_cache_dir else []),
+                # Each learner's resume state (docs/operations.md), kept with the run's other files.
+                "--state-dir", str(cluster.workdir / "state" / f"learner-{i}"),
             ])
         stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address, cluster.client_security()))
         in_main_loop = True

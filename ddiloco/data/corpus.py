@@ -409,6 +409,20 @@ class BatchSampler:
         """Tokens predicted per batch: B*T."""
         return self._batch_size * (len(self._offsets) - 1)
 
+    def position(self) -> dict:
+        """Where the batch sequence is: the generator's state (JSON-serializable), for a learner's
+        snapshot; ``seek`` to it continues with the batches that would have come next."""
+        return {"bit_generator": self._rng.bit_generator.state, "batch_size": self._batch_size,
+                "window": len(self._offsets), "tokens": len(self._tokens)}
+
+    def seek(self, position: dict) -> None:
+        """Continues from ``position()``. ValueError when it was taken on other data or batch shape."""
+        mine = {"batch_size": self._batch_size, "window": len(self._offsets), "tokens": len(self._tokens)}
+        theirs = {k: position.get(k) for k in mine}
+        if theirs != mine:
+            raise ValueError(f"the data position is of other data or batches ({theirs}, here {mine})")
+        self._rng.bit_generator.state = position["bit_generator"]
+
 
 def heldout_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int) -> list[np.ndarray]:
     """Deterministic evaluation batches of evenly spaced windows across ``tokens``.

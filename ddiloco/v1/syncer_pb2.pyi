@@ -1308,6 +1308,8 @@ class TrainingState(_message.Message):
     TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     LEADER_ADDRESS_FIELD_NUMBER: _builtins.int
+    BUILD_VERSION_FIELD_NUMBER: _builtins.int
+    BUILD_COMMIT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     syncer_instance: _builtins.str
     started_at_unix_s: _builtins.float
@@ -1345,6 +1347,11 @@ class TrainingState(_message.Message):
     without election), and the leader it last saw.
     """
     leader_address: _builtins.str
+    build_version: _builtins.str
+    """The syncer's build: its package version and the git commit it was built from ("unknown" when
+    the build did not record one; ddiloco.build_info).
+    """
+    build_commit: _builtins.str
     @_builtins.property
     def fragments(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentState]: ...
     @_builtins.property
@@ -1408,10 +1415,12 @@ class TrainingState(_message.Message):
         token_budget: _builtins.int = ...,
         epoch: _builtins.int = ...,
         leader_address: _builtins.str = ...,
+        build_version: _builtins.str = ...,
+        build_commit: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "epoch", b"epoch", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "leader_address", b"leader_address", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "token_budget", b"token_budget", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "build_commit", b"build_commit", "build_version", b"build_version", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "epoch", b"epoch", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "leader_address", b"leader_address", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "token_budget", b"token_budget", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from ddiloco import build_info
 from ddiloco import liveness as liveness_lib
 from ddiloco import logs, models
 from ddiloco.algo import fragments as fragments_lib
@@ -36,6 +37,7 @@ from services.learner import config as config_lib
 from services.learner import distributed as distributed_lib
 from services.learner import loop as loop_lib
 from services.learner import metrics as learner_metrics
+from services.learner import snapshot as snapshot_lib
 from services.learner import train as train_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
@@ -148,12 +150,15 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
         round_trigger=run_config.round_trigger or "schedule",
     )
     collector.loop = loop
+    snapshots = _resume(cfg, loop, run_config, sampler, shard, sync_mode)  # None: --state-dir off
     loop.apply_updates()
     _LOG.info(
         f"learner {cfg.learner_id} training",
         extra={"fields": {"incarnation": incarnation, "shard": shard, "data": split.source, "syncer": cfg.syncer,
                           "fragments": plan.num_fragments, "H": plan.sync_period_steps,
                           "inner_optimizer": "model" if hasattr(model, "inner_optimizer") else "adamw",
+                          "version": build_info.version(), "commit": build_info.commit(),
+                          "resumed_from_step": loop.stats.resumed_from_step,
                           **unit.describe()}},
     )
     started = time.monotonic()
@@ -165,6 +170,8 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
         sync_client.hit_failpoint("learner.inner_step")  # fault tests only: `stall` hangs the loop here
         loss = loop.step()
         liveness.beat()
+        if snapshots is not None and snapshots.due(loop.stats.steps):
+            snapshots.write(lambda: loop.export_snapshot(snapshots.identity, sampler.position(), shard))
         if loop.stats.steps % cfg.log_every_steps == 0:
             _LOG.info(
                 "step",
@@ -179,6 +186,8 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
     finish_s = time.monotonic() - finish_started
     client.flush(timeout_s=min(10.0, cfg.retry_bound_s))
     client.close(leave=True)
+    if snapshots is not None:  # a restart continues the optimizer state and the data order
+        snapshots.write(lambda: loop.export_snapshot(snapshots.identity, sampler.position(), shard))
     summary = {
         "learner_id": cfg.learner_id, "incarnation": incarnation, "data_shard": shard, "steps": loop.stats.steps,
         "tokens": loop.stats.tokens, "first_loss": loop.stats.first_loss, "last_loss_ema": loop.stats.loss_ema.value,
@@ -187,6 +196,8 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
         "sync_mode": sync_mode, "wait_s": round(loop.stats.wait_s, 3), "compute_s": round(loop.stats.compute_s, 3),
         "barrier_resends": loop.stats.barrier_resends,
         "merged_contributions": loop.stats.merged_contributions,
+        "resumed_from_step": loop.stats.resumed_from_step, "tokens_all_lives": loop.tokens_before + loop.stats.tokens,
+        "snapshots": snapshots.summary() if snapshots is not None else None,
         "unmerged_contributions": loop.stats.unmerged_contributions,
         "finish": {"all_merged": all_merged, "wait_s": round(finish_s, 3)},
         # Why training stopped: the run's token budget (the syncer said so), or a signal / --steps.
@@ -204,6 +215,42 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
             json.dump(summary, f)
     return 0
 
+
+
+def _resume(cfg: config_lib.LearnerConfig, loop: loop_lib.LearnerLoop, run_config, sampler, shard: int,
+            sync_mode: str) -> snapshot_lib.Snapshotter | None:
+    """With --state-dir: resumes the loop from this learner's snapshot when it belongs to this run,
+    model and fragment plan (else warns and starts from the global model), journals contributions
+    from now on, and returns what writes the next snapshots."""
+    if not cfg.state_dir:
+        return None
+    if sync_mode != "decoupled" or cfg.num_processes > 1:
+        _LOG.warning(f"--state-dir ignored: resume supports single-process learners in decoupled mode "
+                     f"(this is {sync_mode}, {cfg.num_processes} process(es))")
+        return None
+    store = snapshot_lib.SnapshotStore(cfg.state_dir)
+    snapshots = snapshot_lib.Snapshotter(store, snapshot_lib.run_identity(run_config, cfg.learner_id),
+                                         every_steps=cfg.snapshot_every_steps, interval_s=cfg.snapshot_interval_s)
+    snap = store.load_matching(snapshots.identity)
+    if snap is not None:
+        try:
+            resumed = loop.resume(snap, store.sent_since(snap.step))
+        except snapshot_lib.SnapshotMismatch as exc:
+            _LOG.warning(f"not resuming: {exc}; starting from the global model (the next snapshot replaces it)")
+        else:
+            snapshots.restart_from(snap.step)
+            try:
+                if snap.data_shard != shard:
+                    raise ValueError(f"it was taken on data shard {snap.data_shard}, this life trains {shard}")
+                sampler.seek(snap.sampler)
+                resumed["data_position"] = "continued"
+            except ValueError as exc:
+                _LOG.warning(f"resumed, but not the data position: {exc}; a fresh data order")
+                resumed["data_position"] = "fresh"
+            _LOG.info("resumed from snapshot", extra={"fields": {
+                **resumed, "age_s": round(time.time() - snap.written_at_unix_s, 1), "path": str(store.path)}})
+    loop.set_before_upload(store.note_sent)
+    return snapshots
 
 
 def _upload_encoder(cfg: config_lib.LearnerConfig):

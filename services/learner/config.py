@@ -100,6 +100,13 @@ class LearnerConfig:
     history_file: str = ""  # append each upload's acknowledgement (JSONL) here; empty: off
     log_level: str = "INFO"
     json_logs: bool = False
+    # Resume (services/learner/snapshot.py, docs/operations.md): this learner's state on local disk,
+    # written atomically every snapshot_every_steps steps or snapshot_interval_s seconds (whichever
+    # first; 0 turns one off) and at exit; a restart with the same --learner-id continues from it.
+    # Empty: off (`ddiloco up`, compose and the chart give each learner a directory).
+    state_dir: str = ""
+    snapshot_every_steps: int = 100
+    snapshot_interval_s: float = 60.0
 
     def client_security(self) -> security.ClientSecurity:
         """ValueError unless TLS (a CA, optionally a cert/key pair) or plaintext was asked for."""
@@ -135,6 +142,8 @@ class LearnerConfig:
                 raise ValueError(f"LearnerConfig.{name}={getattr(self, name)!r}: must be >= 0")
         if not self.learner_id:
             raise ValueError("LearnerConfig.learner_id must not be empty")
+        if self.snapshot_every_steps < 0 or self.snapshot_interval_s < 0:
+            raise ValueError("LearnerConfig.snapshot_every_steps and snapshot_interval_s must be >= 0")
         try:
             self.data_spec()
         except ValueError as exc:
@@ -303,6 +312,11 @@ _HELP = {
     "failpoints": "TESTS ONLY: crash at named points, e.g. learner.after_chunk=crash@5 (ddiloco.failpoints)",
     "history_file": "TESTS/CHAOS: append each upload's acknowledgement as JSONL here (invariant checks)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "state_dir": "keep this learner's state here (optimizer state, counters, un-merged work, data position): a "
+                 "restart with the same --learner-id resumes from it (docs/operations.md); one directory per "
+                 "learner; empty: off",
+    "snapshot_every_steps": "write the --state-dir snapshot every this many inner steps (0: only by time)",
+    "snapshot_interval_s": "... and at least every this many seconds (0: only by steps); also at exit",
     "json_logs": "log one JSON object per line",
     "evaluator_id": "name shown with the reported losses",
     "interval_s": "seconds between evaluations",

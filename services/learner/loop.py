@@ -45,6 +45,7 @@ from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 from services.learner import client as client_lib
 from services.learner import ports
+from services.learner import snapshot as snapshot_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
 
@@ -68,6 +69,7 @@ class LoopStats:
     merged_contributions: int = 0  # own contributions a received version held (MergeReceipt)
     unmerged_contributions: int = 0  # ... that a version showed were never merged (work kept)
     first_loss: float | None = None
+    resumed_from_step: int = 0  # the snapshot's step this life resumed from (0: none; `steps` counts on from it)
     loss_ema: grace_lib.Ema = dataclasses.field(default_factory=lambda: grace_lib.Ema(0.1))
     step_time_ema: grace_lib.Ema = dataclasses.field(default_factory=lambda: grace_lib.Ema(0.2))
 
@@ -136,6 +138,8 @@ class LearnerLoop:
         self._call_answers: dict[int, int] = {}  # contributions sent for each fragment's current call
         self._answered_round: dict[int, int] = {}  # the round of the call each fragment last answered
         self.finished = False
+        self._before_upload: Callable[[int, int], None] | None = None  # set_before_upload
+        self.tokens_before = 0  # tokens of earlier lives, up to the snapshot this life resumed from
 
     def _take_outcomes(self) -> None:
         for outcome in self._client.take_outcomes():
@@ -291,6 +295,8 @@ class LearnerLoop:
         self.pending[fid] = arrival_lib.PendingContribution(
             mark_step=job.local_step, delta=delta, steps=job.steps, tokens=job.tokens, syncer_instance=base[0])
         self._jobs[fid] = job
+        if self._before_upload is not None:
+            self._before_upload(fid, job.local_step)
         self._client.submit_upload(job)
         self.stats.uploads_queued += 1
         return job
@@ -425,3 +431,76 @@ class LearnerLoop:
             held=serde.versions_to_proto({f: v for f, (_, v) in self.held.items()}),
             finished=self.finished,
         )
+
+    # ------------------------------------------------------------------------------ resume
+
+    def set_before_upload(self, hook: Callable[[int, int], None] | None) -> None:
+        """`hook(fragment, step)` runs before each contribution goes to the client."""
+        self._before_upload = hook
+
+    def export_snapshot(self, identity: snapshot_lib.RunIdentity, sampler_position: dict,
+                        data_shard: int) -> snapshot_lib.LearnerSnapshot:
+        """This learner's state as host arrays, for SnapshotStore.write (decoupled mode)."""
+        pending = {}
+        for fid, p in self.pending.items():
+            job = self._jobs.get(fid)
+            values = p.sent
+            if values is None and job is not None and job.local_step == p.mark_step:
+                values = job.sent_values  # decoded as the syncer will merge it, once encoded
+            pending[fid] = snapshot_lib.PendingRecord(p.mark_step, p.steps, p.tokens,
+                                                      p.delta if values is None else values)
+        return snapshot_lib.LearnerSnapshot(
+            identity=identity, step=self.stats.steps, tokens_total=self.tokens_before + self.stats.tokens,
+            params={name: np.array(self._train_step.to_host(v), np.float32) for name, v in self.params.items()},
+            opt_leaves=snapshot_lib.opt_state_to_host(self.opt_state),
+            held=dict(self.held), global_copy=dict(self.global_copy),
+            c_steps=self.c_steps.copy(), c_tokens=self.c_tokens.copy(), pending=pending,
+            sampler=sampler_position, data_shard=data_shard)
+
+    def resume(self, snap: snapshot_lib.LearnerSnapshot, sent_after: set[int]) -> dict:
+        """Continues from a snapshot: its parameters, optimizer state, counters, held global
+        fragments and step. Call before the first apply_updates: the syncer's current fragments then
+        fold in as any late arrival does (rebase keeps the snapshot's un-merged progress).
+
+        What the previous life did after the snapshot is unknown, and the syncer's receipts speak
+        only for the life that sent a contribution. Never counting work twice, this assumes the worst
+        for work, not for the model: a contribution pending at the snapshot is taken as merged (its
+        values leave the progress, its counts the counters), and a fragment contributed after the
+        snapshot (`sent_after`, the journal) restarts from its held global copy. Work the previous
+        life did after the snapshot is lost unless it reached the syncer. Returns what it did.
+        SnapshotMismatch (nothing changed) when the tensors or the optimizer differ."""
+        if self.global_copy:
+            raise RuntimeError("resume() must come before the first apply_updates()")
+        shapes = {name: tuple(np.shape(v)) for name, v in self.params.items()}
+        saved = {name: tuple(v.shape) for name, v in snap.params.items()}
+        if saved != shapes:
+            raise snapshot_lib.SnapshotMismatch("the snapshot's tensors differ from the model's")
+        opt_state = snapshot_lib.opt_state_from_host(self.opt_state, snap.opt_leaves)
+        params = {name: np.array(v, np.float32) for name, v in snap.params.items()}
+        c_steps, c_tokens = snap.c_steps.astype(np.int64), snap.c_tokens.astype(np.int64)
+        dropped, assumed_merged = [], []
+        for fid, frag in enumerate(self.plan.fragments):
+            if fid not in snap.global_copy:
+                continue  # never held: the first copy replaces it, as at a fresh start
+            if fid in sent_after:
+                local, c_steps[fid], c_tokens[fid] = snap.global_copy[fid], 0, 0
+                dropped.append(fid)
+            elif fid in snap.pending:
+                record = snap.pending[fid]
+                local = fragments_lib.flatten_fragment(params, frag) + record.values
+                c_steps[fid] = max(0, int(c_steps[fid]) - record.steps)
+                c_tokens[fid] = max(0, int(c_tokens[fid]) - record.tokens)
+                assumed_merged.append(fid)
+            else:
+                continue
+            params.update(fragments_lib.unflatten_fragment(np.asarray(local, np.float32), frag))
+        self.params = {name: self._train_step.place(name, arr) for name, arr in params.items()}
+        self.opt_state = opt_state
+        self.c_steps, self.c_tokens = c_steps, c_tokens
+        self.global_copy = {fid: np.asarray(v, np.float32) for fid, v in snap.global_copy.items()}
+        self.held = dict(snap.held)
+        self.stats.steps = self.stats.resumed_from_step = snap.step
+        self.tokens_before = snap.tokens_total
+        return {"step": snap.step, "contributed_after_snapshot": sorted(dropped),
+                "pending_assumed_merged": sorted(assumed_merged),
+                "opt_state_sha256": snapshot_lib.leaves_sha256(snapshot_lib.opt_state_to_host(self.opt_state))}

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 
 from ddiloco import checkpoint_client as checkpoint_client_lib
 from ddiloco import checkpoint_replicas as replicas_lib
-from ddiloco import logs, models, runtime
+from ddiloco import build_info, logs, models, runtime
 from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import inner as inner_lib
@@ -274,7 +274,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         extra={"fields": {"run": cfg.run_id, "model": model.name, "fragments": plan.num_fragments,
                           "params": sum(f.numel for f in plan.fragments), "restored": core.restored_from_checkpoint,
                           "outer_step": core.outer_steps, "transport": "mtls" if server_security.tls else "plaintext",
-                          "tokens": bool(cfg.auth_tokens_file), "health": handle.health_address or handle.address}},
+                          "tokens": bool(cfg.auth_tokens_file), "health": handle.health_address or handle.address,
+                          "version": build_info.version(), "commit": build_info.commit()}},
     )
     metrics_server = metrics_lib.serve(cfg.metrics_bind, registry) if cfg.metrics_bind else None
     if metrics_server is not None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from ddiloco import build_info
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import outer as outer_lib
@@ -490,6 +491,7 @@ class SyncerCore:
         return syncer_pb2.TrainingState(
             run_id=self.config.run_id,
             syncer_instance=self.instance,
+            build_version=build_info.version(), build_commit=build_info.commit(),
             started_at_unix_s=self.started_at_unix_s,
             now_unix_s=self._wall(),
             outer_steps=self.outer_steps,
