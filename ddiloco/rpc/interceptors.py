@@ -151,3 +151,20 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                        else grpc.stream_stream_rpc_method_handler)
         return factory(unary_response, request_deserializer=handler.request_deserializer,
                        response_serializer=handler.response_serializer)
+
+
+def rewrap_handler(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
+    """The same RPC method handler (kind, (de)serializers) with its behavior replaced by `wrap(behavior)`.
+
+    For server interceptors that run checks around a call (authentication, leader gating): grpc.aio
+    has no hook between the handler lookup and the behavior, so each wraps the behavior itself.
+    """
+    common = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), **common)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), **common)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), **common)
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), **common)

@@ -46,6 +46,7 @@ from typing import Any
 import grpc
 
 from ddiloco.rpc import errors
+from ddiloco.rpc import interceptors as interceptors_lib
 
 _LOG = logging.getLogger("ddiloco.security")
 
@@ -704,15 +705,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, admit) -> grpc.RpcMethodHandle
 
         return behavior_wrapper
 
-    common = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), **common)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), **common)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), **common)
-    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), **common)
+    return interceptors_lib.rewrap_handler(handler, wrap)
 
 
 # ------------------------------------------------------------------------- client tokens

@@ -32,6 +32,7 @@ from ddiloco.coord import commit as commit_lib
 from ddiloco.coord import election as election_lib
 from ddiloco.coord import etcd as etcd_lib
 from ddiloco.rpc import errors
+from ddiloco.rpc import interceptors as interceptors_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
@@ -154,15 +155,7 @@ def _gated(handler: grpc.RpcMethodHandler, check) -> grpc.RpcMethodHandler:
 
         return unary_behavior
 
-    common = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), **common)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), **common)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), **common)
-    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), **common)
+    return interceptors_lib.rewrap_handler(handler, wrap)
 
 
 async def restore_committed(client, pointer: commit_lib.EtcdCommitPointer, run_id: str):
