@@ -37,6 +37,7 @@ from services.syncer import checkpointing
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
 from services.syncer import history as history_lib
+from services.syncer import influence as influence_lib
 from services.syncer import metrics as syncer_metrics
 from services.syncer import servicer as servicer_lib
 
@@ -205,6 +206,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
             metrics.restore_seconds.set(time.monotonic() - restore_started)
     # Captured before serving, so the ready file shows exactly what was restored.
     history = history_lib.attach(core, cfg.history_file)  # fault tests: what the invariant checkers read
+    if cfg.merge_ledger:  # one hash-chained record per merge (ddiloco audit)
+        core.influence.ledger = influence_lib.MergeLedger(cfg.merge_ledger, max_bytes=cfg.merge_ledger_max_bytes)
     if history is not None:
         checkpointer.on_commit = history.checkpoint_committed
     digests = {fid: core.fragment_digest(fid) for fid in core.versions()}

@@ -29,11 +29,15 @@ from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
+from services.syncer import influence as influence_lib
 from services.syncer import membership as membership_lib
 from services.syncer import slots as slots_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
+# Bounded influence: a learner may step this many times faster than the other learners' median step
+# time (a unit with more devices), and contribute at most this much beyond what its measured rate allows.
+STEP_RATE_FACTOR = 4.0
 JUDGE_POLL_S = 0.02  # how often a contribution waiting for direction references looks again
 NORM_STRIKE_RATIO = 2.0
 BOOTSTRAP_STRIKE_RATIO = 10.0  # the same, against the bootstrap bound (no other learners' reference yet)
@@ -92,6 +96,12 @@ class Admission:
         self._decode_helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="syncer-decode")
         self._clock = clock
         self.direction_judgments: collections.Counter = collections.Counter()  # see await_direction_references
+        # Bounded influence: who influenced which merge (services/syncer/influence.py; the core sets it).
+        self.influence: influence_lib.Influence | None = None
+        # (learner, fragment) -> what was clipped of the contribution being admitted, and the clock()
+        # of the learner life's last accepted contribution to the fragment (its measured step rate).
+        self._clips: dict[tuple[str, int], list[str]] = {}
+        self._last_accepted_s: dict[tuple[str, int, int], float] = {}
 
     # -------------------------------------------------------------------------------- header
 
@@ -104,6 +114,8 @@ class Admission:
             return self._validate(header, pinned_base)
         except errors.ServiceError as exc:
             self._membership.record_rejection(exc.reason, header.learner_id, exc)
+            if self.influence is not None:
+                self.influence.note_refused(header.learner_id, header.fragment_id, exc.reason, exc)
             raise
 
     def _validate(self, header: syncer_pb2.UploadHeader, pinned_base: np.ndarray | None) -> UploadTicket:
@@ -207,13 +219,36 @@ class Admission:
         steps since this life's last merged contribution of the fragment (UploadHeader.local_step
         minus the receipt mark), which the syncer knows. A claim beyond it would inflate the weight
         and, as a per-step norm far below the others', collapse the norm bound's reference."""
-        if not header.local_step:
-            return header.steps  # a learner that sends no marks (synchronous modes' barrier uploads)
-        since = header.local_step - member.mark_at(header.fragment_id, self._slots[header.fragment_id].version)
-        if 0 < since < header.steps:
-            self._uploads["capped_steps"] += 1
-            return since
-        return header.steps
+        clips = self._clips[(header.learner_id, header.fragment_id)] = []
+        steps = header.steps
+        if header.local_step:  # a learner that sends no marks (synchronous modes' barrier uploads): no cap
+            since = header.local_step - member.mark_at(header.fragment_id, self._slots[header.fragment_id].version)
+            if 0 < since < steps:
+                self._uploads["capped_steps"] += 1
+                self._clip(clips, "steps")
+                steps = since
+        allowed = self._steps_allowed(member, header.fragment_id)
+        if allowed is not None and steps > allowed:
+            self._clip(clips, "step_rate")
+            steps = allowed
+        return steps
+
+    def _clip(self, clips: list[str], what: str) -> None:
+        clips.append(what)
+        if self.influence is not None:
+            self.influence.note_clipped(what)
+
+    def _steps_allowed(self, member: membership_lib.Member, fragment_id: int) -> int | None:
+        """The most steps this life can have taken since its last accepted contribution to the
+        fragment, at STEP_RATE_FACTOR x the other learners' median step rate, plus one sync period
+        (upload timing). None without a previous contribution or other learners' step times."""
+        since_s = self._last_accepted_s.get((member.learner_id, member.incarnation, fragment_id))
+        times = [m.step_time_s for m in self._membership.members.values()
+                 if m.learner_id != member.learner_id and m.step_time_s > 0 and not m.left]
+        if since_s is None or not times:
+            return None
+        elapsed_s = max(0.0, self._clock() - since_s)
+        return math.ceil(elapsed_s * STEP_RATE_FACTOR / float(np.median(times))) + self._plan.sync_period_steps
 
     # ------------------------------------------------------------------------------- payload
 
@@ -287,7 +322,7 @@ class Admission:
                                                    "steps": header.steps, "basis": verdict.basis,
                                                    "ratio": round(verdict.ratio, 4)}})
         if verdict.within:
-            return decoded.values, norms
+            return await self._clip_norm(slot, header, steps, decoded.values, norms)
         detail, gross = self._norm_violation(slot, header, norms, verdict)
         if self._norm_bound.action == "reject":
             raise errors.InvalidArgument(detail, reason="norm_bound" if gross else "norm_bound_marginal")
@@ -298,7 +333,21 @@ class Admission:
         member.rejections[reason] += 1
         self._membership.flag(member, reason)
         values = await asyncio.to_thread(robust_lib.scale_tensors, decoded.values, slot.fragment, verdict.scales)
-        return values, norms * verdict.scales
+        return await self._clip_norm(slot, header, steps, values, norms * verdict.scales)
+
+    async def _clip_norm(self, slot: slots_lib.FragmentSlot, header: syncer_pb2.UploadHeader, steps: int,
+                         values: np.ndarray, norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Median-of-norms clipping (robust.NormHistory.clip_scale): a contribution within the
+        bound but far above the others' per-step norm is scaled down to clip_factor x it. Not a
+        strike: it bounds what an update inside the (loose) reject bound can do to the merge."""
+        total = float(np.sqrt(np.sum(np.square(norms))))
+        scale = slot.norms.clip_scale(header.learner_id, total, steps)
+        if scale >= 1.0:
+            return values, norms
+        self._clip(self._clips.setdefault((header.learner_id, header.fragment_id), []), "norm")
+        self._uploads["clipped_norm"] += 1
+        scaled = await asyncio.to_thread(np.multiply, values, np.float32(scale), dtype=np.float32)
+        return scaled, norms * scale
 
     async def _params_norm(self, slot: slots_lib.FragmentSlot) -> float:
         """The norm of the slot's current values: the bootstrap bound's reference (once per version)."""
@@ -338,6 +387,7 @@ class Admission:
         cap = slot.norms.weight_cap(learner_id, steps)
         if weight > cap:
             self._uploads["capped_weight"] += 1
+            self._clip(self._clips.setdefault((learner_id, slot.fragment.fragment_id), []), "batch")
             return cap
         return weight
 
@@ -359,7 +409,19 @@ class Admission:
                  decoded: Decoded, norms: np.ndarray, steps: int, weight: float) -> None:
         """Records a contribution folded into its round: the references later ones are checked
         against, the learner's direction agreement, its idempotency key and the counts."""
+        total_norm = float(np.sqrt(np.sum(np.square(norms))))
+        ratio = slot.norms.norm_ratio(header.learner_id, total_norm, steps)  # before this one joins the reference
         slot.norms.add(header.learner_id, norms, steps, weight)
+        self._last_accepted_s[(member.learner_id, member.incarnation, header.fragment_id)] = self._clock()
+        if slot.round is not None:
+            claimed = merge_lib.contribution_weight(header.tokens, header.steps)
+            slot.round.influence.append({
+                "learner": header.learner_id, "incarnation": header.incarnation,
+                "base_version": header.base_version, "claimed_steps": header.steps,
+                "claimed_tokens": header.tokens, "steps": steps, "claimed_weight": round(claimed, 9),
+                "weight": weight, "norm": round(total_norm, 9),
+                "norm_ratio": None if ratio is None else round(ratio, 6), "heading": decoded.heading,
+                "clipped": self._clips.pop((header.learner_id, header.fragment_id), [])})
         self._directions.add(header.learner_id, header.fragment_id, decoded.heading, slot.version)
         if decoded.agreement is not None:
             member.direction_sum += decoded.agreement

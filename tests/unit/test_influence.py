@@ -1,0 +1,73 @@
+"""Bounded influence: the merge's per-contribution share cap (ddiloco.algo.merge.MergeAccumulator
+max_share) and the claimed-batch and norm clips (ddiloco.algo.robust.NormHistory)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import merge as merge_lib
+from ddiloco.algo import robust as robust_lib
+
+TensorSpec = fragments_lib.TensorSpec
+
+
+def _fragment() -> fragments_lib.Fragment:
+    return fragments_lib.Fragment(fragment_id=0, tensors=(TensorSpec("w", (64,)), TensorSpec("e", (32,), is_embedding=True)),
+                                  offset_steps=0)
+
+
+def _capped(weights: list[float], share: float) -> list[float]:
+    """The weights a merge with the cap should use: the heaviest lowered to `share` of the total."""
+    out = list(weights)
+    top = int(np.argmax(out))
+    rest = sum(out) - out[top]
+    if rest > 0 and out[top] > share * sum(out):
+        out[top] = share / (1 - share) * rest
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(weights=st.lists(st.one_of(st.just(0.0), st.floats(1e-3, 1e4)), min_size=1, max_size=6), share=st.sampled_from([0.5, 0.6, 0.9, 1.0]),
+       seed=st.integers(0, 2**31 - 1), rule=st.sampled_from(["rda", "mean"]))
+def test_share_cap_equals_the_batch_merge_with_capped_weights(weights, share, seed, rule):
+    """Whatever order contributions arrive in, the streamed merge with the cap is the batch merge
+    whose heaviest weight is lowered to `share` of the total, and no share exceeds it."""
+    fragment = _fragment()
+    rng = np.random.default_rng(seed)
+    deltas = [rng.normal(size=fragment.numel).astype(np.float32) for _ in weights]
+    capped = _accumulate(fragment, deltas, weights, share, rule)
+    reference = _accumulate(fragment, deltas, _capped(weights, share), 1.0, rule)
+    np.testing.assert_allclose(capped.result(), reference.result(), rtol=2e-4, atol=2e-5)
+    if sum(weights) > 0 and len(weights) > 1:
+        assert max(_capped(weights, share)) <= share * capped.total_weight * (1 + 1e-9) or \
+            sum(w for w in weights if w != max(weights)) == 0
+    assert capped.count == len(weights)
+
+
+def _accumulate(fragment, deltas, weights, share, rule):
+    acc = merge_lib.MergeAccumulator(fragment, rule=rule, max_share=share)
+    for i, (delta, weight) in enumerate(zip(deltas, weights, strict=True)):
+        acc.add(delta, weight, key=f"l{i}")
+    return acc
+
+
+def test_a_heavy_contribution_is_capped_at_half_and_named():
+    fragment = _fragment()
+    acc = merge_lib.MergeAccumulator(fragment, max_share=0.5)
+    ones = np.ones(fragment.numel, np.float32)
+    acc.add(ones, 1.0, key="a")
+    acc.add(ones * 2, 1600.0, key="hostile")
+    acc.add(ones, 1.0, key="b")
+    acc.add(ones, 1.0, key="c")
+    acc.scaled_result()
+    assert acc.capped == ("hostile", 1600.0, 3.0)
+    assert acc.total_weight == pytest.approx(6.0)
+
+
+def test_share_cap_outside_half_to_one_is_refused():
+    with pytest.raises(ValueError, match="max_share"):
+        merge_lib.MergeAccumulator(_fragment(), max_share=0.3)
