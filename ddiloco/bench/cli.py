@@ -13,6 +13,7 @@ BENCHMARKS = {
     "quality": ("ddiloco.bench.quality", "held-out loss and bytes on the wire: decoupled vs DiLoCo vs data-parallel"),
     "perf": ("ddiloco.bench.perf", "codec, merge, transport and scale throughput against measured machine limits"),
     "goodput": ("ddiloco.bench.goodput", "goodput under one seeded failure schedule: decoupled vs DiLoCo vs dp"),
+    "hostile": ("ddiloco.bench.hostile", "3 honest + 1 hostile learner per behaviour of the chaos tool, shipped defaults"),
 }
 
 

@@ -101,7 +101,9 @@ class Admission:
         # (learner, fragment) -> what was clipped of the contribution being admitted, and the clock()
         # of the learner life's last accepted contribution to the fragment (its measured step rate).
         self._clips: dict[tuple[str, int], list[str]] = {}
-        self._last_accepted_s: dict[tuple[str, int, int], float] = {}
+        # (learner, incarnation, fragment) -> {local_step mark: clock() when that contribution was
+        # accepted}, the last few: when the learner was at the mark its next contribution counts from.
+        self._accepted_at_s: dict[tuple[str, int, int], collections.OrderedDict] = {}
 
     # -------------------------------------------------------------------------------- header
 
@@ -227,7 +229,7 @@ class Admission:
                 self._uploads["capped_steps"] += 1
                 self._clip(clips, "steps")
                 steps = since
-        allowed = self._steps_allowed(member, header.fragment_id)
+        allowed = self._steps_allowed(member, header)
         if allowed is not None and steps > allowed:
             self._clip(clips, "step_rate")
             steps = allowed
@@ -238,14 +240,17 @@ class Admission:
         if self.influence is not None:
             self.influence.note_clipped(what)
 
-    def _steps_allowed(self, member: membership_lib.Member, fragment_id: int) -> int | None:
-        """The most steps this life can have taken since its last accepted contribution to the
-        fragment, at STEP_RATE_FACTOR x the other learners' median step rate, plus one sync period
-        (upload timing). None without a previous contribution or other learners' step times."""
-        since_s = self._last_accepted_s.get((member.learner_id, member.incarnation, fragment_id))
+    def _steps_allowed(self, member: membership_lib.Member, header: syncer_pb2.UploadHeader) -> int | None:
+        """The most steps this life can have taken since the contribution that set its merged mark
+        for the fragment arrived (it was at that step then), at STEP_RATE_FACTOR x the other
+        learners' median step rate, plus one sync period (upload latency). None without such a
+        contribution of this syncer's life, or without other learners' step times."""
+        fid = header.fragment_id
+        mark = member.mark_at(fid, self._slots[fid].version)
+        since_s = self._accepted_at_s.get((member.learner_id, member.incarnation, fid), {}).get(mark)
         times = [m.step_time_s for m in self._membership.members.values()
                  if m.learner_id != member.learner_id and m.step_time_s > 0 and not m.left]
-        if since_s is None or not times:
+        if not mark or since_s is None or not times:
             return None
         elapsed_s = max(0.0, self._clock() - since_s)
         return math.ceil(elapsed_s * STEP_RATE_FACTOR / float(np.median(times))) + self._plan.sync_period_steps
@@ -410,9 +415,15 @@ class Admission:
         """Records a contribution folded into its round: the references later ones are checked
         against, the learner's direction agreement, its idempotency key and the counts."""
         total_norm = float(np.sqrt(np.sum(np.square(norms))))
-        ratio = slot.norms.norm_ratio(header.learner_id, total_norm, steps)  # before this one joins the reference
+        # As sent (before any clipping), against the reference before this one joins it.
+        ratio = slot.norms.norm_ratio(header.learner_id, float(np.sqrt(np.sum(np.square(decoded.norms)))), steps)
         slot.norms.add(header.learner_id, norms, steps, weight)
-        self._last_accepted_s[(member.learner_id, member.incarnation, header.fragment_id)] = self._clock()
+        if header.local_step:
+            arrivals = self._accepted_at_s.setdefault((member.learner_id, member.incarnation, header.fragment_id),
+                                                      collections.OrderedDict())
+            arrivals[header.local_step] = self._clock()
+            while len(arrivals) > 8:  # marks advance: only the latest few can be the merged mark
+                arrivals.popitem(last=False)
         if slot.round is not None:
             claimed = merge_lib.contribution_weight(header.tokens, header.steps)
             slot.round.influence.append({

@@ -123,6 +123,9 @@ class Influence:
         cosines with the merged update (`merged_direction`, from `merged_direction`); appends the
         ledger record. Returns the record."""
         entries = list(getattr(rnd, "influence", ()))
+        uncapped_total = sum(e["weight"] for e in entries)
+        for entry in entries:  # the share the contribution would have had without the cap (calibration)
+            entry["share_uncapped"] = _rounded(entry["weight"] / uncapped_total if uncapped_total > 0 else None)
         capped = rnd.accumulator.capped
         if capped is not None:
             for entry in entries:

@@ -71,3 +71,39 @@ def test_a_heavy_contribution_is_capped_at_half_and_named():
 def test_share_cap_outside_half_to_one_is_refused():
     with pytest.raises(ValueError, match="max_share"):
         merge_lib.MergeAccumulator(_fragment(), max_share=0.3)
+
+
+def _norm_history(records, **policy):
+    """A NormHistory of one 2-tensor fragment with (learner, tokens, steps, per-step norm) records."""
+    history = robust_lib.NormHistory(robust_lib.NormBoundPolicy(**policy), _fragment())
+    for learner, tokens, steps, norm in records:
+        history.add(learner, np.array([norm * steps, 0.0]), steps, merge_lib.contribution_weight(tokens, steps))
+    return history
+
+
+def test_median_of_norms_clipping_scales_down_to_clip_factor_times_the_others_median():
+    history = _norm_history([("a", 512, 4, 1.0), ("b", 512, 4, 2.0), ("c", 512, 4, 3.0)])
+    # Per step: the others' median is 2; 4 x 2 = 8 per step is the most left whole.
+    assert history.clip_scale("x", 8.0 * 4, 4) == 1.0
+    assert history.clip_scale("x", 80.0 * 4, 4) == pytest.approx(0.1)
+    assert history.norm_ratio("x", 80.0 * 4, 4) == pytest.approx(40.0)
+    # Off, or without three other learners' contributions: nothing is clipped.
+    assert _norm_history([("a", 512, 4, 1.0)] * 3, clip_factor=0.0).clip_scale("x", 1e6, 4) == 1.0
+    assert _norm_history([("a", 512, 4, 1.0), ("x", 512, 4, 1.0)]).clip_scale("x", 1e6, 4) == 1.0
+
+
+def test_the_issue_24_claims_buy_at_most_16x_per_step_and_the_share_cap_takes_the_rest():
+    """4x steps and a 20x batch: weight 1,600x an honest contribution's before; the claimed batch
+    is clipped to 4x the median (16x per step), and in a merge with three honest contributions
+    the share cap leaves it half of the weight."""
+    history = _norm_history([("a", 4 * 512, 4, 1.0), ("b", 4 * 512, 4, 1.0), ("c", 4 * 512, 4, 1.0)])
+    honest = merge_lib.contribution_weight(4 * 512, 4)
+    claimed = merge_lib.contribution_weight(16 * 20 * 512, 16)
+    assert claimed / honest == pytest.approx(1600)
+    capped = min(claimed, history.weight_cap("x", 4))  # the syncer credits the 4 steps it can vouch for
+    assert capped / honest == pytest.approx(16)
+    acc = merge_lib.MergeAccumulator(_fragment(), max_share=0.5)
+    for learner, weight in (("a", honest), ("b", honest), ("c", honest), ("x", capped)):
+        acc.add(np.ones(_fragment().numel, np.float32), weight, key=learner)
+    acc.scaled_result()
+    assert acc.capped[0] == "x" and acc.capped[2] / acc.total_weight == pytest.approx(0.5)
