@@ -189,6 +189,7 @@ class MergeAccumulator:
         rule: str = "rda",
         embedding_rule: str = "mean",
         max_share: float = 1.0,
+        max_norm_ratio: float = 0.0,
     ) -> None:
         """Creates an empty accumulator.
 
@@ -198,6 +199,8 @@ class MergeAccumulator:
             embedding_rule: merge rule of embedding tensors, one of ``RULES``.
             max_share: the largest share of the merge's total weight one contribution may
                 have, in [0.5, 1] (1: no cap). See ``scaled_result``.
+            max_norm_ratio: with max_share < 1, the held (heaviest) contribution's norm per
+                step is also clipped to this x the median of the others' in the merge (0: not).
 
         Raises:
             ValueError: on an unknown rule or a share outside [0.5, 1].
@@ -211,7 +214,11 @@ class MergeAccumulator:
         self._max_share = float(max_share)
         # The heaviest contribution so far, not folded in yet (max_share < 1): (delta, weight,
         # norms, key). Only it can exceed a share >= 1/2, so capping it at the end is exact.
-        self._held: tuple[np.ndarray, float, np.ndarray, str] | None = None
+        self._held: tuple[np.ndarray, float, np.ndarray, str, int] | None = None
+        self._max_norm_ratio = float(max_norm_ratio)
+        self._per_step_norms: list[float] = []  # ‖Δ‖ / steps of each contribution folded in
+        self.held_norm_scale = 1.0  # the factor the held contribution was scaled by (clipped: < 1)
+        self.held_key = ""  # whose contribution was held back to the end (the heaviest)
         # (key, weight, capped weight) of the contribution scaled_result capped, if any.
         self.capped: tuple[str, float, float] | None = None
         self._fragment = fragment
@@ -245,7 +252,7 @@ class MergeAccumulator:
         return self._total_weight + (self._held[1] if self._held is not None else 0.0)
 
     def add(self, delta_flat: np.ndarray, weight: float, norms: np.ndarray | None = None, *,
-            key: str = "") -> None:
+            key: str = "", steps: int = 1) -> None:
         """Folds one learner's pseudo-gradient into the merge.
 
         Args:
@@ -258,6 +265,7 @@ class MergeAccumulator:
                 one read-only pass that also checks every value is finite.
             key: who contributed (``capped`` names it). With ``max_share`` < 1 the heaviest
                 contribution is kept by reference until the merge: do not modify it.
+            steps: the inner steps the contribution spans (``max_norm_ratio`` compares per step).
 
         Raises:
             ValueError: on a wrong size, non-finite values (or norms), or a negative or
@@ -288,20 +296,32 @@ class MergeAccumulator:
                 f"delta_flat for fragment {self._fragment.fragment_id} has non-finite values: "
                 "reject the contribution"
             )
+        steps = max(1, int(steps))
         if self._max_share < 1.0 and weight > 0:
             if self._held is None:
-                self._held = (delta, float(weight), norms, key)
+                self._held = (delta, float(weight), norms, key, steps)
                 return
             if weight > self._held[1]:
-                (delta, weight, norms, key), self._held = self._held, (delta, float(weight), norms, key)
+                (delta, weight, norms, key, steps), self._held = self._held, (delta, float(weight), norms, key, steps)
+        self._per_step_norms.append(math.sqrt(float(np.sum(np.square(norms)))) / steps)
         self._fold(delta, float(weight), norms)
 
     def _settle(self) -> None:
         """Folds in the held (heaviest) contribution, its weight capped at ``max_share`` of the total."""
         if self._held is None:
             return
-        delta, weight, norms, key = self._held
+        delta, weight, norms, key, steps = self._held
         self._held = None
+        self.held_key = key
+        if self._max_norm_ratio > 0 and self._per_step_norms:
+            # Median-of-norms clipping within the merge: it needs no history, so it also holds at
+            # the start of a run, before the norm bound has other learners' contributions.
+            limit = self._max_norm_ratio * float(np.median(self._per_step_norms)) * steps
+            norm = math.sqrt(float(np.sum(np.square(norms))))
+            if limit > 0 and norm > limit:
+                self.held_norm_scale = limit / norm
+                delta = delta * np.float32(self.held_norm_scale)
+                norms = norms * self.held_norm_scale
         rest = self._total_weight
         if rest > 0 and weight > self._max_share * (weight + rest):
             capped = self._max_share / (1.0 - self._max_share) * rest

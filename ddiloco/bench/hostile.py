@@ -45,12 +45,18 @@ HOSTILE_ID = "learner-3"
 # Settings that turn the influence bounds off: the calibration run measures what honest learners
 # would do without them (shares before the cap, norms before clipping), which the defaults must allow.
 UNBOUNDED = ["--max-merge-share", "1", "--norm-clip-factor", "0"]
+# Issue 24's attack: noise of 10x the learner's own pseudo-gradient norm, 4x the steps, a 20x batch.
+NOISE_CLAIMS = ["--hostile", "noise:10", "--claim-steps", "4", "--claim-batch", "20"]
 # name -> (hostile_learner flags or None for an honest run, learners, extra syncer flags).
 CASES: dict[str, tuple[list[str] | None, int, list[str]]] = {
     "honest3": (None, 3, []),
     "honest4": (None, 4, []),
     "honest4-unbounded": (None, 4, UNBOUNDED),
-    "noise-claims": (["--hostile", "noise:10", "--claim-steps", "4", "--claim-batch", "20"], 4, []),
+    "noise-claims": (NOISE_CLAIMS, 4, []),
+    # The same attack with the bounds of before issue 24 (no share cap, a batch up to k = 20 x the
+    # median, no median-of-norms clipping): what the defaults are measured against.
+    "noise-claims-undefended": (NOISE_CLAIMS, 4, ["--max-merge-share", "1", "--max-batch-ratio", "20",
+                                                  "--norm-clip-factor", "0"]),
     "signflip": (["--hostile", "signflip"], 4, []),
     "scaled": (["--hostile", "scale:10"], 4, []),
     "drift": (["--hostile", "drift:0.5"], 4, []),

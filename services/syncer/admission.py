@@ -38,6 +38,7 @@ _LOG = logging.getLogger("ddiloco.syncer")
 # Bounded influence: a learner may step this many times faster than the other learners' median step
 # time (a unit with more devices), and contribute at most this much beyond what its measured rate allows.
 STEP_RATE_FACTOR = 4.0
+RATE_WINDOW_S = 5.0  # a learner's observed rate counts once its contributions span this long
 JUDGE_POLL_S = 0.02  # how often a contribution waiting for direction references looks again
 NORM_STRIKE_RATIO = 2.0
 BOOTSTRAP_STRIKE_RATIO = 10.0  # the same, against the bootstrap bound (no other learners' reference yet)
@@ -101,9 +102,9 @@ class Admission:
         # (learner, fragment) -> what was clipped of the contribution being admitted, and the clock()
         # of the learner life's last accepted contribution to the fragment (its measured step rate).
         self._clips: dict[tuple[str, int], list[str]] = {}
-        # (learner, incarnation, fragment) -> {local_step mark: clock() when that contribution was
-        # accepted}, the last few: when the learner was at the mark its next contribution counts from.
-        self._accepted_at_s: dict[tuple[str, int, int], collections.OrderedDict] = {}
+        # (learner, incarnation) -> [clock(), local_step] of its first accepted contribution, then of
+        # its latest: each life's step rate as the syncer observes it (STEP_RATE_FACTOR).
+        self._progress: dict[tuple[str, int], list[float]] = {}
 
     # -------------------------------------------------------------------------------- header
 
@@ -241,19 +242,21 @@ class Admission:
             self.influence.note_clipped(what)
 
     def _steps_allowed(self, member: membership_lib.Member, header: syncer_pb2.UploadHeader) -> int | None:
-        """The most steps this life can have taken since the contribution that set its merged mark
-        for the fragment arrived (it was at that step then), at STEP_RATE_FACTOR x the other
-        learners' median step rate, plus one sync period (upload latency). None without such a
-        contribution of this syncer's life, or without other learners' step times."""
-        fid = header.fragment_id
-        mark = member.mark_at(fid, self._slots[fid].version)
-        since_s = self._accepted_at_s.get((member.learner_id, member.incarnation, fid), {}).get(mark)
-        times = [m.step_time_s for m in self._membership.members.values()
-                 if m.learner_id != member.learner_id and m.step_time_s > 0 and not m.left]
-        if not mark or since_s is None or not times:
+        """The steps the contribution may be credited with by the step rate the syncer observed: its
+        mark (UploadHeader.local_step) at most the mark of this life's first accepted contribution
+        plus STEP_RATE_FACTOR x the other learners' median observed rate since then, plus one sync
+        period. Rates are taken between contributions' arrivals, so upload latency cancels out.
+        None when within, or before there are rates to compare with (RATE_WINDOW_S)."""
+        mine = self._progress.get((member.learner_id, member.incarnation))
+        if mine is None or not header.local_step:
             return None
-        elapsed_s = max(0.0, self._clock() - since_s)
-        return math.ceil(elapsed_s * STEP_RATE_FACTOR / float(np.median(times))) + self._plan.sync_period_steps
+        rates = [(l1 - l0) / (t1 - t0) for (lid, _), (t0, l0, t1, l1) in self._progress.items()
+                 if lid != member.learner_id and t1 - t0 >= RATE_WINDOW_S and l1 > l0]
+        if not rates:
+            return None
+        allowed = mine[1] + (self._clock() - mine[0]) * STEP_RATE_FACTOR * float(np.median(rates))
+        excess = header.local_step - (allowed + self._plan.sync_period_steps)
+        return max(1, header.steps - math.ceil(excess)) if excess > 0 else None
 
     # ------------------------------------------------------------------------------- payload
 
@@ -419,11 +422,10 @@ class Admission:
         ratio = slot.norms.norm_ratio(header.learner_id, float(np.sqrt(np.sum(np.square(decoded.norms)))), steps)
         slot.norms.add(header.learner_id, norms, steps, weight)
         if header.local_step:
-            arrivals = self._accepted_at_s.setdefault((member.learner_id, member.incarnation, header.fragment_id),
-                                                      collections.OrderedDict())
-            arrivals[header.local_step] = self._clock()
-            while len(arrivals) > 8:  # marks advance: only the latest few can be the merged mark
-                arrivals.popitem(last=False)
+            progress = self._progress.setdefault((member.learner_id, member.incarnation),
+                                                 [self._clock(), header.local_step, self._clock(), header.local_step])
+            if header.local_step > progress[3]:
+                progress[2:] = [self._clock(), header.local_step]
         if slot.round is not None:
             claimed = merge_lib.contribution_weight(header.tokens, header.steps)
             slot.round.influence.append({

@@ -382,7 +382,7 @@ class SyncerCore:
             self.admission.judge_direction(header, decoded.heading, slot.version)
             rnd = self.rounds.round_for(slot)
             await self.rounds.fold(slot, rnd, header.fragment_id, delta, norms, weight, ticket.base_params,
-                                   header.learner_id)
+                                   header.learner_id, steps)
             self.admission.accepted(slot, member, header, decoded, norms, steps, weight)
             self.rounds.add(rnd, header, weight)
             self._emit("upload_accepted", header)

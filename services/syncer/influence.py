@@ -133,6 +133,13 @@ class Influence:
                     entry["weight"] = capped[2]
                     entry.setdefault("clipped", []).append("share")
             self.share_capped[capped[0]] += 1
+        scale = rnd.accumulator.held_norm_scale
+        if scale < 1.0:  # the heaviest, clipped against the norms of the merge's others
+            for entry in entries:
+                if entry["learner"] == rnd.accumulator.held_key:
+                    entry.setdefault("clipped", []).append("norm_in_merge")
+                    entry["norm"] = round(entry["norm"] * scale, 9)
+            self.clipped_claims["norm_in_merge"] += 1
         total = sum(e["weight"] for e in entries)
         contributors = []
         for entry in entries:

@@ -100,7 +100,7 @@ class Rounds:
         slot.round = slots_lib.Round(
             accumulator=merge_lib.MergeAccumulator(
                 slot.fragment, rule=self.config.merge_rule, embedding_rule=self.config.embedding_merge_rule,
-                max_share=policy.max_share if policy.enabled else 1.0,
+                max_share=policy.max_share if policy.enabled else 1.0, max_norm_ratio=policy.clip_factor,
             ),
             opened_at_s=self._clock(),
         )
@@ -110,7 +110,7 @@ class Rounds:
 
     @staticmethod
     async def fold(slot: slots_lib.FragmentSlot, rnd: slots_lib.Round, fragment_id: int, delta: np.ndarray,
-                   norms: np.ndarray, weight: float, base: np.ndarray, learner_id: str = "") -> None:
+                   norms: np.ndarray, weight: float, base: np.ndarray, learner_id: str = "", steps: int = 1) -> None:
         """Adds a contribution to the round in a worker thread, re-anchored at the current global
         fragment (paper App. D.2); learners hold the published values, so the correction is in
         that space. Call under the slot's lock."""
@@ -118,7 +118,8 @@ class Rounds:
         def fold() -> None:
             corrected = reanchor_lib.reanchor(delta, base, slot.published)
             # Not stale: the norms gathered while decoding are this delta's, no second pass over it.
-            rnd.accumulator.add(corrected, weight, norms=norms if corrected is delta else None, key=learner_id)
+            rnd.accumulator.add(corrected, weight, norms=norms if corrected is delta else None, key=learner_id,
+                                steps=steps)
 
         try:
             await asyncio.to_thread(fold)

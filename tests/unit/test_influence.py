@@ -107,3 +107,19 @@ def test_the_issue_24_claims_buy_at_most_16x_per_step_and_the_share_cap_takes_th
         acc.add(np.ones(_fragment().numel, np.float32), weight, key=learner)
     acc.scaled_result()
     assert acc.capped[0] == "x" and acc.capped[2] / acc.total_weight == pytest.approx(0.5)
+
+
+def test_the_heaviest_contribution_is_clipped_to_the_merges_other_norms_without_history():
+    """At the start of a run there is no norm history: the merge itself bounds its heaviest
+    contribution's norm per step to max_norm_ratio x the median of the others'."""
+    fragment = _fragment()
+    acc = merge_lib.MergeAccumulator(fragment, max_share=0.5, max_norm_ratio=4.0, rule="mean", embedding_rule="mean")
+    unit = np.zeros(fragment.numel, np.float32)
+    unit[0] = 1.0
+    acc.add(unit * 100, 50.0, key="hostile", steps=2)  # 50 per step
+    acc.add(unit, 1.0, key="a", steps=1)
+    acc.add(unit * 2, 1.0, key="b", steps=2)  # 1 per step
+    merged = acc.result()
+    assert acc.held_key == "hostile" and acc.held_norm_scale == pytest.approx(8 / 100)
+    # mean with weights 1, 1 and the capped 2: (1 + 2 + 2 x 8) / 4
+    assert merged[0] == pytest.approx((1 + 2 + 2 * 8) / 4)
