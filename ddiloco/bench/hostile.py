@@ -202,16 +202,32 @@ def render_markdown(result: dict) -> str:
         ["case", "held-out loss", "vs 3 honest", "hostile max share", "honest max share", "merged norm / honest",
          "honest cos with merged", "hostile quarantined", "honest quarantined", "hostile accepted", "audit flags"],
         rows)
+    calibration = result["cases"].get("honest4-unbounded", {})
     honest = result["cases"].get("honest4", {})
+    clipped = honest.get("honest_clipped", {})
     return (
         "# Hostile matrix (`ddiloco bench hostile`)\n\n"
         f"3 honest learners + 1 hostile (`{HOSTILE_ID}`, `python -m ddiloco.chaos.hostile_learner`), tiny model, "
-        f"{result['steps']} inner steps each, shipped syncer defaults plus `--merge-ledger`; one seed. "
-        "Shares, norms and cosines are read from the merge ledger (definitions in ddiloco/bench/hostile.py).\n\n"
+        f"{result['steps']} inner steps each, shipped syncer defaults plus `--merge-ledger` (except the cases "
+        "named unbounded or undefended, whose flags are in hostile.json); one seed, real processes on one shared "
+        "machine. Shares, norms and cosines are read from the merge ledger over the merges of two or more "
+        "contributions that include the hostile learner (all such merges in honest runs); definitions in "
+        "ddiloco/bench/hostile.py. Loss gaps between honest runs are noise of several percent.\n\n"
         + table + "\n\n"
-        f"Honest calibration (4 honest learners): largest share of a merge {honest.get('honest_max_share', 0):.3f}; "
-        f"honest per-step norm over the others' median: p99 {honest.get('honest_norm_per_step_ratio_p99')}, "
-        f"max {honest.get('honest_norm_per_step_ratio_max')}.\n\n"
+        "Calibration of the defaults (`honest4-unbounded`: 4 honest learners, no share cap, no norm clipping): "
+        f"honest per-step norm over the other learners' median: median {calibration.get('honest_norm_per_step_ratio_p50')}, "
+        f"p99 {calibration.get('honest_norm_per_step_ratio_p99')}, max {calibration.get('honest_norm_per_step_ratio_max')} "
+        + ("(the default `--norm-clip-factor` 4 is above every one of them); "
+           if (calibration.get("honest_norm_per_step_ratio_max") or 0) < 4 else
+           "(some are above the default `--norm-clip-factor` 4: honest contributions were clipped); ")
+        + 
+        f"honest share of a merge without the cap: p90 {calibration.get('honest_uncapped_share_p90')}, "
+        f"p99 {calibration.get('honest_uncapped_share_p99')}, max {calibration.get('honest_uncapped_share_max')}. "
+        f"With the defaults (`honest4`), of {clipped.get('contributions', 0)} honest contributions "
+        f"{clipped.get('share', 0)} were lowered by the share cap (in merges of two, where the cap makes both "
+        f"weigh the same), {clipped.get('norm', 0) + clipped.get('norm_in_merge', 0)} clipped in norm and "
+        f"{clipped.get('batch', 0)} in batch; held-out loss {honest.get('loss')} against "
+        f"{calibration.get('loss')} without the bounds.\n\n"
         + results_lib.provenance_markdown(result["provenance"])
     )
 
