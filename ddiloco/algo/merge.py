@@ -176,10 +176,11 @@ class MergeAccumulator:
 
     Bounded influence (``max_share`` < 1): no contribution's weight exceeds that share of the
     merge's total. A share is only known once every weight is, so the heaviest contribution so
-    far is held back (by reference: one fragment more in memory) and folded in last, by
-    ``scaled_result``, with its weight lowered to max_share / (1 - max_share) x the others'
-    total if it is above. With max_share >= 1/2 no other contribution can be above it, so the
-    cap is exact while the memory stays O(fragment size).
+    far is held back (by reference) and folded in last, by ``scaled_result``, with its weight
+    lowered to max_share / (1 - max_share) x the others' total if it is above. With max_share >=
+    1/2 no other contribution can be above it, so the cap is exact. Likewise (``max_norm_ratio``)
+    the contribution of the largest norm per step is held back and clipped to that many times
+    the median of the others'. At most two fragments more in memory: still O(fragment size).
     """
 
     def __init__(
@@ -199,8 +200,8 @@ class MergeAccumulator:
             embedding_rule: merge rule of embedding tensors, one of ``RULES``.
             max_share: the largest share of the merge's total weight one contribution may
                 have, in [0.5, 1] (1: no cap). See ``scaled_result``.
-            max_norm_ratio: with max_share < 1, the held (heaviest) contribution's norm per
-                step is also clipped to this x the median of the others' in the merge (0: not).
+            max_norm_ratio: the contribution of the largest norm per step is held back too, and
+                clipped to this x the median of the others' in the merge (0: not).
 
         Raises:
             ValueError: on an unknown rule or a share outside [0.5, 1].
@@ -212,13 +213,16 @@ class MergeAccumulator:
             raise ValueError(f"max_share={max_share} must be in [0.5, 1]: below 0.5 more than one "
                              "contribution could exceed it, and a streamed merge can hold back only one")
         self._max_share = float(max_share)
-        # The heaviest contribution so far, not folded in yet (max_share < 1): (delta, weight,
-        # norms, key). Only it can exceed a share >= 1/2, so capping it at the end is exact.
-        self._held: tuple[np.ndarray, float, np.ndarray, str, int] | None = None
+        # Held back, not folded in yet: the heaviest contribution so far (max_share < 1: only it
+        # can exceed a share >= 1/2, so capping it at the end is exact) and the one of the largest
+        # norm per step (max_norm_ratio > 0), possibly the same. Each (delta, weight, norms, key,
+        # steps, norm per step).
+        self._heavy: tuple | None = None
+        self._large: tuple | None = None
         self._max_norm_ratio = float(max_norm_ratio)
         self._per_step_norms: list[float] = []  # ‖Δ‖ / steps of each contribution folded in
-        self.held_norm_scale = 1.0  # the factor the held contribution was scaled by (clipped: < 1)
-        self.held_key = ""  # whose contribution was held back to the end (the heaviest)
+        self.held_norm_scale = 1.0  # the factor the largest contribution was scaled by (clipped: < 1)
+        self.norm_clipped_key = ""  # whose contribution that was
         # (key, weight, capped weight) of the contribution scaled_result capped, if any.
         self.capped: tuple[str, float, float] | None = None
         self._fragment = fragment
@@ -241,15 +245,18 @@ class MergeAccumulator:
         self._weight_unit = 1.0
         self._folded_weight = 0.0
 
+    def _held(self) -> list[tuple]:
+        return [e for i, e in enumerate((self._heavy, self._large)) if e is not None and (i == 0 or e is not self._heavy)]
+
     @property
     def count(self) -> int:
         """Number of contributions added."""
-        return self._count + (self._held is not None)
+        return self._count + len(self._held())
 
     @property
     def total_weight(self) -> float:
         """Sum of the weights passed to ``add`` (after ``scaled_result``: with the cap applied)."""
-        return self._total_weight + (self._held[1] if self._held is not None else 0.0)
+        return self._total_weight + sum(e[1] for e in self._held())
 
     def add(self, delta_flat: np.ndarray, weight: float, norms: np.ndarray | None = None, *,
             key: str = "", steps: int = 1) -> None:
@@ -297,37 +304,50 @@ class MergeAccumulator:
                 "reject the contribution"
             )
         steps = max(1, int(steps))
-        if self._max_share < 1.0 and weight > 0:
-            if self._held is None:
-                self._held = (delta, float(weight), norms, key, steps)
-                return
-            if weight > self._held[1]:
-                (delta, weight, norms, key, steps), self._held = self._held, (delta, float(weight), norms, key, steps)
-        self._per_step_norms.append(math.sqrt(float(np.sum(np.square(norms)))) / steps)
-        self._fold(delta, float(weight), norms)
+        entry = (delta, float(weight), norms, key, steps, math.sqrt(float(np.sum(np.square(norms)))) / steps)
+        holding = (self._max_share < 1.0, self._max_norm_ratio > 0)
+        if not any(holding):
+            self._fold_entry(entry)
+            return
+        candidates = list({id(e): e for e in (self._heavy, self._large, entry) if e is not None}.values())
+        heavy = max(candidates, key=lambda e: e[1]) if holding[0] else None  # first of equals: the earlier
+        large = max(candidates, key=lambda e: e[5]) if holding[1] else None
+        for e in candidates:
+            if e is not heavy and e is not large:
+                self._fold_entry(e)
+        self._heavy, self._large = heavy, large
+
+    def _fold_entry(self, entry: tuple) -> None:
+        self._per_step_norms.append(entry[5])
+        self._fold(entry[0], entry[1], entry[2])
 
     def _settle(self) -> None:
-        """Folds in the held (heaviest) contribution, its weight capped at ``max_share`` of the total."""
-        if self._held is None:
-            return
-        delta, weight, norms, key, steps = self._held
-        self._held = None
-        self.held_key = key
-        if self._max_norm_ratio > 0 and self._per_step_norms:
-            # Median-of-norms clipping within the merge: it needs no history, so it also holds at
-            # the start of a run, before the norm bound has other learners' contributions.
-            limit = self._max_norm_ratio * float(np.median(self._per_step_norms)) * steps
-            norm = math.sqrt(float(np.sum(np.square(norms))))
+        """Folds in the held contributions: the largest with its norm per step clipped to
+        ``max_norm_ratio`` x the median of the others' (no history needed, so it holds at the
+        start of a run too), the heaviest with its weight capped at ``max_share`` of the total."""
+        heavy, large = self._heavy, self._large
+        self._heavy = self._large = None
+        if large is not None:
+            others = self._per_step_norms + ([heavy[5]] if heavy is not None and heavy is not large else [])
+            limit = self._max_norm_ratio * float(np.median(others)) * large[4] if others else 0.0
+            norm = large[5] * large[4]
             if limit > 0 and norm > limit:
-                self.held_norm_scale = limit / norm
-                delta = delta * np.float32(self.held_norm_scale)
-                norms = norms * self.held_norm_scale
+                self.held_norm_scale, self.norm_clipped_key = limit / norm, large[3]
+                clipped = (large[0] * np.float32(limit / norm), large[1], large[2] * (limit / norm), large[3],
+                           large[4], limit / large[4])
+                heavy = clipped if heavy is large else heavy
+                large = clipped
+        if large is not None and large is not heavy:
+            self._fold_entry(large)
+        if heavy is None:
+            return
+        delta, weight, norms, key, _, _ = heavy
         rest = self._total_weight
         if rest > 0 and weight > self._max_share * (weight + rest):
             capped = self._max_share / (1.0 - self._max_share) * rest
             self.capped = (key, weight, capped)
-            weight = capped
-        self._fold(delta, weight, norms)
+            heavy = (delta, capped, *heavy[2:])
+        self._fold_entry(heavy)
 
     def _fold(self, delta: np.ndarray, weight: float, norms: np.ndarray) -> None:
         """Adds a checked contribution to the sums."""

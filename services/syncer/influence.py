@@ -134,9 +134,9 @@ class Influence:
                     entry.setdefault("clipped", []).append("share")
             self.share_capped[capped[0]] += 1
         scale = rnd.accumulator.held_norm_scale
-        if scale < 1.0:  # the heaviest, clipped against the norms of the merge's others
+        if scale < 1.0:  # the largest, clipped against the norms of the merge's others
             for entry in entries:
-                if entry["learner"] == rnd.accumulator.held_key:
+                if entry["learner"] == rnd.accumulator.norm_clipped_key:
                     entry.setdefault("clipped", []).append("norm_in_merge")
                     entry["norm"] = round(entry["norm"] * scale, 9)
             self.clipped_claims["norm_in_merge"] += 1

@@ -100,7 +100,8 @@ class Rounds:
         slot.round = slots_lib.Round(
             accumulator=merge_lib.MergeAccumulator(
                 slot.fragment, rule=self.config.merge_rule, embedding_rule=self.config.embedding_merge_rule,
-                max_share=policy.max_share if policy.enabled else 1.0, max_norm_ratio=policy.clip_factor,
+                max_share=policy.max_share if policy.enabled else 1.0,
+                max_norm_ratio=policy.clip_factor if policy.enabled else 0.0,
             ),
             opened_at_s=self._clock(),
         )

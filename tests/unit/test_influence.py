@@ -120,6 +120,23 @@ def test_the_heaviest_contribution_is_clipped_to_the_merges_other_norms_without_
     acc.add(unit, 1.0, key="a", steps=1)
     acc.add(unit * 2, 1.0, key="b", steps=2)  # 1 per step
     merged = acc.result()
-    assert acc.held_key == "hostile" and acc.held_norm_scale == pytest.approx(8 / 100)
+    assert acc.norm_clipped_key == "hostile" and acc.held_norm_scale == pytest.approx(8 / 100)
     # mean with weights 1, 1 and the capped 2: (1 + 2 + 2 x 8) / 4
     assert merged[0] == pytest.approx((1 + 2 + 2 * 8) / 4)
+
+
+def test_the_largest_norm_is_clipped_even_when_it_does_not_weigh_the_most():
+    """A scaled-up update with honest claims (not the heaviest) is the one clipped."""
+    fragment = _fragment()
+    acc = merge_lib.MergeAccumulator(fragment, max_share=0.5, max_norm_ratio=4.0, rule="mean", embedding_rule="mean")
+    unit = np.zeros(fragment.numel, np.float32)
+    unit[0] = 1.0
+    acc.add(unit, 1.0, key="a", steps=1)
+    acc.add(unit * 1000, 1.0, key="scaled", steps=1)
+    acc.add(unit * 2, 1.5, key="b", steps=1)
+    acc.add(unit * 3, 1.0, key="c", steps=1)
+    merged = acc.result()
+    # others' per-step norms 1, 2, 3: median 2, limit 8; b is the heaviest (1.5 of 4.5: not capped)
+    assert acc.norm_clipped_key == "scaled" and acc.capped is None
+    assert merged[0] == pytest.approx((1 + 8 + 1.5 * 2 + 3) / 4.5)
+    assert acc.count == 4 and acc.total_weight == pytest.approx(4.5)
