@@ -7,7 +7,7 @@ services/syncer/influence.py), verifying its hash chain (each record's `prev` is
 the line before; a rotated `<file>.1` is read first), and summing it per identity over a version
 range: merges contributed to, mean and largest share of the merge's weight, claims clipped, shares
 capped, mean cosine with the merged update, refusals and quarantines. An identity is flagged as an
-outlier when its share was capped in a merge of three or more contributions, its mean cosine is
+outlier when its share was capped in more than 10 % of its merges of three or more, its mean cosine is
 far below the others', or any of its contributions was refused, or clipped beyond a step-count
 correction.
 Exit status: 0 intact and nothing flagged, 1 something flagged, 2 a broken chain or unreadable ledger.
@@ -35,7 +35,7 @@ COSINE_GAP = 0.25
 # Refusals that judge a contribution (staleness, fencing and load do not).
 JUDGED_REFUSALS = frozenset({"norm_bound", "norm_bound_marginal", "direction", "replay_mismatch", "malformed",
                              "nonfinite", "corrupt", "checksum", "chunks", "size", "steps", "quarantined"})
-NORM_CLIP_SHARE = 0.1  # norms clipped in more than this share of an identity's merges: an outlier
+NORM_CLIP_SHARE = 0.1  # norms clipped (or shares capped) in more than this share of its merges: an outlier
 
 
 class LedgerError(ValueError):
@@ -111,12 +111,14 @@ def influence(records: Sequence[dict]) -> dict[str, dict]:
     for learner, e in out.items():
         others = [o["mean_cosine"] for lid, o in out.items() if lid != learner and o["mean_cosine"] is not None]
         reasons = []
-        # Capped in a merge of three or more: in a merge of two, the heavier of two honest
-        # learners is capped too (at 0.5 both weigh the same).
-        capped = sum(1 for r in records if len(r.get("contributors", ())) >= 3 for c in r["contributors"]
-                     if c["learner"] == learner and "share" in (c.get("clipped") or ()))
-        if capped:
-            reasons.append(f"share capped in {capped} merges of 3 or more")
+        # Capped in merges of three or more, often: in a merge of two the heavier of two honest
+        # learners is capped too (at 0.5 both weigh the same), and now and then an honest learner
+        # whose contribution spans many more steps than the others'.
+        large = [c for r in records if len(r.get("contributors", ())) >= 3 for c in r["contributors"]
+                 if c["learner"] == learner]
+        capped = sum(1 for c in large if "share" in (c.get("clipped") or ()))
+        if capped > NORM_CLIP_SHARE * max(1, len(large)):
+            reasons.append(f"share capped in {capped} of {len(large)} merges of 3 or more")
         if e["mean_cosine"] is not None and others and e["mean_cosine"] < statistics.median(others) - COSINE_GAP:
             reasons.append(f"mean cosine {e['mean_cosine']:+.2f} vs others' median {statistics.median(others):+.2f}")
         # Claims are clipped for a reason (an honest learner's claims match what the syncer
