@@ -19,11 +19,15 @@ same fragment, so a learner can never raise its own reference:
   spans (the tiny model's fragment of small tensors moved 2.1x its norm in 87 steps, and a
   synchronous run with H = 64 was refused for good under the bound without √s);
 * the merge weight (tokens² / steps, quadratic in a unit's batch) is capped through the claimed
-  batch, the quantity a learner inflates: tokens per step ≤ k · the median tokens per step of
-  other learners' recent contributions, over the steps credited as above. A legitimately bigger
-  unit (a 4-device learner with a 4x global batch weighs 16x per step) is weighted in full up to a
-  batch k times the others' median; comparing weights themselves would clip every unit whose
-  batch exceeds √k times the median.
+  batch, the quantity a learner inflates: tokens per step ≤ b · the median tokens per step of
+  other learners' recent contributions (b: `batch_factor`, 4), over the steps credited as above.
+  A legitimately bigger unit (a 4-device learner with a 4x global batch weighs 16x per step) is
+  weighted in full; comparing weights themselves would clip every unit whose batch exceeds √b
+  times the median;
+* median-of-norms clipping (`clip_factor`): a contribution within the bound whose per-step norm is
+  above clip_factor x the others' median is scaled down to it, accepted and not a strike (the
+  merge itself applies the same clip to its largest contribution, and caps the share of its
+  heaviest at `max_share`: ddiloco.algo.merge.MergeAccumulator).
 
 Violations are rejected or clipped (scaled down to the bound), as configured.
 
