@@ -27,9 +27,10 @@ HOSTILE = "learner-3"
 SHARE_CAP = 0.5  # --max-merge-share's default
 # Over the merges of two or more that the hostile learner is in (bench/results/hostile.md). With the
 # share cap at 1/2 and norms clipped at 4x the median, RDA's merged norm is at most about
-# 1/2 x 1 + 1/2 x 4 = 2.5x an honest one (measured: median 2.52, largest 8.5, at the start of the run;
-# undefended: 3.5 and 252); the honest contributions' mean cosine with the merged update was 0.49
-# (undefended 0.006: the noise was the merge, at a share of 0.99).
+# 1/2 x 1 + 1/2 x 4 = 2.5x an honest one (measured: median 2.1 and 2.5 in two invocations, largest
+# 8.5-11, at the start of a run; undefended: 3.5-7.5 and 250-300 at most); the honest
+# contributions' mean cosine with the merged update was 0.49-0.56 (undefended 0.005-0.009: the
+# noise was the merge, at a share of 0.99).
 MAX_NORM_RATIO = 4.0  # merged norm / median honest norm in the merge, median over merges
 MAX_NORM_RATIO_ANY = 25.0  # ... in any one merge
 MIN_HONEST_COSINE = 0.3  # honest contributions' mean cosine with the merged update, median over merges
