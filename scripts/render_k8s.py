@@ -77,18 +77,16 @@ WIRED = {
 # Set by the chart when tls.enabled (certificate paths in tls.mountPath, server names, the
 # plaintext health port of the probes); see the "ddiloco.transport" helper.
 WIRED_TLS = {
-    "syncer": {"tls_ca", "tls_cert", "tls_key", "health_bind", "checkpoint_tls_server_name"},
-    "store": {"tls_ca", "tls_cert", "tls_key", "health_bind"},
+    "syncer": {"tls_ca", "tls_cert", "tls_key", "health_bind", "checkpoint_tls_server_name", "tls_deny_list"},
+    "store": {"tls_ca", "tls_cert", "tls_key", "health_bind", "tls_deny_list"},
     "learners": {"tls_ca", "tls_cert", "tls_key", "tls_server_name"},
     "evaluator": {"tls_ca", "tls_cert", "tls_key", "tls_server_name"},
 }
 # Bearer tokens (for TLS terminated elsewhere): not wired by the chart, which uses mutual TLS.
 _TLS = {"auth_tokens_file", "auth_token_file", "checkpoint_auth_token_file"}
-# A certificate deny list (--tls-deny-list): the chart mounts none yet.
-_DENY = {"tls_deny_list"}
 UNSUPPORTED = {
-    "syncer": {"ready_file", "failpoints", "history_file", *_TLS, *_DENY},  # failpoints, history: fault tests only
-    "store": {"ready_file", "failpoints", *_TLS, *_DENY},  # failpoints: fault injection for tests only
+    "syncer": {"ready_file", "failpoints", "history_file", *_TLS},  # failpoints, history: fault tests only
+    "store": {"ready_file", "failpoints", *_TLS},  # failpoints: fault injection for tests only
     "evaluator": {"once", *_TLS},  # once: it would exit and be restarted
     "learners": {
         *_TLS,

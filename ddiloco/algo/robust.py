@@ -19,11 +19,15 @@ same fragment, so a learner can never raise its own reference:
   spans (the tiny model's fragment of small tensors moved 2.1x its norm in 87 steps, and a
   synchronous run with H = 64 was refused for good under the bound without √s);
 * the merge weight (tokens² / steps, quadratic in a unit's batch) is capped through the claimed
-  batch, the quantity a learner inflates: tokens per step ≤ k · the median tokens per step of
-  other learners' recent contributions, over the steps credited as above. A legitimately bigger
-  unit (a 4-device learner with a 4x global batch weighs 16x per step) is weighted in full up to a
-  batch k times the others' median; comparing weights themselves would clip every unit whose
-  batch exceeds √k times the median.
+  batch, the quantity a learner inflates: tokens per step ≤ b · the median tokens per step of
+  other learners' recent contributions (b: `batch_factor`, 4), over the steps credited as above.
+  A legitimately bigger unit (a 4-device learner with a 4x global batch weighs 16x per step) is
+  weighted in full; comparing weights themselves would clip every unit whose batch exceeds √b
+  times the median;
+* median-of-norms clipping (`clip_factor`): a contribution within the bound whose per-step norm is
+  above clip_factor x the others' median is scaled down to it, accepted and not a strike (the
+  merge itself applies the same clip to its largest contribution, and caps the share of its
+  heaviest at `max_share`: ddiloco.algo.merge.MergeAccumulator).
 
 Violations are rejected or clipped (scaled down to the bound), as configured.
 
@@ -77,12 +81,28 @@ class NormBoundPolicy:
     history: int = 16
     step_cap: float = 4.0  # steps credited are at most step_cap x the others' median steps
     min_tensor_numel: int = 1024  # smaller tensors are only bounded through the whole fragment
+    # Bounded influence (see `influence` below the class). A claimed batch (tokens per step) above
+    # batch_factor x the others' median is clipped to it: 4 keeps a 4-device unit with a 4x batch
+    # whole (weight 16x per step); the hostile claim of issue 24 was 20x. 0: the norm factor k.
+    batch_factor: float = 4.0
+    # Median-of-norms clipping: a contribution whose whole-fragment norm per step is above
+    # clip_factor x the others' median is scaled down to it (accepted, no strike; 0: off). The
+    # reject bound above (k = 20) only catches gross updates; this keeps updates within k from
+    # moving the merged norm far (RDA's norm is the weighted mean of the contributions').
+    clip_factor: float = 4.0
+    # The largest share of one merge's total weight a contribution may have (MergeAccumulator
+    # max_share, in [0.5, 1]; 1: no cap).
+    max_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ValueError(f"action={self.action!r} must be one of {ACTIONS}")
         if self.factor < 0 or self.min_history < 1 or self.history < self.min_history:
             raise ValueError("need factor >= 0, min_history >= 1 and history >= min_history")
+        if self.batch_factor < 0 or self.clip_factor < 0:
+            raise ValueError("need batch_factor >= 0 and clip_factor >= 0 (0: off)")
+        if not 0.5 <= self.max_share <= 1.0:
+            raise ValueError(f"max_share={self.max_share} must be in [0.5, 1] (1: no cap)")
 
     @property
     def enabled(self) -> bool:
@@ -288,9 +308,10 @@ class NormHistory:
     def weight_cap(self, learner_id: str, steps: int = 1) -> float:
         """The largest merge weight this learner's contribution of `steps` steps may have (inf: no cap yet).
 
-        Bounds the claimed batch, not the weight: tokens / steps <= k x the others' median tokens
-        per step, over at most step_cap x the others' median steps, i.e. weight <= credited steps x
-        (k x median tokens per step)^2 (weights are tokens^2 / steps = steps x (tokens per step)^2).
+        Bounds the claimed batch, not the weight: tokens / steps <= b x the others' median tokens
+        per step (b: batch_factor, or k when 0), over at most step_cap x the others' median steps,
+        i.e. weight <= credited steps x (b x median tokens per step)^2 (weights are tokens^2 /
+        steps = steps x (tokens per step)^2).
         """
         others = self._others(learner_id)
         if not self.policy.enabled or len(others) < self.policy.min_history:
@@ -299,7 +320,27 @@ class NormHistory:
         if per_step <= 0:
             return float("inf")
         credited = min(max(1, int(steps)), self.policy.step_cap * max(1.0, float(np.median([r[3] for r in others]))))
-        return credited * (self.policy.factor * per_step) ** 2
+        batch = self.policy.batch_factor or self.policy.factor
+        return credited * (batch * per_step) ** 2
+
+    def norm_ratio(self, learner_id: str, norm: float, steps: int) -> float | None:
+        """The contribution's whole-fragment norm per step over the others' median (None: fewer
+        than min_history others to compare with). What median-of-norms clipping acts on."""
+        others = self._others(learner_id)
+        if len(others) < self.policy.min_history:
+            return None
+        reference = float(np.median([r[1][-1] for r in others]))  # whole-fragment norm per step
+        return norm / max(1, int(steps)) / reference if reference > 0 else None
+
+    def clip_scale(self, learner_id: str, norm: float, steps: int) -> float:
+        """The factor (<= 1) median-of-norms clipping scales the contribution by: per-step norm
+        at most clip_factor x the others' median (1 when off, within, or without a reference)."""
+        if not self.policy.enabled or self.policy.clip_factor <= 0:
+            return 1.0
+        ratio = self.norm_ratio(learner_id, norm, steps)
+        if ratio is None or ratio <= self.policy.clip_factor:
+            return 1.0
+        return self.policy.clip_factor / ratio
 
 
 # ------------------------------------------------------------------------------ direction

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "failover": ("ddiloco.bench.failover", "time without a leading syncer after SIGKILL of the leader (leader election)"),
     "snapshot": ("ddiloco.bench.snapshot", "size and write time of a learner's resume snapshot (--state-dir)"),
     "resume": ("ddiloco.bench.resume", "held-out loss cost of a learner restart, with and without resume"),
+    "hostile": ("ddiloco.bench.hostile", "3 honest + 1 hostile learner per behaviour of the chaos tool, shipped defaults"),
 }
 
 

@@ -25,6 +25,7 @@ _TOOLS = {
     "chaos": ("ddiloco.chaos.cli", "fault injection: run or replay a seeded chaos scenario (`ddiloco chaos --help`)"),
     "export": ("ddiloco.cli.export", "write a run's checkpointed global model as model.safetensors + config.json"),
     "generate": ("ddiloco.cli.generate", "print text sampled from a `ddiloco export` directory"),
+    "audit": ("ddiloco.cli.audit", "who influenced each merge, from the syncer's --merge-ledger (`ddiloco audit --help`)"),
 }
 
 

@@ -39,6 +39,7 @@ from services.syncer import checkpointing
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
 from services.syncer import history as history_lib
+from services.syncer import influence as influence_lib
 from services.syncer import leadership as leadership_lib
 from services.syncer import metrics as syncer_metrics
 from services.syncer import servicer as servicer_lib
@@ -244,6 +245,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     # Captured before serving, so the ready file shows exactly what was restored.
     # With election a syncer's life (for the history) starts when it leads, once restored (_lead).
     history = None if leadership.coordinated else history_lib.attach(core, cfg.history_file)
+    if cfg.merge_ledger:  # one hash-chained record per merge (ddiloco audit)
+        core.influence.ledger = influence_lib.MergeLedger(cfg.merge_ledger, max_bytes=cfg.merge_ledger_max_bytes)
     if history is not None:  # fault tests: what the invariant checkers read
         checkpointer.on_commit = history.checkpoint_committed
     digests = {fid: core.fragment_digest(fid) for fid in core.versions()}

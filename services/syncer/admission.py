@@ -29,11 +29,16 @@ from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
+from services.syncer import influence as influence_lib
 from services.syncer import membership as membership_lib
 from services.syncer import slots as slots_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
+# Bounded influence: a learner may step this many times faster than the other learners' median step
+# time (a unit with more devices), and contribute at most this much beyond what its measured rate allows.
+STEP_RATE_FACTOR = 4.0
+RATE_WINDOW_S = 5.0  # a learner's observed rate counts once its contributions span this long
 JUDGE_POLL_S = 0.02  # how often a contribution waiting for direction references looks again
 NORM_STRIKE_RATIO = 2.0
 BOOTSTRAP_STRIKE_RATIO = 10.0  # the same, against the bootstrap bound (no other learners' reference yet)
@@ -92,6 +97,14 @@ class Admission:
         self._decode_helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="syncer-decode")
         self._clock = clock
         self.direction_judgments: collections.Counter = collections.Counter()  # see await_direction_references
+        # Bounded influence: who influenced which merge (services/syncer/influence.py; the core sets it).
+        self.influence: influence_lib.Influence | None = None
+        # (learner, fragment) -> what was clipped of the contribution being admitted, and the clock()
+        # of the learner life's last accepted contribution to the fragment (its measured step rate).
+        self._clips: dict[tuple[str, int], list[str]] = {}
+        # (learner, incarnation) -> [clock(), local_step] of its first accepted contribution, then of
+        # its latest: each life's step rate as the syncer observes it (STEP_RATE_FACTOR).
+        self._progress: dict[tuple[str, int], list[float]] = {}
 
     # -------------------------------------------------------------------------------- header
 
@@ -104,6 +117,8 @@ class Admission:
             return self._validate(header, pinned_base)
         except errors.ServiceError as exc:
             self._membership.record_rejection(exc.reason, header.learner_id, exc)
+            if self.influence is not None:
+                self.influence.note_refused(header.learner_id, header.fragment_id, exc.reason, exc)
             raise
 
     def _validate(self, header: syncer_pb2.UploadHeader, pinned_base: np.ndarray | None) -> UploadTicket:
@@ -207,13 +222,41 @@ class Admission:
         steps since this life's last merged contribution of the fragment (UploadHeader.local_step
         minus the receipt mark), which the syncer knows. A claim beyond it would inflate the weight
         and, as a per-step norm far below the others', collapse the norm bound's reference."""
-        if not header.local_step:
-            return header.steps  # a learner that sends no marks (synchronous modes' barrier uploads)
-        since = header.local_step - member.mark_at(header.fragment_id, self._slots[header.fragment_id].version)
-        if 0 < since < header.steps:
-            self._uploads["capped_steps"] += 1
-            return since
-        return header.steps
+        clips = self._clips[(header.learner_id, header.fragment_id)] = []
+        steps = header.steps
+        if header.local_step:  # a learner that sends no marks (synchronous modes' barrier uploads): no cap
+            since = header.local_step - member.mark_at(header.fragment_id, self._slots[header.fragment_id].version)
+            if 0 < since < steps:
+                self._uploads["capped_steps"] += 1
+                self._clip(clips, "steps")
+                steps = since
+        allowed = self._steps_allowed(member, header)
+        if allowed is not None and steps > allowed:
+            self._clip(clips, "step_rate")
+            steps = allowed
+        return steps
+
+    def _clip(self, clips: list[str], what: str) -> None:
+        clips.append(what)
+        if self.influence is not None:
+            self.influence.note_clipped(what)
+
+    def _steps_allowed(self, member: membership_lib.Member, header: syncer_pb2.UploadHeader) -> int | None:
+        """The steps the contribution may be credited with by the step rate the syncer observed: its
+        mark (UploadHeader.local_step) at most the mark of this life's first accepted contribution
+        plus STEP_RATE_FACTOR x the other learners' median observed rate since then, plus one sync
+        period. Rates are taken between contributions' arrivals, so upload latency cancels out.
+        None when within, or before there are rates to compare with (RATE_WINDOW_S)."""
+        mine = self._progress.get((member.learner_id, member.incarnation))
+        if mine is None or not header.local_step:
+            return None
+        rates = [(l1 - l0) / (t1 - t0) for (lid, _), (t0, l0, t1, l1) in self._progress.items()
+                 if lid != member.learner_id and t1 - t0 >= RATE_WINDOW_S and l1 > l0]
+        if not rates:
+            return None
+        allowed = mine[1] + (self._clock() - mine[0]) * STEP_RATE_FACTOR * float(np.median(rates))
+        excess = header.local_step - (allowed + self._plan.sync_period_steps)
+        return max(1, header.steps - math.ceil(excess)) if excess > 0 else None
 
     # ------------------------------------------------------------------------------- payload
 
@@ -287,7 +330,7 @@ class Admission:
                                                    "steps": header.steps, "basis": verdict.basis,
                                                    "ratio": round(verdict.ratio, 4)}})
         if verdict.within:
-            return decoded.values, norms
+            return await self._clip_norm(slot, header, steps, decoded.values, norms)
         detail, gross = self._norm_violation(slot, header, norms, verdict)
         if self._norm_bound.action == "reject":
             raise errors.InvalidArgument(detail, reason="norm_bound" if gross else "norm_bound_marginal")
@@ -298,7 +341,21 @@ class Admission:
         member.rejections[reason] += 1
         self._membership.flag(member, reason)
         values = await asyncio.to_thread(robust_lib.scale_tensors, decoded.values, slot.fragment, verdict.scales)
-        return values, norms * verdict.scales
+        return await self._clip_norm(slot, header, steps, values, norms * verdict.scales)
+
+    async def _clip_norm(self, slot: slots_lib.FragmentSlot, header: syncer_pb2.UploadHeader, steps: int,
+                         values: np.ndarray, norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Median-of-norms clipping (robust.NormHistory.clip_scale): a contribution within the
+        bound but far above the others' per-step norm is scaled down to clip_factor x it. Not a
+        strike: it bounds what an update inside the (loose) reject bound can do to the merge."""
+        total = float(np.sqrt(np.sum(np.square(norms))))
+        scale = slot.norms.clip_scale(header.learner_id, total, steps)
+        if scale >= 1.0:
+            return values, norms
+        self._clip(self._clips.setdefault((header.learner_id, header.fragment_id), []), "norm")
+        self._uploads["clipped_norm"] += 1
+        scaled = await asyncio.to_thread(np.multiply, values, np.float32(scale), dtype=np.float32)
+        return scaled, norms * scale
 
     async def _params_norm(self, slot: slots_lib.FragmentSlot) -> float:
         """The norm of the slot's current values: the bootstrap bound's reference (once per version)."""
@@ -338,6 +395,7 @@ class Admission:
         cap = slot.norms.weight_cap(learner_id, steps)
         if weight > cap:
             self._uploads["capped_weight"] += 1
+            self._clip(self._clips.setdefault((learner_id, slot.fragment.fragment_id), []), "batch")
             return cap
         return weight
 
@@ -359,7 +417,24 @@ class Admission:
                  decoded: Decoded, norms: np.ndarray, steps: int, weight: float) -> None:
         """Records a contribution folded into its round: the references later ones are checked
         against, the learner's direction agreement, its idempotency key and the counts."""
+        total_norm = float(np.sqrt(np.sum(np.square(norms))))
+        # As sent (before any clipping), against the reference before this one joins it.
+        ratio = slot.norms.norm_ratio(header.learner_id, float(np.sqrt(np.sum(np.square(decoded.norms)))), steps)
         slot.norms.add(header.learner_id, norms, steps, weight)
+        if header.local_step:
+            progress = self._progress.setdefault((member.learner_id, member.incarnation),
+                                                 [self._clock(), header.local_step, self._clock(), header.local_step])
+            if header.local_step > progress[3]:
+                progress[2:] = [self._clock(), header.local_step]
+        if slot.round is not None:
+            claimed = merge_lib.contribution_weight(header.tokens, header.steps)
+            slot.round.influence.append({
+                "learner": header.learner_id, "incarnation": header.incarnation,
+                "base_version": header.base_version, "claimed_steps": header.steps,
+                "claimed_tokens": header.tokens, "steps": steps, "claimed_weight": round(claimed, 9),
+                "weight": weight, "norm": round(total_norm, 9),
+                "norm_ratio": None if ratio is None else round(ratio, 6), "heading": decoded.heading,
+                "clipped": self._clips.pop((header.learner_id, header.fragment_id), [])})
         self._directions.add(header.learner_id, header.fragment_id, decoded.heading, slot.version)
         if decoded.agreement is not None:
             member.direction_sum += decoded.agreement

@@ -119,6 +119,12 @@ class SyncerConfig:
     direction_check: str = "reject"  # off, or reject contributions pointing away from other learners'
     direction_min_cosine: float = -0.25  # reject below this cosine with other learners' (and recent mean)
     direction_judge_wait_s: float = 8.0  # a contribution with < 2 others to compare with waits this long for them
+    # Bounded influence (docs/security.md#bounded-influence, robust.NormBoundPolicy).
+    max_merge_share: float = 0.5  # no contribution above this share of a merge's total weight; 1: no cap
+    max_batch_ratio: float = 4.0  # claimed tokens per step clipped to this x the other learners' median
+    norm_clip_factor: float = 4.0  # per-step norm clipped to this x the other learners' median; 0: off
+    merge_ledger: str = ""  # append one JSON record per merge (hash-chained) here; empty: off
+    merge_ledger_max_bytes: int = 64 << 20  # rotate to <file>.1 beyond this (at most twice this on disk)
     # Fault tests only (ddiloco.chaos): crash points and the durable history the checkers read.
     failpoints: str = ""  # e.g. "syncer.after_quorum=crash@3"; empty in production
     history_file: str = ""  # append accepted uploads, merges, checkpoints (JSONL) here; empty: off
@@ -179,6 +185,11 @@ class SyncerConfig:
         for name in ("norm_bound_factor", "quarantine_after", "quarantine_window_s", "quarantine_s"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")
+        if not 0.5 <= self.max_merge_share <= 1.0:
+            raise bad("max_merge_share", "must be in [0.5, 1] (1: no cap)")
+        for name in ("max_batch_ratio", "norm_clip_factor", "merge_ledger_max_bytes"):
+            if getattr(self, name) < 0:
+                raise bad(name, "must be >= 0")
         if self.upload_idle_timeout_s <= 0:
             raise bad("upload_idle_timeout_s", "must be > 0")
         if self.token_budget < 0:
@@ -230,7 +241,9 @@ class SyncerConfig:
     def norm_bound(self) -> robust_lib.NormBoundPolicy:
         return robust_lib.NormBoundPolicy(factor=self.norm_bound_factor, action=self.norm_bound_action,
                                           min_history=self.norm_bound_min_history,
-                                          history=max(16, self.norm_bound_min_history))
+                                          history=max(16, self.norm_bound_min_history),
+                                          batch_factor=self.max_batch_ratio, clip_factor=self.norm_clip_factor,
+                                          max_share=self.max_merge_share)
 
     @property
     def direction_policy(self) -> robust_lib.DirectionPolicy:
@@ -392,6 +405,15 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
                                   "send them, so that first contributions judge each other; 0 merges them unjudged",
         "direction_min_cosine": "threshold of --direction-check (measured: honest learners' recent means >= -0.07, "
                                 "sign-flipped <= -0.61)",
+        "max_merge_share": "no contribution may have more than this share of a merge's total weight (the heaviest "
+                           "is lowered to it); in [0.5, 1], 1: no cap",
+        "max_batch_ratio": "a claimed batch (tokens per step, which sets the merge weight) above this x the other "
+                           "learners' median is clipped to it; 0: --norm-bound-factor",
+        "norm_clip_factor": "median-of-norms clipping: a contribution's per-step norm above this x the other "
+                            "learners' median is scaled down to it (accepted, no strike); 0: off",
+        "merge_ledger": "append one hash-chained JSON record per merge here (contributors, claims, weights, shares, "
+                        "norms, cosines, refusals); `ddiloco audit --ledger` reads it; empty: off",
+        "merge_ledger_max_bytes": "rotate the merge ledger to <file>.1 beyond this size",
         "log_level": "DEBUG, INFO, WARNING or ERROR",
         "json_logs": "log one JSON object per line",
         "failpoints": "TESTS ONLY: crash at named points, e.g. syncer.after_quorum=crash@3 (ddiloco.failpoints)",

@@ -38,6 +38,7 @@ from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import admission as admission_lib
+from services.syncer import influence as influence_lib
 from services.syncer import membership as membership_lib
 from services.syncer import merging as merging_lib
 from services.syncer import publishing as publishing_lib
@@ -163,6 +164,10 @@ class SyncerCore:
             max_grace_s=max_grace_s, uploads=self.uploads, clock=clock, wall_clock=wall_clock,
             membership=self.membership, publisher=self.publisher, tick=lambda: self.tick(), notify=self._notify,
             emit=self._emit, failpoint=lambda name: self.failpoint(name), merged=self._merged)
+        # Who influenced each merge (services/syncer/influence.py); __main__ gives it the ledger.
+        self.influence = influence_lib.Influence(run_id=run_config.run_id, instance=self.instance,
+                                                 directions=self.directions)
+        self.admission.influence = self.rounds.influence = self.influence
         self.started_at_unix_s = wall_clock()
         self.restored_from_checkpoint = False
         self.last_checkpoint_outer_step = 0
@@ -350,6 +355,7 @@ class SyncerCore:
                 return await self._accept_upload(ticket, payload, wire_bytes, wait_budget_s)
         except errors.ServiceError as exc:
             self.record_rejection(exc.reason, ticket.header.learner_id, exc)
+            self.influence.note_refused(ticket.header.learner_id, ticket.header.fragment_id, exc.reason, exc)
             raise
         finally:  # a proposal waiting for its judgment never outlives the upload
             self.directions.withdraw(ticket.header.learner_id, ticket.header.fragment_id)
@@ -376,7 +382,8 @@ class SyncerCore:
             weight = self.admission.cap_weight(slot, header.learner_id, steps, weight)
             self.admission.judge_direction(header, decoded.heading, slot.version)
             rnd = self.rounds.round_for(slot)
-            await self.rounds.fold(slot, rnd, header.fragment_id, delta, norms, weight, ticket.base_params)
+            await self.rounds.fold(slot, rnd, header.fragment_id, delta, norms, weight, ticket.base_params,
+                                   header.learner_id, steps)
             self.admission.accepted(slot, member, header, decoded, norms, steps, weight)
             self.rounds.add(rnd, header, weight)
             self._emit("upload_accepted", header)

@@ -51,6 +51,7 @@ class Rounds:
         re-evaluates every round (the core's, so that an override there applies);
         `merged` runs after each merge (the checkpointer's hook); `failpoint` is the core's."""
         self.config = run_config
+        self.influence = None  # services.syncer.influence.Influence, set by the core (who influenced each merge)
         self.plan = plan
         self.slots = slots
         self.scheduled = scheduled
@@ -95,9 +96,12 @@ class Rounds:
         """Starts gathering contributions for the slot's next merge. With the schedule, the round
         opens (calls its learners, may merge) only when the schedule says; until then early
         contributions (a learner's final work, an answer that came after its round closed) wait."""
+        policy = slot.norms.policy  # bounded influence: the share cap goes with the norm bound
         slot.round = slots_lib.Round(
             accumulator=merge_lib.MergeAccumulator(
-                slot.fragment, rule=self.config.merge_rule, embedding_rule=self.config.embedding_merge_rule
+                slot.fragment, rule=self.config.merge_rule, embedding_rule=self.config.embedding_merge_rule,
+                max_share=policy.max_share if policy.enabled else 1.0,
+                max_norm_ratio=policy.clip_factor if policy.enabled else 0.0,
             ),
             opened_at_s=self._clock(),
         )
@@ -107,7 +111,7 @@ class Rounds:
 
     @staticmethod
     async def fold(slot: slots_lib.FragmentSlot, rnd: slots_lib.Round, fragment_id: int, delta: np.ndarray,
-                   norms: np.ndarray, weight: float, base: np.ndarray) -> None:
+                   norms: np.ndarray, weight: float, base: np.ndarray, learner_id: str = "", steps: int = 1) -> None:
         """Adds a contribution to the round in a worker thread, re-anchored at the current global
         fragment (paper App. D.2); learners hold the published values, so the correction is in
         that space. Call under the slot's lock."""
@@ -115,7 +119,8 @@ class Rounds:
         def fold() -> None:
             corrected = reanchor_lib.reanchor(delta, base, slot.published)
             # Not stale: the norms gathered while decoding are this delta's, no second pass over it.
-            rnd.accumulator.add(corrected, weight, norms=norms if corrected is delta else None)
+            rnd.accumulator.add(corrected, weight, norms=norms if corrected is delta else None, key=learner_id,
+                                steps=steps)
 
         try:
             await asyncio.to_thread(fold)
@@ -286,8 +291,13 @@ class Rounds:
             self._credit_contributors(slot.fragment.fragment_id, slot.version, rnd)
             expected = self._membership.expected_learners()
             slot.broadcast = (slot.version, started, set(expected))
+            self._note_capped_share(rnd)
             record = self._merge_record(slot, rnd, reason, grace_s, started, expected, stepped.outer_grad_norm)
             self.merges.append(record)
+            if self.influence is not None:
+                direction = await asyncio.to_thread(self.influence.merged_direction, slot.fragment.fragment_id,
+                                                    slot.last_outer_grad[0])
+                self.influence.merged(rnd, record, direction, slot.published_sha256)
             await self._publisher.encoded_payload(slot)
             if self.sync_time.value is None or not expected:
                 # Until a broadcast has been measured (broadcast_sent), merge and publish time.
@@ -312,6 +322,16 @@ class Rounds:
             fraction=self._step_fraction(rnd)))
         slot.last_outer_grad = (merged, stepped.outer_grad_norm)
         return stepped
+
+    @staticmethod
+    def _note_capped_share(rnd: slots_lib.Round) -> None:
+        """The merge's record shows the weight the share cap left a contribution (MergeAccumulator.capped)."""
+        capped = rnd.accumulator.capped
+        if capped is None:
+            return
+        for c in rnd.contributions:
+            if c.learner_id == capped[0]:
+                c.weight = capped[2]
 
     def _credit_contributors(self, fragment_id: int, version: int, rnd: slots_lib.Round) -> None:
         """What each contributor's MergeReceipt will say (only the life that sent it is credited)."""

@@ -90,6 +90,13 @@ class SyncerMetrics:
         self.restore_seconds = prometheus_client.Gauge(
             "ddiloco_syncer_restore_seconds", "Time the last restore from the checkpoint store took",
             registry=registry)
+        self.watch_refusals = prometheus_client.Counter(
+            "ddiloco_syncer_watch_refusals",
+            "Watch streams refused with RESOURCE_EXHAUSTED by a stream cap (limit: total or per_identity)",
+            ["rpc", "limit"], registry=registry)
+        for rpc in ("WatchTrainingState", "WatchFragments"):
+            for limit in ("total", "per_identity"):
+                self.watch_refusals.labels(rpc=rpc, limit=limit)  # exported at 0 from the start
         registry.register(_StateCollector(core, asyncio.get_running_loop()))
         core.observers.append(self)
 
@@ -117,6 +124,9 @@ class SyncerMetrics:
     def rejoined(self, learner_id: str, gap_s: float) -> None:
         self.rejoin.observe(gap_s)
 
+    def watch_refused(self, rpc: str, limit: str) -> None:
+        self.watch_refusals.labels(rpc=rpc, limit=limit).inc()
+
     def fragment_bytes(self, direction: str, codec: str, wire_bytes: int) -> None:
         # The codec of this transfer: an upload's own (a learner may send another than the run's
         # upload codec), and for downloads fp32 for whole versions, the download codec for deltas.
@@ -136,9 +146,10 @@ class _StateCollector:
 
     def collect(self):
         async def snapshot():
-            return self._core.training_state(0)
+            return self._core.training_state(0), _influence_snapshot(self._core)
 
-        state = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=5.0)
+        state, influence = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=5.0)
+        yield from _influence_families(influence)
         # Counters read from the core's state include what was restored from the checkpoint (outer
         # steps, tokens, bytes, quarantines): a restarted syncer starts them at the restored amount,
         # as a prometheus_client Counter inc'd by it at start would. rate() stays right across a
@@ -248,3 +259,40 @@ class _StateCollector:
                                     "Deprecated name of ddiloco_work_merged_ratio (same value)", value=share)
         yield GaugeMetricFamily("ddiloco_syncer_last_checkpoint_outer_step", "Outer step of the last committed checkpoint",
                                 value=state.last_checkpoint_outer_step)
+
+
+def _influence_snapshot(core) -> dict:
+    """Copies of the core's influence counts (services/syncer/influence.py), taken on its loop."""
+    influence = core.influence
+    return {"share": dict(influence.last_share), "max_share": dict(influence.max_share),
+            "capped": dict(influence.share_capped), "clipped": dict(influence.clipped_claims),
+            "refused": dict(influence.refused)}
+
+
+def _influence_families(snap: dict):
+    """Bounded influence, per identity: weight shares, capped shares, clipped claims, refusals."""
+    share = GaugeMetricFamily("ddiloco_syncer_merge_weight_share",
+                              "Each learner's share of the total weight of the last merge it contributed to",
+                              labels=["learner"])
+    top = GaugeMetricFamily("ddiloco_syncer_merge_weight_share_max",
+                            "Each learner's largest share of a merge's weight since this syncer started",
+                            labels=["learner"])
+    for learner in sorted(snap["share"]):
+        share.add_metric([learner], snap["share"][learner])
+        top.add_metric([learner], snap["max_share"].get(learner, 0.0))
+    capped = CounterMetricFamily("ddiloco_syncer_merge_share_capped",
+                                 "Merges in which a learner's weight was lowered to --max-merge-share",
+                                 labels=["learner"])
+    for learner, count in sorted(snap["capped"].items()):
+        capped.add_metric([learner], count)
+    clipped = CounterMetricFamily(
+        "ddiloco_syncer_clipped_claims",
+        "Contributions accepted with a claim or norm clipped: steps (beyond the last merged mark), step_rate "
+        "(beyond the measured step rate), batch (--max-batch-ratio), norm (--norm-clip-factor)", labels=["what"])
+    for what in sorted({"steps", "step_rate", "batch", "norm"} | set(snap["clipped"])):
+        clipped.add_metric([what], snap["clipped"].get(what, 0))
+    refused = CounterMetricFamily("ddiloco_syncer_refused_contributions",
+                                  "Contributions refused, per learner (any reason but load)", labels=["learner"])
+    for learner, count in sorted(snap["refused"].items()):
+        refused.add_metric([learner], count)
+    yield from (share, top, capped, clipped, refused)

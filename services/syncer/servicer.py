@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 from google.protobuf import message as protobuf_message
@@ -82,9 +83,10 @@ class _OpenStreams:
     only: no lock). A slot is released by the call's done callback, which grpc runs however the
     call ends (finished, cancelled by the client, aborted, shut down)."""
 
-    def __init__(self, rpc: str, cap: StreamCap) -> None:
+    def __init__(self, rpc: str, cap: StreamCap, on_refused: Callable[[str, str], None] | None = None) -> None:
         self._rpc = rpc
         self._cap = cap
+        self._on_refused = on_refused or (lambda rpc, limit: None)  # (rpc, "total" | "per_identity"): metrics
         self._total = 0
         self._per_identity: collections.Counter[str] = collections.Counter()
 
@@ -92,11 +94,13 @@ class _OpenStreams:
         """Takes a slot for the call of `context` (ResourceExhausted when none is left)."""
         cap = self._cap
         if self._total >= cap.total:
+            self._on_refused(self._rpc, "total")
             raise errors.ResourceExhausted(
                 f"{self._rpc}: {self._total} streams are open, the syncer's limit ({cap.flag} {cap.total}); "
                 "close one or retry later", reason="watch_streams")
         key = "" if identity.anonymous else str(identity)
         if key and self._per_identity[key] >= cap.per_identity:
+            self._on_refused(self._rpc, "per_identity")
             raise errors.ResourceExhausted(
                 f"{self._rpc}: {key} already has {self._per_identity[key]} streams open, the limit per identity "
                 f"({cap.flag}-per-identity {cap.per_identity}); close one before opening another",
@@ -166,8 +170,11 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                  max_concurrent_uploads_per_learner: int = 4, state_watch_cap: StreamCap = STATE_WATCH_CAP,
                  fragment_watch_cap: StreamCap = FRAGMENT_WATCH_CAP) -> None:
         self._core = core
-        self._state_streams = _OpenStreams("WatchTrainingState", state_watch_cap)
-        self._fragment_streams = _OpenStreams("WatchFragments", fragment_watch_cap)
+        def refused(rpc: str, limit: str) -> None:
+            core.observers.emit("watch_refused", rpc, limit)  # ddiloco_syncer_watch_refusals_total
+
+        self._state_streams = _OpenStreams("WatchTrainingState", state_watch_cap, refused)
+        self._fragment_streams = _OpenStreams("WatchFragments", fragment_watch_cap, refused)
         self._upload_slots = asyncio.Semaphore(max_concurrent_uploads)
         self._max_uploads = max_concurrent_uploads
         self._max_per_learner = max_concurrent_uploads_per_learner

@@ -35,6 +35,9 @@ class Round:
     # gather. The round number is the slot's count of rounds opened.
     open: bool = False
     number: int = 0
+    # One dict per contribution folded in: claims, credited steps, weights, norms, what was clipped
+    # (Admission.accepted); the merge's influence record and ledger line (services/syncer/influence.py).
+    influence: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -162,9 +162,10 @@ def test_inflated_token_counts_are_capped():
             join(core, lid)
         await rounds_of_honest_history(core)
         response = await upload(core, "x", 0, honest_delta(core.plan.fragments[0].numel, 3), tokens=10**9)
-        # The claimed batch is capped at k x the others' median tokens per step (512), over the
-        # 2 steps: weight 2 x (20 x 512)^2, 400x an honest contribution (1024^2 / 2), not 1e9^2 / 2.
-        assert response.weight == pytest.approx(2 * (20 * 512) ** 2)
+        # The claimed batch is capped at --max-batch-ratio (4) x the others' median tokens per step
+        # (512), over the 2 steps: weight 2 x (4 x 512)^2, 16x an honest contribution (1024^2 / 2),
+        # not 1e9^2 / 2 (issue 24: it was k = 20x the batch, 400x the weight).
+        assert response.weight == pytest.approx(2 * (4 * 512) ** 2)
         assert core.uploads["capped_weight"] == 1
         # A unit with a legitimately 4x bigger batch (16x the weight per step) is not capped.
         await settle()

@@ -205,6 +205,39 @@ running with the wrong identity.
 {{- end }}
 {{- end }}
 
+{{/*
+The certificate deny list (tls.denyList / tls.denyListConfigMap), only with tls.enabled: the
+ConfigMap's name, the env line of a server (prefix DDILOCO_SYNCER_ or DDILOCO_CHECKPOINT_), its
+volume and mount. A directory mount, not subPath: the kubelet swaps the file on an update and the
+servers re-read it (ddiloco.rpc.security), so revoking needs no restart. The pods carry no hash
+of it for the same reason.
+*/}}
+{{- define "ddiloco.denyListName" -}}
+{{- default (printf "%s-tls-deny-list" (include "ddiloco.fullname" .)) .Values.tls.denyListConfigMap -}}
+{{- end }}
+
+{{- define "ddiloco.denyListEnv" -}}
+{{- if .ctx.Values.tls.enabled }}
+{{ .prefix }}TLS_DENY_LIST: {{ printf "%s/deny.txt" .ctx.Values.tls.denyListMountPath | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "ddiloco.denyListVolume" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls-deny-list
+  configMap:
+    name: {{ include "ddiloco.denyListName" . }}
+{{- end }}
+{{- end }}
+
+{{- define "ddiloco.denyListVolumeMount" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls-deny-list
+  mountPath: {{ .Values.tls.denyListMountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
 {{/* The port a server's probes use: its health port under TLS, else its gRPC port. */}}
 {{- define "ddiloco.probePort" -}}
 {{- if .ctx.Values.tls.enabled }}{{ get .ctx.Values.tls.healthPorts .component }}{{ else }}{{ .port }}{{ end }}
@@ -213,6 +246,7 @@ running with the wrong identity.
 {{/* Data of each component's ConfigMap (also hashed into its pods' checksum/config). */}}
 {{- define "ddiloco.store.configData" -}}
 {{ include "ddiloco.transport" (dict "ctx" . "prefix" "DDILOCO_CHECKPOINT_" "identity" "checkpoint" "healthPort" .Values.tls.healthPorts.store) }}
+{{- include "ddiloco.denyListEnv" (dict "ctx" . "prefix" "DDILOCO_CHECKPOINT_") }}
 DDILOCO_CHECKPOINT_LOG_LEVEL: {{ .Values.run.logLevel | quote }}
 DDILOCO_CHECKPOINT_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
 {{- include "ddiloco.settingsData" (dict "prefix" "DDILOCO_CHECKPOINT_" "settings" .Values.store.settings) }}
@@ -220,6 +254,7 @@ DDILOCO_CHECKPOINT_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
 
 {{- define "ddiloco.syncer.configData" -}}
 {{ include "ddiloco.transport" (dict "ctx" . "prefix" "DDILOCO_SYNCER_" "identity" "syncer" "healthPort" .Values.tls.healthPorts.syncer) }}
+{{- include "ddiloco.denyListEnv" (dict "ctx" . "prefix" "DDILOCO_SYNCER_") }}
 {{- if and .Values.tls.enabled .Values.tls.storeServerName }}
 DDILOCO_SYNCER_CHECKPOINT_TLS_SERVER_NAME: {{ .Values.tls.storeServerName | quote }}
 {{- end }}

@@ -1,0 +1,179 @@
+"""`ddiloco audit`: who influenced the global model, and by how much, from the syncer's merge ledger.
+
+    ddiloco audit --ledger runs/merges.jsonl [--run-id RUN] [--fragment P] [--from-version A] [--to-version B]
+
+Owns reading a merge ledger (`--merge-ledger` of the syncer, format `ddiloco.ledger/1`: see
+services/syncer/influence.py), verifying its hash chain (each record's `prev` is the sha256 of
+the line before; a rotated `<file>.1` is read first), and summing it per identity over a version
+range: merges contributed to, mean and largest share of the merge's weight, claims clipped, shares
+capped, mean cosine with the merged update, refusals and quarantines. An identity is flagged as an
+outlier when its share was capped in more than 10 % of its merges of three or more, its mean cosine is
+far below the others', or any of its contributions was refused, or clipped beyond a step-count
+correction.
+Exit status: 0 intact and nothing flagged, 1 something flagged, 2 a broken chain or unreadable ledger.
+Must not: talk to services (it reads a file), or change the ledger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import math
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+
+FORMAT = "ddiloco.ledger/1"
+GENESIS = "0" * 64
+# A mean cosine this far below the median of the other identities' means is an outlier: honest
+# learners' mean cosines with the merged update differ by less (see docs/security.md).
+COSINE_GAP = 0.25
+
+
+# Refusals that judge a contribution (staleness, fencing and load do not).
+JUDGED_REFUSALS = frozenset({"norm_bound", "norm_bound_marginal", "direction", "replay_mismatch", "malformed",
+                             "nonfinite", "corrupt", "checksum", "chunks", "size", "steps", "quarantined"})
+NORM_CLIP_SHARE = 0.1  # norms clipped (or shares capped) in more than this share of its merges: an outlier
+
+
+class LedgerError(ValueError):
+    """The ledger does not parse or its hash chain is broken."""
+
+
+def read_ledger(path: str) -> list[dict]:
+    """Every record of the ledger at `path` (and its rotated `<path>.1`, read first), oldest first,
+    with the chain verified. LedgerError on a broken chain, a bad line or no file."""
+    lines: list[bytes] = []
+    found = False
+    for candidate in (path + ".1", path):
+        try:
+            with open(candidate, "rb") as f:
+                lines += [line for line in f.read().splitlines() if line.strip()]
+            found = True
+        except FileNotFoundError:
+            continue
+    if not found:
+        raise LedgerError(f"no merge ledger at {path} (the syncer writes it with --merge-ledger)")
+    records: list[dict] = []
+    prev: str | None = None
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise LedgerError(f"line {number}: not JSON ({exc.msg}): a truncated or edited ledger") from None
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            raise LedgerError(f"line {number}: not a {FORMAT} record")
+        # The first record kept may follow rotated-away ones: its `prev` is taken on trust.
+        if prev is not None and record.get("prev") != prev:
+            raise LedgerError(f"line {number}: hash chain broken (prev {str(record.get('prev'))[:12]}..., expected "
+                              f"{prev[:12]}...): a record before it was removed, changed or reordered")
+        prev = hashlib.sha256(line).hexdigest()
+        records.append(record)
+    return records
+
+
+def select(records: Iterable[dict], *, run_id: str = "", fragment: int | None = None,
+           from_version: int = 0, to_version: int | None = None) -> list[dict]:
+    """The records of a run (all when empty), fragment and version range [from, to]."""
+    return [r for r in records
+            if (not run_id or r.get("run_id") == run_id) and (fragment is None or r.get("fragment") == fragment)
+            and r.get("version", 0) >= from_version and (to_version is None or r.get("version", 0) <= to_version)]
+
+
+def influence(records: Sequence[dict]) -> dict[str, dict]:
+    """Per identity: merges, mean/max share, mean cosine, clipped claims, capped shares, refusals."""
+    per: dict[str, dict] = collections.defaultdict(lambda: {
+        "merges": 0, "shares": [], "cosines": [], "clipped": collections.Counter(), "refused": collections.Counter(),
+        "quarantined": 0})
+    for record in records:
+        for c in record.get("contributors", ()):
+            entry = per[c["learner"]]
+            entry["merges"] += 1
+            entry["shares"].append(float(c.get("share") or 0.0))
+            if c.get("cosine") is not None:
+                entry["cosines"].append(float(c["cosine"]))
+            entry["clipped"].update(c.get("clipped", ()))
+        for r in record.get("refused", ()):
+            entry = per[r["learner"]]
+            entry["refused"][r.get("reason", "")] += 1
+            entry["quarantined"] += r.get("outcome") == "quarantined"
+    out = {}
+    for learner, e in per.items():
+        out[learner] = {
+            "merges": e["merges"],
+            "mean_share": statistics.fmean(e["shares"]) if e["shares"] else 0.0,
+            "max_share": max(e["shares"], default=0.0),
+            "mean_cosine": statistics.fmean(e["cosines"]) if e["cosines"] else None,
+            "clipped": dict(e["clipped"]), "refused": dict(e["refused"]), "quarantined_refusals": e["quarantined"],
+        }
+    for learner, e in out.items():
+        others = [o["mean_cosine"] for lid, o in out.items() if lid != learner and o["mean_cosine"] is not None]
+        reasons = []
+        # Capped in merges of three or more, often: in a merge of two the heavier of two honest
+        # learners is capped too (at 0.5 both weigh the same), and now and then an honest learner
+        # whose contribution spans many more steps than the others'.
+        large = [c for r in records if len(r.get("contributors", ())) >= 3 for c in r["contributors"]
+                 if c["learner"] == learner]
+        capped = sum(1 for c in large if "share" in (c.get("clipped") or ()))
+        if capped > NORM_CLIP_SHARE * max(1, len(large)):
+            reasons.append(f"share capped in {capped} of {len(large)} merges of 3 or more")
+        if e["mean_cosine"] is not None and others and e["mean_cosine"] < statistics.median(others) - COSINE_GAP:
+            reasons.append(f"mean cosine {e['mean_cosine']:+.2f} vs others' median {statistics.median(others):+.2f}")
+        # Claims are clipped for a reason (an honest learner's claims match what the syncer
+        # observes); norms of honest learners are clipped now and then (a few percent of their
+        # contributions, bench/results/hostile.md), so only often is an outlier.
+        norm_clips = e["clipped"].get("norm", 0) + e["clipped"].get("norm_in_merge", 0)
+        if any(k in e["clipped"] for k in ("batch", "step_rate")) or norm_clips > NORM_CLIP_SHARE * max(1, e["merges"]):
+            reasons.append("claims or norms clipped: " + ", ".join(f"{k} {v}" for k, v in sorted(e["clipped"].items())))
+        judged = {k: v for k, v in e["refused"].items() if k in JUDGED_REFUSALS}
+        if judged:
+            reasons.append("refused: " + ", ".join(f"{k} {v}" for k, v in sorted(judged.items())))
+        e["flags"] = reasons
+    return out
+
+
+def _table(summary: dict[str, dict], records: Sequence[dict]) -> str:
+    versions = sorted({(r["fragment"], r["version"]) for r in records})
+    head = (f"{len(records)} merges over {len({f for f, _ in versions})} fragments"
+            + (f", versions {min(v for _, v in versions)}-{max(v for _, v in versions)}" if versions else ""))
+    rows = [head, f"{'identity':<22} {'merges':>6} {'mean share':>10} {'max share':>9} {'mean cos':>8}  flags"]
+    for learner, e in sorted(summary.items()):
+        cos = "-" if e["mean_cosine"] is None else f"{e['mean_cosine']:+.3f}"
+        rows.append(f"{learner:<22} {e['merges']:>6} {e['mean_share']:>10.3f} {e['max_share']:>9.3f} {cos:>8}  "
+                     + ("; ".join(e["flags"]) or "-"))
+    return "\n".join(rows)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ledger", required=True, help="the syncer's --merge-ledger file")
+    parser.add_argument("--run-id", default="", help="only this run's merges (default: every run in the file)")
+    parser.add_argument("--fragment", type=int, default=None, help="only this fragment")
+    parser.add_argument("--from-version", type=int, default=0, help="first fragment version to count")
+    parser.add_argument("--to-version", type=int, default=None, help="last fragment version to count")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        records = read_ledger(args.ledger)
+    except (LedgerError, OSError) as exc:
+        print(f"ddiloco audit: {exc}", file=sys.stderr)
+        return 2
+    chosen = select(records, run_id=args.run_id, fragment=args.fragment, from_version=args.from_version,
+                    to_version=args.to_version)
+    summary = influence(chosen)
+    if args.json:
+        print(json.dumps({"records": len(chosen), "chain": "intact", "identities": summary}, indent=2,
+                         default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v))
+    else:
+        print(f"ledger {args.ledger}: {len(records)} records, hash chain intact")
+        print(_table(summary, chosen))
+    return 1 if any(e["flags"] for e in summary.values()) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddiloco audit", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

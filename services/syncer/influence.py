@@ -1,0 +1,176 @@
+"""Who influenced each merge, and by how much: the syncer's influence record and merge ledger.
+
+Owns `Influence` (per-identity counts the metrics read: weight shares, clipped claims, refused
+contributions, capped shares; the refusals waiting for their fragment's next merge) and
+`MergeLedger` (the append-only, hash-chained JSONL file of `--merge-ledger`: one record per
+merge). Admission notes what it clipped or refused here; the merging part hands every merge over.
+Must not: decide anything about a contribution (admission.py and ddiloco.algo.robust do).
+
+A ledger record (format `ddiloco.ledger/1`, one JSON object per line) holds the merge (run,
+syncer instance, fragment, version, round, reason, the published fragment's sha256, the merged
+update's norm and total weight), every contribution merged (learner, incarnation, base version,
+claimed steps and tokens, credited steps, claimed and accepted weight, share of the total,
+norm, norm per step over the other learners' median, cosine with the merged update, outcome
+`merged` or `clipped` with what was clipped) and every contribution refused since the fragment's
+previous merge (outcome `refused` or `quarantined`, with the reason). `prev` is the sha256 of the
+previous line, so `ddiloco audit` can tell a truncated, edited or reordered ledger from an intact
+one. The file is rotated to `<path>.1` when it grows past `max_bytes`; the chain goes on across
+the rotation.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import math
+import os
+
+import numpy as np
+
+from ddiloco.algo import merge as merge_lib
+from ddiloco.algo import robust as robust_lib
+
+_LOG = logging.getLogger("ddiloco.syncer")
+
+FORMAT = "ddiloco.ledger/1"
+GENESIS = "0" * 64  # `prev` of a ledger's first record
+_REFUSALS_KEPT = 64  # refusals remembered per fragment between two merges (the ledger is bounded)
+
+
+def line_sha256(line: bytes) -> str:
+    """The chain hash of one ledger line (without its newline)."""
+    return hashlib.sha256(line.rstrip(b"\n")).hexdigest()
+
+
+class MergeLedger:
+    """Appends hash-chained records to a JSONL file; see the module docstring."""
+
+    def __init__(self, path: str, *, max_bytes: int = 64 << 20) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self._prev = self._last_hash()
+        self.records = 0
+
+    def _last_hash(self) -> str:
+        """The hash of the last line already in the ledger (a restarted syncer continues the chain)."""
+        for candidate in (self.path, self.path + ".1"):
+            try:
+                with open(candidate, "rb") as f:
+                    lines = [line for line in f.read().splitlines() if line.strip()]
+            except FileNotFoundError:
+                continue
+            if lines:
+                return line_sha256(lines[-1])
+        return GENESIS
+
+    def append(self, record: dict) -> str:
+        """Writes one record (adds `format` and `prev`); returns its chain hash."""
+        line = json.dumps({"format": FORMAT, **record, "prev": self._prev}, sort_keys=True,
+                          separators=(",", ":")).encode()
+        try:
+            if self.max_bytes and os.path.getsize(self.path) + len(line) + 1 > self.max_bytes:
+                os.replace(self.path, self.path + ".1")
+        except FileNotFoundError:
+            pass
+        with open(self.path, "ab") as f:
+            f.write(line + b"\n")
+        self._prev = line_sha256(line)
+        self.records += 1
+        return self._prev
+
+
+def _rounded(value: float | None, digits: int = 6) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(float(value), digits)
+
+
+class Influence:
+    """Per-identity influence of contributions on merges. See the module docstring."""
+
+    def __init__(self, *, run_id: str, instance: str, directions: robust_lib.DirectionGuard | None = None,
+                 ledger: MergeLedger | None = None) -> None:
+        self.run_id = run_id
+        self.instance = instance
+        self.directions = directions
+        self.ledger = ledger
+        self.clipped_claims: collections.Counter = collections.Counter()  # what -> contributions clipped
+        self.refused: collections.Counter = collections.Counter()  # learner -> contributions refused
+        self.share_capped: collections.Counter = collections.Counter()  # learner -> merges its share was capped in
+        self.last_share: dict[str, float] = {}  # learner -> its share of the last merge it was in
+        self.max_share: dict[str, float] = {}  # learner -> the largest share it ever had (this syncer's life)
+        self._refusals: dict[int, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=_REFUSALS_KEPT))
+
+    def note_refused(self, learner_id: str, fragment_id: int, reason: str, exc: BaseException | None = None) -> None:
+        """A contribution was refused (admission or its checks); the fragment's next record names it.
+        `exc`: the refusal, noted once however many layers report it."""
+        if not learner_id or reason in ("busy", "busy_learner", "already_pending"):
+            return  # load and protocol pacing, not a judgment of the contribution
+        if exc is not None:
+            if getattr(exc, "influence_noted", False):
+                return
+            exc.influence_noted = True
+        self.refused[learner_id] += 1
+        outcome = "quarantined" if reason == "quarantined" else "refused"
+        self._refusals[fragment_id].append({"learner": learner_id, "reason": reason, "outcome": outcome})
+
+    def note_clipped(self, what: str) -> None:
+        self.clipped_claims[what] += 1
+
+    def merged(self, rnd, record, merged_direction: np.ndarray | None, published_sha256: str) -> dict:
+        """Accounts for one merge (call under the fragment's lock, after the outer step): shares,
+        cosines with the merged update (`merged_direction`, from `merged_direction`); appends the
+        ledger record. Returns the record."""
+        entries = list(getattr(rnd, "influence", ()))
+        uncapped_total = sum(e["weight"] for e in entries)
+        for entry in entries:  # the share the contribution would have had without the cap (calibration)
+            entry["share_uncapped"] = _rounded(entry["weight"] / uncapped_total if uncapped_total > 0 else None)
+        capped = rnd.accumulator.capped
+        if capped is not None:
+            for entry in entries:
+                if entry["learner"] == capped[0]:
+                    entry["weight"] = capped[2]
+                    entry.setdefault("clipped", []).append("share")
+            self.share_capped[capped[0]] += 1
+        scale = rnd.accumulator.held_norm_scale
+        if scale < 1.0:  # the largest, clipped against the norms of the merge's others
+            for entry in entries:
+                if entry["learner"] == rnd.accumulator.norm_clipped_key:
+                    entry.setdefault("clipped", []).append("norm_in_merge")
+                    entry["norm"] = round(entry["norm"] * scale, 9)
+            self.clipped_claims["norm_in_merge"] += 1
+        total = sum(e["weight"] for e in entries)
+        contributors = []
+        for entry in entries:
+            share = entry["weight"] / total if total > 0 else 1.0 / max(1, len(entries))
+            self.last_share[entry["learner"]] = share
+            self.max_share[entry["learner"]] = max(share, self.max_share.get(entry["learner"], 0.0))
+            heading = entry.pop("heading", None)
+            cosine = (float(np.dot(heading, merged_direction))
+                      if heading is not None and merged_direction is not None else None)
+            clipped = entry.get("clipped", [])
+            contributors.append({**{k: v for k, v in entry.items() if k != "clipped"},
+                                 "weight": _rounded(entry["weight"], 9), "share": _rounded(share),
+                                 "cosine": _rounded(cosine), "clipped": clipped,
+                                 "outcome": "clipped" if clipped else "merged"})
+        out = {
+            "run_id": self.run_id, "syncer_instance": self.instance, "fragment": record.fragment_id,
+            "version": record.version, "round": record.round, "merged_at_unix_s": round(record.merged_at_unix_s, 3),
+            "reason": record.reason, "fragment_sha256": published_sha256,
+            "merged_norm": _rounded(record.outer_grad_norm), "total_weight": _rounded(total, 9),
+            "contributors": contributors, "refused": list(self._refusals.pop(record.fragment_id, ())),
+        }
+        if self.ledger is not None:
+            try:
+                self.ledger.append(out)
+            except OSError as exc:  # the merge stands; the gap shows as a missing version in the audit
+                _LOG.error("merge ledger write failed", extra={"fields": {"path": self.ledger.path, "error": str(exc)}})
+        return out
+
+    def merged_direction(self, fragment_id: int, merged: merge_lib.ScaledResult | None) -> np.ndarray | None:
+        """The merged update's unit vector over the direction check's sample (None when it is off).
+        One pass over the fragment: call it in a worker thread."""
+        if merged is None or self.directions is None or not self.directions.policy.enabled:
+            return None
+        return self.directions.direction(fragment_id, merged.materialize())
