@@ -241,6 +241,7 @@ class JoinResponse(_message.Message):
     UPLOAD_HEADER_ACK_FIELD_NUMBER: _builtins.int
     DATA_SHARD_FIELD_NUMBER: _builtins.int
     DATA_SHARD_ASSIGNED_FIELD_NUMBER: _builtins.int
+    UPLOAD_PIPELINE_BYTES_FIELD_NUMBER: _builtins.int
     syncer_instance: _builtins.str
     """Identifies this life of the syncer; versions are only meaningful within it."""
     upload_header_ack: _builtins.bool
@@ -255,6 +256,12 @@ class JoinResponse(_message.Message):
     syncers leave data_shard_assigned false: the learner then picks its shard itself.
     """
     data_shard_assigned: _builtins.bool
+    upload_pipeline_bytes: _builtins.int
+    """With upload_header_ack: a learner may send the chunks that start within this many payload
+    bytes before the acknowledgement arrives (the header's round trip overlaps the transfer);
+    the syncer reads them before it refuses a header, so the refusal's status still arrives while
+    the learner waits for the acknowledgement. 0 (older syncers): wait before any chunk.
+    """
     @_builtins.property
     def config(self) -> Global___RunConfig: ...
     @_builtins.property
@@ -275,10 +282,11 @@ class JoinResponse(_message.Message):
         upload_header_ack: _builtins.bool = ...,
         data_shard: _builtins.int = ...,
         data_shard_assigned: _builtins.bool = ...,
+        upload_pipeline_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack", "upload_pipeline_bytes", b"upload_pipeline_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -506,21 +514,28 @@ class UploadFragmentResponse(_message.Message):
     RESULT_FIELD_NUMBER: _builtins.int
     CURRENT_VERSION_FIELD_NUMBER: _builtins.int
     WEIGHT_FIELD_NUMBER: _builtins.int
+    NEXT_UPLOAD_AFTER_S_FIELD_NUMBER: _builtins.int
     result: Global___UploadFragmentResponse.Result.ValueType
     current_version: _builtins.int
     """The fragment's current version when the upload was accepted."""
     weight: _builtins.float
     """Weight of the contribution (tokens^2 / steps)."""
+    next_upload_after_s: _builtins.float
+    """Back-pressure: the syncer is saturated. The learner sends its next upload of this fragment
+    no sooner than this many seconds from now, folding the periods in between into that one
+    contribution (its work is kept, never dropped). 0: no limit.
+    """
     def __init__(
         self,
         *,
         result: Global___UploadFragmentResponse.Result.ValueType = ...,
         current_version: _builtins.int = ...,
         weight: _builtins.float = ...,
+        next_upload_after_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_version", b"current_version", "result", b"result", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_version", b"current_version", "next_upload_after_s", b"next_upload_after_s", "result", b"result", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
