@@ -416,6 +416,7 @@ class UploadHeader(_message.Message):
     PAYLOAD_FIELD_NUMBER: _builtins.int
     LOCAL_STEP_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    PIPELINE_BYTES_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     learner_id: _builtins.str
     incarnation: _builtins.int
@@ -437,6 +438,11 @@ class UploadHeader(_message.Message):
     """The learner's last contribution of this fragment (end of training): the syncer opens the
     fragment's round at once instead of waiting for its schedule.
     """
+    pipeline_bytes: _builtins.int
+    """The learner sends the chunks that start within this many payload bytes before the header's
+    acknowledgement (at most JoinResponse.upload_pipeline_bytes); a syncer refusing the header
+    reads them first. 0: it waits for the acknowledgement before any chunk.
+    """
     @_builtins.property
     def payload(self) -> _common_pb2.PayloadInfo: ...
     def __init__(
@@ -453,10 +459,11 @@ class UploadHeader(_message.Message):
         payload: _common_pb2.PayloadInfo | None = ...,
         local_step: _builtins.int = ...,
         final: _builtins.bool = ...,
+        pipeline_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "final", b"final", "fragment_id", b"fragment_id", "incarnation", b"incarnation", "learner_id", b"learner_id", "local_step", b"local_step", "payload", b"payload", "protocol_version", b"protocol_version", "steps", b"steps", "syncer_instance", b"syncer_instance", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "final", b"final", "fragment_id", b"fragment_id", "incarnation", b"incarnation", "learner_id", b"learner_id", "local_step", b"local_step", "payload", b"payload", "pipeline_bytes", b"pipeline_bytes", "protocol_version", b"protocol_version", "steps", b"steps", "syncer_instance", b"syncer_instance", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

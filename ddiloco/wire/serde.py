@@ -86,9 +86,13 @@ class ChunkAssembler:
     bounded by the declared size.
     """
 
-    def __init__(self, declared_size_bytes: int, *, max_chunk_bytes: int | None = None) -> None:
+    def __init__(self, declared_size_bytes: int, *, max_chunk_bytes: int | None = None, keep: bool = True) -> None:
+        """`keep`: hold the bytes for `payload` (False: a stream.PayloadStream holds them; only
+        the order and sizes are checked here, and `payload` returns b"")."""
         self._declared = declared_size_bytes
         self._max_chunk = max_chunk_bytes
+        self._keep = keep
+        self._size = 0
         self._buffer = bytearray()
         self._next_seq = 0
         self.done = False
@@ -103,17 +107,19 @@ class ChunkAssembler:
             raise ValueError(f"chunk seq {chunk.seq} has {size} bytes, more than the run's chunk size {self._max_chunk}")
         if size == 0 and not chunk.last:
             raise ValueError(f"chunk seq {chunk.seq} is empty but not the last one")
-        if len(self._buffer) + size > self._declared:
+        if self._size + size > self._declared:
             raise ValueError(f"payload exceeds its declared size of {self._declared} bytes")
-        self._buffer += chunk.data
+        if self._keep:
+            self._buffer += chunk.data
+        self._size += size
         self._next_seq += 1
         self.done = chunk.last
 
     def payload(self) -> bytes:
         if not self.done:
             raise ValueError(f"stream ended before the last chunk (got {self._next_seq} chunks)")
-        if len(self._buffer) != self._declared:
-            raise ValueError(f"payload has {len(self._buffer)} bytes, header declared {self._declared}")
+        if self._size != self._declared:
+            raise ValueError(f"payload has {self._size} bytes, header declared {self._declared}")
         return bytes(self._buffer)
 
 
@@ -190,7 +196,8 @@ def apply_delta(held: np.ndarray, step: np.ndarray) -> np.ndarray:
     return np.add(held, step, dtype=np.float32)
 
 
-def payload_stream(info: common_pb2.PayloadInfo, *, on_chunk: codec_lib.ChunkVisitor | None = None):
+def payload_stream(info: common_pb2.PayloadInfo, *, on_chunk: codec_lib.ChunkVisitor | None = None,
+                   decode_on_arrival: bool = True):
     """A stream.PayloadStream for the payload `info` describes (CodecError when it cannot be one)."""
     from ddiloco.wire import stream as stream_lib
 
@@ -203,4 +210,4 @@ def payload_stream(info: common_pb2.PayloadInfo, *, on_chunk: codec_lib.ChunkVis
         codec=codec, numel=int(info.numel), raw_size_bytes=int(info.raw_size_bytes),
         payload_size_bytes=int(info.payload_size_bytes), checksum=bytes(info.checksum), compression=compression,
         checksum_kind=checksum_kind, block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
-        on_chunk=on_chunk)
+        on_chunk=on_chunk, decode_on_arrival=decode_on_arrival)

@@ -31,8 +31,9 @@ class PayloadStream:
 
     def __init__(self, *, codec: str, numel: int, raw_size_bytes: int, payload_size_bytes: int, checksum: bytes,
                  compression: str, checksum_kind: str, block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
-                 on_chunk: codec_lib.ChunkVisitor | None = None) -> None:
-        """Raises CodecError (SizeError, ChecksumError for a digest of the wrong length) when the
+                 on_chunk: codec_lib.ChunkVisitor | None = None, decode_on_arrival: bool = True) -> None:
+        """`decode_on_arrival`: dequantize an uncompressed payload as it arrives (False: keep only
+        its bytes until `finish`, for a receiver short of memory for the values). Raises CodecError (SizeError, ChecksumError for a digest of the wrong length) when the
         declared sizes and format cannot describe a valid payload."""
         codec_lib._check_codec(codec, block_size)
         codec_lib._check_wire_format(compression, checksum_kind)
@@ -48,7 +49,7 @@ class PayloadStream:
         self._buffer = bytearray(payload_size_bytes)
         self._view = memoryview(self._buffer)
         self.received_bytes = 0
-        self._on_arrival = compression == "none"
+        self._on_arrival = decode_on_arrival and compression == "none"
         self._values = np.empty(numel, np.float32) if self._on_arrival else None
         quantized = codec in codec_lib.QUANTIZED_CODECS
         self._n_blocks = -(-numel // block_size) if quantized else 0
@@ -58,6 +59,11 @@ class PayloadStream:
         self._body: np.ndarray | None = None
         self._done = 0  # blocks (quantized) or values (fp32, bf16) decoded so far
         self._smallest = 127 if codec == "int8" else 8
+
+    @property
+    def decodes_on_arrival(self) -> bool:
+        """Whether `finish` is cheap (the values are decoded as the bytes arrive)."""
+        return self._on_arrival
 
     @property
     def complete(self) -> bool:
