@@ -645,9 +645,7 @@ class SyncClient:
             steps=job.steps, tokens=job.tokens, payload=serde.payload_info_to_proto(encoded),
             local_step=job.local_step, final=job.final,
         )
-        messages = [syncer_pb2.UploadFragmentRequest(header=header)] + [
-            syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(encoded.payload, cfg.chunk_size_bytes)
-        ]
+        messages = upload_messages(header, encoded.payload, cfg.chunk_size_bytes)
         wire_bytes = sum(m.ByteSize() for m in messages)
         timeout_s = self.cfg.call_timeout_s + wire_bytes / self.cfg.upload_min_bandwidth_bytes_per_s
         sent_at = time.time()
@@ -738,6 +736,12 @@ class SyncClient:
             self._history.write(event, learner=self.cfg.learner_id, incarnation=self.cfg.incarnation,
                                 instance=job.syncer_instance, fragment=job.fragment_id,
                                 base_version=job.base_version, tokens=job.tokens, sent_at=sent_at, **fields)
+
+
+def upload_messages(header: syncer_pb2.UploadHeader, payload: bytes, chunk_size_bytes: int) -> list:
+    """The UploadFragment request messages of one upload: the header, then the payload's chunks."""
+    return [syncer_pb2.UploadFragmentRequest(header=header)] + [
+        syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(payload, chunk_size_bytes)]
 
 
 async def send_upload(stub, messages: list, timeout_s: float, *, after_chunk=None, pipeline_bytes: int = 0):
