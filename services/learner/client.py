@@ -148,6 +148,7 @@ class ClientStats:
     uploads_failed: int = 0
     uploads_refused: int = 0
     uploads_slowed: int = 0  # accepted with a back-pressure hint (UploadFragmentResponse.next_upload_after_s)
+    last_upload_hold_s: float = 0.0  # the last such hint honoured
     fragments_received: int = 0
     fragments_seeded: int = 0  # held from the learner's own initialization (hash-checked), not downloaded
     delta_fragments_received: int = 0  # of which sent as deltas (lossy download codec)
@@ -709,6 +710,7 @@ class SyncClient:
             self._hold_until[job.fragment_id] = (asyncio.get_running_loop().time()
                                                  + min(response.next_upload_after_s, _MAX_UPLOAD_HOLD_S))
             self.stats.uploads_slowed += 1
+            self.stats.last_upload_hold_s = min(response.next_upload_after_s, _MAX_UPLOAD_HOLD_S)
         self._outcome(job, OUTCOME_DUPLICATE if duplicate else OUTCOME_ACCEPTED, response.current_version)
         self._record("ack", job, sent_at, result="duplicate" if duplicate else "accepted")
         if duplicate:

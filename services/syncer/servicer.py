@@ -234,6 +234,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         self._core.record_auth_failure(reason, method=method.rsplit("/", 1)[-1])
 
     async def Join(self, request, context):
+        self._gauge.start()  # on the serving loop, from the first learner on (idempotent)
         try:
             security.require_learner(request.learner_id)
             response = self._core.join(request)

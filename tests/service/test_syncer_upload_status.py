@@ -20,7 +20,7 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors
 from ddiloco.rpc import security
-from ddiloco.v1 import syncer_pb2
+from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.learner import client as client_lib
@@ -138,6 +138,41 @@ def test_refused_pipelined_headers_keep_their_status():
             assert {code for code, _ in codes} == {grpc.StatusCode.FAILED_PRECONDITION}, codes[:3]
             response = await asyncio.wait_for(client_lib.send_upload(
                 served.stub, _messages(core, base_version=0), 10.0, pipeline_bytes=joined.upload_pipeline_bytes), 15)
+            assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+            assert core.members["learner-0"].uploads_accepted == 1
+
+    asyncio.run(run())
+
+
+def test_a_corrupted_chunk_is_refused_as_a_checksum_error_and_nothing_of_it_is_merged():
+    """Chunks are hashed and decoded as they arrive (admission.open_payload): a chunk corrupted
+    in transit is refused with INVALID_ARGUMENT, reason "checksum", once the last byte is in;
+    nothing of it enters a round, its decoding permit is given back, and the same upload sent
+    intact afterwards is accepted."""
+    async def run():
+        core = _core()
+        async with serve_syncer(core) as served:
+            joined = await _join(served.stub)
+            good = _messages(core, base_version=0, seed=7)
+            assert good[0].header.payload.compression == common_pb2.COMPRESSION_NONE  # decoded on arrival
+            bad = [syncer_pb2.UploadFragmentRequest() for _ in good]
+            for copy, msg in zip(bad, good, strict=True):
+                copy.CopyFrom(msg)
+            data = bytearray(bad[5].chunk.data)
+            data[1000] ^= 0x40
+            bad[5].chunk.data = bytes(data)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(client_lib.send_upload(
+                    served.stub, bad, 10.0, pipeline_bytes=joined.upload_pipeline_bytes), 15)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert errors.reason_of(info.value) == "checksum", info.value.details()
+            assert core.uploads["rejected_checksum"] == 1
+            assert core.members["learner-0"].uploads_accepted == 0
+            slot = core.slots[0]
+            assert slot.round is None or "learner-0" not in slot.round.learners
+            assert not core.admission.decoding.locked() and core.admission.decoding._value == core.admission.max_decoding
+            response = await asyncio.wait_for(client_lib.send_upload(
+                served.stub, good, 10.0, pipeline_bytes=joined.upload_pipeline_bytes), 15)
             assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
             assert core.members["learner-0"].uploads_accepted == 1
 
