@@ -754,14 +754,14 @@ class _Identity:
                 pass
             await asyncio.sleep(step_s)
 
-    def messages(self, fid: int, base: int, info, chunks: list[bytes], steps: int, tokens: int):
+    def messages(self, fid: int, base: int, info, chunks: list[bytes], steps: int, tokens: int, final: bool = False):
         from ddiloco.v1 import common_pb2, syncer_pb2
         from ddiloco.wire import serde
 
         header = syncer_pb2.UploadHeader(
             protocol_version=serde.PROTOCOL_VERSION, learner_id=self.learner_id, incarnation=self.incarnation,
             fragment_id=fid, base_version=base, syncer_instance=self.instance, steps=steps, tokens=tokens,
-            payload=info)
+            payload=info, final=final)
         msgs = [syncer_pb2.UploadFragmentRequest(header=header)]
         msgs += [syncer_pb2.UploadFragmentRequest(chunk=common_pb2.PayloadChunk(seq=i, data=c, last=i == len(chunks) - 1))
                  for i, c in enumerate(chunks)]
@@ -919,6 +919,7 @@ async def replay_main(spec: dict) -> dict:
     import grpc
 
     from ddiloco.rpc import channel as channel_lib
+    from ddiloco.rpc import errors as errors_lib
     from ddiloco.v1 import common_pb2, syncer_pb2_grpc
     from services.learner import client as client_lib
 
@@ -943,11 +944,12 @@ async def replay_main(spec: dict) -> dict:
 
     work = {"offered_steps": 0, "accepted_steps": 0, "pending_steps_end": 0, "slowed": 0, "final_sent": 0}
 
-    async def send(ident: _Identity, fid: int, base: int, steps: int, state: dict) -> None:
+    async def send(ident: _Identity, fid: int, base: int, steps: int, state: dict, final: bool) -> None:
         """One upload with the learner's real client; on acceptance its steps are merged work and
-        the syncer's back-pressure hint holds the fragment's next upload."""
+        the syncer's back-pressure hint holds the fragment's next upload. `final`: the learner's
+        last contribution of the fragment (the syncer merges its round without waiting for it)."""
         info, chunks = payloads[fid]
-        msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * 2048)
+        msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * 2048, final=final)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
@@ -964,6 +966,8 @@ async def replay_main(spec: dict) -> dict:
         except grpc.aio.AioRpcError as exc:  # the work stays pending: it goes in the next contribution
             counts["refused"] += 1
             refusals[exc.code().name] = refusals.get(exc.code().name, 0) + 1
+            if errors_lib.reason_of(exc) == "already_pending":  # the open round has its last one: wait for it
+                ident.sent_base[fid] = base
         latencies.append(loop.time() - t0)
 
     def try_send(ident: _Identity, fid: int, state: dict, *, final: bool = False) -> bool:
@@ -972,7 +976,7 @@ async def replay_main(spec: dict) -> dict:
             return False  # one upload per fragment in flight, one contribution per base version
         if not final and asyncio.get_running_loop().time() < state["hold"].get(fid, 0.0):
             return False  # back-pressure: this period's work joins the next contribution
-        task = asyncio.create_task(send(ident, fid, base, state["pending"][fid], state))
+        task = asyncio.create_task(send(ident, fid, base, state["pending"][fid], state, final))
         state["sending"][fid] = task
         task.add_done_callback(lambda _t: state["sending"].pop(fid, None))
         return True
