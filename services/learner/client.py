@@ -598,7 +598,9 @@ class SyncClient:
                 now = loop.time()
                 with self._lock:
                     waiting = [fid for fid in self._uploads if fid not in self._sending]
-                    ready = sorted(fid for fid in waiting if self._hold_until.get(fid, 0.0) <= now)
+                    # A learner's last contribution of a fragment is never held: it is leaving.
+                    ready = sorted(fid for fid in waiting
+                                   if self._uploads[fid].final or self._hold_until.get(fid, 0.0) <= now)
                     held = [self._hold_until[fid] for fid in waiting if fid not in ready]
                     for fid in ready[:max(0, self.cfg.max_concurrent_uploads - len(self._sending))]:
                         self._sending.add(fid)

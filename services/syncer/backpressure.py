@@ -24,7 +24,7 @@ import math
 import time
 
 TICK_S = 0.05  # how often the loop's lag is sampled
-TARGET_LAG_S = 0.01  # above this (smoothed) the syncer counts as saturated
+TARGET_LAG_S = 0.02  # above this (smoothed), with uploads contending, the syncer counts as saturated
 _SMOOTHING = 0.2  # weight of the newest lag sample
 _STEP = 1.06  # the factor moves by this ratio per tick (x2 in ~0.6 s)
 MAX_FACTOR = 32.0  # at most this many periods folded into one contribution
@@ -33,8 +33,12 @@ MAX_FACTOR = 32.0  # at most this many periods folded into one contribution
 class LoadGauge:
     """See the module docstring. `start` on the servicer's loop, `stop` at shutdown."""
 
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock=time.monotonic, contended=lambda: True) -> None:
+        """`contended()`: whether uploads are competing for the syncer now (the servicer: more
+        than one in flight). Lag without it is other processes' load on the machine, not uploads
+        the syncer cannot keep up with: slowing learners down would not help."""
         self._clock = clock
+        self._contended = contended
         self.lag_s = 0.0  # smoothed event-loop lag
         self.factor = 1.0  # interval stretch learners are asked for (1: their own schedule)
         self._task: asyncio.Task | None = None
@@ -59,7 +63,7 @@ class LoadGauge:
     def observe(self, lag_s: float) -> None:
         """One lag sample: updates the smoothed lag and the factor."""
         self.lag_s += _SMOOTHING * (lag_s - self.lag_s)
-        if self.lag_s > TARGET_LAG_S:
+        if self.lag_s > TARGET_LAG_S and self._contended():
             self.factor = min(MAX_FACTOR, self.factor * _STEP)
         else:
             self.factor = max(1.0, self.factor / _STEP)

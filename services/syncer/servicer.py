@@ -185,7 +185,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                  upload_pipeline_bytes: int = UPLOAD_PIPELINE_BYTES) -> None:
         self._core = core
         self._pipeline_bytes = upload_pipeline_bytes
-        self._gauge = backpressure.LoadGauge()
+        self._gauge = backpressure.LoadGauge(contended=lambda: self._uploads_running > 1)
         self._state_streams = _OpenStreams("WatchTrainingState", state_watch_cap)
         self._fragment_streams = _OpenStreams("WatchFragments", fragment_watch_cap)
         self._upload_slots = asyncio.Semaphore(max_concurrent_uploads)
