@@ -24,7 +24,7 @@ import math
 import time
 
 TICK_S = 0.05  # how often the loop's lag is sampled
-TARGET_LAG_S = 0.02  # above this (smoothed), with uploads contending, the syncer counts as saturated
+TARGET_LAG_S = 0.01  # above this (smoothed), with uploads contending, the syncer counts as saturated
 _SMOOTHING = 0.2  # weight of the newest lag sample
 _STEP = 1.06  # the factor moves by this ratio per tick (x2 in ~0.6 s)
 MAX_FACTOR = 32.0  # at most this many periods folded into one contribution
