@@ -913,15 +913,58 @@ print(json.dumps(asyncio.run(perf.replay_main(json.loads(sys.argv[1])))))
 """
 
 
+async def _replay_send(ctx: dict, ident: _Identity, fid: int, base: int, steps: int, state: dict,
+                       final: bool) -> None:
+    """One replay upload with the learner's real client; on acceptance its steps are merged work
+    and the syncer's back-pressure hint holds the fragment's next upload. `final`: the learner's
+    last contribution of the fragment (the syncer merges its round without waiting for it)."""
+    import grpc
+
+    from ddiloco.rpc import errors as errors_lib
+    from services.learner import client as client_lib
+
+    info, chunks = ctx["payloads"][fid]
+    msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * 2048, final=final)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        # The base stays what the watch stream delivered: a real learner cannot rebase on a
+        # version it has not received (the response's current_version).
+        resp = await client_lib.send_upload(ctx["stub"], msgs, 30, pipeline_bytes=ident.pipeline_bytes)
+        ctx["counts"]["accepted"] += 1
+        ctx["work"]["accepted_steps"] += steps
+        state["pending"][fid] -= steps
+        ident.sent_base[fid] = base
+        if resp.next_upload_after_s > 0:
+            ctx["work"]["slowed"] += 1
+            state["hold"][fid] = loop.time() + resp.next_upload_after_s
+    except grpc.aio.AioRpcError as exc:  # the work stays pending: it goes in the next contribution
+        ctx["counts"]["refused"] += 1
+        ctx["refusals"][exc.code().name] = ctx["refusals"].get(exc.code().name, 0) + 1
+        if errors_lib.reason_of(exc) == "already_pending":  # the open round has its last one: wait for it
+            ident.sent_base[fid] = base
+    ctx["latencies"].append(loop.time() - t0)
+
+
+def _replay_try_send(ctx: dict, ident: _Identity, fid: int, state: dict, final: bool) -> bool:
+    """Starts an upload of the fragment's pending work if the replay learner may send one now."""
+    base = ident.versions.get(fid, 0)
+    if fid in state["sending"] or state["pending"][fid] <= 0 or ident.sent_base.get(fid) == base:
+        return False  # one upload per fragment in flight, one contribution per base version
+    if not final and asyncio.get_running_loop().time() < state["hold"].get(fid, 0.0):
+        return False  # back-pressure: this period's work joins the next contribution
+    task = asyncio.create_task(_replay_send(ctx, ident, fid, base, state["pending"][fid], state, final))
+    state["sending"][fid] = task
+    task.add_done_callback(lambda _t: state["sending"].pop(fid, None))
+    return True
+
+
 async def replay_main(spec: dict) -> dict:
     """A replay process: `spec["ids"]` learner identities, each joining, watching and uploading
     the captured payloads on the fragment schedule for `spec["seconds"]`."""
-    import grpc
 
     from ddiloco.rpc import channel as channel_lib
-    from ddiloco.rpc import errors as errors_lib
     from ddiloco.v1 import common_pb2, syncer_pb2_grpc
-    from services.learner import client as client_lib
 
     with np.load(spec["captured"]) as data:
         deltas = {}
@@ -943,43 +986,11 @@ async def replay_main(spec: dict) -> dict:
     offsets = {fid: (fid * period) // len(fids) for fid in fids}
 
     work = {"offered_steps": 0, "accepted_steps": 0, "pending_steps_end": 0, "slowed": 0, "final_sent": 0}
-
-    async def send(ident: _Identity, fid: int, base: int, steps: int, state: dict, final: bool) -> None:
-        """One upload with the learner's real client; on acceptance its steps are merged work and
-        the syncer's back-pressure hint holds the fragment's next upload. `final`: the learner's
-        last contribution of the fragment (the syncer merges its round without waiting for it)."""
-        info, chunks = payloads[fid]
-        msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * 2048, final=final)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        try:
-            # The base stays what the watch stream delivered: a real learner cannot rebase on a
-            # version it has not received (the response's current_version).
-            resp = await client_lib.send_upload(stub, msgs, 30, pipeline_bytes=ident.pipeline_bytes)
-            counts["accepted"] += 1
-            work["accepted_steps"] += steps
-            state["pending"][fid] -= steps
-            ident.sent_base[fid] = base
-            if resp.next_upload_after_s > 0:
-                work["slowed"] += 1
-                state["hold"][fid] = loop.time() + resp.next_upload_after_s
-        except grpc.aio.AioRpcError as exc:  # the work stays pending: it goes in the next contribution
-            counts["refused"] += 1
-            refusals[exc.code().name] = refusals.get(exc.code().name, 0) + 1
-            if errors_lib.reason_of(exc) == "already_pending":  # the open round has its last one: wait for it
-                ident.sent_base[fid] = base
-        latencies.append(loop.time() - t0)
+    ctx = {"stub": stub, "payloads": payloads, "counts": counts, "refusals": refusals, "work": work,
+           "latencies": latencies}
 
     def try_send(ident: _Identity, fid: int, state: dict, *, final: bool = False) -> bool:
-        base = ident.versions.get(fid, 0)
-        if fid in state["sending"] or state["pending"][fid] <= 0 or ident.sent_base.get(fid) == base:
-            return False  # one upload per fragment in flight, one contribution per base version
-        if not final and asyncio.get_running_loop().time() < state["hold"].get(fid, 0.0):
-            return False  # back-pressure: this period's work joins the next contribution
-        task = asyncio.create_task(send(ident, fid, base, state["pending"][fid], state, final))
-        state["sending"][fid] = task
-        task.add_done_callback(lambda _t: state["sending"].pop(fid, None))
-        return True
+        return _replay_try_send(ctx, ident, fid, state, final)
 
     async def learner(index: int) -> None:
         ident = _Identity(stub, f"replay-{spec['first']+index}")
