@@ -12,7 +12,8 @@ Input layout (so seeds are easy to write): byte 0 selects the mode, the rest is 
      scale/level parsing sees arbitrary bytes
   2  serde.decode_payload of a fuzzed protobuf PayloadInfo plus payload
   3  a fuzzed UploadFragmentRequest stream (length-prefixed messages) through parsing and
-     ChunkAssembler reassembly, then decode
+     ChunkAssembler reassembly, then decode, and the same chunks through the syncer's
+     chunk-by-chunk decoder (ddiloco.wire.stream), which must agree with it
 
 Run it:
   python fuzz/fuzz_codec.py -max_total_time=10            # the CI smoke run (tests/security/test_fuzz.py)
@@ -73,6 +74,23 @@ def _decode(payload: bytes, name: str, numel: int, raw_size: int, block: int) ->
     _check(values, numel)
 
 
+def _fix_checksum(info, payload: bytes) -> None:
+    """The declared checksum made to match (under the declared kind), so the checks past it are reached."""
+    kind = "xxh3_128" if info.checksum_kind == common_pb2.CHECKSUM_XXH3_128 else "sha256"
+    info.checksum = codec.payload_digest(payload, kind)
+
+
+def _decode_streamed(info, chunks: list[bytes]):
+    """The syncer's chunk-by-chunk decoder on the same chunks: values, or the CodecError it raises."""
+    try:
+        stream = serde.payload_stream(info)
+        for chunk in chunks:
+            stream.feed(chunk)
+        return stream.finish()
+    except codec.CodecError as exc:
+        return exc
+
+
 def test_one_input(data: bytes) -> None:
     if len(data) < _HEAD.size:
         return
@@ -102,7 +120,7 @@ def test_one_input(data: bytes) -> None:
         if info.numel > _MAX_NUMEL:
             return
         payload = body[split:]
-        info.checksum = hashlib.sha256(payload).digest()
+        _fix_checksum(info, payload)
         try:
             values = serde.decode_payload(info, payload)
         except (codec.CodecError, ValueError):
@@ -133,11 +151,17 @@ def test_one_input(data: bytes) -> None:
         payload = assembler.payload()
     except ValueError:
         return
+    _fix_checksum(info, payload)
+    streamed = _decode_streamed(info, [msg.chunk.data for msg in messages[1:]])
     try:
         values = serde.decode_payload(info, payload)
     except (codec.CodecError, ValueError):
+        if not isinstance(streamed, codec.CodecError):
+            raise AssertionError("the chunk-by-chunk decoder accepted a payload codec.decode refuses") from None
         return
     _check(values, info.numel)
+    if isinstance(streamed, Exception) or streamed.tobytes() != values.tobytes():
+        raise AssertionError(f"the chunk-by-chunk decoder disagrees with codec.decode: {streamed!r}")
 
 
 def seed_inputs() -> list[bytes]:
@@ -147,17 +171,18 @@ def seed_inputs() -> list[bytes]:
     for index, name in enumerate(codec.CODECS):
         for numel, block in ((1, 1), (37, 8), (300, 128)):
             values = rng.standard_normal(numel).astype(np.float32)
-            enc = codec.encode(values, name, block_size=block)
-            seeds.append(_HEAD.pack(0, index, numel, block, 4) + enc.payload)
-            raw = zstandard.ZstdDecompressor().decompress(enc.payload)
+            framed_enc = codec.encode(values, name, block_size=block, compression="zstd", checksum_kind="sha256")
+            seeds.append(_HEAD.pack(0, index, numel, block, 4) + framed_enc.payload)
+            raw = zstandard.ZstdDecompressor().decompress(framed_enc.payload)
             seeds.append(_HEAD.pack(1, index, numel, block, 0) + raw)
-            info = serde.payload_info_to_proto(enc).SerializeToString()
-            seeds.append(_HEAD.pack(2, index, numel, block, len(info)) + info + enc.payload)
-            stream = [syncer_pb2.UploadFragmentRequest(header=syncer_pb2.UploadHeader(
-                protocol_version=1, learner_id="l", payload=serde.payload_info_to_proto(enc)))]
-            stream += [syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(enc.payload, 64)]
-            framed = b"".join(struct.pack("<H", m.ByteSize()) + m.SerializeToString() for m in stream)
-            seeds.append(_HEAD.pack(3, index, numel, block, 0) + framed)
+            for enc in (framed_enc, codec.encode(values, name, block_size=block, compression="none")):
+                info = serde.payload_info_to_proto(enc).SerializeToString()
+                seeds.append(_HEAD.pack(2, index, numel, block, len(info)) + info + enc.payload)
+                stream = [syncer_pb2.UploadFragmentRequest(header=syncer_pb2.UploadHeader(
+                    protocol_version=1, learner_id="l", payload=serde.payload_info_to_proto(enc)))]
+                stream += [syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(enc.payload, 64)]
+                framed = b"".join(struct.pack("<H", m.ByteSize()) + m.SerializeToString() for m in stream)
+                seeds.append(_HEAD.pack(3, index, numel, block, 0) + framed)
     return seeds
 
 

@@ -55,6 +55,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ddiloco.bench import perf_upload
 from ddiloco.bench import results as results_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -81,8 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="every section small and short (tests, ~1 min)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=results_lib.DEFAULT_OUT_DIR)
     parser.add_argument("--name", default=NAME, help="results are written to <out-dir>/<name>.json and .md")
-    parser.add_argument("--sections", default="overlap,codec,merge,transport,scale,model_size",
-                        help="comma-separated subset of: overlap,codec,merge,transport,scale,model_size")
+    parser.add_argument("--sections", default="overlap,codec,merge,transport,upload,scale,model_size",
+                        help="comma-separated subset of: overlap,codec,merge,transport,upload,scale,model_size")
+    parser.add_argument("--replay-step-s", type=float, default=0.0,
+                        help="the scale section's step time (default: the overlap section's measured one)")
+    parser.add_argument("--rtt-ms", default="0,50",
+                        help="added round-trip times of the upload section, comma-separated (ms)")
     parser.add_argument("--learners", default="", help="learner counts of the scale section (default 8,16,32,64)")
     parser.add_argument("--large-params", type=float, default=0.0,
                         help="parameters of the model-size section (default ~100M; quick: 4M)")
@@ -696,6 +701,7 @@ class _Identity:
         self.instance = instance
         self.versions: dict[int, int] = {}
         self.sent_base: dict[int, int] = {}
+        self.pipeline_bytes = 0
 
     async def join(self, timeout_s: float) -> None:
         from ddiloco.v1 import syncer_pb2
@@ -706,6 +712,7 @@ class _Identity:
             region="bench"), timeout=timeout_s)
         self.instance = resp.syncer_instance
         self.versions = serde.versions_from_proto(resp.fragment_versions)
+        self.pipeline_bytes = resp.upload_pipeline_bytes
 
     async def watch(self, stop: asyncio.Event, stream_s: float) -> None:
         """Reads the fragment stream (payloads discarded): keeps `versions` current."""
@@ -747,14 +754,14 @@ class _Identity:
                 pass
             await asyncio.sleep(step_s)
 
-    def messages(self, fid: int, base: int, info, chunks: list[bytes], steps: int, tokens: int):
+    def messages(self, fid: int, base: int, info, chunks: list[bytes], steps: int, tokens: int, final: bool = False):
         from ddiloco.v1 import common_pb2, syncer_pb2
         from ddiloco.wire import serde
 
         header = syncer_pb2.UploadHeader(
             protocol_version=serde.PROTOCOL_VERSION, learner_id=self.learner_id, incarnation=self.incarnation,
             fragment_id=fid, base_version=base, syncer_instance=self.instance, steps=steps, tokens=tokens,
-            payload=info)
+            payload=info, final=final)
         msgs = [syncer_pb2.UploadFragmentRequest(header=header)]
         msgs += [syncer_pb2.UploadFragmentRequest(chunk=common_pb2.PayloadChunk(seq=i, data=c, last=i == len(chunks) - 1))
                  for i, c in enumerate(chunks)]
@@ -906,10 +913,55 @@ print(json.dumps(asyncio.run(perf.replay_main(json.loads(sys.argv[1])))))
 """
 
 
+async def _replay_send(ctx: dict, ident: _Identity, fid: int, base: int, steps: int, state: dict,
+                       final: bool) -> None:
+    """One replay upload with the learner's real client; on acceptance its steps are merged work
+    and the syncer's back-pressure hint holds the fragment's next upload. `final`: the learner's
+    last contribution of the fragment (the syncer merges its round without waiting for it)."""
+    import grpc
+
+    from ddiloco.rpc import errors as errors_lib
+    from services.learner import client as client_lib
+
+    info, chunks = ctx["payloads"][fid]
+    msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * 2048, final=final)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        # The base stays what the watch stream delivered: a real learner cannot rebase on a
+        # version it has not received (the response's current_version).
+        resp = await client_lib.send_upload(ctx["stub"], msgs, 30, pipeline_bytes=ident.pipeline_bytes)
+        ctx["counts"]["accepted"] += 1
+        ctx["work"]["accepted_steps"] += steps
+        state["pending"][fid] -= steps
+        ident.sent_base[fid] = base
+        if resp.next_upload_after_s > 0:
+            ctx["work"]["slowed"] += 1
+            state["hold"][fid] = loop.time() + resp.next_upload_after_s
+    except grpc.aio.AioRpcError as exc:  # the work stays pending: it goes in the next contribution
+        ctx["counts"]["refused"] += 1
+        ctx["refusals"][exc.code().name] = ctx["refusals"].get(exc.code().name, 0) + 1
+        if errors_lib.reason_of(exc) == "already_pending":  # the open round has its last one: wait for it
+            ident.sent_base[fid] = base
+    ctx["latencies"].append(loop.time() - t0)
+
+
+def _replay_try_send(ctx: dict, ident: _Identity, fid: int, state: dict, final: bool) -> bool:
+    """Starts an upload of the fragment's pending work if the replay learner may send one now."""
+    base = ident.versions.get(fid, 0)
+    if fid in state["sending"] or state["pending"][fid] <= 0 or ident.sent_base.get(fid) == base:
+        return False  # one upload per fragment in flight, one contribution per base version
+    if not final and asyncio.get_running_loop().time() < state["hold"].get(fid, 0.0):
+        return False  # back-pressure: this period's work joins the next contribution
+    task = asyncio.create_task(_replay_send(ctx, ident, fid, base, state["pending"][fid], state, final))
+    state["sending"][fid] = task
+    task.add_done_callback(lambda _t: state["sending"].pop(fid, None))
+    return True
+
+
 async def replay_main(spec: dict) -> dict:
     """A replay process: `spec["ids"]` learner identities, each joining, watching and uploading
     the captured payloads on the fragment schedule for `spec["seconds"]`."""
-    import grpc
 
     from ddiloco.rpc import channel as channel_lib
     from ddiloco.v1 import common_pb2, syncer_pb2_grpc
@@ -933,6 +985,13 @@ async def replay_main(spec: dict) -> dict:
     period = spec["sync_period_steps"]
     offsets = {fid: (fid * period) // len(fids) for fid in fids}
 
+    work = {"offered_steps": 0, "accepted_steps": 0, "pending_steps_end": 0, "slowed": 0, "final_sent": 0}
+    ctx = {"stub": stub, "payloads": payloads, "counts": counts, "refusals": refusals, "work": work,
+           "latencies": latencies}
+
+    def try_send(ident: _Identity, fid: int, state: dict, *, final: bool = False) -> bool:
+        return _replay_try_send(ctx, ident, fid, state, final)
+
     async def learner(index: int) -> None:
         ident = _Identity(stub, f"replay-{spec['first']+index}")
         await ident.join(30)
@@ -941,31 +1000,31 @@ async def replay_main(spec: dict) -> dict:
         progress = asyncio.create_task(ident.report_progress(stop, step_s, lambda: step, timeout_s=10))
         loop = asyncio.get_running_loop()
         next_at = loop.time() + (index % 16) * step_s / 16
+        state = {"pending": dict.fromkeys(fids, 0), "hold": {}, "sending": {}}
         try:
             while not stop.is_set():
                 await asyncio.sleep(max(0.0, next_at - loop.time()))
                 next_at += step_s
                 step += 1
                 for fid in fids:
-                    if step % period != offsets[fid] or stop.is_set():
-                        continue
-                    base = ident.versions.get(fid, 0)
-                    if ident.sent_base.get(fid) == base:
-                        counts["skipped"] += 1  # one contribution per base version
-                        continue
-                    info, chunks = payloads[fid]
-                    msgs = ident.messages(fid, base, info, chunks, steps=period, tokens=period * 2048)
-                    t0 = loop.time()
-                    try:
-                        # The base stays what the watch stream delivered: a real learner cannot
-                        # rebase on a version it has not received (the response's current_version).
-                        await stub.UploadFragment(iter(msgs), timeout=30)
-                        counts["accepted"] += 1
-                        ident.sent_base[fid] = base
-                    except grpc.aio.AioRpcError as exc:
-                        counts["refused"] += 1
-                        refusals[exc.code().name] = refusals.get(exc.code().name, 0) + 1
-                    latencies.append(loop.time() - t0)
+                    if stop.is_set():
+                        break
+                    due = step % period == offsets[fid]
+                    if due:
+                        state["pending"][fid] += period  # one period of work on this fragment
+                        work["offered_steps"] += period
+                    if not try_send(ident, fid, state) and due:
+                        counts["skipped"] += 1  # held, in flight, or the base did not move: kept
+            # The end of the run: what is pending goes out once its base allows (bounded wait).
+            deadline = loop.time() + spec.get("flush_s", 10.0)
+            while loop.time() < deadline and (state["sending"] or any(state["pending"].values())):
+                for fid in fids:
+                    work["final_sent"] += try_send(ident, fid, state, final=True)
+                await asyncio.sleep(0.05)
+            for task in list(state["sending"].values()):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(task, 35)
+            work["pending_steps_end"] += sum(state["pending"].values())
         finally:
             watch.cancel()
             progress.cancel()
@@ -973,13 +1032,25 @@ async def replay_main(spec: dict) -> dict:
     tasks = [asyncio.create_task(learner(i)) for i in range(spec["ids"])]
     await asyncio.sleep(spec["seconds"])
     stop.set()
-    await asyncio.wait(tasks, timeout=35)
+    await asyncio.wait(tasks, timeout=spec.get("flush_s", 10.0) + 40)
     for t in tasks:
         t.cancel()
     await channel.close()
     # What the schedule asked for: one upload per fragment every sync period per identity.
     offered = round(spec["ids"] * len(fids) * spec["seconds"] / (step_s * period))
-    return {"latencies": latencies, "refusals": refusals, "offered": offered, **counts}
+    return {"latencies": latencies, "refusals": refusals, "offered": offered, **counts, **work}
+
+
+def _synthetic_capture(model: dict, path: pathlib.Path) -> None:
+    """Random pseudo-gradients (std 1e-4) of each of the model's default fragments, saved as the
+    overlap section saves captured ones."""
+    from ddiloco import models
+    from ddiloco.algo import fragments as fragments_lib
+
+    plan = fragments_lib.plan_fragments(models.get_model("transformer", model).tensor_specs(), 4, 8)
+    rng = np.random.default_rng(0)
+    np.savez(path, **{f"f{f.fragment_id}_0": (rng.standard_normal(f.numel) * 1e-4).astype(np.float32)
+                      for f in plan.fragments})
 
 
 def run_scale(workdir: pathlib.Path, model: dict, captured: pathlib.Path, counts: list[int], seconds: float,
@@ -989,8 +1060,7 @@ def run_scale(workdir: pathlib.Path, model: dict, captured: pathlib.Path, counts
 
     out = {"model": model, "step_s": step_s, "seconds": seconds, "levels": []}
     for count in counts:
-        with running_syncer(workdir, f"syncer-scale-{count}", model,
-                            ["--max-concurrent-uploads", "256", "--liveness-timeout-s", "30"]) as syncer:
+        with running_syncer(workdir, f"syncer-scale-{count}", model, ["--liveness-timeout-s", "30"]) as syncer:
             rss_idle = vm_hwm_bytes(syncer.pid)
             per = [count // processes + (1 if i < count % processes else 0) for i in range(processes)]
             procs = []
@@ -999,7 +1069,8 @@ def run_scale(workdir: pathlib.Path, model: dict, captured: pathlib.Path, counts
                 if n == 0:
                     continue
                 spec = {"address": syncer.address, "captured": str(captured), "ids": n, "first": first,
-                        "seconds": seconds, "step_s": step_s, "sync_period_steps": 8, "chunk_size": 512 * 1024}
+                        "seconds": seconds, "step_s": step_s, "sync_period_steps": 8, "chunk_size": 512 * 1024,
+                        "flush_s": 10.0}
                 first += n
                 procs.append(subprocess.Popen([sys.executable, "-c", _REPLAY_WORKER, json.dumps(spec)],
                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT))
@@ -1036,6 +1107,10 @@ def run_scale(workdir: pathlib.Path, model: dict, captured: pathlib.Path, counts
                 "uploads_accepted": sum(r["accepted"] for r in replays), "uploads_refused": sum(r["refused"] for r in replays),
                 "uploads_skipped": sum(r["skipped"] for r in replays),
                 "uploads_offered": sum(r["offered"] for r in replays),
+                # Work in learner-steps per fragment: trained (offered), in accepted contributions
+                # (each in exactly one merge), still pending when the run ended (kept, not sent).
+                **{key: sum(r[key] for r in replays) for key in
+                   ("offered_steps", "accepted_steps", "pending_steps_end", "slowed", "final_sent")},
                 "refusals": {code: sum(r["refusals"].get(code, 0) for r in replays)
                              for code in sorted({c for r in replays for c in r["refusals"]})},
                 "syncer_uploads": dict(final.uploads),
@@ -1080,6 +1155,11 @@ def _headline(result: dict) -> list[dict]:
                 rows.append(figure(f"upload through the servicer, fp32 uploads, {t['params']:,}-param model",
                                    t["servicer_fp32_bytes_per_s"] / 1e6, "MB/s wire", t["bare_bytes_per_s"] / 1e6,
                                    "bare gRPC stream"))
+    for sec in result.get("upload", []):
+        for c in sec["cells"]:
+            rows.append(figure(f"upload, learner's real client through the syncer, {sec['params']:,}-param model, "
+                               f"+{c['rtt_s'] * 1e3:.0f} ms RTT", c["real_bytes_per_s"] / 1e6, "MB/s wire",
+                               c["bare_bytes_per_s"] / 1e6, "bare gRPC stream, same bytes", TARGETS["transport"]))
     ov = result.get("overlap")
     if ov:
         for key in ("default", "capped"):
@@ -1184,6 +1264,8 @@ def _markdown(result: dict) -> str:
                     f"work to a bare stream would reach {t['ceiling_serial']:.1%} of it doing the work after the "
                     f"transfer and {t['ceiling_overlapped']:.1%} overlapping the two perfectly; the measured "
                     f"{t['ratio']:.1%} is {t['ratio'] / t['ceiling_serial']:.0%} of the serial ceiling.")
+    if result.get("upload"):
+        md += perf_upload.markdown(result["upload"], TARGETS["transport"])
     ov = result.get("overlap")
     if ov:
         md += ["", "## Learner overlap", "", ov["definition"], ""]
@@ -1214,9 +1296,12 @@ def _markdown(result: dict) -> str:
         md += ["", f"## Scale: one syncer, lightweight learners replaying captured fragments "
                    f"(step {sc['step_s']:.2f} s, default fragment schedule)", ""]
         md.append(results_lib.markdown_table(
-            ["learners", "merges/s", "merge latency p50/p99 s", "upload latency p50/p99 s",
+            ["learners", "merges/s", "work merged (steps accepted/trained; uploads slowed by back-pressure)",
+             "merge latency p50/p99 s", "upload latency p50/p99 s",
              "uploads acc/ref (offered)", "syncer RSS MiB before learners / peak"],
-            [[lv["learners"], f"{lv['merges_per_s']:.2f}", f"{lv['merge_latency_p50_s']:.3f} / {lv['merge_latency_p99_s']:.3f}",
+            [[lv["learners"], f"{lv['merges_per_s']:.2f}",
+              f"{lv.get('accepted_steps', 0) / max(1, lv.get('offered_steps', 0)):.1%} "
+              f"({lv.get('accepted_steps', 0)}/{lv.get('offered_steps', 0)}; {lv.get('slowed', 0)} slowed)", f"{lv['merge_latency_p50_s']:.3f} / {lv['merge_latency_p99_s']:.3f}",
               f"{lv['upload_latency_p50_s']:.3f} / {lv['upload_latency_p99_s']:.3f}",
               f"{lv['uploads_accepted']}/{lv['uploads_refused']}"
               + (f" ({lv['uploads_offered']})" if "uploads_offered" in lv else "")
@@ -1259,7 +1344,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="ddiloco-perf-") as tmp:
         workdir = pathlib.Path(tmp)
         captured = workdir / "captured.npz"
-        if "overlap" in sections or "scale" in sections:
+        if "overlap" in sections or ("scale" in sections and not args.replay_step_s):
             t0 = _now()
             result["overlap"] = run_overlap(workdir, model, steps=12 if quick else 96, warmup=3 if quick else 8,
                                             batch_size=8 if quick else 16, captured_path=captured,
@@ -1287,9 +1372,23 @@ def run(args: argparse.Namespace) -> int:
             t0 = _now()
             result["transport_large"] = run_transport(workdir, LARGE_MODEL, uploads=8, tag="large", repeats=2)
             print(f"[perf] model-size transport done in {_now() - t0:.0f} s", flush=True)
+        if "upload" in sections:
+            t0 = _now()
+            rtts = [float(x) / 1e3 for x in args.rtt_ms.split(",") if x.strip()]
+            result["upload"] = [perf_upload.run_upload(workdir, QUICK_MODEL if quick else TRANSPORT_MODEL, "default upload",
+                                                       rtts, uploads=4 if quick else 16)]
+            if not quick:  # the same cells at 100M parameters, in the same invocation
+                result["upload"].append(perf_upload.run_upload(workdir, LARGE_MODEL, "100M", rtts, uploads=6))
+            print(f"[perf] upload done in {_now() - t0:.0f} s", flush=True)
+        if "scale" in sections and not captured.exists():
+            # No training run in this invocation (--sections without overlap): synthetic
+            # pseudo-gradients of the model's fragments, noted in the results.
+            _synthetic_capture(model, captured)
+            result["notes"].append("scale: synthetic pseudo-gradients (no overlap section in this invocation)")
         if "scale" in sections and captured.exists():
             t0 = _now()
-            step_s = max(0.05, result["overlap"]["default"]["step_s"]) if "overlap" in result else 0.25
+            step_s = (args.replay_step_s or max(0.05, result["overlap"]["default"]["step_s"]) if "overlap" in result
+                      else args.replay_step_s or 0.25)
             result["scale"] = run_scale(workdir, model, captured, counts, seconds=3.0 if quick else 30.0,
                                         step_s=step_s, processes=2)
             print(f"[perf] scale done in {_now() - t0:.0f} s", flush=True)

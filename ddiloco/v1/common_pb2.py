@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64iloco/v1/common.proto\x12\nddiloco.v1\"\x98\x01\n\x0bPayloadInfo\x12 \n\x05\x63odec\x18\x01 \x01(\x0e\x32\x11.ddiloco.v1.Codec\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0eraw_size_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12payload_size_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x0c\"7\n\x0cPayloadChunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"?\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x14\n\x0cis_embedding\x18\x03 \x01(\x08\"q\n\x0c\x46ragmentInfo\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.ddiloco.v1.TensorInfo\x12\x14\n\x0coffset_steps\x18\x03 \x01(\r\x12\r\n\x05numel\x18\x04 \x01(\x04\"7\n\x0f\x46ragmentVersion\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04*n\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x0e\n\nCODEC_INT8\x10\x03\x12\x0e\n\nCODEC_INT4\x10\x04\x12\x0e\n\nCODEC_INT2\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64iloco/v1/common.proto\x12\nddiloco.v1\"\xf7\x01\n\x0bPayloadInfo\x12 \n\x05\x63odec\x18\x01 \x01(\x0e\x32\x11.ddiloco.v1.Codec\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x16\n\x0eraw_size_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12payload_size_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x0c\x12,\n\x0b\x63ompression\x18\x07 \x01(\x0e\x32\x17.ddiloco.v1.Compression\x12/\n\rchecksum_kind\x18\x08 \x01(\x0e\x32\x18.ddiloco.v1.ChecksumKind\"7\n\x0cPayloadChunk\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"?\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x14\n\x0cis_embedding\x18\x03 \x01(\x08\"q\n\x0c\x46ragmentInfo\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.ddiloco.v1.TensorInfo\x12\x14\n\x0coffset_steps\x18\x03 \x01(\r\x12\r\n\x05numel\x18\x04 \x01(\x04\"7\n\x0f\x46ragmentVersion\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x04*n\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x0e\n\nCODEC_INT8\x10\x03\x12\x0e\n\nCODEC_INT4\x10\x04\x12\x0e\n\nCODEC_INT2\x10\x05*9\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x00\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x01*:\n\x0c\x43hecksumKind\x12\x13\n\x0f\x43HECKSUM_SHA256\x10\x00\x12\x15\n\x11\x43HECKSUM_XXH3_128\x10\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ddiloco.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=488
-  _globals['_CODEC']._serialized_end=598
+  _globals['_CODEC']._serialized_start=583
+  _globals['_CODEC']._serialized_end=693
+  _globals['_COMPRESSION']._serialized_start=695
+  _globals['_COMPRESSION']._serialized_end=752
+  _globals['_CHECKSUMKIND']._serialized_start=754
+  _globals['_CHECKSUMKIND']._serialized_end=812
   _globals['_PAYLOADINFO']._serialized_start=40
-  _globals['_PAYLOADINFO']._serialized_end=192
-  _globals['_PAYLOADCHUNK']._serialized_start=194
-  _globals['_PAYLOADCHUNK']._serialized_end=249
-  _globals['_TENSORINFO']._serialized_start=251
-  _globals['_TENSORINFO']._serialized_end=314
-  _globals['_FRAGMENTINFO']._serialized_start=316
-  _globals['_FRAGMENTINFO']._serialized_end=429
-  _globals['_FRAGMENTVERSION']._serialized_start=431
-  _globals['_FRAGMENTVERSION']._serialized_end=486
+  _globals['_PAYLOADINFO']._serialized_end=287
+  _globals['_PAYLOADCHUNK']._serialized_start=289
+  _globals['_PAYLOADCHUNK']._serialized_end=344
+  _globals['_TENSORINFO']._serialized_start=346
+  _globals['_TENSORINFO']._serialized_end=409
+  _globals['_FRAGMENTINFO']._serialized_start=411
+  _globals['_FRAGMENTINFO']._serialized_end=524
+  _globals['_FRAGMENTVERSION']._serialized_start=526
+  _globals['_FRAGMENTVERSION']._serialized_end=581
 # @@protoc_insertion_point(module_scope)

@@ -58,6 +58,38 @@ CODEC_INT2: Codec.ValueType  # 5
 """2-bit per block, levels {-3,-1,1,3} x scale (four values per byte), float32 scale per block"""
 Global___Codec: _TypeAlias = Codec  # noqa: Y015
 
+class _Compression:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CompressionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Compression.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    COMPRESSION_ZSTD: _Compression.ValueType  # 0
+    COMPRESSION_NONE: _Compression.ValueType  # 1
+
+class Compression(_Compression, metaclass=_CompressionEnumTypeWrapper):
+    """PayloadInfo.compression. The zero value is the original format."""
+
+COMPRESSION_ZSTD: Compression.ValueType  # 0
+COMPRESSION_NONE: Compression.ValueType  # 1
+Global___Compression: _TypeAlias = Compression  # noqa: Y015
+
+class _ChecksumKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ChecksumKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ChecksumKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CHECKSUM_SHA256: _ChecksumKind.ValueType  # 0
+    CHECKSUM_XXH3_128: _ChecksumKind.ValueType  # 1
+
+class ChecksumKind(_ChecksumKind, metaclass=_ChecksumKindEnumTypeWrapper):
+    """PayloadInfo.checksum_kind. The zero value is the original format."""
+
+CHECKSUM_SHA256: ChecksumKind.ValueType  # 0
+CHECKSUM_XXH3_128: ChecksumKind.ValueType  # 1
+Global___ChecksumKind: _TypeAlias = ChecksumKind  # noqa: Y015
+
 @_typing.final
 class PayloadInfo(_message.Message):
     """Describes an encoded payload. The payload itself travels in chunks (see PayloadChunk)."""
@@ -70,6 +102,8 @@ class PayloadInfo(_message.Message):
     RAW_SIZE_BYTES_FIELD_NUMBER: _builtins.int
     PAYLOAD_SIZE_BYTES_FIELD_NUMBER: _builtins.int
     CHECKSUM_FIELD_NUMBER: _builtins.int
+    COMPRESSION_FIELD_NUMBER: _builtins.int
+    CHECKSUM_KIND_FIELD_NUMBER: _builtins.int
     codec: Global___Codec.ValueType
     numel: _builtins.int
     """Number of float32 values encoded."""
@@ -81,6 +115,12 @@ class PayloadInfo(_message.Message):
     """Size of the zstd frame that follows, summed over all chunks."""
     checksum: _builtins.bytes
     """sha256 of the zstd frame (32 bytes)."""
+    compression: Global___Compression.ValueType
+    """How the payload is stored: a zstd frame (the original format) or the raw serialization
+    (raw_size_bytes == payload_size_bytes), sent when zstd would not pay (int4 levels).
+    """
+    checksum_kind: Global___ChecksumKind.ValueType
+    """The digest in `checksum`: sha256 (32 bytes, the original format) or xxh3-128 (16 bytes)."""
     def __init__(
         self,
         *,
@@ -90,10 +130,12 @@ class PayloadInfo(_message.Message):
         raw_size_bytes: _builtins.int = ...,
         payload_size_bytes: _builtins.int = ...,
         checksum: _builtins.bytes = ...,
+        compression: Global___Compression.ValueType = ...,
+        checksum_kind: Global___ChecksumKind.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum", b"checksum", "codec", b"codec", "numel", b"numel", "payload_size_bytes", b"payload_size_bytes", "raw_size_bytes", b"raw_size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "checksum", b"checksum", "checksum_kind", b"checksum_kind", "codec", b"codec", "compression", b"compression", "numel", b"numel", "payload_size_bytes", b"payload_size_bytes", "raw_size_bytes", b"raw_size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -242,6 +242,7 @@ class JoinResponse(_message.Message):
     DATA_SHARD_FIELD_NUMBER: _builtins.int
     DATA_SHARD_ASSIGNED_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    UPLOAD_PIPELINE_BYTES_FIELD_NUMBER: _builtins.int
     syncer_instance: _builtins.str
     """Identifies this life of the syncer; versions are only meaningful within it."""
     upload_header_ack: _builtins.bool
@@ -259,6 +260,12 @@ class JoinResponse(_message.Message):
     epoch: _builtins.int
     """The leader epoch of this syncer (docs/failover.md): 0 without leader election. A learner that
     has seen a newer epoch treats this syncer as deposed and looks for the leader.
+    """
+    upload_pipeline_bytes: _builtins.int
+    """With upload_header_ack: a learner may send the chunks that start within this many payload
+    bytes before the acknowledgement arrives (the header's round trip overlaps the transfer);
+    the syncer reads them before it refuses a header, so the refusal's status still arrives while
+    the learner waits for the acknowledgement. 0 (older syncers): wait before any chunk.
     """
     @_builtins.property
     def config(self) -> Global___RunConfig: ...
@@ -281,10 +288,11 @@ class JoinResponse(_message.Message):
         data_shard: _builtins.int = ...,
         data_shard_assigned: _builtins.bool = ...,
         epoch: _builtins.int = ...,
+        upload_pipeline_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "epoch", b"epoch", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "epoch", b"epoch", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack", "upload_pipeline_bytes", b"upload_pipeline_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -414,6 +422,7 @@ class UploadHeader(_message.Message):
     PAYLOAD_FIELD_NUMBER: _builtins.int
     LOCAL_STEP_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    PIPELINE_BYTES_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     learner_id: _builtins.str
     incarnation: _builtins.int
@@ -435,6 +444,11 @@ class UploadHeader(_message.Message):
     """The learner's last contribution of this fragment (end of training): the syncer opens the
     fragment's round at once instead of waiting for its schedule.
     """
+    pipeline_bytes: _builtins.int
+    """The learner sends the chunks that start within this many payload bytes before the header's
+    acknowledgement (at most JoinResponse.upload_pipeline_bytes); a syncer refusing the header
+    reads them first. 0: it waits for the acknowledgement before any chunk.
+    """
     @_builtins.property
     def payload(self) -> _common_pb2.PayloadInfo: ...
     def __init__(
@@ -451,10 +465,11 @@ class UploadHeader(_message.Message):
         payload: _common_pb2.PayloadInfo | None = ...,
         local_step: _builtins.int = ...,
         final: _builtins.bool = ...,
+        pipeline_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "final", b"final", "fragment_id", b"fragment_id", "incarnation", b"incarnation", "learner_id", b"learner_id", "local_step", b"local_step", "payload", b"payload", "protocol_version", b"protocol_version", "steps", b"steps", "syncer_instance", b"syncer_instance", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_version", b"base_version", "final", b"final", "fragment_id", b"fragment_id", "incarnation", b"incarnation", "learner_id", b"learner_id", "local_step", b"local_step", "payload", b"payload", "pipeline_bytes", b"pipeline_bytes", "protocol_version", b"protocol_version", "steps", b"steps", "syncer_instance", b"syncer_instance", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -512,21 +527,28 @@ class UploadFragmentResponse(_message.Message):
     RESULT_FIELD_NUMBER: _builtins.int
     CURRENT_VERSION_FIELD_NUMBER: _builtins.int
     WEIGHT_FIELD_NUMBER: _builtins.int
+    NEXT_UPLOAD_AFTER_S_FIELD_NUMBER: _builtins.int
     result: Global___UploadFragmentResponse.Result.ValueType
     current_version: _builtins.int
     """The fragment's current version when the upload was accepted."""
     weight: _builtins.float
     """Weight of the contribution (tokens^2 / steps)."""
+    next_upload_after_s: _builtins.float
+    """Back-pressure: the syncer is saturated. The learner sends its next upload of this fragment
+    no sooner than this many seconds from now, folding the periods in between into that one
+    contribution (its work is kept, never dropped). 0: no limit.
+    """
     def __init__(
         self,
         *,
         result: Global___UploadFragmentResponse.Result.ValueType = ...,
         current_version: _builtins.int = ...,
         weight: _builtins.float = ...,
+        next_upload_after_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_version", b"current_version", "result", b"result", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_version", b"current_version", "next_upload_after_s", b"next_upload_after_s", "result", b"result", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,7 +31,13 @@ Codecs (raw layout before zstd, all little-endian):
     the same sign. The error this adds is below 2**-126, inside the bounds' slack, and it keeps
     the bytes identical to the learner's jitted encoder for every input.
 The raw bytes travel as one zstd frame with its content size in the header, so a receiver
-can reject a decompression bomb from the header alone.
+can reject a decompression bomb from the header alone, or, when zstd would not pay, as they are
+(``compression="none"``): ``encode`` compresses a sample first and sends the raw bytes when the
+sample compresses less than ``MIN_ZSTD_RATIO`` (int4 levels: ~1.19x, measured in
+bench/results/perf.md, for ~1.3 ms per default upload on each side). The checksum is sha256 (the
+original format, still read) or xxh3-128 (``checksum_kind="xxh3_128"``, what ``encode`` writes):
+a payload's digest only guards against corruption in transit and keys idempotent retries, it
+addresses no stored content, and xxh3 runs ~20x faster than sha256 on this machine.
 
 Speed: the block absmax, the scales, int8/int4 quantize-and-pack and unpack-and-dequantize
 are compiled loops (``_kernels``, numba; same bytes and values), imported on first use: numba's
@@ -53,9 +59,17 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+import xxhash
 import zstandard
 
 CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2")
+COMPRESSIONS: tuple[str, ...] = ("zstd", "none")
+CHECKSUM_KINDS: tuple[str, ...] = ("sha256", "xxh3_128")
+CHECKSUM_BYTES = {"sha256": 32, "xxh3_128": 16}
+# encode sends raw bytes when a sample of them compresses less than this (zstd then costs CPU on
+# both sides for few WAN bytes); the sample is _ZSTD_SAMPLE_BYTES from the middle of the levels.
+MIN_ZSTD_RATIO = 1.25
+_ZSTD_SAMPLE_BYTES = 64 * 1024
 QUANTIZED_CODECS: tuple[str, ...] = ("int8", "int4", "int2")
 DEFAULT_BLOCK_SIZE = 128
 # Largest block a quantized payload may declare (the syncer refuses larger ones too).
@@ -122,8 +136,11 @@ class EncodedPayload:
         numel: number of float32 values encoded.
         block_size: values per quantization block (unused by fp32/bf16).
         raw_size_bytes: size of the codec serialization before zstd.
-        payload: one zstd frame with its content size written in the header.
-        checksum: sha256 digest (32 bytes) of ``payload``.
+        payload: one zstd frame with its content size written in the header, or (compression
+            "none") the raw serialization itself.
+        checksum: digest of ``payload`` (``checksum_kind``: sha256, 32 bytes; xxh3_128, 16).
+        compression: "zstd" or "none".
+        checksum_kind: "sha256" or "xxh3_128".
     """
 
     codec: str
@@ -132,6 +149,8 @@ class EncodedPayload:
     raw_size_bytes: int
     payload: bytes
     checksum: bytes
+    compression: str = "zstd"
+    checksum_kind: str = "sha256"
 
 
 def expected_raw_size_bytes(codec: str, numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
@@ -180,6 +199,8 @@ def encode(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     zstd_level: int = 3,
+    compression: str = "auto",
+    checksum_kind: str = "xxh3_128",
 ) -> EncodedPayload:
     """Encodes a flat float32 vector.
 
@@ -188,6 +209,8 @@ def encode(
         codec: one of ``CODECS``.
         block_size: values per quantization block, >= 1 (ignored by fp32/bf16).
         zstd_level: zstd compression level, at most 22 (negative levels are faster).
+        compression: "zstd", "none" or "auto" (see ``finish_encoding``).
+        checksum_kind: "xxh3_128" or "sha256" (the original format).
 
     Returns:
         The encoded payload.
@@ -218,7 +241,8 @@ def encode(
         raise_non_finite(values)
 
     raw = _serialize(values, codec, block_size, absmax)
-    return finish_encoding(raw, codec, values.size, block_size, zstd_level)
+    return finish_encoding(raw, codec, values.size, block_size, zstd_level, compression=compression,
+                           checksum_kind=checksum_kind)
 
 
 def _compiled():
@@ -240,7 +264,7 @@ def warm_up() -> None:
         for array in (values, frozen):
             encoded = encode(array, codec)
         decode(encoded.payload, codec=codec, numel=values.size, raw_size_bytes=encoded.raw_size_bytes,
-               checksum=encoded.checksum)
+               checksum=encoded.checksum, compression=encoded.compression, checksum_kind=encoded.checksum_kind)
 
 
 def raise_non_finite(values: np.ndarray) -> None:
@@ -252,23 +276,74 @@ def raise_non_finite(values: np.ndarray) -> None:
     )
 
 
-def finish_encoding(raw: bytes, codec: str, numel: int, block_size: int, zstd_level: int) -> EncodedPayload:
-    """Compresses a codec's raw serialization and checksums it (shared with jax_codec)."""
+def finish_encoding(raw: bytes, codec: str, numel: int, block_size: int, zstd_level: int, *,
+                    compression: str = "auto", checksum_kind: str = "xxh3_128") -> EncodedPayload:
+    """Compresses a codec's raw serialization and checksums it (shared with jax_codec).
+
+    ``compression``: "zstd", "none", or "auto": zstd when it shrinks ``raw`` at least
+    ``MIN_ZSTD_RATIO`` times (judged on a sample of large payloads, ``_worth_compressing``)."""
     if zstd_level > zstandard.MAX_COMPRESSION_LEVEL:
         raise CodecError(
             f"zstd_level={zstd_level} is invalid: must be <= {zstandard.MAX_COMPRESSION_LEVEL}"
         )
-    # One compressor per call: instances are not thread-safe.
-    compressor = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True)
-    payload = compressor.compress(raw)
+    _check_wire_format("zstd" if compression == "auto" else compression, checksum_kind)
+    payload = None
+    if compression != "none":
+        small = len(raw) <= 2 * _ZSTD_SAMPLE_BYTES  # judged on the whole frame, not a sample
+        if compression == "zstd" or small or _worth_compressing(raw, zstd_level):
+            # One compressor per call: instances are not thread-safe.
+            payload = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True).compress(raw)
+        if compression == "auto" and small and len(raw) < MIN_ZSTD_RATIO * len(payload):
+            payload = None
+        # Raw bytes never start with zstd's magic number (see infer_format).
+        if payload is None and bytes(raw[:4]) == _ZSTD_MAGIC:
+            payload = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True).compress(raw)
+    compression = "none" if payload is None else "zstd"
+    if payload is None:
+        payload = bytes(raw)
     return EncodedPayload(
         codec=codec,
         numel=numel,
         block_size=block_size,
         raw_size_bytes=len(raw),
         payload=payload,
-        checksum=hashlib.sha256(payload).digest(),
+        checksum=payload_digest(payload, checksum_kind),
+        compression=compression,
+        checksum_kind=checksum_kind,
     )
+
+
+def _worth_compressing(raw: bytes, zstd_level: int) -> bool:
+    """Whether zstd at ``zstd_level`` shrinks a sample of ``raw`` (its middle
+    ``_ZSTD_SAMPLE_BYTES``, past the block scales) by at least ``MIN_ZSTD_RATIO``. Deterministic:
+    the same bytes always get the same answer."""
+    start = (len(raw) - _ZSTD_SAMPLE_BYTES) // 2
+    sample = bytes(memoryview(raw)[start:start + _ZSTD_SAMPLE_BYTES])
+    compressed = zstandard.ZstdCompressor(level=zstd_level).compress(sample)
+    return len(sample) >= MIN_ZSTD_RATIO * len(compressed)
+
+
+def payload_digest(payload, checksum_kind: str) -> bytes:
+    """The checksum of a payload (bytes-like) under ``checksum_kind``."""
+    hasher = new_hasher(checksum_kind)
+    hasher.update(payload)
+    return hasher.digest()
+
+
+def new_hasher(checksum_kind: str):
+    """An incremental hasher (``update``, ``digest``) for ``checksum_kind``."""
+    if checksum_kind == "sha256":
+        return hashlib.sha256()
+    if checksum_kind == "xxh3_128":
+        return xxhash.xxh3_128()
+    raise CodecError(f"checksum_kind={checksum_kind!r} is unknown: use one of {list(CHECKSUM_KINDS)}")
+
+
+def _check_wire_format(compression: str, checksum_kind: str) -> None:
+    if compression not in COMPRESSIONS:
+        raise CodecError(f"compression={compression!r} is unknown: use one of {list(COMPRESSIONS)}")
+    if checksum_kind not in CHECKSUM_KINDS:
+        raise CodecError(f"checksum_kind={checksum_kind!r} is unknown: use one of {list(CHECKSUM_KINDS)}")
 
 
 def decode(
@@ -281,6 +356,9 @@ def decode(
     block_size: int = DEFAULT_BLOCK_SIZE,
     on_chunk: ChunkVisitor | None = None,
     executor: Executor | None = None,
+    compression: str | None = None,
+    checksum_kind: str | None = None,
+    digest: bytes | None = None,
 ) -> np.ndarray:
     """Checks and decodes a payload, cheapest checks first.
 
@@ -305,6 +383,10 @@ def decode(
         executor: when given, the second half of a large quantized payload is dequantized
             (and visited) in one of its threads while the calling thread does the first half;
             numpy releases the GIL in the work itself, so two cores share one decode.
+        compression: "zstd" (a frame) or "none" (the raw serialization); None: as
+            ``infer_format`` reads it from the payload (pass it for bytes from the wire).
+        checksum_kind: "sha256" or "xxh3_128"; None: from the checksum's length.
+        digest: the payload's digest when the caller computed it already (``stream``).
 
     Returns:
         A fresh, writable 1-D float32 array of ``numel`` finite values.
@@ -321,7 +403,7 @@ def decode(
     """
     raw = check_and_decompress(
         payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes, checksum=checksum,
-        block_size=block_size,
+        block_size=block_size, compression=compression, checksum_kind=checksum_kind, digest=digest,
     )
     # errstate: a forged scale can overflow level·scale; the finiteness check reports it.
     with np.errstate(over="ignore", invalid="ignore"):
@@ -336,29 +418,25 @@ def check_and_decompress(
     raw_size_bytes: int,
     checksum: bytes,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    compression: str | None = None,
+    checksum_kind: str | None = None,
+    digest: bytes | None = None,
 ) -> bytes:
     """Every check ``decode`` makes before looking at values, then zstd: returns the raw bytes.
 
-    Shared by the numpy and JAX decoders; raises what ``decode`` raises for sizes, checksum
+    Shared by the numpy and JAX decoders and the streaming one (``stream``, which passes the
+    ``digest`` it computed chunk by chunk); raises what ``decode`` raises for sizes, checksum
     and frame.
     """
-    expected_bytes = expected_raw_size_bytes(codec, numel, block_size)
-    if raw_size_bytes != expected_bytes:
-        raise SizeError(
-            f"raw_size_bytes={raw_size_bytes} but codec={codec!r} with numel={numel} and "
-            f"block_size={block_size} serializes to {expected_bytes}: the sender's header is wrong"
-        )
-    limit_bytes = max_payload_size_bytes(raw_size_bytes)
-    if len(payload) > limit_bytes:
-        raise SizeError(
-            f"payload is {len(payload)} bytes but {raw_size_bytes} raw bytes compress to at "
-            f"most {limit_bytes}: refusing it"
-        )
-    if hashlib.sha256(payload).digest() != bytes(checksum):
-        raise ChecksumError(
-            f"sha256 of the {len(payload)}-byte payload does not match the declared checksum: "
-            "the payload was corrupted or truncated in transit; resend it"
-        )
+    checksum_kind = infer_format(payload, checksum, "zstd", checksum_kind)[1]
+    check_sizes(codec, numel, raw_size_bytes, len(payload), block_size, None)
+    check_digest(payload_digest(payload, checksum_kind) if digest is None else digest, checksum,
+                 checksum_kind, len(payload))
+    # Inferred only from bytes that passed their checksum.
+    compression, _ = infer_format(payload, checksum, compression, checksum_kind)
+    if compression == "none":
+        check_sizes(codec, numel, raw_size_bytes, len(payload), block_size, compression)
+        return payload
     try:
         content_bytes = zstandard.frame_content_size(payload)
     except zstandard.ZstdError as err:
@@ -380,6 +458,55 @@ def check_and_decompress(
             f"payload decompressed to {len(raw)} bytes, not raw_size_bytes={raw_size_bytes}"
         )
     return raw
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def infer_format(payload, checksum: bytes, compression: str | None = None,
+                 checksum_kind: str | None = None) -> tuple[str, str]:
+    """(compression, checksum_kind), each as given or, when None, read from the payload (for
+    callers holding an EncodedPayload's bytes; the wire states both, PayloadInfo): the
+    checksum's length tells sha256 (32 bytes) from xxh3-128 (16); the original format (sha256)
+    is always a zstd frame; otherwise a zstd frame starts with zstd's magic number and raw
+    bytes never do (a quantized payload starts with a scale, which cannot be that negative
+    float, and ``finish_encoding`` compresses any other raw bytes that start with it)."""
+    if checksum_kind is None:
+        checksum_kind = "xxh3_128" if len(checksum) == CHECKSUM_BYTES["xxh3_128"] else "sha256"
+    if compression is None:
+        compression = "zstd" if checksum_kind == "sha256" or bytes(payload[:4]) == _ZSTD_MAGIC else "none"
+    return compression, checksum_kind
+
+
+def check_sizes(codec: str, numel: int, raw_size_bytes: int, payload_size_bytes: int, block_size: int,
+                compression: str | None) -> None:
+    """SizeError unless the declared sizes fit the codec, numel and compression (None: either)."""
+    if compression is not None:
+        _check_wire_format(compression, "sha256")
+    expected_bytes = expected_raw_size_bytes(codec, numel, block_size)
+    if raw_size_bytes != expected_bytes:
+        raise SizeError(
+            f"raw_size_bytes={raw_size_bytes} but codec={codec!r} with numel={numel} and "
+            f"block_size={block_size} serializes to {expected_bytes}: the sender's header is wrong"
+        )
+    if compression == "none" and payload_size_bytes != raw_size_bytes:
+        raise SizeError(f"payload is {payload_size_bytes} bytes but an uncompressed payload is its "
+                        f"{raw_size_bytes} raw bytes: refusing it")
+    limit_bytes = max_payload_size_bytes(raw_size_bytes)
+    if payload_size_bytes > limit_bytes:
+        raise SizeError(
+            f"payload is {payload_size_bytes} bytes but {raw_size_bytes} raw bytes compress to at "
+            f"most {limit_bytes}: refusing it"
+        )
+
+
+def check_digest(digest: bytes, checksum: bytes, checksum_kind: str, payload_size_bytes: int) -> None:
+    """ChecksumError unless a payload's computed digest is the declared checksum."""
+    if digest != bytes(checksum):
+        raise ChecksumError(
+            f"{checksum_kind} of the {payload_size_bytes}-byte payload does not match the declared "
+            "checksum: the payload was corrupted or truncated in transit; resend it"
+        )
 
 
 def chunk_payload(payload: bytes, chunk_size_bytes: int) -> list[bytes]:
@@ -645,59 +772,19 @@ def _deserialize(raw: bytes, codec: str, numel: int, block_size: int,
     """Returns fresh, finite float32 values from raw bytes whose length was already checked."""
     if codec in ("fp32", "bf16"):
         values = np.empty(numel, np.float32)
-        dtype = "<f4" if codec == "fp32" else "<u2"
-        stored = np.frombuffer(raw, dtype=dtype)
-        # Chunked, so that on_chunk sees each piece while it is in cache.
-        for start in range(0, numel, _CHUNK_VALUES):
-            seg = values[start : start + _CHUNK_VALUES]
-            piece = stored[start : start + _CHUNK_VALUES]
-            if codec == "fp32":
-                np.copyto(seg, piece)
-            else:
-                np.copyto(seg, piece.astype(np.uint16, copy=False).view(ml_dtypes.bfloat16), casting="unsafe")
-            if on_chunk is not None:
-                on_chunk(start, seg)
-        if values.size and not (np.isfinite(values.max()) and np.isfinite(values.min())):
-            _raise_non_finite_decoded(values)
+        copy_values(raw, codec, values, 0, numel, on_chunk)
+        check_finite(values)
         return values
 
     n_blocks = -(-numel // block_size)
-    scales = np.frombuffer(raw, dtype="<f4", count=n_blocks).astype(np.float32)
-    bad_scales = ~(np.isfinite(scales) & (scales >= 0))
-    if bad_scales.any():
-        raise NonFiniteError(
-            f"payload has {int(bad_scales.sum())} non-finite or negative block scales (first "
-            f"in block {int(bad_scales.argmax())}): the sender encoded invalid data"
-        )
+    scales = read_scales(raw, n_blocks)
     body = np.frombuffer(raw, dtype=np.uint8, offset=_SCALE_BYTES * n_blocks)
-    qmax = _QMAX[codec]
-    per_byte = _LEVELS_PER_BYTE[codec]
     out = np.empty(numel, np.float32)
-    smallest = 127 if codec == "int8" else 8
-
+    n_main = main_blocks(numel, block_size, _LEVELS_PER_BYTE[codec])
     rows = _rows_per_chunk(block_size)
-    n_main = main_blocks(numel, block_size, per_byte)
-    kernels = _compiled()
 
     def blocks(first: int, stop: int) -> int:
-        """Dequantizes (and visits) whole blocks [first, stop) chunk by chunk; returns the
-        smallest stored code seen."""
-        least = smallest
-        for b0 in range(first, stop, rows):
-            b1 = min(b0 + rows, stop)
-            seg = out[b0 * block_size : b1 * block_size]
-            packed = body[b0 * block_size // per_byte : b1 * block_size // per_byte]
-            if codec == "int4" and block_size % 2 == 0:
-                least = min(least, kernels.dequantize_int4(packed, scales[b0:b1], block_size, seg))
-            elif codec == "int8":
-                least = min(least, kernels.dequantize_int8(packed.view(np.int8), scales[b0:b1], block_size, seg))
-            else:
-                least = min(least, _unpack_levels(packed, codec, seg))
-                seg2d = seg.reshape(b1 - b0, block_size)
-                np.multiply(seg2d, scales[b0:b1, None], out=seg2d)
-            if on_chunk is not None:
-                on_chunk(b0 * block_size, seg)
-        return least
+        return dequantize_blocks(body, scales, codec, block_size, out, first, stop, on_chunk)
 
     if executor is not None and n_main * block_size >= _MIN_PARALLEL_VALUES:
         # Two contiguous halves, split on a chunk boundary (so each thread's chunks stay whole);
@@ -717,6 +804,79 @@ def _deserialize(raw: bytes, codec: str, numel: int, block_size: int,
             smallest = min(smallest, second_half() if future.cancel() else future.result())
     else:
         smallest = blocks(0, n_main)
+    return finish_dequantized(body, scales, codec, block_size, out, smallest, on_chunk)
+
+
+def copy_values(raw, codec: str, out: np.ndarray, first: int, stop: int,
+                on_chunk: ChunkVisitor | None = None) -> None:
+    """Values [first, stop) of an fp32 or bf16 serialization ``raw`` (holding at least those)
+    into ``out``, chunked, so that on_chunk sees each piece while it is in cache."""
+    stored = np.frombuffer(raw, dtype="<f4" if codec == "fp32" else "<u2", count=stop)
+    for start in range(first, stop, _CHUNK_VALUES):
+        seg = out[start : min(start + _CHUNK_VALUES, stop)]
+        piece = stored[start : start + seg.size]
+        if codec == "fp32":
+            np.copyto(seg, piece)
+        else:
+            np.copyto(seg, piece.astype(np.uint16, copy=False).view(ml_dtypes.bfloat16), casting="unsafe")
+        if on_chunk is not None:
+            on_chunk(start, seg)
+
+
+def check_finite(values: np.ndarray) -> None:
+    """NonFiniteError if decoded values hold a NaN or an infinity."""
+    if values.size and not (np.isfinite(values.max()) and np.isfinite(values.min())):
+        _raise_non_finite_decoded(values)
+
+
+def read_scales(raw, n_blocks: int) -> np.ndarray:
+    """The block scales at the start of a quantized serialization, checked finite and >= 0."""
+    scales = np.frombuffer(raw, dtype="<f4", count=n_blocks).astype(np.float32)
+    bad_scales = ~(np.isfinite(scales) & (scales >= 0))
+    if bad_scales.any():
+        raise NonFiniteError(
+            f"payload has {int(bad_scales.sum())} non-finite or negative block scales (first "
+            f"in block {int(bad_scales.argmax())}): the sender encoded invalid data"
+        )
+    return scales
+
+
+def dequantize_blocks(body: np.ndarray, scales: np.ndarray, codec: str, block_size: int, out: np.ndarray,
+                      first: int, stop: int, on_chunk: ChunkVisitor | None = None) -> int:
+    """Dequantizes (and visits) whole blocks [first, stop) of a quantized serialization's levels
+    ``body`` into ``out``, chunk by chunk; returns the smallest stored code seen (int8: signed).
+    ``first`` and ``stop`` must end whole bytes of levels (multiples of 4 blocks do, and
+    ``main_blocks``)."""
+    per_byte = _LEVELS_PER_BYTE[codec]
+    rows = _rows_per_chunk(block_size)
+    kernels = _compiled()
+    least = 127 if codec == "int8" else 8
+    for b0 in range(first, stop, rows):
+        b1 = min(b0 + rows, stop)
+        seg = out[b0 * block_size : b1 * block_size]
+        packed = body[b0 * block_size // per_byte : b1 * block_size // per_byte]
+        if codec == "int4" and block_size % 2 == 0:
+            least = min(least, kernels.dequantize_int4(packed, scales[b0:b1], block_size, seg))
+        elif codec == "int8":
+            least = min(least, kernels.dequantize_int8(packed.view(np.int8), scales[b0:b1], block_size, seg))
+        else:
+            least = min(least, _unpack_levels(packed, codec, seg))
+            seg2d = seg.reshape(b1 - b0, block_size)
+            np.multiply(seg2d, scales[b0:b1, None], out=seg2d)
+        if on_chunk is not None:
+            on_chunk(b0 * block_size, seg)
+    return least
+
+
+def finish_dequantized(body: np.ndarray, scales: np.ndarray, codec: str, block_size: int, out: np.ndarray,
+                       smallest: int, on_chunk: ChunkVisitor | None = None) -> np.ndarray:
+    """Dequantizes the tail past ``main_blocks`` (and visits it), then checks the levels seen
+    (``smallest``, from ``dequantize_blocks``) and, when a scale could overflow, the values."""
+    numel = out.size
+    n_blocks = scales.size
+    per_byte = _LEVELS_PER_BYTE[codec]
+    qmax = _QMAX[codec]
+    n_main = main_blocks(numel, block_size, per_byte)
     tail_start = n_main * block_size
     if numel > tail_start:
         tail_bytes = body[tail_start // per_byte :]

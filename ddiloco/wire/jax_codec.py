@@ -271,23 +271,26 @@ def decode(
     raw_size_bytes: int,
     checksum: bytes,
     block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
+    compression: str | None = None,
+    checksum_kind: str | None = None,
 ) -> np.ndarray:
     """``codec.decode`` with the dequantization jitted: same checks, errors and values."""
+    fmt = {"compression": compression, "checksum_kind": checksum_kind}
     if codec not in codec_lib.QUANTIZED_CODECS or numel == 0:
         return codec_lib.decode(payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes,
-                                checksum=checksum, block_size=block_size)
+                                checksum=checksum, block_size=block_size, **fmt)
     raw = codec_lib.check_and_decompress(payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes,
-                                         checksum=checksum, block_size=block_size)
+                                         checksum=checksum, block_size=block_size, **fmt)
     n_blocks = -(-numel // block_size)
     scales = np.frombuffer(raw, "<f4", count=n_blocks)
     if not (np.isfinite(scales) & (scales >= 0)).all():
         # codec.py's own path raises the detailed NonFiniteError.
         return codec_lib.decode(payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes,
-                                checksum=checksum, block_size=block_size)
+                                checksum=checksum, block_size=block_size, **fmt)
     parts, invalid = dequantize(raw, codec, numel, block_size)
     values = np.concatenate([np.asarray(p) for p in parts])  # fresh and writable, as codec.decode returns
     if bool(invalid) or (scales.size and float(scales.max()) * _qmax(codec) > codec_lib._F32_MAX
                          and not np.isfinite(values).all()):
         return codec_lib.decode(payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes,
-                                checksum=checksum, block_size=block_size)
+                                checksum=checksum, block_size=block_size, **fmt)
     return values

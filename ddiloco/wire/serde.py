@@ -27,6 +27,10 @@ _CODEC_TO_PROTO = {
     "int2": common_pb2.CODEC_INT2,
 }
 _CODEC_FROM_PROTO = {v: k for k, v in _CODEC_TO_PROTO.items()}
+_COMPRESSION_TO_PROTO = {"zstd": common_pb2.COMPRESSION_ZSTD, "none": common_pb2.COMPRESSION_NONE}
+_COMPRESSION_FROM_PROTO = {v: k for k, v in _COMPRESSION_TO_PROTO.items()}
+_CHECKSUM_TO_PROTO = {"sha256": common_pb2.CHECKSUM_SHA256, "xxh3_128": common_pb2.CHECKSUM_XXH3_128}
+_CHECKSUM_FROM_PROTO = {v: k for k, v in _CHECKSUM_TO_PROTO.items()}
 
 
 def codec_to_proto(name: str) -> int:
@@ -45,6 +49,14 @@ def codec_from_proto(value: int) -> str:
         raise ValueError(f"unknown or unspecified codec enum value {value}") from None
 
 
+def wire_format_from_proto(info: common_pb2.PayloadInfo) -> tuple[str, str]:
+    """(compression, checksum_kind) of a PayloadInfo; ValueError for values this build does not know."""
+    try:
+        return _COMPRESSION_FROM_PROTO[info.compression], _CHECKSUM_FROM_PROTO[info.checksum_kind]
+    except KeyError:
+        raise ValueError(f"unknown compression {info.compression} or checksum kind {info.checksum_kind}") from None
+
+
 def payload_info_to_proto(encoded: codec_lib.EncodedPayload) -> common_pb2.PayloadInfo:
     return common_pb2.PayloadInfo(
         codec=codec_to_proto(encoded.codec),
@@ -53,6 +65,8 @@ def payload_info_to_proto(encoded: codec_lib.EncodedPayload) -> common_pb2.Paylo
         raw_size_bytes=encoded.raw_size_bytes,
         payload_size_bytes=len(encoded.payload),
         checksum=encoded.checksum,
+        compression=_COMPRESSION_TO_PROTO[encoded.compression],
+        checksum_kind=_CHECKSUM_TO_PROTO[encoded.checksum_kind],
     )
 
 
@@ -72,9 +86,13 @@ class ChunkAssembler:
     bounded by the declared size.
     """
 
-    def __init__(self, declared_size_bytes: int, *, max_chunk_bytes: int | None = None) -> None:
+    def __init__(self, declared_size_bytes: int, *, max_chunk_bytes: int | None = None, keep: bool = True) -> None:
+        """`keep`: hold the bytes for `payload` (False: a stream.PayloadStream holds them; only
+        the order and sizes are checked here, and `payload` returns b"")."""
         self._declared = declared_size_bytes
         self._max_chunk = max_chunk_bytes
+        self._keep = keep
+        self._size = 0
         self._buffer = bytearray()
         self._next_seq = 0
         self.done = False
@@ -89,17 +107,19 @@ class ChunkAssembler:
             raise ValueError(f"chunk seq {chunk.seq} has {size} bytes, more than the run's chunk size {self._max_chunk}")
         if size == 0 and not chunk.last:
             raise ValueError(f"chunk seq {chunk.seq} is empty but not the last one")
-        if len(self._buffer) + size > self._declared:
+        if self._size + size > self._declared:
             raise ValueError(f"payload exceeds its declared size of {self._declared} bytes")
-        self._buffer += chunk.data
+        if self._keep:
+            self._buffer += chunk.data
+        self._size += size
         self._next_seq += 1
         self.done = chunk.last
 
     def payload(self) -> bytes:
         if not self.done:
             raise ValueError(f"stream ended before the last chunk (got {self._next_seq} chunks)")
-        if len(self._buffer) != self._declared:
-            raise ValueError(f"payload has {len(self._buffer)} bytes, header declared {self._declared}")
+        if self._size != self._declared:
+            raise ValueError(f"payload has {self._size} bytes, header declared {self._declared}")
         return bytes(self._buffer)
 
 
@@ -152,6 +172,10 @@ def decode_payload(info: common_pb2.PayloadInfo, payload: bytes, *,
                    on_chunk: codec_lib.ChunkVisitor | None = None, executor: Executor | None = None) -> np.ndarray:
     """Decodes a payload described by `info` (all of codec.decode's checks apply; `on_chunk`
     and `executor` as codec.decode takes them)."""
+    try:
+        compression, checksum_kind = wire_format_from_proto(info)
+    except ValueError as exc:
+        raise codec_lib.CodecError(str(exc)) from None
     return codec_lib.decode(
         payload,
         codec=codec_from_proto(info.codec),
@@ -161,6 +185,8 @@ def decode_payload(info: common_pb2.PayloadInfo, payload: bytes, *,
         block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
         on_chunk=on_chunk,
         executor=executor,
+        compression=compression,
+        checksum_kind=checksum_kind,
     )
 
 
@@ -168,3 +194,20 @@ def apply_delta(held: np.ndarray, step: np.ndarray) -> np.ndarray:
     """held + step in float32: how the syncer and every learner compute a delta-encoded global
     version (GlobalFragmentHeader.delta), so that both get bit-identical values."""
     return np.add(held, step, dtype=np.float32)
+
+
+def payload_stream(info: common_pb2.PayloadInfo, *, on_chunk: codec_lib.ChunkVisitor | None = None,
+                   decode_on_arrival: bool = True):
+    """A stream.PayloadStream for the payload `info` describes (CodecError when it cannot be one)."""
+    from ddiloco.wire import stream as stream_lib
+
+    try:
+        compression, checksum_kind = wire_format_from_proto(info)
+        codec = codec_from_proto(info.codec)
+    except ValueError as exc:
+        raise codec_lib.CodecError(str(exc)) from None
+    return stream_lib.PayloadStream(
+        codec=codec, numel=int(info.numel), raw_size_bytes=int(info.raw_size_bytes),
+        payload_size_bytes=int(info.payload_size_bytes), checksum=bytes(info.checksum), compression=compression,
+        checksum_kind=checksum_kind, block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
+        on_chunk=on_chunk, decode_on_arrival=decode_on_arrival)

@@ -51,6 +51,8 @@ _UNKNOWN_OUTCOME_PAUSE_S = 0.2
 # had already ended (grpc/aio/_call.py: set_internal_error), replacing the status that ended it
 # (grpc/grpc#36066): a broken link, a deadline, or a refusal while chunks were still being written.
 _WRITE_FAILED_DETAILS = "Internal error from Core"
+# The longest back-pressure hold honoured: a syncer's hint is advice, not a reason to stall a fragment.
+_MAX_UPLOAD_HOLD_S = 60.0
 # Refusals (ServiceError.reason, sent as trailing metadata) that end the session: this life of the
 # learner is not (or no longer) a member, so the next step is a re-join.
 _REJOIN_REASONS = frozenset({errors_lib.REASON_FENCED, errors_lib.REASON_NOT_JOINED})
@@ -146,6 +148,8 @@ class ClientStats:
     uploads_duplicate: int = 0
     uploads_failed: int = 0
     uploads_refused: int = 0
+    uploads_slowed: int = 0  # accepted with a back-pressure hint (UploadFragmentResponse.next_upload_after_s)
+    last_upload_hold_s: float = 0.0  # the last such hint honoured
     fragments_received: int = 0
     fragments_seeded: int = 0  # held from the learner's own initialization (hash-checked), not downloaded
     delta_fragments_received: int = 0  # of which sent as deltas (lossy download codec)
@@ -175,6 +179,11 @@ class SyncClient:
         self.run_config: syncer_pb2.RunConfig | None = None
         self.instance = ""
         self._header_ack = False  # the syncer acknowledges upload headers (JoinResponse.upload_header_ack)
+        self._pipeline_bytes = 0  # chunks sent ahead of that acknowledgement (JoinResponse.upload_pipeline_bytes)
+        # fragment -> loop time before which its next upload waits (the syncer's back-pressure,
+        # UploadFragmentResponse.next_upload_after_s); newer work of the fragment supersedes the
+        # queued job meanwhile, so the periods in between go out as one contribution.
+        self._hold_until: dict[int, float] = {}
         self._lock = threading.Lock()
         self._inbox: dict[int, GlobalFragment] = {}
         self._held: dict[int, int] = {}  # versions received (of self.instance)
@@ -467,6 +476,7 @@ class SyncClient:
                     _LOG.info("syncer restarted (new instance): re-syncing every fragment")
             self.instance = response.syncer_instance
             self._header_ack = response.upload_header_ack
+            self._pipeline_bytes = response.upload_pipeline_bytes
             self.run_config = response.config
             if request.assign_data_shard:  # the first join: the data it trains for this whole life
                 self.data_shard = (response.data_shard if response.data_shard_assigned
@@ -622,15 +632,23 @@ class SyncClient:
         # fragments, which other learners' held uploads were waiting for in turn: 4 learners
         # split 2/2 over two fragments all waited the full judge window.
         self._upload_wakeup.set()  # what was queued while the session was down goes out now
+        loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as group:  # a broken session ends every upload
             while True:
                 await self._upload_wakeup.wait()
                 self._upload_wakeup.clear()
+                now = loop.time()
                 with self._lock:
-                    ready = sorted(fid for fid in self._uploads if fid not in self._sending)
+                    waiting = [fid for fid in self._uploads if fid not in self._sending]
+                    # A learner's last contribution of a fragment is never held: it is leaving.
+                    ready = sorted(fid for fid in waiting
+                                   if self._uploads[fid].final or self._hold_until.get(fid, 0.0) <= now)
+                    held = [self._hold_until[fid] for fid in waiting if fid not in ready]
                     for fid in ready[:max(0, self.cfg.max_concurrent_uploads - len(self._sending))]:
                         self._sending.add(fid)
                         group.create_task(self._send(self._uploads.pop(fid)))
+                if held:  # look again when the first hold ends
+                    loop.call_at(min(held), self._upload_wakeup.set)
 
     async def _send(self, job: UploadJob) -> None:
         try:
@@ -672,9 +690,7 @@ class SyncClient:
             steps=job.steps, tokens=job.tokens, payload=serde.payload_info_to_proto(encoded),
             local_step=job.local_step, final=job.final,
         )
-        messages = [syncer_pb2.UploadFragmentRequest(header=header)] + [
-            syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(encoded.payload, cfg.chunk_size_bytes)
-        ]
+        messages = upload_messages(header, encoded.payload, cfg.chunk_size_bytes)
         wire_bytes = sum(m.ByteSize() for m in messages)
         timeout_s = self.cfg.call_timeout_s + wire_bytes / self.cfg.upload_min_bandwidth_bytes_per_s
         sent_at = time.time()
@@ -692,7 +708,8 @@ class SyncClient:
                     self.stats.bytes_sent += wire_bytes
                     if self._header_ack:
                         after_chunk = (lambda: self._failpoints.hit("learner.after_chunk")) if self._failpoints else None
-                        response = await send_upload(self._stub, messages, timeout_s, after_chunk=after_chunk)
+                        response = await send_upload(self._stub, messages, timeout_s, after_chunk=after_chunk,
+                                                     pipeline_bytes=self._pipeline_bytes)
                     else:
                         response = await self._stub.UploadFragment(self._request_stream(messages), timeout=timeout_s)
         except retry_lib.RetriesExhausted as exc:
@@ -733,6 +750,11 @@ class SyncClient:
                     self._refused.add((job.fragment_id, job.syncer_instance, job.base_version))
             return
         duplicate = response.result == syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE
+        if response.next_upload_after_s > 0:  # back-pressure: the syncer is saturated
+            self._hold_until[job.fragment_id] = (asyncio.get_running_loop().time()
+                                                 + min(response.next_upload_after_s, _MAX_UPLOAD_HOLD_S))
+            self.stats.uploads_slowed += 1
+            self.stats.last_upload_hold_s = min(response.next_upload_after_s, _MAX_UPLOAD_HOLD_S)
         self._outcome(job, OUTCOME_DUPLICATE if duplicate else OUTCOME_ACCEPTED, response.current_version)
         self._record("ack", job, sent_at, result="duplicate" if duplicate else "accepted")
         if duplicate:
@@ -762,39 +784,65 @@ class SyncClient:
                                 base_version=job.base_version, tokens=job.tokens, sent_at=sent_at, **fields)
 
 
-async def send_upload(stub, messages: list, timeout_s: float, *, after_chunk=None):
-    """One UploadFragment call to a syncer that acknowledges headers (JoinResponse.upload_header_ack):
-    sends the header, waits for the syncer to accept it (initial metadata), and only then the chunks.
+def upload_messages(header: syncer_pb2.UploadHeader, payload: bytes, chunk_size_bytes: int) -> list:
+    """The UploadFragment request messages of one upload: the header, then the payload's chunks."""
+    return [syncer_pb2.UploadFragmentRequest(header=header)] + [
+        syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(payload, chunk_size_bytes)]
 
-    A refusal of the header thus arrives while nothing is being written. The grpc asyncio client
-    replaces the status of a call whose write fails after the status came in with INTERNAL
-    (grpc/grpc#36066), which would hide refusals worth resending (_RESENDABLE).
+
+async def send_upload(stub, messages: list, timeout_s: float, *, after_chunk=None, pipeline_bytes: int = 0):
+    """One UploadFragment call to a syncer that acknowledges headers (JoinResponse.upload_header_ack):
+    sends the header and the chunks that start within `pipeline_bytes` of the payload
+    (JoinResponse.upload_pipeline_bytes) at once, and the rest only after the syncer accepted the
+    header (initial metadata). The header's round trip thus overlaps the transfer.
+
+    A refusal of the header still arrives while nothing is being written: the syncer reads the
+    pipelined chunks (and, when they were the whole payload, the end of the stream) before it
+    sends the status. The grpc asyncio client replaces the status of a call whose write fails
+    after the status came in with INTERNAL (grpc/grpc#36066), which would hide refusals worth
+    resending (_RESENDABLE).
 
     Args:
         stub: a SyncerStub on an aio channel.
         messages: the header message, then the chunk messages.
         timeout_s: the call's deadline.
         after_chunk: called after each chunk is written (the `learner.after_chunk` failpoint).
+        pipeline_bytes: the syncer's pipeline window (0: no chunk before the acknowledgement).
 
     Returns:
         The UploadFragmentResponse. Raises grpc.aio.AioRpcError with the syncer's status.
     """
     call = stub.UploadFragment(timeout=timeout_s)
+    ack = None
+    first = messages[0]
+    if pipeline_bytes:  # the syncer reads that much before refusing the header (a copy: messages are reused)
+        first = syncer_pb2.UploadFragmentRequest()
+        first.CopyFrom(messages[0])
+        first.header.pipeline_bytes = pipeline_bytes
     try:
-        await call.write(messages[0])
-        # Returns once the header is accepted (the syncer's acknowledgement), or empty when the call
-        # is ending: the status may not have been processed yet, so done() is no test here.
-        metadata = await call.initial_metadata()
-        if tuple(serde.UPLOAD_HEADER_ACK) not in [tuple(item) for item in (metadata or ())]:
-            return await call  # raises the refusal's status
+        await call.write(first)
+        # Resolves once the header is accepted (the syncer's acknowledgement), or empty when the
+        # call is ending: the status may not have been processed yet, so done() is no test here.
+        ack = asyncio.ensure_future(call.initial_metadata())
+        offset_bytes = 0
+        acknowledged = False
         for msg in messages[1:]:
+            if not acknowledged and offset_bytes >= pipeline_bytes:
+                metadata = await ack
+                if tuple(serde.UPLOAD_HEADER_ACK) not in [tuple(item) for item in (metadata or ())]:
+                    return await call  # raises the refusal's status
+                acknowledged = True
             if call.done():
                 break  # refused mid-stream: awaiting the call raises its status
             await call.write(msg)
+            offset_bytes += len(msg.chunk.data)
             if after_chunk is not None:
                 after_chunk()
         else:
             await call.done_writing()
     except asyncio.InvalidStateError:
         pass  # the call ended between the check and the write: its status is raised below
+    finally:
+        if ack is not None and not ack.done():
+            ack.cancel()
     return await call

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import math
@@ -26,9 +27,10 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import robust as robust_lib
 from ddiloco.rpc import errors
-from ddiloco.v1 import syncer_pb2
+from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
+from ddiloco.wire import stream as stream_lib
 from services.syncer import influence as influence_lib
 from services.syncer import membership as membership_lib
 from services.syncer import slots as slots_lib
@@ -65,6 +67,29 @@ class Decoded:
     norms: np.ndarray  # per tensor
     agreement: float | None  # cosine with the fragment's last merged outer gradient (observability)
     heading: np.ndarray | None  # the direction check's sample (robust.DirectionGuard)
+
+
+@dataclasses.dataclass
+class IncomingPayload:
+    """An upload's payload while it streams in (Admission.open_payload): each chunk is hashed and,
+    when the stream holds a decoding permit, dequantized on arrival, its norms and cosine
+    gathered in the same pass. The servicer releases the permit when the upload ends."""
+
+    stream: stream_lib.PayloadStream
+    stats: robust_lib.DecodedStats
+    permit: bool  # holds one of Admission.decoding's permits
+
+    def feed(self, data: bytes) -> None:
+        """The next chunk's bytes; INVALID_ARGUMENT when they cannot belong to the payload."""
+        try:
+            self.stream.feed(data)
+        except codec_lib.CodecError as exc:
+            raise errors.InvalidArgument(str(exc), reason=_codec_reason(exc)) from None
+
+
+def _codec_reason(exc: codec_lib.CodecError) -> str:
+    return {codec_lib.NonFiniteError: "nonfinite", codec_lib.ChecksumError: "checksum",
+            codec_lib.CorruptPayloadError: "corrupt"}.get(type(exc), "size")
 
 
 class Admission:
@@ -213,8 +238,14 @@ class Admission:
                 f"{codec_lib.max_payload_size_bytes(expected_raw)}]",
                 reason="size",
             )
-        if len(info.checksum) != 32:
-            raise errors.InvalidArgument("checksum must be a 32-byte sha256 digest", reason="checksum")
+        try:
+            _, checksum_kind = serde.wire_format_from_proto(info)
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc), reason="codec") from None
+        if len(info.checksum) != codec_lib.CHECKSUM_BYTES[checksum_kind]:
+            raise errors.InvalidArgument(
+                f"checksum must be a {codec_lib.CHECKSUM_BYTES[checksum_kind]}-byte {checksum_kind} digest",
+                reason="checksum")
         return codec
 
     def credited_steps(self, member: membership_lib.Member, header: syncer_pb2.UploadHeader) -> int:
@@ -260,8 +291,42 @@ class Admission:
 
     # ------------------------------------------------------------------------------- payload
 
-    async def decode(self, header: syncer_pb2.UploadHeader, payload: bytes) -> Decoded:
-        """Decodes the payload in a worker thread; INVALID_ARGUMENT when it does not decode."""
+    async def open_payload(self, header: syncer_pb2.UploadHeader) -> IncomingPayload:
+        """The payload of a validated header, to be fed chunk by chunk as it arrives. Decoded on
+        arrival when a decoding permit is free now (taken without waiting: the transfer never
+        stalls for one); otherwise only hashed, and decoded under a permit once complete
+        (SyncerCore.accept_upload), as a compressed payload always is. Release with
+        `close_payload`."""
+        slot = self._slots[header.fragment_id]
+        last, last_norm = slot.last_outer_grad or (None, None)
+        stats = robust_lib.DecodedStats(slot.fragment, last, last_norm)
+        permit = not self.decoding.locked() and header.payload.compression == common_pb2.COMPRESSION_NONE
+        try:
+            stream = serde.payload_stream(header.payload, on_chunk=stats.update, decode_on_arrival=permit)
+        except codec_lib.CodecError as exc:
+            raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=_codec_reason(exc)) from None
+        if permit:
+            await self.decoding.acquire()  # free (checked above, nothing awaited since): returns at once
+        return IncomingPayload(stream, stats, permit)
+
+    def close_payload(self, incoming: IncomingPayload | None) -> None:
+        """Releases what `open_payload` took (the decoding permit), once."""
+        if incoming is not None and incoming.permit:
+            incoming.permit = False
+            self.decoding.release()
+
+    def decode_permit(self, payload) -> contextlib.AbstractAsyncContextManager:
+        """The decoding permit a contribution holds from decode to fold-in: its own, for a payload
+        decoded on arrival (IncomingPayload.permit), else one of `decoding`'s."""
+        if isinstance(payload, IncomingPayload) and payload.permit:
+            return contextlib.nullcontext()
+        return self.decoding
+
+    async def decode(self, header: syncer_pb2.UploadHeader, payload: bytes | IncomingPayload) -> Decoded:
+        """The decoded contribution: finished in place when the payload was decoded on arrival,
+        else decoded in a worker thread; INVALID_ARGUMENT when it does not decode."""
+        if isinstance(payload, IncomingPayload):
+            return await self._finish(header, payload)
         slot = self._slots[header.fragment_id]
         info = header.payload
 
@@ -278,9 +343,22 @@ class Admission:
         try:
             return await asyncio.to_thread(decode)
         except codec_lib.CodecError as exc:
-            reason = {codec_lib.NonFiniteError: "nonfinite", codec_lib.ChecksumError: "checksum",
-                      codec_lib.CorruptPayloadError: "corrupt"}.get(type(exc), "size")
-            raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=reason) from None
+            raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=_codec_reason(exc)) from None
+
+    async def _finish(self, header: syncer_pb2.UploadHeader, incoming: IncomingPayload) -> Decoded:
+        """Checks and finishes a streamed payload: in the event loop when it was decoded on arrival
+        (a digest comparison, the tail and the norms: no thread hand-off), else in a worker thread."""
+
+        def finish() -> Decoded:
+            values = incoming.stream.finish()
+            norms = incoming.stats.tensor_norms(values)
+            return Decoded(values, norms, incoming.stats.cosine(values, norms),
+                           self._directions.direction(header.fragment_id, values))
+
+        try:
+            return finish() if incoming.stream.decodes_on_arrival else await asyncio.to_thread(finish)
+        except codec_lib.CodecError as exc:
+            raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=_codec_reason(exc)) from None
 
     async def await_direction_references(self, header: syncer_pb2.UploadHeader, heading: np.ndarray | None,
                                          wait_budget_s: float | None) -> None:

@@ -355,7 +355,8 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
                         "(0: no budget, each learner runs its --steps); learners hear it in their progress reports, "
                         "contribute their remaining work and leave",
         "liveness_timeout_s": "a learner silent this long stops counting towards a round's expected size",
-        "max_concurrent_uploads": "uploads in flight at once, over all learners (RESOURCE_EXHAUSTED above)",
+        "max_concurrent_uploads": "uploads in flight at once, over all learners (more wait for a slot: back-pressure, "
+                                  "RESOURCE_EXHAUSTED only at the call's deadline)",
         "merge_history": "merge records kept for the training state",
         "grace_s": "on shutdown, in-flight RPCs get this many seconds to finish",
         "metrics_bind": "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9091); empty: no metrics endpoint",

@@ -351,7 +351,7 @@ class SyncerCore:
         round. Raises ServiceError (counted, on the learner too). `wait_budget_s` bounds how long
         the contribution may wait for others to be judged against (the caller's deadline)."""
         try:
-            async with self.admission.decoding:
+            async with self.admission.decode_permit(payload):  # a payload decoded on arrival holds its own
                 return await self._accept_upload(ticket, payload, wire_bytes, wait_budget_s)
         except errors.ServiceError as exc:
             self.record_rejection(exc.reason, ticket.header.learner_id, exc)

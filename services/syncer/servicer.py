@@ -6,10 +6,13 @@ the `[Syncer.<Rpc>]` prefix. Authentication and the per-method role check happen
 handler runs (security.AuthInterceptor); handlers check that a learner acts only as itself
 (`security.require_learner`) before touching the core.
 
-Upload order, cheapest first: identity (interceptor), total concurrency, header, learner id ==
+Upload order, cheapest first: identity (interceptor), total concurrency (waits for a slot), header, learner id ==
 identity, per-learner concurrency, then the core's header checks (protocol, fencing, quarantine,
 idempotency key, staleness, sizes against the fragment plan), chunks (order, sizes, count, total),
 then the core's payload checks (checksum, zstd frame size before decompressing, values, norm bound).
+Each chunk is hashed, and an uncompressed payload dequantized, as it arrives (admission.open_payload).
+A refusal before the header's acknowledgement first reads what the learner may have pipelined
+(_drain_window); responses carry the back-pressure hint (backpressure.LoadGauge).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ddiloco.rpc import errors
 from ddiloco.rpc import security
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
+from services.syncer import backpressure
 from services.syncer import core as core_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
@@ -36,8 +40,13 @@ _DEADLINE_MARGIN_S = 2.0  # left of an upload's deadline for the fold-in and the
 
 # A WatchFragments stream re-checks fencing at least this often even when nothing changes.
 _WATCH_POLL_S = 2.0
-# How long a refusal for lack of upload slots waits for the header it drains first.
+# How long a refusal waits, at most, for the header and the pipelined chunks it drains first.
 _BUSY_HEADER_WAIT_S = 1.0
+# A learner may send the chunks that start within this many payload bytes before its header is
+# acknowledged (JoinResponse.upload_pipeline_bytes): the header's round trip then overlaps the
+# transfer instead of preceding it (one WAN RTT per upload), and a refused upload wastes at most
+# this much plus one chunk. 4 MiB covers a 50 ms RTT at ~80 MB/s, and a default upload whole.
+UPLOAD_PIPELINE_BYTES = 4 * 1024 * 1024
 # Largest download chunk. gRPC keeps the message a watcher has not taken yet (serialized, per
 # stream) until the peer's flow-control window lets it out, so a stream's buffered bytes are one
 # chunk, not one fragment: with 64 watchers, 512 KiB chunks cost ~80 MiB more peak RSS than 128 KiB.
@@ -129,10 +138,18 @@ class _OpenStreams:
 
 
 class _UploadScope:
-    """What one upload stream has claimed so far: its learner id once read, and an in-flight slot."""
+    """What one upload stream has claimed and read so far: its learner id once read, an in-flight
+    count, its payload as it streams in, and how far into the pipeline window it was read."""
 
     learner_id = ""
     counted = False
+    incoming = None  # admission.IncomingPayload
+    header_read = False
+    acknowledged = False
+    drained = False
+    window_bytes = 0  # UploadHeader.pipeline_bytes: what the learner sends before the acknowledgement
+    offset_bytes = 0  # payload bytes read while draining (chunks that start below the window)
+    last_seen = False
 
 
 class _WatchMessages:
@@ -168,8 +185,12 @@ class _WatchMessages:
 class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
     def __init__(self, core: core_lib.SyncerCore, *, max_concurrent_uploads: int, upload_idle_timeout_s: float = 60.0,
                  max_concurrent_uploads_per_learner: int = 4, state_watch_cap: StreamCap = STATE_WATCH_CAP,
-                 fragment_watch_cap: StreamCap = FRAGMENT_WATCH_CAP) -> None:
+                 fragment_watch_cap: StreamCap = FRAGMENT_WATCH_CAP,
+                 upload_pipeline_bytes: int = UPLOAD_PIPELINE_BYTES) -> None:
         self._core = core
+        self._pipeline_bytes = upload_pipeline_bytes
+        self._gauge = backpressure.LoadGauge(contended=lambda: self._uploads_running > 1)
+
         def refused(rpc: str, limit: str) -> None:
             core.observers.emit("watch_refused", rpc, limit)  # ddiloco_syncer_watch_refusals_total
 
@@ -199,6 +220,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             await asyncio.sleep(0.02)
         self._ending_streams.set()
         self._core.wake_watchers()
+        await self._gauge.stop()
 
     async def _end_if_shutting_down(self, context) -> None:
         if self._ending_streams.is_set():
@@ -224,6 +246,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         self._core.record_auth_failure(reason, method=method.rsplit("/", 1)[-1])
 
     async def Join(self, request, context):
+        self._gauge.start()  # on the serving loop, from the first learner on (idempotent)
         try:
             security.require_learner(request.learner_id)
             response = self._core.join(request)
@@ -231,6 +254,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             await self._abort(context, "Join", exc)
         response.upload_header_ack = True  # see UploadFragment: initial metadata once the header passed
         response.epoch = self.epoch
+        response.upload_pipeline_bytes = self._pipeline_bytes
         member = self._core.member(request.learner_id)
         self._core.count_bytes(member, inbound=request.ByteSize(), outbound=response.ByteSize())
         return response
@@ -244,47 +268,83 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
 
     async def UploadFragment(self, request_iterator, context):
         # Bound memory: at most max_concurrent_uploads payloads are buffered at once, and at most
-        # max_concurrent_uploads_per_learner of them from one learner.
-        if self._upload_slots.locked():
-            self._core.record_rejection("busy")
-            # Take the header off the wire first: a learner waiting for the header's
-            # acknowledgement then has nothing in flight when the status arrives (see _upload).
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(request_iterator.__aiter__().__anext__(), _BUSY_HEADER_WAIT_S)
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self._max_uploads} uploads already in flight; retry with backoff",
-            )
-        async with self._upload_slots:
-            scope = _UploadScope()
-            self._uploads_running += 1
-            try:
-                return await self._upload(request_iterator, scope, context)
-            except errors.ServiceError as exc:
-                if isinstance(exc, (errors.PermissionDenied, errors.Unauthenticated)) and exc.reason != "quarantined":
-                    self._record_auth_failure("UploadFragment", exc)
-                else:
-                    self._core.record_rejection(exc.reason, scope.learner_id, exc)
-                await self._abort(context, "UploadFragment", exc)
-            except Exception as exc:  # a bug, not bad input: still one status and one counter
-                _LOG.exception("[Syncer.UploadFragment] internal error")
-                self._core.record_rejection("internal", scope.learner_id, exc)
-                await context.abort(grpc.StatusCode.INTERNAL, "internal error while handling the upload")
-            finally:
-                self._uploads_running -= 1
-                if scope.counted:
-                    self._in_flight[scope.learner_id] -= 1
-                    if not self._in_flight[scope.learner_id]:
-                        del self._in_flight[scope.learner_id]
-
-    async def _upload(self, request_iterator, scope: _UploadScope, context) -> syncer_pb2.UploadFragmentResponse:
+        # max_concurrent_uploads_per_learner of them from one learner. Uploads beyond the first
+        # bound wait for a slot, their header unread and unacknowledged, which holds the learner
+        # at its pipeline window (back-pressure: nothing is refused for load alone).
+        self._gauge.start()
         iterator = request_iterator.__aiter__()
+        scope = _UploadScope()
+        if self._upload_slots.locked():
+            self._core.uploads["waited_for_slot"] += 1
+            remaining_s = context.time_remaining()
+            wait_s = None if remaining_s is None else max(0.0, remaining_s - _DEADLINE_MARGIN_S)
+            try:
+                await asyncio.wait_for(self._upload_slots.acquire(), wait_s)
+            except asyncio.TimeoutError:
+                # Only the learner's own deadline ends the wait: it hears why before the deadline.
+                self._core.record_rejection("busy")
+                await self._drain_window(iterator, scope, _BUSY_HEADER_WAIT_S)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"no upload slot within the call's deadline ({self._max_uploads} uploads in "
+                                    "flight); retry with backoff")
+        else:
+            await self._upload_slots.acquire()
+        self._uploads_running += 1
+        try:
+            return await self._upload(iterator, scope, context)
+        except errors.ServiceError as exc:
+            if isinstance(exc, (errors.PermissionDenied, errors.Unauthenticated)) and exc.reason != "quarantined":
+                self._record_auth_failure("UploadFragment", exc)
+            else:
+                self._core.record_rejection(exc.reason, scope.learner_id, exc)
+            await self._drain_window(iterator, scope, _BUSY_HEADER_WAIT_S)
+            await self._abort(context, "UploadFragment", exc)
+        except Exception as exc:  # a bug, not bad input: still one status and one counter
+            _LOG.exception("[Syncer.UploadFragment] internal error")
+            self._core.record_rejection("internal", scope.learner_id, exc)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error while handling the upload")
+        finally:
+            self._upload_slots.release()
+            self._uploads_running -= 1
+            self._core.admission.close_payload(scope.incoming)
+            if scope.counted:
+                self._in_flight[scope.learner_id] -= 1
+                if not self._in_flight[scope.learner_id]:
+                    del self._in_flight[scope.learner_id]
+
+    async def _drain_window(self, iterator, scope: _UploadScope, timeout_s: float) -> None:
+        """Before refusing an upload whose header was not acknowledged: reads the header, if still
+        unread, and the chunks the learner may send ahead of the acknowledgement (those starting
+        within upload_pipeline_bytes), so that the refusal's status reaches a learner waiting for
+        the acknowledgement, not one writing (grpc/grpc#36066 turns that into INTERNAL). At most
+        `timeout_s` in all, and never past the window: bytes wasted on a refusal stay bounded."""
+        if scope.acknowledged or scope.drained:
+            return
+        scope.drained = True
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(Exception):  # whatever the stream does now, the refusal goes out
+            if not scope.header_read:
+                first = await asyncio.wait_for(iterator.__anext__(), timeout_s)
+                scope.header_read = True
+                scope.window_bytes = first.header.pipeline_bytes if first.WhichOneof("kind") == "header" else 0
+            # Chunks that start within the learner's window, then the stream's end if the last one did.
+            window_bytes = min(scope.window_bytes, self._pipeline_bytes)
+            while scope.offset_bytes < window_bytes or (scope.last_seen and window_bytes):
+                msg = await asyncio.wait_for(iterator.__anext__(), max(0.0, deadline - time.monotonic()))
+                if msg.WhichOneof("kind") != "chunk" or scope.last_seen:
+                    return
+                scope.offset_bytes += len(msg.chunk.data)
+                scope.last_seen = msg.chunk.last
+
+    async def _upload(self, iterator, scope: _UploadScope, context) -> syncer_pb2.UploadFragmentResponse:
         try:
             first = await _next_request(iterator, self._upload_idle_timeout_s)
         except StopAsyncIteration:
             raise errors.InvalidArgument("empty upload stream: expected a header", reason="header") from None
         except asyncio.TimeoutError:
             raise errors.InvalidArgument("no header within the idle timeout", reason="header") from None
+        scope.header_read = True
+        scope.window_bytes = first.header.pipeline_bytes
         if first.WhichOneof("kind") != "header":
             raise errors.InvalidArgument("the first message of an upload must be the header", reason="header")
         header = first.header
@@ -297,14 +357,15 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         self._in_flight[header.learner_id] = self._in_flight.get(header.learner_id, 0) + 1
         scope.counted = True
         ticket = self._core.validate_upload_header(header)
-        # Acknowledge the header before any chunk is read. Every refusal so far reached the client
-        # before it sent a chunk; had it been writing chunks, a write that fails after the status
-        # arrived makes the grpc asyncio client report INTERNAL instead (grpc/grpc#36066), and the
-        # learner would not know that the refusal was one to retry later.
+        scope.incoming = incoming = None if ticket.duplicate else await self._core.admission.open_payload(header)
+        # Acknowledge the header (the learner sends past its pipeline window only after it). Every
+        # refusal so far reached a learner that was not writing: it sent at most its window, which
+        # _drain_window reads before the status goes out.
         await context.send_initial_metadata((serde.UPLOAD_HEADER_ACK,))
+        scope.acknowledged = True
         wire_bytes = first.ByteSize()
         assembler = serde.ChunkAssembler(header.payload.payload_size_bytes,
-                                         max_chunk_bytes=self._core.config.chunk_size_bytes)
+                                         max_chunk_bytes=self._core.config.chunk_size_bytes, keep=incoming is None)
         while not assembler.done:
             try:
                 msg = await _next_request(iterator, self._upload_idle_timeout_s)
@@ -319,6 +380,8 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 assembler.add(msg.chunk)
             except ValueError as exc:
                 raise errors.InvalidArgument(str(exc), reason="chunks") from None
+            if incoming is not None:
+                incoming.feed(msg.chunk.data)  # hashed and, when it can be, decoded now
         try:
             payload = assembler.payload()
         except ValueError as exc:
@@ -336,7 +399,13 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         # A contribution may wait to be judged (direction check); never past the learner's deadline.
         remaining_s = context.time_remaining()
         budget_s = None if remaining_s is None else max(0.0, remaining_s - _DEADLINE_MARGIN_S)
-        return await self._core.accept_upload(ticket, payload, wire_bytes, wait_budget_s=budget_s)
+        response = await self._core.accept_upload(ticket, payload if incoming is None else incoming, wire_bytes,
+                                                  wait_budget_s=budget_s)
+        period_s = self._core.plan.sync_period_steps * self._core.step_time_s()
+        response.next_upload_after_s = self._gauge.next_upload_after_s(period_s)
+        if response.next_upload_after_s:
+            self._core.uploads["slowed"] += 1
+        return response
 
     async def WatchFragments(self, request, context):
         core = self._core

@@ -215,8 +215,10 @@ def test_row17_oversized_chunks_extra_bytes_and_zstd_bombs(primed, monkeypatch):
 
 
 def test_row17_concurrent_and_stalled_uploads_are_bounded(tmp_path):
-    """Per-learner and total concurrency limits (RESOURCE_EXHAUSTED), and a stream that never
-    sends its last chunk is cut by the idle timeout: memory stays bounded."""
+    """Per-learner concurrency limit (RESOURCE_EXHAUSTED), the total limit (an upload beyond it
+    waits for a slot and is refused with RESOURCE_EXHAUSTED only when its deadline comes first:
+    back-pressure, not refusal for load), and a stream that never sends its last chunk is cut by
+    the idle timeout: memory stays bounded."""
     with Harness(tmp_path, servicer_kwargs={"max_concurrent_uploads": 3, "max_concurrent_uploads_per_learner": 2,
                                             "upload_idle_timeout_s": 4.0}) as h:
         learners = [Learner(h.address, f"learner-{i}") for i in range(3)]
@@ -242,7 +244,12 @@ def test_row17_concurrent_and_stalled_uploads_are_bounded(tmp_path):
         held.append(half_open(learners[1]))
         wait_until(lambda: sum(h.call(lambda: dict(h.servicer._in_flight)).values()) == 3, timeout_s=10,
                    what="three uploads in flight", interval_s=0.02)
-        assert code_of(lambda: learners[2].upload(0, 0, payload, info)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # A 3 s deadline: the slot wait ends 2 s before it (the servicer's margin), long before the
+        # held streams' idle timeout would free a slot.
+        waited = time.monotonic()
+        assert code_of(lambda: learners[2].upload_messages(upload_stream(learners[2].header(0, 0, info), payload),
+                                                           timeout_s=3.0)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - waited < 3.0
         # Nobody sends anything more: the idle timeout ends every held stream.
         started = time.monotonic()
         for future in held:

@@ -20,7 +20,7 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors
 from ddiloco.rpc import security
-from ddiloco.v1 import syncer_pb2
+from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.learner import client as client_lib
@@ -85,24 +85,96 @@ def test_refused_headers_keep_their_status_and_accepted_uploads_go_through():
     asyncio.run(run())
 
 
-def test_a_full_syncer_refuses_with_resource_exhausted():
+def test_a_full_syncer_holds_an_upload_until_a_slot_frees_and_refuses_only_at_its_deadline():
+    """Back-pressure, not refusal: an upload beyond max_concurrent_uploads waits for a slot (its
+    header unacknowledged) and goes through once one frees; only an upload whose deadline comes
+    first is refused, with RESOURCE_EXHAUSTED (not INTERNAL) before that deadline."""
     async def run():
         core = _core()
         async with serve_syncer(core, max_concurrent_uploads=1) as served:
             await _join(served.stub)
             # Hold the only upload slot: a header that is accepted, then no chunk.
-            holder = served.stub.UploadFragment(timeout=20)
+            holder = served.stub.UploadFragment(timeout=30)
             await holder.write(_messages(core, base_version=0)[0])
             await asyncio.wait_for(holder.initial_metadata(), 10)
             try:
-                for seed in range(5):
-                    with pytest.raises(grpc.aio.AioRpcError) as info:
-                        await asyncio.wait_for(
-                            client_lib.send_upload(served.stub, _messages(core, base_version=0, seed=seed + 1), 10.0),
-                            15)
-                    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+                # A 3 s deadline: the slot wait ends 2 s (the servicer's margin) before it.
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await asyncio.wait_for(client_lib.send_upload(
+                        served.stub, _messages(core, base_version=0, seed=1), 3.0, pipeline_bytes=1 << 20), 15)
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+                assert time.monotonic() - started < 3.0
+                assert core.members["learner-0"].uploads_accepted == 0
+                waiting = asyncio.ensure_future(client_lib.send_upload(
+                    served.stub, _messages(core, base_version=0, seed=2), 20.0, pipeline_bytes=1 << 20))
+                await asyncio.sleep(1.0)
+                assert not waiting.done()  # held, not refused
             finally:
                 holder.cancel()
+            response = await asyncio.wait_for(waiting, 15)
+            assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+            assert core.members["learner-0"].uploads_accepted == 1
+            assert core.uploads["waited_for_slot"] >= 2
+
+    asyncio.run(run())
+
+
+def test_refused_pipelined_headers_keep_their_status():
+    """With chunks sent ahead of the acknowledgement (JoinResponse.upload_pipeline_bytes), a refused
+    header still comes back with its own status, whether the window covers part of the payload or
+    all of it (then the stream's end is pipelined too); an accepted upload goes through."""
+    async def run():
+        core = _core()
+        async with serve_syncer(core) as served:
+            joined = await _join(served.stub)
+            assert joined.upload_pipeline_bytes > 0
+            stale = _messages(core, base_version=0, instance="another-syncer-life")
+            codes = []
+            for window in (CHUNK_BYTES * 3, joined.upload_pipeline_bytes, NUMEL * 4 + 1) * 10:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await asyncio.wait_for(client_lib.send_upload(served.stub, stale, 10.0, pipeline_bytes=window), 15)
+                codes.append((info.value.code(), info.value.details()))
+            assert {code for code, _ in codes} == {grpc.StatusCode.FAILED_PRECONDITION}, codes[:3]
+            response = await asyncio.wait_for(client_lib.send_upload(
+                served.stub, _messages(core, base_version=0), 10.0, pipeline_bytes=joined.upload_pipeline_bytes), 15)
+            assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+            assert core.members["learner-0"].uploads_accepted == 1
+
+    asyncio.run(run())
+
+
+def test_a_corrupted_chunk_is_refused_as_a_checksum_error_and_nothing_of_it_is_merged():
+    """Chunks are hashed and decoded as they arrive (admission.open_payload): a chunk corrupted
+    in transit is refused with INVALID_ARGUMENT, reason "checksum", once the last byte is in;
+    nothing of it enters a round, its decoding permit is given back, and the same upload sent
+    intact afterwards is accepted."""
+    async def run():
+        core = _core()
+        async with serve_syncer(core) as served:
+            joined = await _join(served.stub)
+            good = _messages(core, base_version=0, seed=7)
+            assert good[0].header.payload.compression == common_pb2.COMPRESSION_NONE  # decoded on arrival
+            bad = [syncer_pb2.UploadFragmentRequest() for _ in good]
+            for copy, msg in zip(bad, good, strict=True):
+                copy.CopyFrom(msg)
+            data = bytearray(bad[5].chunk.data)
+            data[1000] ^= 0x40
+            bad[5].chunk.data = bytes(data)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(client_lib.send_upload(
+                    served.stub, bad, 10.0, pipeline_bytes=joined.upload_pipeline_bytes), 15)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert errors.reason_of(info.value) == "checksum", info.value.details()
+            assert core.uploads["rejected_checksum"] == 1
+            assert core.members["learner-0"].uploads_accepted == 0
+            slot = core.slots[0]
+            assert slot.round is None or "learner-0" not in slot.round.learners
+            assert not core.admission.decoding.locked() and core.admission.decoding._value == core.admission.max_decoding
+            response = await asyncio.wait_for(client_lib.send_upload(
+                served.stub, good, 10.0, pipeline_bytes=joined.upload_pipeline_bytes), 15)
+            assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+            assert core.members["learner-0"].uploads_accepted == 1
 
     asyncio.run(run())
 

@@ -110,3 +110,21 @@ def test_scale_reports_merges_latency_and_peak_memory_per_learner_count(result):
         # Against what the schedule offered, with the syncer's own count of every refusal by reason.
         assert level["uploads_offered"] > 0
         assert level["syncer_uploads"]["accepted"] >= level["uploads_accepted"]  # acknowledged ones at least
+        # Work in learner-steps: what the learners trained, what went into accepted contributions
+        # (back-pressure merges periods, never drops them), what was still pending at the end.
+        assert level["offered_steps"] > 0
+        assert 0 < level["accepted_steps"] <= level["offered_steps"]
+        assert level["accepted_steps"] + level["pending_steps_end"] <= level["offered_steps"]
+
+
+def test_upload_section_measures_the_real_client_against_a_bare_stream_with_and_without_rtt(result):
+    (section,) = result["upload"]  # quick: the default-size cells only
+    assert [cell["rtt_s"] for cell in section["cells"]] == [0.0, 0.05]
+    for cell in section["cells"]:
+        assert cell["accepted"] == cell["uploads"] == len(cell["real_s"]) == len(cell["bare_s"]) > 0
+        assert _positive(cell["real_median_s"]) and _positive(cell["bare_median_s"])
+        assert cell["ratio"] == pytest.approx(cell["bare_median_s"] / cell["real_median_s"])
+    # The added round trip is on both paths: neither can finish an upload faster than it.
+    assert min(section["cells"][1]["bare_s"]) >= 0.05 and min(section["cells"][1]["real_s"]) >= 0.05
+    assert section["compression"] == "none" and section["checksum_kind"] == "xxh3_128"
+    assert any("learner's real client" in row["name"] for row in result["headline"])
