@@ -194,6 +194,20 @@ def _start_dashboard(console: Console, target: str, bind: str, security=None):
     return dashboard
 
 
+class _Interrupt:
+    """SIGINT/SIGTERM handler: Ctrl-C while starting aborts the start; during training it ends the
+    loop, and the summary is printed before everything is shut down."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.in_main_loop = False
+
+    def __call__(self, *_) -> None:
+        self.interrupted = True
+        if not self.in_main_loop:
+            raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
@@ -209,94 +223,33 @@ def run(args: argparse.Namespace) -> int:
     workdir = pathlib.Path(args.workdir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     cluster = cluster_lib.LocalCluster(workdir, env=_services_env(data_spec, args.model), tls=getattr(args, "tls", False))
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S')}"
-    interrupted = False
-    in_main_loop = False
+    interrupt = _Interrupt()
     dashboard = None
-
-    def _interrupt(*_):
-        # Ctrl-C while starting aborts the start; during training it ends the loop, and the
-        # summary is printed before everything is shut down.
-        nonlocal interrupted
-        interrupted = True
-        if not in_main_loop:
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     started = time.monotonic()
     try:
         console.print(f"[bold]ddiloco up[/]: {args.learners} learners x {args.steps} steps; logs in {workdir}/logs")
-        if args.checkpoint_stores < 1:
-            raise cluster_lib.ServiceStartError("--checkpoint-stores must be 1 or more")
-        for index in range(args.checkpoint_stores):
-            cluster.start_store(index=index)
-        syncer = cluster.start_syncer(run_id=run_id, extra=[
-            "--model", args.model, "--model-config", _model_config(args, vocab_size),
-            "--num-fragments", str(args.num_fragments),
-            "--sync-period-steps", str(args.sync_period_steps), "--min-quorum", str(args.min_quorum),
-            "--upload-codec", args.upload_codec,
-        ])
-        tls_hint = ""
-        if cluster.tls_dir is not None:
-            certs = cluster.tls_dir
-            tls_hint = f" --tls-ca {certs}/ca.pem --tls-cert {certs}/operator.pem --tls-key {certs}/operator.key"
-        console.print(f"syncer listening on [bold]{syncer.address}[/]{' (mutual TLS)' if tls_hint else ''}  "
-                      f"(watch it from another terminal: ddiloco status --watch --target {syncer.address}{tls_hint})")
+        syncer = _start_syncer(console, args, cluster, run_id, vocab_size)
         if args.dashboard:
             dashboard = _start_dashboard(console, syncer.address, args.dashboard_bind, cluster.client_security())
-        cluster.start_evaluator(extra=["--interval-s", str(args.eval_interval_s), "--num-shards", str(args.learners),
-                                       *data_flags])
-        for i in range(args.learners):
-            cluster.start_learner(i, region="region-a" if i % 2 == 0 else "region-b", extra=[
-                "--steps", str(args.steps), "--num-shards", str(args.learners), "--batch-size", str(args.batch_size),
-                *data_flags,
-                *(["--compilation-cache-dir", args.compilation_cache_dir] if args.compilation_cache_dir else []),
-                # Each learner's resume state (docs/operations.md), kept with the run's other files.
-                "--state-dir", str(cluster.workdir / "state" / f"learner-{i}"),
-            ])
+        _start_workers(args, cluster, data_flags)
         stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address, cluster.client_security()))
-        in_main_loop = True
-        # Live table on a terminal; plain progress lines otherwise (CI logs, pipes).
-        live = None if args.no_live or not console.is_terminal else Live(console=console, refresh_per_second=2)
-        history = open(workdir / "state.jsonl", "a")
-        if live:
-            live.start()
-        last_line = 0.0
-        try:
-            while not interrupted and any(s.alive() for s in cluster.learners()):
-                if time.monotonic() - started > args.timeout_s:
-                    console.print(f"[red]timed out after {args.timeout_s:.0f} s[/]")
-                    interrupted = True
-                    break
-                state = _state(stub)
-                if state is not None:
-                    history.write(json.dumps(report_lib.snapshot_record(state)) + "\n")
-                    history.flush()
-                if state is not None and live:
-                    live.update(render.state_renderable(state, target=syncer.address))
-                elif state is not None and time.monotonic() - last_line > 5:
-                    last_line = time.monotonic()
-                    steps = [m.local_step for m in state.members]
-                    console.print(f"outer steps {state.outer_steps}, learner steps {steps}, "
-                                  f"held-out {state.evals[-1].heldout_loss if state.evals else float('nan'):.4f}")
-                time.sleep(0.5)
-        finally:
-            history.close()
-            if live:
-                live.stop()
+        interrupt.in_main_loop = True
+        _follow(console, args, cluster, stub, syncer.address, workdir, started, interrupt)
         failed = [s.name for s in cluster.learners() if s.proc.returncode not in (0, None)]
-        final_loss = None if interrupted else _final_eval(cluster, args, data_flags)
+        final_loss = None if interrupt.interrupted else _final_eval(cluster, args, data_flags)
         state = _state(stub)
         if state is not None:
             (workdir / "final_state.json").write_text(render.to_json(state))
         summary = _summary(state, final_loss, cluster, time.monotonic() - started)
         summary["data"], summary["loss_unit"] = data_spec.describe(), loss_unit
-        _print_summary(console, summary, interrupted, failed)
+        _print_summary(console, summary, interrupt.interrupted, failed)
         if args.summary_json:
             pathlib.Path(args.summary_json).write_text(json.dumps(summary, indent=2))
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
         console.print(f"plots: ddiloco report {workdir}")
-        return 1 if failed or interrupted else 0
+        return 1 if failed or interrupt.interrupted else 0
     except cluster_lib.ServiceStartError as exc:
         console.print(f"[red]{exc}[/]")
         return 2
@@ -307,6 +260,76 @@ def run(args: argparse.Namespace) -> int:
         if dashboard is not None:
             dashboard.stop()
         cluster.stop_all()
+
+
+def _start_syncer(console: Console, args: argparse.Namespace, cluster: cluster_lib.LocalCluster, run_id: str,
+                  vocab_size: int):
+    """Starts the checkpoint stores and the syncer, and says how to watch it; returns the syncer."""
+    if args.checkpoint_stores < 1:
+        raise cluster_lib.ServiceStartError("--checkpoint-stores must be 1 or more")
+    for index in range(args.checkpoint_stores):
+        cluster.start_store(index=index)
+    syncer = cluster.start_syncer(run_id=run_id, extra=[
+        "--model", args.model, "--model-config", _model_config(args, vocab_size),
+        "--num-fragments", str(args.num_fragments),
+        "--sync-period-steps", str(args.sync_period_steps), "--min-quorum", str(args.min_quorum),
+        "--upload-codec", args.upload_codec,
+    ])
+    tls_hint = ""
+    if cluster.tls_dir is not None:
+        certs = cluster.tls_dir
+        tls_hint = f" --tls-ca {certs}/ca.pem --tls-cert {certs}/operator.pem --tls-key {certs}/operator.key"
+    console.print(f"syncer listening on [bold]{syncer.address}[/]{' (mutual TLS)' if tls_hint else ''}  "
+                  f"(watch it from another terminal: ddiloco status --watch --target {syncer.address}{tls_hint})")
+    return syncer
+
+
+def _start_workers(args: argparse.Namespace, cluster: cluster_lib.LocalCluster, data_flags: list[str]) -> None:
+    """Starts the evaluator and the learners."""
+    cluster.start_evaluator(extra=["--interval-s", str(args.eval_interval_s), "--num-shards", str(args.learners),
+                                   *data_flags])
+    for i in range(args.learners):
+        cluster.start_learner(i, region="region-a" if i % 2 == 0 else "region-b", extra=[
+            "--steps", str(args.steps), "--num-shards", str(args.learners), "--batch-size", str(args.batch_size),
+            *data_flags,
+            *(["--compilation-cache-dir", args.compilation_cache_dir] if args.compilation_cache_dir else []),
+            # Each learner's resume state (docs/operations.md), kept with the run's other files.
+            "--state-dir", str(cluster.workdir / "state" / f"learner-{i}"),
+        ])
+
+
+def _follow(console: Console, args: argparse.Namespace, cluster: cluster_lib.LocalCluster, stub, target: str,
+            workdir: pathlib.Path, started: float, interrupt: _Interrupt) -> None:
+    """Shows the training state (and appends it to state.jsonl) until the learners exit, Ctrl-C, or
+    --timeout-s from `started` (then `interrupt.interrupted` is set)."""
+    # Live table on a terminal; plain progress lines otherwise (CI logs, pipes).
+    live = None if args.no_live or not console.is_terminal else Live(console=console, refresh_per_second=2)
+    history = open(workdir / "state.jsonl", "a")
+    if live:
+        live.start()
+    last_line = 0.0
+    try:
+        while not interrupt.interrupted and any(s.alive() for s in cluster.learners()):
+            if time.monotonic() - started > args.timeout_s:
+                console.print(f"[red]timed out after {args.timeout_s:.0f} s[/]")
+                interrupt.interrupted = True
+                break
+            state = _state(stub)
+            if state is not None:
+                history.write(json.dumps(report_lib.snapshot_record(state)) + "\n")
+                history.flush()
+            if state is not None and live:
+                live.update(render.state_renderable(state, target=target))
+            elif state is not None and time.monotonic() - last_line > 5:
+                last_line = time.monotonic()
+                steps = [m.local_step for m in state.members]
+                console.print(f"outer steps {state.outer_steps}, learner steps {steps}, "
+                              f"held-out {state.evals[-1].heldout_loss if state.evals else float('nan'):.4f}")
+            time.sleep(0.5)
+    finally:
+        history.close()
+        if live:
+            live.stop()
 
 
 def _summary(state, final_loss, cluster, wall_s: float) -> dict:

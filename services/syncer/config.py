@@ -132,9 +132,16 @@ class SyncerConfig:
     json_logs: bool = False
 
     def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"SyncerConfig.{field}={getattr(self, field)!r}: {why}")
+        # Two named halves, checked in this order (the first bad field is the one reported).
+        self._check_protocol()
+        self._check_service()
 
+    def _bad(self, field: str, why: str) -> ValueError:
+        return ValueError(f"SyncerConfig.{field}={getattr(self, field)!r}: {why}")
+
+    def _check_protocol(self) -> None:
+        """The algorithm and wire settings: sizes, rules, codecs, the model and the bind address."""
+        bad = self._bad
         for name in ("num_fragments", "sync_period_steps", "min_quorum", "checkpoint_every_merges",
                      "upload_block_size", "chunk_size_bytes", "max_concurrent_uploads", "merge_history"):
             if getattr(self, name) < 1:
@@ -169,6 +176,10 @@ class SyncerConfig:
             raise bad("model_config", "must be a JSON object")
         if ":" not in self.bind:
             raise bad("bind", "must be host:port")
+
+    def _check_service(self) -> None:
+        """Limits, coordination, robustness, the dp baseline, checkpoints and failpoints."""
+        bad = self._bad
         for name in ("max_concurrent_uploads_per_learner", "norm_bound_min_history", "max_state_watchers",
                      "max_state_watchers_per_identity", "max_fragment_watchers", "max_fragment_watchers_per_identity"):
             if getattr(self, name) < 1:
@@ -294,132 +305,135 @@ def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
     return cfg
 
 
+# The --help text of each flag (flags.parse_dataclass makes one flag per SyncerConfig field).
+_HELPS = {
+    "bind": "host:port to serve gRPC on (port 0: any free port)",
+    "sync_mode": "decoupled (Decoupled DiLoCo); baselines: diloco (classic synchronous DiLoCo: plain mean of the "
+                 "pseudo-gradients with equal weights, i.e. merge rule equal_mean for every tensor whatever "
+                 "--merge-rule says, all fragments together, learners wait, no grace, fp32, no direction check) "
+                 "or dp (data-parallel: gradients every step, AdamW on the syncer, learners wait); set "
+                 "--min-quorum to the number of learners for the baselines",
+    "dp_learning_rate": "dp mode: AdamW peak learning rate on the syncer",
+    "dp_warmup_steps": "dp mode: AdamW linear warmup steps",
+    "dp_decay_steps": "dp mode: cosine-decay the AdamW learning rate to 0.1 x until this step (0: no decay)",
+    "dp_weight_decay": "dp mode: AdamW weight decay (matrices only)",
+    "ready_file": "write {address, pid} JSON here once serving",
+    "run_id": "run name in the checkpoint store; the same id restores the same run",
+    "checkpoint_target": "checkpoint store host:port (empty: no checkpoints); a comma list of stores replicates "
+                         "every checkpoint (docs/failover-stores.md)",
+    "checkpoint_write_quorum": "replicated stores: how many must take each blob and manifest for a checkpoint "
+                               "to count (0: 2 with two or more stores, else 1)",
+    "checkpoint_repair_interval_s": "replicated stores: seconds between background passes that copy what a "
+                                    "store missed from its peers (also run after a commit some store missed)",
+    "checkpoint_every_merges": "checkpoint after this many merges (and on SIGTERM)",
+    "checkpoint_timeout_s": "overall bound for writing one checkpoint, retries included",
+    "restore_timeout_s": "wait this long for the checkpoint store at start, then exit non-zero",
+    "model": "the model: a built-in name (transformer), an installed ddiloco.models plugin or package.module:factory",
+    "model_config": "JSON object overriding the model configuration",
+    "seed": "seed of the initial global parameters",
+    "num_fragments": "P: number of fragments (balanced bin-packing of whole tensors)",
+    "sync_period_steps": "H: each fragment is synchronized every H local steps, staggered",
+    "overlap_steps": "tau: local steps a fragment's communication may overlap (grace window)",
+    "min_quorum": "K: contributions needed before a fragment is merged",
+    "grace_gamma": "gamma: grace window = gamma*(tau*step_time - quorum_time - sync_time)",
+    "max_grace_s": "cap on the grace window in seconds",
+    "upload_codec": f"learner upload codec, one of {codec_lib.CODECS}",
+    "upload_block_size": "values per quantization block for int8/int4/int2 uploads",
+    "download_codec": f"codec of global fragments sent to learners, one of {codec_lib.CODECS}",
+    "zstd_level": "zstd level for uploads and downloads",
+    "chunk_size_bytes": "payload chunk size for upload streams (256 KiB-1 MiB is fastest); downloads use at "
+                        "most 128 KiB (gRPC buffers one chunk per watcher)",
+    "max_staleness_versions": "refuse contributions based more than this many versions back when their upload "
+                              "starts (merges while it streams in and waits do not make it stale)",
+    "mixing_alpha": "the mix on-arrival rule: local*alpha + global*(1-alpha)",
+    "on_arrival": "what learners do with a new global version: rebase (keep un-merged work; default), "
+                  "overwrite (the paper's rule) or mix (alpha-blend, --mixing-alpha)",
+    "round_trigger": "schedule: the syncer opens each fragment's rounds and calls every learner (default); "
+                     "upload: learners contribute on their own counters and a round opens at its first "
+                     "contribution (the previous design, for comparison)",
+    "merge_rule": "merge of non-embedding tensors: rda (radial-directional, weighted), mean (weighted by "
+                  "tokens^2/steps) or equal_mean (plain mean, weights ignored); diloco mode forces equal_mean",
+    "embedding_merge_rule": "merge of embedding tensors: mean, rda or equal_mean; diloco mode forces equal_mean",
+    "outer_lr": "outer Nesterov SGD learning rate",
+    "outer_momentum": "outer Nesterov SGD momentum",
+    "outer_step_fraction": "steps (default): a merge is s = (token-weighted mean inner steps) / H of an "
+                           "outer step: below 1 the momentum decays by mu^s and is carried s times (short "
+                           "rounds add no whole momentum push); above 1 (many rounds' work at once) the "
+                           "momentum takes delta/s; whole: every merge is one outer step (the diloco and dp "
+                           "baselines always)",
+    "token_budget": "end the run once the learners processed this many tokens, all learners and lives together "
+                    "(0: no budget, each learner runs its --steps); learners hear it in their progress reports, "
+                    "contribute their remaining work and leave",
+    "liveness_timeout_s": "a learner silent this long stops counting towards a round's expected size",
+    "max_concurrent_uploads": "uploads in flight at once, over all learners (more wait for a slot: back-pressure, "
+                              "RESOURCE_EXHAUSTED only at the call's deadline)",
+    "merge_history": "merge records kept for the training state",
+    "grace_s": "on shutdown, in-flight RPCs get this many seconds to finish",
+    "metrics_bind": "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9091); empty: no metrics endpoint",
+    "tls_ca": "mutual TLS: CA bundle (PEM) that client certificates must chain to",
+    "tls_cert": "mutual TLS: this syncer's certificate chain (PEM); also its client certificate for the store",
+    "tls_key": "mutual TLS: this syncer's private key (PEM)",
+    "insecure": "serve plaintext without client certificates (local runs only; DDILOCO_INSECURE=1 sets it too)",
+    "auth_tokens_file": "JSON {tokens: {token: kind/name}, revoked: [...]}: accept bearer tokens (re-read on change)",
+    "tls_deny_list": "mutual TLS: file of revoked client certificates, one a line: a serial number in hex or an "
+                     "identity (kind/name); # starts a comment; re-read within a second of a change "
+                     "(`ddiloco certs revoke` appends to it)",
+    "checkpoint_auth_token_file": "file with the bearer token to present to the checkpoint store",
+    "checkpoint_tls_server_name": "mutual TLS: name expected in the store's certificate when it differs from "
+                                  "the host of --checkpoint-target (e.g. checkpoint, as `ddiloco certs` names it)",
+    "health_bind": "also serve gRPC health alone, in plaintext, on host:port (probes without certificates)",
+    "coord_etcd": "leader election among several syncers of this run (docs/failover.md): etcd endpoints "
+                  "host:port[,host:port...]; empty: a single syncer, no election",
+    "coord_lease_s": "leader lease in seconds: a dead leader is replaced, and a leader cut off from etcd "
+                     "stops, within about this long",
+    "coord_prefix": "etcd key prefix for this deployment's leader and commit keys",
+    "coord_advertise": "host:port at which learners reach this syncer, told to them by standbys "
+                       "(default: the address it serves on; bound to 0.0.0.0, this host's address)",
+    "coord_call_timeout_s": "deadline of one etcd call (below half of --coord-lease-s)",
+    "max_concurrent_uploads_per_learner": "uploads in flight at once from one learner (RESOURCE_EXHAUSTED above)",
+    "upload_idle_timeout_s": "refuse an upload stream that sends nothing for this long",
+    "max_state_watchers": "WatchTrainingState streams open at once, over all callers (RESOURCE_EXHAUSTED above)",
+    "max_state_watchers_per_identity": "WatchTrainingState streams open at once per authenticated identity",
+    "max_fragment_watchers": "WatchFragments streams open at once, learners and observers together "
+                             "(RESOURCE_EXHAUSTED above)",
+    "max_fragment_watchers_per_identity": "WatchFragments streams open at once per authenticated identity",
+    "norm_bound_factor": "k: refuse/clip a contribution whose per-step norms (whole fragment, and each tensor of "
+                         ">= 1024 values) exceed k x the median of other learners' recent ones (until there is "
+                         "history: its norm exceeds the global fragment's); also caps a claimed batch (tokens "
+                         "per step, which sets the merge weight) at k x the others' median; 0 disables",
+    "norm_bound_action": "what to do beyond the norm bound: reject (INVALID_ARGUMENT) or clip",
+    "norm_bound_min_history": "other learners' contributions to a fragment needed before per-tensor bounds apply",
+    "quarantine_after": "suspicious uploads (malformed, replayed, beyond the norm bound, pointing away) within "
+                        "--quarantine-window-s that quarantine a learner; 0 never quarantines",
+    "quarantine_window_s": "window for counting suspicious uploads",
+    "quarantine_s": "how long a quarantined learner's uploads are refused; 0 until restart",
+    "direction_check": "off, or reject (INVALID_ARGUMENT, a strike towards quarantine) a contribution whose median "
+                       "cosine with the other learners' latest accepted contributions to the fragment, and the "
+                       "learner's mean over its last 8, are both below --direction-min-cosine (sign-flipped "
+                       "updates); applies once 2 other learners have recent contributions",
+    "direction_judge_wait_s": "how long a contribution with fewer than 2 other learners' recent contributions to "
+                              "compare with (the first ones of a run) waits for them while live learners could "
+                              "send them, so that first contributions judge each other; 0 merges them unjudged",
+    "direction_min_cosine": "threshold of --direction-check (measured: honest learners' recent means >= -0.07, "
+                            "sign-flipped <= -0.61)",
+    "max_merge_share": "no contribution may have more than this share of a merge's total weight (the heaviest "
+                       "is lowered to it); in [0.5, 1], 1: no cap",
+    "max_batch_ratio": "a claimed batch (tokens per step, which sets the merge weight) above this x the other "
+                       "learners' median is clipped to it; 0: --norm-bound-factor",
+    "norm_clip_factor": "median-of-norms clipping: a contribution's per-step norm above this x the other "
+                        "learners' median is scaled down to it (accepted, no strike); 0: off",
+    "merge_ledger": "append one hash-chained JSON record per merge here (contributors, claims, weights, shares, "
+                    "norms, cosines, refusals); `ddiloco audit --ledger` reads it; empty: off",
+    "merge_ledger_max_bytes": "rotate the merge ledger to <file>.1 beyond this size",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "json_logs": "log one JSON object per line",
+    "failpoints": "TESTS ONLY: crash at named points, e.g. syncer.after_quorum=crash@3 (ddiloco.failpoints)",
+    "history_file": "TESTS/CHAOS: append accepted uploads, merges and checkpoints as JSONL here (invariant checks)",
+}
+
+
 def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfig:
     """Parses flags (with DDILOCO_SYNCER_* environment defaults) into a SyncerConfig."""
-    helps = {
-        "bind": "host:port to serve gRPC on (port 0: any free port)",
-        "sync_mode": "decoupled (Decoupled DiLoCo); baselines: diloco (classic synchronous DiLoCo: plain mean of the "
-                     "pseudo-gradients with equal weights, i.e. merge rule equal_mean for every tensor whatever "
-                     "--merge-rule says, all fragments together, learners wait, no grace, fp32, no direction check) "
-                     "or dp (data-parallel: gradients every step, AdamW on the syncer, learners wait); set "
-                     "--min-quorum to the number of learners for the baselines",
-        "dp_learning_rate": "dp mode: AdamW peak learning rate on the syncer",
-        "dp_warmup_steps": "dp mode: AdamW linear warmup steps",
-        "dp_decay_steps": "dp mode: cosine-decay the AdamW learning rate to 0.1 x until this step (0: no decay)",
-        "dp_weight_decay": "dp mode: AdamW weight decay (matrices only)",
-        "ready_file": "write {address, pid} JSON here once serving",
-        "run_id": "run name in the checkpoint store; the same id restores the same run",
-        "checkpoint_target": "checkpoint store host:port (empty: no checkpoints); a comma list of stores replicates "
-                             "every checkpoint (docs/failover-stores.md)",
-        "checkpoint_write_quorum": "replicated stores: how many must take each blob and manifest for a checkpoint "
-                                   "to count (0: 2 with two or more stores, else 1)",
-        "checkpoint_repair_interval_s": "replicated stores: seconds between background passes that copy what a "
-                                        "store missed from its peers (also run after a commit some store missed)",
-        "checkpoint_every_merges": "checkpoint after this many merges (and on SIGTERM)",
-        "checkpoint_timeout_s": "overall bound for writing one checkpoint, retries included",
-        "restore_timeout_s": "wait this long for the checkpoint store at start, then exit non-zero",
-        "model": "the model: a built-in name (transformer), an installed ddiloco.models plugin or package.module:factory",
-        "model_config": "JSON object overriding the model configuration",
-        "seed": "seed of the initial global parameters",
-        "num_fragments": "P: number of fragments (balanced bin-packing of whole tensors)",
-        "sync_period_steps": "H: each fragment is synchronized every H local steps, staggered",
-        "overlap_steps": "tau: local steps a fragment's communication may overlap (grace window)",
-        "min_quorum": "K: contributions needed before a fragment is merged",
-        "grace_gamma": "gamma: grace window = gamma*(tau*step_time - quorum_time - sync_time)",
-        "max_grace_s": "cap on the grace window in seconds",
-        "upload_codec": f"learner upload codec, one of {codec_lib.CODECS}",
-        "upload_block_size": "values per quantization block for int8/int4/int2 uploads",
-        "download_codec": f"codec of global fragments sent to learners, one of {codec_lib.CODECS}",
-        "zstd_level": "zstd level for uploads and downloads",
-        "chunk_size_bytes": "payload chunk size for upload streams (256 KiB-1 MiB is fastest); downloads use at "
-                            "most 128 KiB (gRPC buffers one chunk per watcher)",
-        "max_staleness_versions": "refuse contributions based more than this many versions back when their upload "
-                                  "starts (merges while it streams in and waits do not make it stale)",
-        "mixing_alpha": "the mix on-arrival rule: local*alpha + global*(1-alpha)",
-        "on_arrival": "what learners do with a new global version: rebase (keep un-merged work; default), "
-                      "overwrite (the paper's rule) or mix (alpha-blend, --mixing-alpha)",
-        "round_trigger": "schedule: the syncer opens each fragment's rounds and calls every learner (default); "
-                         "upload: learners contribute on their own counters and a round opens at its first "
-                         "contribution (the previous design, for comparison)",
-        "merge_rule": "merge of non-embedding tensors: rda (radial-directional, weighted), mean (weighted by "
-                      "tokens^2/steps) or equal_mean (plain mean, weights ignored); diloco mode forces equal_mean",
-        "embedding_merge_rule": "merge of embedding tensors: mean, rda or equal_mean; diloco mode forces equal_mean",
-        "outer_lr": "outer Nesterov SGD learning rate",
-        "outer_momentum": "outer Nesterov SGD momentum",
-        "outer_step_fraction": "steps (default): a merge is s = (token-weighted mean inner steps) / H of an "
-                               "outer step: below 1 the momentum decays by mu^s and is carried s times (short "
-                               "rounds add no whole momentum push); above 1 (many rounds' work at once) the "
-                               "momentum takes delta/s; whole: every merge is one outer step (the diloco and dp "
-                               "baselines always)",
-        "token_budget": "end the run once the learners processed this many tokens, all learners and lives together "
-                        "(0: no budget, each learner runs its --steps); learners hear it in their progress reports, "
-                        "contribute their remaining work and leave",
-        "liveness_timeout_s": "a learner silent this long stops counting towards a round's expected size",
-        "max_concurrent_uploads": "uploads in flight at once, over all learners (more wait for a slot: back-pressure, "
-                                  "RESOURCE_EXHAUSTED only at the call's deadline)",
-        "merge_history": "merge records kept for the training state",
-        "grace_s": "on shutdown, in-flight RPCs get this many seconds to finish",
-        "metrics_bind": "serve Prometheus metrics on host:port (e.g. 0.0.0.0:9091); empty: no metrics endpoint",
-        "tls_ca": "mutual TLS: CA bundle (PEM) that client certificates must chain to",
-        "tls_cert": "mutual TLS: this syncer's certificate chain (PEM); also its client certificate for the store",
-        "tls_key": "mutual TLS: this syncer's private key (PEM)",
-        "insecure": "serve plaintext without client certificates (local runs only; DDILOCO_INSECURE=1 sets it too)",
-        "auth_tokens_file": "JSON {tokens: {token: kind/name}, revoked: [...]}: accept bearer tokens (re-read on change)",
-        "tls_deny_list": "mutual TLS: file of revoked client certificates, one a line: a serial number in hex or an "
-                         "identity (kind/name); # starts a comment; re-read within a second of a change "
-                         "(`ddiloco certs revoke` appends to it)",
-        "checkpoint_auth_token_file": "file with the bearer token to present to the checkpoint store",
-        "checkpoint_tls_server_name": "mutual TLS: name expected in the store's certificate when it differs from "
-                                      "the host of --checkpoint-target (e.g. checkpoint, as `ddiloco certs` names it)",
-        "health_bind": "also serve gRPC health alone, in plaintext, on host:port (probes without certificates)",
-        "coord_etcd": "leader election among several syncers of this run (docs/failover.md): etcd endpoints "
-                      "host:port[,host:port...]; empty: a single syncer, no election",
-        "coord_lease_s": "leader lease in seconds: a dead leader is replaced, and a leader cut off from etcd "
-                         "stops, within about this long",
-        "coord_prefix": "etcd key prefix for this deployment's leader and commit keys",
-        "coord_advertise": "host:port at which learners reach this syncer, told to them by standbys "
-                           "(default: the address it serves on; bound to 0.0.0.0, this host's address)",
-        "coord_call_timeout_s": "deadline of one etcd call (below half of --coord-lease-s)",
-        "max_concurrent_uploads_per_learner": "uploads in flight at once from one learner (RESOURCE_EXHAUSTED above)",
-        "upload_idle_timeout_s": "refuse an upload stream that sends nothing for this long",
-        "max_state_watchers": "WatchTrainingState streams open at once, over all callers (RESOURCE_EXHAUSTED above)",
-        "max_state_watchers_per_identity": "WatchTrainingState streams open at once per authenticated identity",
-        "max_fragment_watchers": "WatchFragments streams open at once, learners and observers together "
-                                 "(RESOURCE_EXHAUSTED above)",
-        "max_fragment_watchers_per_identity": "WatchFragments streams open at once per authenticated identity",
-        "norm_bound_factor": "k: refuse/clip a contribution whose per-step norms (whole fragment, and each tensor of "
-                             ">= 1024 values) exceed k x the median of other learners' recent ones (until there is "
-                             "history: its norm exceeds the global fragment's); also caps a claimed batch (tokens "
-                             "per step, which sets the merge weight) at k x the others' median; 0 disables",
-        "norm_bound_action": "what to do beyond the norm bound: reject (INVALID_ARGUMENT) or clip",
-        "norm_bound_min_history": "other learners' contributions to a fragment needed before per-tensor bounds apply",
-        "quarantine_after": "suspicious uploads (malformed, replayed, beyond the norm bound, pointing away) within "
-                            "--quarantine-window-s that quarantine a learner; 0 never quarantines",
-        "quarantine_window_s": "window for counting suspicious uploads",
-        "quarantine_s": "how long a quarantined learner's uploads are refused; 0 until restart",
-        "direction_check": "off, or reject (INVALID_ARGUMENT, a strike towards quarantine) a contribution whose median "
-                           "cosine with the other learners' latest accepted contributions to the fragment, and the "
-                           "learner's mean over its last 8, are both below --direction-min-cosine (sign-flipped "
-                           "updates); applies once 2 other learners have recent contributions",
-        "direction_judge_wait_s": "how long a contribution with fewer than 2 other learners' recent contributions to "
-                                  "compare with (the first ones of a run) waits for them while live learners could "
-                                  "send them, so that first contributions judge each other; 0 merges them unjudged",
-        "direction_min_cosine": "threshold of --direction-check (measured: honest learners' recent means >= -0.07, "
-                                "sign-flipped <= -0.61)",
-        "max_merge_share": "no contribution may have more than this share of a merge's total weight (the heaviest "
-                           "is lowered to it); in [0.5, 1], 1: no cap",
-        "max_batch_ratio": "a claimed batch (tokens per step, which sets the merge weight) above this x the other "
-                           "learners' median is clipped to it; 0: --norm-bound-factor",
-        "norm_clip_factor": "median-of-norms clipping: a contribution's per-step norm above this x the other "
-                            "learners' median is scaled down to it (accepted, no strike); 0: off",
-        "merge_ledger": "append one hash-chained JSON record per merge here (contributors, claims, weights, shares, "
-                        "norms, cosines, refusals); `ddiloco audit --ledger` reads it; empty: off",
-        "merge_ledger_max_bytes": "rotate the merge ledger to <file>.1 beyond this size",
-        "log_level": "DEBUG, INFO, WARNING or ERROR",
-        "json_logs": "log one JSON object per line",
-        "failpoints": "TESTS ONLY: crash at named points, e.g. syncer.after_quorum=crash@3 (ddiloco.failpoints)",
-        "history_file": "TESTS/CHAOS: append accepted uploads, merges and checkpoints as JSONL here (invariant checks)",
-    }
     environ = security.with_shared_insecure(environ, "DDILOCO_SYNCER_")
     cfg = flags.parse_dataclass(
         SyncerConfig,
@@ -427,7 +441,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> SyncerConfi
         description="The Decoupled DiLoCo syncer: merges pseudo-gradient fragments from learners "
         "and streams new global fragments back.",
         env_prefix="DDILOCO_SYNCER_",
-        helps=helps,
+        helps=_HELPS,
         argv=argv,
         environ=environ,
     )

@@ -109,3 +109,91 @@ def test_the_architecture_doc_shows_the_imports_as_they_are():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     shown = doc.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].strip()
     assert shown == out.stdout.strip(), f"docs/architecture.md is stale; the table now reads:\n{out.stdout}"
+
+
+# ----------------------------------------------------------------------------- sizes (issue 22)
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+SIZE_SCOPE = ("ddiloco", "services", "tests", "scripts")
+GENERATED = ("ddiloco/v1/",)  # protoc output
+
+# The offenders kept for now, each with why. Keys: "path" (a module over MAX_MODULE_LINES) or
+# "path::Qualified.name" (a function over MAX_FUNCTION_LINES). A new offender fails the test below;
+# remove an entry when its file is split.
+SIZE_EXCEPTIONS = {
+    "ddiloco/bench/perf.py": "being changed by another engineer this session (issue 22 slices); split after the merge",
+    "ddiloco/bench/perf.py::_learner_run": "as ddiloco/bench/perf.py",
+    "ddiloco/bench/perf.py::_markdown": "as ddiloco/bench/perf.py",
+    "ddiloco/chaos/harness.py": "being changed by another engineer this session; split after the merge",
+    "ddiloco/wire/codec.py": "being changed by another engineer this session; split after the merge",
+    "ddiloco/wire/codec.py::_deserialize": "as ddiloco/wire/codec.py",
+    "services/learner/client.py": "being changed by another engineer this session; split after the merge",
+    "services/learner/client.py::SyncClient._upload": "as services/learner/client.py",
+    "services/syncer/__main__.py::serve": "being changed by another engineer this session; split after the merge",
+    "services/syncer/metrics.py::_StateCollector.collect": "being changed by another engineer this session",
+    "ddiloco/algo/outer.py::OuterStepper.step_scaled": "not in this session's slices (83 lines): split when next touched",
+    "ddiloco/sim/cli.py::_markdown": "not in this session's slices: the report text, split when next touched",
+    "ddiloco/sim/model.py::simulate_unit": "not in this session's slices: split when next touched",
+    "services/learner/__main__.py::run": "not in this session's slices (the learner's start-up): split when next "
+                                         "touched",
+    "tests/docker/test_compose_monitoring.py::_scenario": "not in this session's slices: one compose scenario",
+    "tests/k8s/test_chart.py": "not in this session's slices: the chart's tests, split by topic when next touched",
+    "tests/security/test_auth.py::test_mutual_tls_identities_roles_and_handshake_failures":
+        "not in this session's slices (84 lines): one end-to-end mTLS scenario",
+}
+
+
+def _long_functions(node, prefix: str = ""):
+    """(qualified name, lines) of every function under `node` longer than MAX_FUNCTION_LINES."""
+    import ast
+
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = prefix + child.name
+            length = child.end_lineno - child.lineno + 1
+            if not isinstance(child, ast.ClassDef) and length > MAX_FUNCTION_LINES:
+                yield name, length
+            yield from _long_functions(child, name + ".")
+        else:
+            yield from _long_functions(child, prefix)
+
+
+def size_offenders(tree: pathlib.Path) -> dict[str, int]:
+    """Every module over MAX_MODULE_LINES and function over MAX_FUNCTION_LINES under `tree`'s
+    SIZE_SCOPE folders (generated code excluded), as SIZE_EXCEPTIONS keys -> line counts."""
+    import ast
+
+    found: dict[str, int] = {}
+    for folder in SIZE_SCOPE:
+        for path in sorted((tree / folder).rglob("*.py")):
+            rel = path.relative_to(tree).as_posix()
+            if rel.startswith(GENERATED) or "__pycache__" in rel:
+                continue
+            source = path.read_text()
+            if len(source.splitlines()) > MAX_MODULE_LINES:
+                found[rel] = len(source.splitlines())
+            for name, length in _long_functions(ast.parse(source)):
+                found[f"{rel}::{name}"] = length
+    return found
+
+
+def test_no_new_module_over_600_lines_or_function_over_80():
+    new = {key: lines for key, lines in size_offenders(ROOT).items() if key not in SIZE_EXCEPTIONS}
+    assert new == {}, ("split these (docs/architecture.md, 'Sizes'), or, if there is a reason to keep one, "
+                       f"list it with the reason in SIZE_EXCEPTIONS: {new}")
+
+
+def test_the_size_check_catches_a_long_module_and_a_long_method(tmp_path):
+    # The negative case: an 81-line method and a 601-line module are reported; an 80-line function
+    # and a 600-line module are not.
+    body = "\n".join(f"    x{i} = {i}" for i in range(79))
+    long_method = "class C:\n    def grown(self):\n" + body.replace("    ", "        ") + "\n        return x0\n"
+    fits = f"def fits():\n{body}\n"
+    for folder, name, text, lines in (("ddiloco", "long.py", long_method + fits, 601), ("services", "ok.py", fits, 600)):
+        (tmp_path / folder).mkdir()
+        padding = "\n" * (lines - len(text.splitlines()) - 1)
+        (tmp_path / folder / name).write_text(text + padding + "# last line\n")
+        assert len((tmp_path / folder / name).read_text().splitlines()) == lines
+    found = size_offenders(tmp_path)
+    assert found == {"ddiloco/long.py": 601, "ddiloco/long.py::C.grown": 81}, found
