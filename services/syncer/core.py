@@ -89,6 +89,15 @@ def _outer_steppers(plan: fragments_lib.FragmentPlan, outer_lr: float, outer_mom
 class SyncerCore:
     """The syncer's state machine. See the module docstring for the concurrency model."""
 
+    # See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
+    # `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own
+    # outer optimizer (the data-parallel baseline's AdamW); by default every fragment shares
+    # Nesterov SGD with `outer_lr` and `outer_momentum`. `max_decoding`: contributions between
+    # decode and fold-in at once (default: see Admission). `round_trigger`: "schedule" (decoupled
+    # mode: rounds open on the syncer's schedule, ddiloco.algo.rounds) or "upload" (a round opens with
+    # its first contribution; the synchronous modes, whose learners upload together, always use it).
+    # `outer_step_fraction`: "whole" or "steps" (see Rounds._step_fraction). `token_budget`: the run
+    # ends once tokens_processed() reaches it (0: never; see budget_reached).
     def __init__(
         self,
         *,
@@ -115,15 +124,6 @@ class SyncerCore:
         outer_step_fraction: str = "whole",
         token_budget: int = 0,
     ) -> None:
-        """See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
-        `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own
-        outer optimizer (the data-parallel baseline's AdamW); by default every fragment shares
-        Nesterov SGD with `outer_lr` and `outer_momentum`. `max_decoding`: contributions between
-        decode and fold-in at once (default: see Admission). `round_trigger`: "schedule" (decoupled
-        mode: rounds open on the syncer's schedule, ddiloco.algo.rounds) or "upload" (a round opens with
-        its first contribution; the synchronous modes, whose learners upload together, always use it).
-        `outer_step_fraction`: "whole" or "steps" (see Rounds._step_fraction). `token_budget`: the run
-        ends once tokens_processed() reaches it (0: never; see budget_reached)."""
         _check_knobs(round_trigger, outer_step_fraction, token_budget)
         self.token_budget = token_budget
         self.config = run_config
