@@ -191,6 +191,44 @@ def check_uploads(syncer_records: Sequence[dict], learner_records: Mapping[str, 
     return check
 
 
+# The codes a learner records on a `failed` upload whose call ended without the syncer's verdict
+# (services/learner/client.py _OUTCOME_UNKNOWN: a reset or cancelled stream, a server going away
+# mid-write): the upload may or may not have been taken, and the learner sends the same job again
+# (idempotent on its key), or drops it once its syncer life is gone.
+OUTCOME_UNKNOWN_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"})
+
+
+def upload_failures(syncer_records: Sequence[dict], learner_records: Mapping[str, Sequence[dict]]) -> dict:
+    """Uploads that ended without an acknowledgement, by what that means (figures, not an invariant).
+
+      * gave_up: `failed` without a code: the learner's bounded retries ran out;
+      * refused_deadline: the syncer's verdict DEADLINE_EXCEEDED;
+      * outcome_unknown: `failed` with an outcome-unknown code. Not a loss by itself: if the syncer
+        recorded accepting its key (`taken`), I1 accounts for it like any accepted upload (merged,
+        pending, or lost with a crashed life, else a violation); if not (`not_taken`), nothing of it
+        was applied and the learner sent it again or, its syncer life gone, dropped it.
+      * by_code: outcome_unknown per status code.
+    A rolling restart of the syncer may end uploads in flight this way (the server stops mid-write);
+    counting them as losses is what made row 5 flaky.
+    """
+    accepted = {_key(r["instance"], r["learner"], r["incarnation"], r["fragment"], r["base_version"])
+                for r in syncer_records if r["event"] == "accepted"}
+    out = {"gave_up": 0, "refused_deadline": 0, "outcome_unknown": 0, "taken": 0, "not_taken": 0, "by_code": {}}
+    for records in learner_records.values():
+        for rec in records:
+            code = rec.get("code")
+            if rec["event"] == "refused" and code == "DEADLINE_EXCEEDED":
+                out["refused_deadline"] += 1
+            elif rec["event"] == "failed" and code not in OUTCOME_UNKNOWN_CODES:
+                out["gave_up"] += 1
+            elif rec["event"] == "failed":
+                out["outcome_unknown"] += 1
+                out["by_code"][code] = out["by_code"].get(code, 0) + 1
+                key = _key(rec["instance"], rec["learner"], rec["incarnation"], rec["fragment"], rec["base_version"])
+                out["taken" if key in accepted else "not_taken"] += 1
+    return out
+
+
 def check_versions(syncer_records: Sequence[dict]) -> Check:
     """I2: versions +1 per merge within a life, >= K contributors, restarts from real, durable states."""
     check = Check("I2 versions increase, quorum respected, restarts from durable states")

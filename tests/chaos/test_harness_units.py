@@ -169,6 +169,33 @@ def test_i1_counts_uploads_dropped_or_rolled_back_by_a_syncer_crash_without_fail
     assert check.figures["rolled_back"] == 2 and check.figures["lost_on_syncer_crash"] == 1
 
 
+def _failed(inst, learner, frag, base, code=None):
+    rec = {"event": "failed", "t": 0, "learner": learner, "incarnation": 1, "instance": inst, "fragment": frag,
+           "base_version": base, "sent_at": 0}
+    return rec if code is None else {**rec, "code": code}
+
+
+def test_upload_failures_tell_an_unknown_outcome_from_a_failure():
+    # A rolling restart (row 5): A stops serving while l0's and l1's uploads are in flight. A took
+    # l0's (accepted, left pending at the graceful shutdown) before its stream was cut; l1's
+    # never arrived. Both learners recorded `failed` with an outcome-unknown code: no loss (I1
+    # holds), and neither may count as a failed upload (it did, in CI's row 5).
+    syncer = [_start("A", 0, {0: 0}), _acc("A", 1, "l0", 0, 0),
+              {"event": "shutdown", "t": 2, "instance": "A", "pending": [[0, "l0", 1, 0]]},
+              _start("B", 3, {0: 0}, restored=True)]
+    learners = {"l0": [_failed("A", "l0", 0, 0, "CANCELLED")], "l1": [_failed("A", "l1", 0, 0, "UNAVAILABLE")]}
+    assert invariants.check_uploads(syncer, learners).ok
+    failures = invariants.upload_failures(syncer, learners)
+    assert failures["gave_up"] == failures["refused_deadline"] == 0, failures
+    assert failures["outcome_unknown"] == 2 and failures["taken"] == 1 and failures["not_taken"] == 1, failures
+    assert failures["by_code"] == {"CANCELLED": 1, "UNAVAILABLE": 1}
+    # Retries that ran out, and the syncer's DEADLINE_EXCEEDED verdict, are failures.
+    learners["l1"] += [_failed("B", "l1", 0, 0), {**_failed("B", "l1", 0, 1), "event": "refused",
+                                                  "code": "DEADLINE_EXCEEDED"}]
+    failures = invariants.upload_failures(syncer, learners)
+    assert failures["gave_up"] == 1 and failures["refused_deadline"] == 1 and failures["outcome_unknown"] == 2
+
+
 def test_i2_finds_version_gaps_small_quorums_and_restores_of_unknown_states():
     syncer = [
         _start("A", 0, {0: 0, 1: 0}),

@@ -18,9 +18,10 @@ from ddiloco.chaos.schedule import FaultEvent
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(300)]
 
 
-def test_step_gated_faults_fire_at_the_target_learners_step(tmp_path, jax_cache):
+def test_step_gated_faults_fire_at_the_target_learners_step(tmp_path, jax_cache, learner_compilation_cache):
     scenario = harness.Scenario(name="step-gated", seed=1, learners=2, min_quorum=2, steps=200, step_delay_s=0.03,
                                 syncer_args=(*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", "diloco"),
+                                learner_args=("--compilation-cache-dir", str(learner_compilation_cache)),
                                 finish_grace_s=5.0, max_wall_s=240.0)
     events = [FaultEvent(0.0, "kill", "learner-1", {"restart_after_s": 0.5}, at_step=60),
               FaultEvent(0.0, "stop", "learner-0", {"duration_s": 1.0}, at_step=120)]
