@@ -284,24 +284,27 @@ def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
       refused or quarantined learner stops every later round, and an honest learner on an
       outlying data shard can point away from the others (a 32-learner run of `ddiloco bench
       goodput` quarantined one, median cosine -0.71 on a fragment of biases and norms, and
-      stalled for good). The norm bound stays.
+      stalled for good). The norm bound stays; the influence bounds of the decoupled mode (per-step
+      norm clipping against the others' median, the merge weight share cap) are off: the weights
+      are equal, and a learner with few steps has a large per-step norm without being hostile.
     * dp: one fragment synced every step (P = H = 1, tau = 0), no grace window, fp32, plain mean
       of the gradients, no staleness (a gradient must be on the current parameters), no norm
-      bound and no direction check (single-step gradients are too noisy to compare); the
-      syncer's outer optimizer is AdamW with the dp_* settings. Set --min-quorum to the number
-      of learners.
+      bound, no direction check (single-step gradients are too noisy to compare) and no influence
+      bounds; the syncer's outer optimizer is AdamW with the dp_* settings. Set --min-quorum to
+      the number of learners.
     * decoupled: unchanged.
     """
     if cfg.sync_mode == "diloco":
         return dataclasses.replace(cfg, grace_gamma=0.0, max_grace_s=0.0, upload_codec="fp32",
                                    download_codec="fp32", mixing_alpha=0.0, direction_check="off",
                                    merge_rule="equal_mean", embedding_merge_rule="equal_mean",
-                                   outer_step_fraction="whole")
+                                   outer_step_fraction="whole", norm_clip_factor=0.0, max_merge_share=1.0)
     if cfg.sync_mode == "dp":
         return dataclasses.replace(cfg, num_fragments=1, sync_period_steps=1, overlap_steps=0, grace_gamma=0.0,
                                    max_grace_s=0.0, upload_codec="fp32", download_codec="fp32", mixing_alpha=0.0,
                                    merge_rule="mean", embedding_merge_rule="mean", max_staleness_versions=0,
-                                   norm_bound_factor=0.0, direction_check="off", outer_step_fraction="whole")
+                                   norm_bound_factor=0.0, direction_check="off", outer_step_fraction="whole",
+                                   norm_clip_factor=0.0, max_merge_share=1.0)
     return cfg
 
 

@@ -32,7 +32,8 @@ from tests.fakes import SPECS, join, make_core, settle, upload
 def _core(clock, cfg: config_lib.SyncerConfig, **overrides) -> core_lib.SyncerCore:
     """The core as the syncer builds it from `cfg`: its outer step and grace window."""
     return make_core(clock, config=cfg, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-                     grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s, **overrides)
+                     grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
+                     **({"norm_bound": cfg.norm_bound} | overrides))
 
 
 def _decode(encoded: codec_lib.EncodedPayload) -> np.ndarray:

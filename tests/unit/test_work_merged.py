@@ -18,6 +18,7 @@ from ddiloco.cli import render
 from ddiloco.cli import up as up_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
+from services.syncer import influence as influence_lib
 from services.syncer import metrics as syncer_metrics
 
 
@@ -124,11 +125,12 @@ def test_up_summary_prints_work_merged(tmp_path):
 
 
 class _FakeCore:
-    """What SyncerMetrics reads: observers and training_state(recent_merges)."""
+    """What SyncerMetrics reads: observers, training_state(recent_merges) and the influence counts."""
 
     def __init__(self, state: syncer_pb2.TrainingState) -> None:
         self.observers: list = []
         self.state = state
+        self.influence = influence_lib.Influence(run_id="run", instance="fake")
 
     def training_state(self, recent_merges: int) -> syncer_pb2.TrainingState:
         return self.state
