@@ -113,18 +113,27 @@ def test_big_and_small_units_merge_in_proportion_to_tokens(cluster):
     both, equal_steps_ratios = 0, []
     for record in state.recent_merges:
         by_learner = {}
+        raw = {c.learner_id: c.tokens**2 / c.steps for c in record.contributors}  # the paper's weight
         for c in record.contributors:
             assert c.tokens == c.steps * per_step[c.learner_id], c
-            assert c.weight == pytest.approx(c.tokens**2 / c.steps, rel=1e-9), c
+            # The shipped share cap (--max-merge-share 0.5, docs/security.md): in a merge of several, a
+            # contribution weighs at most the others together; a lone contribution is not capped.
+            others = sum(raw.values()) - raw[c.learner_id]
+            expected = min(raw[c.learner_id], others) if len(raw) > 1 else raw[c.learner_id]
+            assert c.weight == pytest.approx(expected, rel=1e-9), (c, raw)
             by_learner[c.learner_id] = c
         if len(by_learner) == 2:
             both += 1
             a, b = by_learner["learner-0"], by_learner["learner-1"]
-            assert a.weight / b.weight == pytest.approx((a.tokens**2 / a.steps) / (b.tokens**2 / b.steps), rel=1e-9)
             if a.steps == b.steps:
-                equal_steps_ratios.append(a.weight / b.weight)
+                equal_steps_ratios.append(raw["learner-0"] / raw["learner-1"])
+                assert a.weight == pytest.approx(b.weight, rel=1e-9)  # 16x capped to the other's weight
     assert both >= 4, [list(r.contributors) for r in state.recent_merges]
     assert equal_steps_ratios, "no merge where both contributed the same number of steps"
+    # tokens²/steps: a 4x batch is 16x the weight before the cap (the tokens the unit reports are its whole batch).
     assert all(r == pytest.approx(16.0) for r in equal_steps_ratios), equal_steps_ratios
-    # Nothing was capped, clipped or refused as hostile (default norm bound, weight cap, direction check).
-    assert not {k: v for k, v in state.uploads.items() if k != "accepted" and v and k != "duplicate"}, state.uploads
+    # Nothing was refused or capped as hostile (default norm bound, weight cap, direction check). The
+    # median-of-norms clip (--norm-clip-factor 4) may scale down a contribution of few steps, whose
+    # per-step norm is high (norms grow slower than steps): a known cost of that bound, at most a few.
+    others = {k: v for k, v in state.uploads.items() if k not in ("accepted", "duplicate", "clipped_norm") and v}
+    assert not others and state.uploads.get("clipped_norm", 0) <= 0.05 * state.uploads["accepted"], state.uploads
