@@ -310,3 +310,40 @@ async def _repair(addresses: Sequence[str], run_id: str) -> list[str]:
     finally:
         for ch in channels.values():
             await ch.close()
+
+
+def outage_summary(workdir: str | pathlib.Path) -> str:
+    """A markdown table of what each fault of a hub run did to merging, computed from the run's
+    report.json and syncer history: for a syncer fault, whether the killed syncer led (the next
+    merge came from another syncer life) and the time from the fault to that next merge; for the
+    other faults, the merges and checkpoints made while the fault lasted (injection to heal) and
+    the longest gap between merges in that window."""
+    from ddiloco import history as history_lib
+
+    workdir = pathlib.Path(workdir)
+    report = json.loads((workdir / "report.json").read_text())
+    history = history_lib.read(workdir / "history" / "syncer.jsonl")
+    merges = [r for r in history if r["event"] == "merged"]
+    checkpoints = [r["t"] for r in history if r["event"] == "checkpoint"]
+    t0 = report["t0"]
+    rows = ["| t (s) | fault | target | lasted (s) | effect |", "|---|---|---|---|---|"]
+    for f in report["faults"]:
+        at, healed = f["at"], f["healed_at"] or f["at"]
+        before = [r for r in merges if r["t"] <= at]
+        after = next((r for r in merges if r["t"] > at), None)
+        if f["target"].startswith("syncer") and f["scheduled"]:
+            if after is None:
+                effect = "no merge after it"
+            elif before and after["instance"] != before[-1]["instance"]:
+                effect = f"**leader**: next merge by the new leader {after['t'] - at:.2f} s after the fault"
+            else:
+                effect = f"standby: next merge {after['t'] - at:.2f} s after the fault"
+        else:
+            times = [at] + [r["t"] for r in merges if at < r["t"] <= healed] + [healed]
+            gap = max(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else 0.0
+            during = sum(1 for r in merges if at < r["t"] <= healed)
+            ckpts = sum(1 for t in checkpoints if at < t <= healed)
+            effect = f"{during} merges, {ckpts} checkpoints while it lasted; longest merge gap {gap:.2f} s"
+        kind = f["kind"] if f["scheduled"] else f"crash ({f['detail']})"
+        rows.append(f"| {at - t0:.1f} | {kind} | {f['target']} | {healed - at:.1f} | {effect} |")
+    return "\n".join(rows) + "\n"
