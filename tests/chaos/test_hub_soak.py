@@ -13,6 +13,8 @@ one (I6). I5 (the loss) needs the fault-free twin and is left to the full soak
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ddiloco.chaos import harness, scenarios
@@ -36,3 +38,9 @@ def test_hub_soak_short_keeps_every_invariant_across_syncers_stores_and_etcd(tmp
         assert check.figures["checkpoints"] > 0 and check.figures["loadable"] == check.figures["checkpoints"], check
     assert result.check("I3").figures["hash_equal"] == scenario.learners, result.report_line
     assert result.check("I6").figures["epochs"] >= 2, result.check("I6")  # a failover happened
+    # Every manifest on either store carries the epoch of the leader that wrote it (the stores keep
+    # one lineage per run: services/checkpoint/store.py).
+    for store in ("store-a", "store-b"):
+        manifests = sorted((tmp_path / "hub" / "cluster" / store / "manifests" / "chaos-hub-soak-short").glob("*.json"))
+        epochs = [int(json.loads(m.read_text())["metadata"].get("leader_epoch", "0")) for m in manifests]
+        assert manifests and min(epochs) > 0 and epochs == sorted(epochs), (store, epochs)
