@@ -308,7 +308,7 @@ class BlobStore:
         with self._lock:
             self._check_blobs_locked(record, "upload it before committing")
             steps = self._steps(run_id)
-            newest_epoch = max(self._epochs_locked(run_id, steps).values(), default=0)
+            newest_epoch = self._epoch_at_locked(run_id, steps[-1]) if steps else 0
             if manifest_epoch(record) < newest_epoch:
                 raise errors.FailedPrecondition(
                     f"run {run_id}: step {step} comes from leader epoch {manifest_epoch(record)}, "
@@ -355,13 +355,14 @@ class BlobStore:
         with self._lock:
             self._check_blobs_locked(record, "copy the blobs before the manifest")
             steps = self._steps(run_id)
-            epochs = self._epochs_locked(run_id, steps)
-            if any(e > epoch and s <= step for s, e in epochs.items()):
+            below = [s for s in steps if s <= step]
+            above = [s for s in steps if s >= step]
+            if below and self._epoch_at_locked(run_id, below[-1]) > epoch:
                 # A newer leader's lineage forked at or before this step: a deposed leader's
                 # manifest, which a peer still holds. Dropped, as retention would drop it.
                 _LOG.warning("not restoring run=%s step=%d: epoch %d is superseded", run_id, step, epoch)
                 return False, False
-            if any(e < epoch and s >= step for s, e in epochs.items()):
+            if above and self._epoch_at_locked(run_id, above[0]) < epoch:
                 steps = self._supersede_locked(run_id, steps, step)
             if step in steps:
                 if self._same_content(self._load(run_id, step), record):
@@ -497,13 +498,11 @@ class BlobStore:
     def _same_content(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         return a["blobs"] == b["blobs"] and a["metadata"] == b["metadata"]
 
-    def _epochs_locked(self, run_id: str, steps: Sequence[int]) -> dict[int, int]:
-        """{step: leader epoch} of the run's retained manifests. NOTE: call with the lock held."""
-        epochs = {}
-        for step in steps:
-            with contextlib.suppress(errors.NotFound):
-                epochs[step] = manifest_epoch(self._load(run_id, step))
-        return epochs
+    def _epoch_at_locked(self, run_id: str, step: int) -> int:
+        """The leader epoch of the run's manifest at `step`. Since a run's retained manifests form
+        one lineage (epochs never decrease as steps grow), the manifests next to a step say all
+        about the epochs before and after it. NOTE: call with the lock held."""
+        return manifest_epoch(self._load(run_id, step))
 
     def _supersede_locked(self, run_id: str, steps: list[int], from_step: int) -> list[int]:
         """Moves the run's manifests at steps >= `from_step` (older epochs: a deposed leader's)
