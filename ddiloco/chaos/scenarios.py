@@ -209,6 +209,11 @@ HUB_MIX = {
     "store": {"kill": 2, "wipe": 1},
     "etcd": {"kill": 1},
 }
+# After a store's disk is wiped, neither store is faulted for this long: the syncer's repair (on the
+# store's return, and every --checkpoint-repair-interval-s) rebuilds it from its peer first. The
+# first full soak wiped store-b and, 10 s later, store-a: no copy of the committed checkpoint was
+# left, and every syncer then refused to lead (LookupError), as it must.
+HUB_WIPE_REPAIR_S = 30.0
 HUB_SOAK_DURATION_S = 150.0
 HUB_SOAK_MTBF_S = 3.0
 
@@ -216,7 +221,8 @@ HUB_SOAK_MTBF_S = 3.0
 def _hub(name: str, seed: int, *, duration_s: float, mtbf_s: float, steps: int, max_wall_s: float):
     events = schedule_lib.kill_loop(seed=seed, duration_s=duration_s, mtbf_s=mtbf_s, learners=3,
                                     services=schedule_lib.HUB_SERVICES, mix=HUB_MIX, max_learners_down=1,
-                                    cooldown_s=2.0, max_fault_s=4.0, exclusive=("etcd-", "store-", "syncer-"))
+                                    cooldown_s=2.0, max_fault_s=4.0, exclusive=("etcd-", "store-", "syncer-"),
+                                    settle_s={"wipe": HUB_WIPE_REPAIR_S})
     return base(name, seed, hub=True, steps=steps, step_delay_s=0.2, max_wall_s=max_wall_s), events
 
 

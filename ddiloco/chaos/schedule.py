@@ -166,7 +166,8 @@ DEFAULT_MIX: dict[str, dict[str, float]] = {
 def kill_loop(*, seed: int, duration_s: float, mtbf_s: float, learners: int, services: Sequence[str] = SERVICES,
               mix: Mapping[str, Mapping[str, float]] | None = None, start_s: float = 0.0,
               max_learners_down: int = 1, cooldown_s: float = 3.0, max_fault_s: float = 4.0,
-              network: bool = True, exclusive: Sequence[str] = ()) -> list[FaultEvent]:
+              network: bool = True, exclusive: Sequence[str] = (),
+              settle_s: Mapping[str, float] | None = None) -> list[FaultEvent]:
     """Seeded faults with exponential gaps of mean `mtbf_s`, over [start_s, start_s + duration_s).
 
     Each fault picks a target not already under a fault (plus `cooldown_s` to recover), at most
@@ -174,6 +175,9 @@ def kill_loop(*, seed: int, duration_s: float, mtbf_s: float, learners: int, ser
     `exclusive`: target name prefixes (e.g. "etcd-") of which at most one target is under a fault
     at once (one etcd member: quorum holds; one store: a checkpoint stays on the other).
     Service targets without their own `mix` entry use the entry named by their prefix before "-".
+    `settle_s`: extra seconds a target stays busy after a fault of that kind (a wiped store is
+    repaired from its peer: wiping the peer before that would lose both copies, beyond what
+    replication promises).
     """
     if mtbf_s <= 0 or duration_s <= 0:
         raise ValueError("kill_loop: mtbf_s and duration_s must be > 0")
@@ -203,7 +207,7 @@ def kill_loop(*, seed: int, duration_s: float, mtbf_s: float, learners: int, ser
         params = _params(rng, kind, max_fault_s)
         event = FaultEvent(t=round(t, 3), kind=kind, target=target, params=params)
         events.append(event)
-        busy_until[target] = t + event.duration_s + cooldown_s
+        busy_until[target] = t + event.duration_s + cooldown_s + (settle_s or {}).get(kind, 0.0)
     return events
 
 
