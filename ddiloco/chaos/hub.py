@@ -314,8 +314,8 @@ async def _repair(addresses: Sequence[str], run_id: str) -> list[str]:
 
 def outage_summary(workdir: str | pathlib.Path) -> str:
     """A markdown table of what each fault of a hub run did to merging, computed from the run's
-    report.json and syncer history: for a syncer fault, whether the killed syncer led (the next
-    merge came from another syncer life) and the time from the fault to that next merge; for the
+    report.json and syncer history: for a syncer fault, whether the faulted syncer led (its life
+    made no merge after the heal) and the time from the fault to the first merge of another life; for the
     other faults, the merges and checkpoints made while the fault lasted (injection to heal) and
     the longest gap between merges in that window."""
     from ddiloco import history as history_lib
@@ -332,12 +332,19 @@ def outage_summary(workdir: str | pathlib.Path) -> str:
         before = [r for r in merges if r["t"] <= at]
         after = next((r for r in merges if r["t"] > at), None)
         if f["target"].startswith("syncer") and f["scheduled"]:
-            if after is None:
-                effect = "no merge after it"
-            elif before and after["instance"] != before[-1]["instance"]:
-                effect = f"**leader**: next merge by the new leader {after['t'] - at:.2f} s after the fault"
+            # It led if the life that merged last before the fault never merged again after the
+            # heal (a leader SIGSTOPped for less than its lease may merge once more on SIGCONT,
+            # unbroadcast and uncommitted: its lease is gone, then it exits 4).
+            life = before[-1]["instance"] if before else ""
+            led = bool(life) and not any(r["instance"] == life and r["t"] > healed + 1.0 for r in merges)
+            new = next((r for r in merges if r["t"] > at and r["instance"] != life), None)
+            if led and new is not None:
+                effect = f"**leader**: first merge by the new leader {new['t'] - at:.2f} s after the fault"
+            elif led:
+                effect = "**leader**: no merge by another leader after it"
             else:
-                effect = f"standby: next merge {after['t'] - at:.2f} s after the fault"
+                effect = (f"no leader change (a standby, or a leader stopped for less than its lease): next merge "
+                          f"{after['t'] - at:.2f} s after the fault" if after else "no merge after it")
         else:
             times = [at] + [r["t"] for r in merges if at < r["t"] <= healed] + [healed]
             gap = max(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else 0.0

@@ -3,6 +3,8 @@ store / one syncer under a fault at a time, disk wipes on stores only), the prox
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ddiloco.chaos import invariants, scenarios
@@ -64,3 +66,21 @@ def test_i6_flags_a_version_of_an_older_epoch_after_a_newer_one():
     bad = {"learner-0": [*ok["learner-0"], {"event": "version", "fragment": 1, "version": 7, "epoch": 5}]}
     check = invariants.check_epochs(bad)
     assert not check.ok and "epoch 5 after a version of epoch 9" in check.violations[0]
+
+
+def test_outage_summary_tells_a_lost_leader_from_a_standby(tmp_path):
+    from ddiloco.chaos import hub
+
+    def fault(at, healed, target="syncer-a", kind="kill"):
+        return {"at": at, "healed_at": healed, "target": target, "kind": kind, "scheduled": True, "detail": ""}
+
+    (tmp_path / "report.json").write_text(json.dumps({"t0": 100.0, "faults": [
+        fault(101.0, 102.0), fault(105.0, 106.0, "syncer-b"), fault(107.0, 108.0, "etcd-1")]}))
+    merges = [(100.5, "A"), (103.5, "B"), (104.0, "B"), (105.5, "B"), (107.2, "B"), (107.9, "B"), (108.5, "B")]
+    (tmp_path / "history").mkdir()
+    (tmp_path / "history" / "syncer.jsonl").write_text("".join(
+        json.dumps({"event": "merged", "t": t, "instance": i}) + "\n" for t, i in merges))
+    rows = hub.outage_summary(tmp_path).splitlines()[2:]
+    assert "**leader**: first merge by the new leader 2.50 s" in rows[0]
+    assert "no leader change" in rows[1] and "0.50 s" in rows[1]
+    assert "2 merges, 0 checkpoints" in rows[2] and "longest merge gap 0.70 s" in rows[2]
