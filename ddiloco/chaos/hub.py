@@ -212,6 +212,8 @@ class HubHarness(Harness):
         self._poller.start()
 
     def _inject_one(self, ev: schedule_lib.FaultEvent) -> None:
+        if ev.kind == "region":
+            return self._kill_region(ev)
         if ev.kind != "wipe":
             return super()._inject_one(ev)
         name, proc = ev.target, self.procs.get(ev.target)
@@ -230,6 +232,27 @@ class HubHarness(Harness):
         delay = float(ev.params.get("restart_after_s", 1.0))
         self._later(delay, f"restart {name}", lambda: self._restart(name, fault))
         self._emit(f"injected {ev.describe()}")
+
+    def _kill_region(self, ev: schedule_lib.FaultEvent) -> None:
+        """SIGKILLs the leading syncer's region: that syncer, its store and its etcd member."""
+        leader = next((n for n in SYNCERS if self.cluster.services[n].address == self._poller.leader_address), None)
+        if leader is None or self.procs[leader].state != "up":
+            self.not_injected.append(ev)
+            self._emit(f"skipped {ev.describe()}: no leader known ({self._poller.leader_address or 'none'})")
+            return
+        i = SYNCERS.index(leader)
+        members = [leader, STORES[i], ETCD_MEMBERS[i]]
+        fault = InjectedFault("region", leader, time.time(), detail="SIGKILL " + ", ".join(members))
+        self.faults.append(fault)
+        delay = float(ev.params.get("restart_after_s", 5.0))
+        for name in members:
+            svc, proc = self.cluster.services[name], self.procs[name]
+            svc.signal(signal.SIGCONT)
+            svc.signal(signal.SIGKILL)
+            svc.wait(10)
+            proc.state, proc.fault = "down", fault
+            self._later(delay, f"restart {name}", lambda n=name: self._restart(n, fault))
+        self._emit(f"injected {ev.describe()}: {fault.detail}")
 
     def _finish(self) -> dict:
         """Heals everything, brings every service back, reads the leader's final state, stops the

@@ -240,6 +240,14 @@ def hub_soak_short(seed: int):
     return _hub("hub-soak-short", seed, duration_s=45.0, mtbf_s=2.5, steps=250, max_wall_s=300.0)
 
 
+def hub_region(seed: int):
+    """Issue 23, check 1: the leading syncer's whole region (syncer, store and etcd member)
+    SIGKILLed together, three times 40 s apart, restarted after 5 s; the standby must lead and
+    merge again within 10 s (measured by `ddiloco.chaos.hub.outage_summary`)."""
+    events = [FaultEvent(t, "region", "hub-leader", {"restart_after_s": 5.0}) for t in (10.0, 50.0, 90.0)]
+    return base("hub-region", seed, hub=True, steps=600, step_delay_s=0.2, max_wall_s=600.0), events
+
+
 SCENARIOS: dict[str, Callable[[int], tuple[Scenario, list[FaultEvent]]]] = {
     "baseline": baseline,
     "learner-kill": learner_kill,
@@ -261,6 +269,7 @@ SCENARIOS: dict[str, Callable[[int], tuple[Scenario, list[FaultEvent]]]] = {
     "soak": soak,
     "hub-soak": hub_soak,
     "hub-soak-short": hub_soak_short,
+    "hub-region": hub_region,
 }
 # What tests/chaos runs: the groups (each row's test reads its group's run) and the soak.
 GROUPS = ("learner-process", "server-failpoints", "link-degraded", "link-cuts")

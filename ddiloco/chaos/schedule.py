@@ -19,6 +19,9 @@ Kinds and their params:
                its next temp write, and is restarted once more, clean)
     term       SIGTERM (graceful); restart_after_s after it exited; failpoints as for kill
     stop       SIGSTOP, then SIGCONT after duration_s (a hung peer, Jepsen's "pause")
+  region faults (hub target `hub-leader`: the region of the syncer leading at that moment):
+    region     SIGKILL of that syncer, its store and its etcd member together (region a: syncer-a,
+               store-a, etcd-0; b: syncer-b, store-b, etcd-1), all restarted after restart_after_s
   disk faults (hub targets `store-a`, `store-b`):
     wipe       SIGKILL, the store's whole data directory deleted, restarted empty after
                restart_after_s (its peers and the syncer's repair rebuild it)
@@ -50,10 +53,11 @@ from collections.abc import Mapping, Sequence
 PROCESS_KINDS = ("kill", "term", "stop")
 LINK_KINDS = ("partition", "blackhole", "latency", "bandwidth", "reset", "limit_data", "flap")
 DISK_KINDS = ("wipe",)
-KINDS = PROCESS_KINDS + LINK_KINDS + DISK_KINDS
+REGION_KINDS = ("region",)
+KINDS = PROCESS_KINDS + LINK_KINDS + DISK_KINDS + REGION_KINDS
 SERVICES = ("syncer", "checkpoint")
 # The hub scenario's services (ddiloco/chaos/hub.py): two syncers, two stores, three etcd members.
-HUB_SERVICES = ("syncer-a", "syncer-b", "store-a", "store-b", "etcd-0", "etcd-1", "etcd-2")
+HUB_SERVICES = ("syncer-a", "syncer-b", "store-a", "store-b", "etcd-0", "etcd-1", "etcd-2", "hub-leader")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,8 @@ class FaultEvent:
         if not (self.target in SERVICES or self.target in HUB_SERVICES or self.target.startswith("learner-")):
             raise ValueError(f"fault target {self.target!r}: syncer, checkpoint, learner-<i> or one of the "
                              f"hub's {', '.join(HUB_SERVICES)}")
+        if (self.kind in REGION_KINDS) != (self.target == "hub-leader"):
+            raise ValueError(f"{self.kind} on {self.target!r}: a region fault targets hub-leader, and only it")
         if self.kind in DISK_KINDS and not self.target.startswith("store-"):
             raise ValueError(f"{self.kind} loses a store's disk: target store-a or store-b, not {self.target!r}")
         if self.kind in LINK_KINDS and not self.target.startswith("learner-"):
@@ -86,7 +92,7 @@ class FaultEvent:
     def duration_s(self) -> float:
         """How long the fault lasts once injected (0 for one-shots; a kill's restart delay)."""
         p = self.params
-        if self.kind in ("kill", "term", "wipe"):
+        if self.kind in ("kill", "term", "wipe", "region"):
             return max(float(p.get("restart_after_s", 1.0)), 0.0)
         if self.kind == "reset":
             return 0.0

@@ -37,12 +37,17 @@ def test_at_most_one_etcd_member_store_and_syncer_under_a_fault_at_once(seed):
             assert start >= end, (prefix, spans)
 
 
-def test_wipe_targets_stores_only():
+def test_wipe_targets_stores_only_and_region_the_leading_hub():
     schedule_lib.FaultEvent(0, "wipe", "store-a", {"restart_after_s": 1.0})
     with pytest.raises(ValueError, match="store-a or store-b"):
         schedule_lib.FaultEvent(0, "wipe", "syncer-a")
     with pytest.raises(ValueError, match="fault target"):
         schedule_lib.FaultEvent(0, "kill", "etcd-9")
+    schedule_lib.FaultEvent(0, "region", "hub-leader", {"restart_after_s": 5.0})
+    with pytest.raises(ValueError, match="targets hub-leader"):
+        schedule_lib.FaultEvent(0, "region", "syncer-a")
+    with pytest.raises(ValueError, match="targets hub-leader"):
+        schedule_lib.FaultEvent(0, "kill", "hub-leader")
 
 
 def test_a_proxy_group_sets_toxics_on_every_link_and_sums_stats():
