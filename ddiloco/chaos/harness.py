@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from ddiloco import history as history_lib
 from ddiloco.chaos import invariants
 from ddiloco.chaos import schedule as schedule_lib
-from ddiloco.chaos.proxy import FaultProxy, Toxics
+from ddiloco.chaos.proxy import FaultProxy, ProxyGroup, Toxics
 
 _LOG = logging.getLogger("ddiloco.chaos")
 
@@ -105,6 +105,9 @@ class Scenario:
     # delay, as a synchronous SPMD job is torn down and relaunched when one worker dies (the
     # paper's "DP, no elasticity" baseline; the syncer, standing for the checkpoint, survives).
     kill_scope: str = "learner"
+    # The hub region under fire (ddiloco/chaos/hub.py): two syncers elected on a 3-member etcd,
+    # two replicated stores, learners following the leader.
+    hub: bool = False
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -309,7 +312,7 @@ class _HistoryTail:
             return False
         if fault.target.startswith("learner-"):
             return self.last_merge_with.get(fault.target, 0.0) > fault.healed_at
-        if fault.target == "syncer":
+        if fault.target.startswith("syncer"):
             return self.last_merge > fault.healed_at
         return self.last_checkpoint > fault.healed_at
 
@@ -456,17 +459,7 @@ class Harness:
             store.start(["--failpoints", sc.store_failpoints] if sc.store_failpoints else [])
             store.wait_ready(60)
             self.procs["checkpoint"] = _Proc()
-        args = [
-            "--bind", "127.0.0.1:0", "--run-id", self.run_id, "--ready-file", str(cl.workdir / "syncer.ready.json"),
-            "--model-config", sc.model_config, "--num-fragments", str(sc.num_fragments),
-            "--sync-period-steps", str(sc.sync_period_steps), "--min-quorum", str(sc.min_quorum),
-            *timeout_args(sc),
-            "--checkpoint-every-merges", str(sc.checkpoint_every_merges), "--checkpoint-timeout-s", "5",
-            "--restore-timeout-s", "30", "--grace-s", "2", "--seed", str(sc.seed),
-            "--history-file", str(self._history_path("syncer")),
-        ]
-        if sc.chunk_size_bytes:
-            args += ["--chunk-size-bytes", str(sc.chunk_size_bytes)]
+        args = self._syncer_args("syncer")
         if sc.store:
             args += ["--checkpoint-target", cl.services["checkpoint"].address]
         # The syncer's port is chosen here so that the proxies and learners can start while it
@@ -477,17 +470,45 @@ class Harness:
         syncer.address = f"127.0.0.1:{port}"
         syncer.start(["--failpoints", sc.syncer_failpoints] if sc.syncer_failpoints else [])
         self.procs["syncer"] = _Proc()
-        host = "127.0.0.1"
+        self._start_learners([port])
+        syncer.wait_ready(120)
+        self._tail = _HistoryTail(self._history_path("syncer"))
+        self._poller = _Poller(syncer.address)
+        self._poller.start()
+
+    def _syncer_args(self, name: str) -> list[str]:
+        """The flags of a syncer named `name` (no store target); every syncer writes the one
+        history `syncer.jsonl` (one write(2) per record, O_APPEND: lines never interleave)."""
+        sc, cl = self.scenario, self.cluster
+        args = [
+            "--bind", "127.0.0.1:0", "--run-id", self.run_id, "--ready-file", str(cl.workdir / f"{name}.ready.json"),
+            "--model-config", sc.model_config, "--num-fragments", str(sc.num_fragments),
+            "--sync-period-steps", str(sc.sync_period_steps), "--min-quorum", str(sc.min_quorum),
+            *timeout_args(sc),
+            "--checkpoint-every-merges", str(sc.checkpoint_every_merges), "--checkpoint-timeout-s", "5",
+            "--restore-timeout-s", "30", "--grace-s", "2", "--seed", str(sc.seed),
+            "--history-file", str(self._history_path("syncer")),
+        ]
+        if sc.chunk_size_bytes:
+            args += ["--chunk-size-bytes", str(sc.chunk_size_bytes)]
+        return args
+
+    def _start_learners(self, syncer_ports: Sequence[int]) -> None:
+        """Starts the learners, each given every syncer (through a FaultProxy per syncer when the
+        scenario has proxies: a link fault acts on all of a learner's links at once)."""
+        sc, cl = self.scenario, self.cluster
         learner_failpoints = dict(sc.learner_failpoints)
         for i, name in enumerate(self.learner_names()):
-            target = syncer.address
+            targets = [f"127.0.0.1:{port}" for port in syncer_ports]
             if sc.proxy:
-                proxy = FaultProxy("127.0.0.1", host, int(port), name=name, seed=sc.seed * 1000 + i)
-                proxy.start_in_thread()
-                self.proxies[name] = proxy
-                target = proxy.address
+                proxies = [FaultProxy("127.0.0.1", "127.0.0.1", int(port), name=name, seed=sc.seed * 1000 + i + 100 * j)
+                           for j, port in enumerate(syncer_ports)]
+                for proxy in proxies:
+                    proxy.start_in_thread()
+                self.proxies[name] = proxies[0] if len(proxies) == 1 else ProxyGroup(proxies)
+                targets = [proxy.address for proxy in proxies]
             svc = cl.add(name, "services.learner", [
-                "--syncer", target, "--learner-id", name, "--region", f"r{i % 2}", "--num-shards", str(sc.learners),
+                "--syncer", ",".join(targets), "--learner-id", name, "--region", f"r{i % 2}", "--num-shards", str(sc.learners),
                 "--seed", str(sc.seed), "--max-corpus-bytes", str(sc.max_corpus_bytes),
                 "--step-delay-s", str(sc.step_delay_s), "--log-every-steps", "50",
                 "--call-timeout-s", str(sc.call_timeout_s), "--retry-bound-s", str(sc.retry_bound_s),
@@ -504,10 +525,6 @@ class Harness:
                 extra += ["--failpoints", learner_failpoints[name]]
             svc.start(extra)
             self.procs[name] = _Proc()
-        syncer.wait_ready(120)
-        self._tail = _HistoryTail(self._history_path("syncer"))
-        self._poller = _Poller(syncer.address)
-        self._poller.start()
 
     # ------------------------------------------------------------------------------ actions
 
@@ -920,7 +937,7 @@ def _recoveries(faults: Sequence[InjectedFault], syncer_history: Sequence[dict])
         h = fault.healed_at
         if fault.target.startswith("learner-"):
             found = next((r for r in merges if r["t"] > h and any(c[0] == fault.target for c in r["contributors"])), None)
-        elif fault.target == "syncer":
+        elif fault.target.startswith("syncer"):
             found = next((r for r in merges if r["t"] > h and starts.get(r["instance"], 0) <= r["t"]), None)
         else:
             found = next((r for r in checkpoints if r["t"] > h), None)
@@ -957,7 +974,11 @@ _LOSS_FNS: dict = {}
 
 
 def run_scenario(scenario: Scenario, schedule, workdir, **kwargs) -> Result:
-    """Convenience: Harness(...).run()."""
+    """Convenience: Harness(...).run(), or the hub's HubHarness for a `hub` scenario."""
+    if scenario.hub:
+        from ddiloco.chaos import hub  # it builds on this module
+
+        return hub.HubHarness(scenario, schedule, workdir, **kwargs).run()
     return Harness(scenario, schedule, workdir, **kwargs).run()
 
 

@@ -397,3 +397,28 @@ def check_loss(loss: float | None, baseline: float | None, margin: float) -> Che
         check.fail(f"final loss {loss:.4f} is {100 * delta:+.1f} % from the fault-free {baseline:.4f} "
                    f"(margin {100 * margin:.0f} %)")
     return check
+
+
+def check_epochs(learner_records: Mapping[str, Sequence[dict]]) -> Check:
+    """I6 (leader election): no learner folds in a version of an older leader epoch after one of a
+    newer epoch (fencing: a deposed leader broadcasts nothing once a newer one could lead)."""
+    check = Check("I6 learners never fold in an older leader epoch after a newer one")
+    versions = epochs = 0
+    seen: set[int] = set()
+    for learner, records in learner_records.items():
+        newest = 0
+        for rec in records:
+            if rec.get("event") != "version":
+                continue
+            epoch = int(rec.get("epoch", 0))
+            versions += 1
+            seen.add(epoch)
+            if epoch < newest:
+                check.fail(f"{learner} folded in fragment {rec['fragment']} version {rec['version']} of epoch {epoch} "
+                           f"after a version of epoch {newest}")
+            newest = max(newest, epoch)
+    epochs = len(seen - {0})
+    if not versions:
+        check.skipped = "no learner recorded a folded-in version"
+    check.figures = {"versions": versions, "epochs": epochs}
+    return check

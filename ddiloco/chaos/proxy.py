@@ -427,3 +427,30 @@ class FaultProxy:
             view = view[piece:]
             if t.slice_bytes and t.slice_delay_s and view:
                 await asyncio.sleep(t.slice_delay_s)
+
+
+class ProxyGroup:
+    """Several proxies acting as one link (a learner's links to each of several syncers): a toxic
+    set on the group is set on each, and its stats are their sums."""
+
+    def __init__(self, proxies: list[FaultProxy]) -> None:
+        self.proxies = proxies
+
+    @property
+    def address(self) -> str:
+        return ",".join(p.address for p in self.proxies)
+
+    @property
+    def stats(self) -> ProxyStats:
+        fields = [f.name for f in dataclasses.fields(ProxyStats)]
+        return ProxyStats(**{k: sum(getattr(p.stats, k) for p in self.proxies) for k in fields})
+
+    def set(self, **changes) -> Toxics:
+        return [p.set(**changes) for p in self.proxies][-1]
+
+    def reset_peer(self) -> int:
+        return sum(p.reset_peer() for p in self.proxies)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for p in self.proxies:
+            p.close(timeout_s)

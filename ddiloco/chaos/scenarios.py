@@ -199,6 +199,55 @@ def soak(seed: int):
     return base("soak", seed, step_delay_s=0.2, max_wall_s=420.0), events
 
 
+# The hub region under fire (issue 23, ddiloco/chaos/hub.py): faults across both syncers (kill,
+# term, stop), both stores (kill, disk wipe), one etcd member at a time (quorum holds), and the
+# learners' links and processes. One store and one syncer at a time too: the run survives losing a
+# region, not both hub regions at once (docs/failover.md).
+HUB_MIX = {
+    "learner": {"kill": 2, "stop": 1, "partition": 1, "blackhole": 1, "reset": 1, "latency": 1},
+    "syncer": {"kill": 2, "term": 1, "stop": 1},
+    "store": {"kill": 2, "wipe": 1},
+    "etcd": {"kill": 1},
+}
+# After a store's disk is wiped, neither store is faulted for this long: the syncer's repair (on the
+# store's return, and every --checkpoint-repair-interval-s) rebuilds it from its peer first. The
+# first full soak wiped store-b and, 10 s later, store-a: no copy of the committed checkpoint was
+# left, and every syncer then refused to lead (LookupError), as it must.
+HUB_WIPE_REPAIR_S = 30.0
+HUB_SOAK_DURATION_S = 150.0
+HUB_SOAK_MTBF_S = 3.0
+
+
+def _hub(name: str, seed: int, *, duration_s: float, mtbf_s: float, steps: int, max_wall_s: float):
+    events = schedule_lib.kill_loop(seed=seed, duration_s=duration_s, mtbf_s=mtbf_s, learners=3,
+                                    services=schedule_lib.HUB_SERVICES, mix=HUB_MIX, max_learners_down=1,
+                                    cooldown_s=2.0, max_fault_s=4.0, exclusive=("etcd-", "store-", "syncer-"),
+                                    settle_s={"wipe": HUB_WIPE_REPAIR_S})
+    return base(name, seed, hub=True, steps=steps, step_delay_s=0.2, max_wall_s=max_wall_s), events
+
+
+def hub_soak(seed: int):
+    """Issue 23: two syncers elected on a 3-member etcd, two replicated stores, 3 learners; a
+    seeded kill loop (MTBF 3 s over 150 s) across syncers, stores (disk wipes too), etcd members
+    (one at a time) and learner links; I1-I4 over every syncer life, I4 on each store after
+    repair, I6 (leader epochs), I5 against the fault-free twin."""
+    return _hub("hub-soak", seed, duration_s=HUB_SOAK_DURATION_S, mtbf_s=HUB_SOAK_MTBF_S, steps=800,
+                max_wall_s=720.0)
+
+
+def hub_soak_short(seed: int):
+    """The CI version of hub-soak: the same mix over 45 s (MTBF 2.5 s), 250 steps per learner."""
+    return _hub("hub-soak-short", seed, duration_s=45.0, mtbf_s=2.5, steps=250, max_wall_s=300.0)
+
+
+def hub_region(seed: int):
+    """Issue 23, check 1: the leading syncer's whole region (syncer, store and etcd member)
+    SIGKILLed together, three times 40 s apart, restarted after 5 s; the standby must lead and
+    merge again within 10 s (measured by `ddiloco.chaos.hub.outage_summary`)."""
+    events = [FaultEvent(t, "region", "hub-leader", {"restart_after_s": 5.0}) for t in (10.0, 50.0, 90.0)]
+    return base("hub-region", seed, hub=True, steps=600, step_delay_s=0.2, max_wall_s=600.0), events
+
+
 SCENARIOS: dict[str, Callable[[int], tuple[Scenario, list[FaultEvent]]]] = {
     "baseline": baseline,
     "learner-kill": learner_kill,
@@ -218,6 +267,9 @@ SCENARIOS: dict[str, Callable[[int], tuple[Scenario, list[FaultEvent]]]] = {
     "link-degraded": link_degraded,
     "link-cuts": link_cuts,
     "soak": soak,
+    "hub-soak": hub_soak,
+    "hub-soak-short": hub_soak_short,
+    "hub-region": hub_region,
 }
 # What tests/chaos runs: the groups (each row's test reads its group's run) and the soak.
 GROUPS = ("learner-process", "server-failpoints", "link-degraded", "link-cuts")

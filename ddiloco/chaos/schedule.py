@@ -19,6 +19,12 @@ Kinds and their params:
                its next temp write, and is restarted once more, clean)
     term       SIGTERM (graceful); restart_after_s after it exited; failpoints as for kill
     stop       SIGSTOP, then SIGCONT after duration_s (a hung peer, Jepsen's "pause")
+  region faults (hub target `hub-leader`: the region of the syncer leading at that moment):
+    region     SIGKILL of that syncer, its store and its etcd member together (region a: syncer-a,
+               store-a, etcd-0; b: syncer-b, store-b, etcd-1), all restarted after restart_after_s
+  disk faults (hub targets `store-a`, `store-b`):
+    wipe       SIGKILL, the store's whole data directory deleted, restarted empty after
+               restart_after_s (its peers and the syncer's repair rebuild it)
   link faults (target `learner-<i>`: the FaultProxy between that learner and the syncer):
     partition  the link is cut (resets, refused connections) for duration_s
     blackhole  nothing is forwarded for duration_s (connections stay open)
@@ -46,8 +52,12 @@ from collections.abc import Mapping, Sequence
 
 PROCESS_KINDS = ("kill", "term", "stop")
 LINK_KINDS = ("partition", "blackhole", "latency", "bandwidth", "reset", "limit_data", "flap")
-KINDS = PROCESS_KINDS + LINK_KINDS
+DISK_KINDS = ("wipe",)
+REGION_KINDS = ("region",)
+KINDS = PROCESS_KINDS + LINK_KINDS + DISK_KINDS + REGION_KINDS
 SERVICES = ("syncer", "checkpoint")
+# The hub scenario's services (ddiloco/chaos/hub.py): two syncers, two stores, three etcd members.
+HUB_SERVICES = ("syncer-a", "syncer-b", "store-a", "store-b", "etcd-0", "etcd-1", "etcd-2", "hub-leader")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +77,13 @@ class FaultEvent:
         if self.at_step and (self.at_merge or not self.target.startswith("learner-")):
             raise ValueError(f"fault {self.kind} on {self.target}: at_step gates on a learner's own steps "
                              "(target learner-<i>, no at_merge)")
-        if not (self.target in SERVICES or self.target.startswith("learner-")):
-            raise ValueError(f"fault target {self.target!r}: syncer, checkpoint or learner-<i>")
+        if not (self.target in SERVICES or self.target in HUB_SERVICES or self.target.startswith("learner-")):
+            raise ValueError(f"fault target {self.target!r}: syncer, checkpoint, learner-<i> or one of the "
+                             f"hub's {', '.join(HUB_SERVICES)}")
+        if (self.kind in REGION_KINDS) != (self.target == "hub-leader"):
+            raise ValueError(f"{self.kind} on {self.target!r}: a region fault targets hub-leader, and only it")
+        if self.kind in DISK_KINDS and not self.target.startswith("store-"):
+            raise ValueError(f"{self.kind} loses a store's disk: target store-a or store-b, not {self.target!r}")
         if self.kind in LINK_KINDS and not self.target.startswith("learner-"):
             raise ValueError(f"{self.kind} acts on a learner's link to the syncer: target learner-<i>, "
                              f"not {self.target!r}")
@@ -77,7 +92,7 @@ class FaultEvent:
     def duration_s(self) -> float:
         """How long the fault lasts once injected (0 for one-shots; a kill's restart delay)."""
         p = self.params
-        if self.kind in ("kill", "term"):
+        if self.kind in ("kill", "term", "wipe", "region"):
             return max(float(p.get("restart_after_s", 1.0)), 0.0)
         if self.kind == "reset":
             return 0.0
@@ -157,11 +172,18 @@ DEFAULT_MIX: dict[str, dict[str, float]] = {
 def kill_loop(*, seed: int, duration_s: float, mtbf_s: float, learners: int, services: Sequence[str] = SERVICES,
               mix: Mapping[str, Mapping[str, float]] | None = None, start_s: float = 0.0,
               max_learners_down: int = 1, cooldown_s: float = 3.0, max_fault_s: float = 4.0,
-              network: bool = True) -> list[FaultEvent]:
+              network: bool = True, exclusive: Sequence[str] = (),
+              settle_s: Mapping[str, float] | None = None) -> list[FaultEvent]:
     """Seeded faults with exponential gaps of mean `mtbf_s`, over [start_s, start_s + duration_s).
 
     Each fault picks a target not already under a fault (plus `cooldown_s` to recover), at most
     `max_learners_down` learners at once; `network=False` leaves out the link kinds (no proxies).
+    `exclusive`: target name prefixes (e.g. "etcd-") of which at most one target is under a fault
+    at once (one etcd member: quorum holds; one store: a checkpoint stays on the other).
+    Service targets without their own `mix` entry use the entry named by their prefix before "-".
+    `settle_s`: extra seconds a target stays busy after a fault of that kind (a wiped store is
+    repaired from its peer: wiping the peer before that would lose both copies, beyond what
+    replication promises).
     """
     if mtbf_s <= 0 or duration_s <= 0:
         raise ValueError("kill_loop: mtbf_s and duration_s must be > 0")
@@ -169,7 +191,8 @@ def kill_loop(*, seed: int, duration_s: float, mtbf_s: float, learners: int, ser
     mix = {k: dict(v) for k, v in (mix or DEFAULT_MIX).items()}
     if not network:
         mix["learner"] = {k: w for k, w in mix["learner"].items() if k in PROCESS_KINDS}
-    targets = [f"learner-{i}" for i in range(learners)] + [s for s in services if mix.get(s)]
+    kinds_of = lambda tg: mix.get(tg) or mix.get(tg.split("-")[0])  # noqa: E731
+    targets = [f"learner-{i}" for i in range(learners)] + [s for s in services if kinds_of(s)]
     busy_until: dict[str, float] = {}
     events: list[FaultEvent] = []
     t = start_s
@@ -178,17 +201,19 @@ def kill_loop(*, seed: int, duration_s: float, mtbf_s: float, learners: int, ser
         if t >= start_s + duration_s:
             break
         learners_down = sum(1 for tg, until in busy_until.items() if tg.startswith("learner-") and until > t)
+        busy = [tg for tg, until in busy_until.items() if until > t]
         free = [tg for tg in targets if busy_until.get(tg, -1.0) <= t
-                and not (tg.startswith("learner-") and learners_down >= max_learners_down)]
+                and not (tg.startswith("learner-") and learners_down >= max_learners_down)
+                and not any(tg.startswith(x) and b.startswith(x) for x in exclusive for b in busy)]
         if not free:
             continue
         target = rng.choice(free)
-        kinds = mix["learner" if target.startswith("learner-") else target]
+        kinds = mix["learner"] if target.startswith("learner-") else kinds_of(target)
         kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
         params = _params(rng, kind, max_fault_s)
         event = FaultEvent(t=round(t, 3), kind=kind, target=target, params=params)
         events.append(event)
-        busy_until[target] = t + event.duration_s + cooldown_s
+        busy_until[target] = t + event.duration_s + cooldown_s + (settle_s or {}).get(kind, 0.0)
     return events
 
 
@@ -231,7 +256,7 @@ def step_loop(*, seed: int, steps: int, mtbf_steps: float, learners: int,
 
 def _params(rng: random.Random, kind: str, max_fault_s: float) -> dict:
     span = lambda lo: round(rng.uniform(lo, max(lo, max_fault_s)), 2)  # noqa: E731
-    if kind in ("kill", "term"):
+    if kind in ("kill", "term", "wipe"):
         return {"restart_after_s": span(0.5)}
     if kind == "stop":
         return {"duration_s": span(1.0)}

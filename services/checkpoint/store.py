@@ -9,6 +9,15 @@ Layout under `root`:
     blobs/<first 2 hex>/<sha256 hex>          immutable blob bytes
     manifests/<run_id>/<step:020d>.json       one committed checkpoint of a run
     quarantine/<sha256 hex>.<unix s>          a blob that failed verification, kept for forensics
+    superseded/<run_id>/<step:020d>.e<epoch>.json  a deposed leader's manifest, set aside (below)
+
+Leader epochs (syncer failover, docs/failover.md): a manifest may carry the epoch of the leader
+that wrote it, as metadata `leader_epoch` (a decimal integer; absent means 0, as every manifest
+written without election). A run's retained manifests always form one lineage: epochs never
+decrease as steps grow. A manifest from an older epoch than the run's newest is refused (a deposed
+leader); one from a newer epoch is accepted even at a step not after the latest, and the older
+epochs' manifests at or after its step (which a deposed leader wrote but could not commit) are
+moved to `superseded/`, still readable there. Without epochs nothing changes.
 
 Every file is written as `<name>.tmp-<random>` in its target's directory, then flushed,
 fsynced, renamed over the target with `os.replace`, and the directory is fsynced (without
@@ -74,6 +83,8 @@ _MANIFEST_RE = re.compile(r"(\d{20})\.json")
 _TMP_RE = re.compile(r".+\.tmp-[0-9a-f]+")
 # Written into every manifest so a future layout change can be recognized.
 _MANIFEST_FORMAT_VERSION = 1
+# The metadata key holding the writing leader's epoch (see the module docstring).
+EPOCH_METADATA_KEY = "leader_epoch"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +167,10 @@ def validate_run_id(run_id: str) -> str:
     return run_id
 
 
+
+def manifest_epoch(manifest: Mapping[str, Any]) -> int:
+    """The leader epoch a manifest record carries (0 when it has none: written without election)."""
+    return int((manifest.get("metadata") or {}).get(EPOCH_METADATA_KEY, "0"))
 
 # ---------------------------------------------------------------------------------------------
 # The store.
@@ -284,7 +299,8 @@ class BlobStore:
 
         Raises:
           InvalidArgument: malformed run id, digest, duplicate blob name or wrong blob size.
-          FailedPrecondition: a referenced blob is missing, or step <= the latest step.
+          FailedPrecondition: a referenced blob is missing, the leader epoch is older than the
+            run's newest, or (same epoch) step <= the latest step.
           ResourceExhausted: the disk is full (the previous checkpoints are untouched).
         """
         record = self._normalize_manifest(manifest)
@@ -292,6 +308,14 @@ class BlobStore:
         with self._lock:
             self._check_blobs_locked(record, "upload it before committing")
             steps = self._steps(run_id)
+            newest_epoch = self._epoch_at_locked(run_id, steps[-1]) if steps else 0
+            if manifest_epoch(record) < newest_epoch:
+                raise errors.FailedPrecondition(
+                    f"run {run_id}: step {step} comes from leader epoch {manifest_epoch(record)}, "
+                    f"older than epoch {newest_epoch} of the run's latest manifests (a deposed leader)"
+                )
+            if manifest_epoch(record) > newest_epoch:  # a new leader's lineage wins
+                steps = self._supersede_locked(run_id, steps, step)
             if steps and step <= steps[-1]:
                 if step == steps[-1] and self._same_content(self._load(run_id, step), record):
                     return step, 0
@@ -313,6 +337,8 @@ class BlobStore:
 
         Unlike `commit_manifest`, the step may be older than the run's latest: a replica that
         was down missed commits its peers hold, and later commits may already have reached it.
+        Leader epochs keep one lineage: a manifest a newer epoch superseded is not restored
+        (returns (False, False)); one from a newer epoch supersedes this store's older ones.
 
         Returns:
           (restored: False if this manifest was already held, retained: False if the retention
@@ -325,10 +351,19 @@ class BlobStore:
           ResourceExhausted: the disk is full.
         """
         record = self._normalize_manifest(manifest)
-        run_id, step = record["run_id"], record["step"]
+        run_id, step, epoch = record["run_id"], record["step"], manifest_epoch(record)
         with self._lock:
             self._check_blobs_locked(record, "copy the blobs before the manifest")
             steps = self._steps(run_id)
+            below = [s for s in steps if s <= step]
+            above = [s for s in steps if s >= step]
+            if below and self._epoch_at_locked(run_id, below[-1]) > epoch:
+                # A newer leader's lineage forked at or before this step: a deposed leader's
+                # manifest, which a peer still holds. Dropped, as retention would drop it.
+                _LOG.warning("not restoring run=%s step=%d: epoch %d is superseded", run_id, step, epoch)
+                return False, False
+            if above and self._epoch_at_locked(run_id, above[0]) < epoch:
+                steps = self._supersede_locked(run_id, steps, step)
             if step in steps:
                 if self._same_content(self._load(run_id, step), record):
                     return False, True
@@ -433,6 +468,11 @@ class BlobStore:
         metadata = dict(manifest.get("metadata") or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise errors.InvalidArgument(f"run {run_id} step {step}: metadata must map str to str")
+        if not re.fullmatch(r"\d{1,19}", metadata.get(EPOCH_METADATA_KEY, "0")):
+            raise errors.InvalidArgument(
+                f"run {run_id} step {step}: metadata {EPOCH_METADATA_KEY} "
+                f"{metadata[EPOCH_METADATA_KEY]!r} is not a non-negative integer"
+            )
         created = float(manifest.get("created_unix_s") or 0.0) or self._clock()
         return {"run_id": run_id, "step": step, "created_unix_s": created, "blobs": blobs,
                 "metadata": metadata}
@@ -457,6 +497,28 @@ class BlobStore:
     @staticmethod
     def _same_content(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         return a["blobs"] == b["blobs"] and a["metadata"] == b["metadata"]
+
+    def _epoch_at_locked(self, run_id: str, step: int) -> int:
+        """The leader epoch of the run's manifest at `step`. Since a run's retained manifests form
+        one lineage (epochs never decrease as steps grow), the manifests next to a step say all
+        about the epochs before and after it. NOTE: call with the lock held."""
+        return manifest_epoch(self._load(run_id, step))
+
+    def _supersede_locked(self, run_id: str, steps: list[int], from_step: int) -> list[int]:
+        """Moves the run's manifests at steps >= `from_step` (older epochs: a deposed leader's)
+        to `superseded/`; returns the steps left. NOTE: call with the lock held."""
+        moved = [s for s in steps if s >= from_step]
+        if not moved:
+            return steps
+        aside = self.root / "superseded" / run_id
+        aside.mkdir(parents=True, exist_ok=True)
+        for step in moved:
+            epoch = manifest_epoch(self._load(run_id, step))
+            os.replace(self._manifest_path(run_id, step), aside / f"{step:020d}.e{epoch}.json")
+        _fsync_dir(aside)
+        _fsync_dir(self._manifests / run_id)
+        _LOG.warning("run=%s: manifests at steps %s of an older leader epoch superseded", run_id, moved)
+        return [s for s in steps if s < from_step]
 
     def _steps(self, run_id: str) -> list[int]:
         try:

@@ -62,6 +62,8 @@ class _Checkpointer:
         # fenced commit of a written checkpoint (awaited with its step). None: no election.
         self.may_write = None
         self.on_written = None
+        # With election: the leader's epoch, written into each manifest (the store keeps one lineage).
+        self.epoch = None
         # Every checkpoint says what its bytes mean (model, config, fragment plan): `ddiloco export`.
         self._description = checkpointing.describe_run(cfg, core.config, core.plan)
 
@@ -105,6 +107,8 @@ class _Checkpointer:
             # Deposed while the blobs went out (harmless: content-addressed, unreferenced): no
             # manifest, which the store would keep as its latest although nobody commits it.
             raise RuntimeError(f"no longer the leader: checkpoint at step {step} not written")
+        if self.epoch is not None:
+            metadata = {**metadata, "leader_epoch": str(self.epoch())}
         await self._client.commit_manifest(self._cfg.run_id, step, refs, metadata)
         if self.on_written is not None:
             await self.on_written(step)
@@ -230,6 +234,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     if leadership.coordinated:
         leadership_lib.register_metrics(leadership, registry)
     checkpointer.may_write = leadership.leading
+    if leadership.coordinated:
+        checkpointer.epoch = lambda: leadership.epoch
     if client is not None and not leadership.coordinated:  # with election: once elected (_lead)
         restore_started = time.monotonic()
         try:

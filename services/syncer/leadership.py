@@ -197,7 +197,11 @@ async def campaign_and_lead(leadership: Leadership, *, on_observed: Callable[[st
         await become_leader()
         if leadership.lost_reason:
             raise RuntimeError(f"leadership lost while restoring: {leadership.lost_reason}")
-    except BaseException:
+    except BaseException as exc:
+        # Logged here: stepping down ends the process (on_lost), which cancels the caller before
+        # it could say why (the first hub soak's syncers exited 4 in a loop, reason unlogged).
+        if not isinstance(exc, asyncio.CancelledError):
+            _LOG.error(f"could not take up leadership: {exc!r}")
         election.step_down()
         await asyncio.to_thread(leadership.keeper.join, 2.0)
         await election.resign()
