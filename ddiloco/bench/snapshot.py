@@ -25,10 +25,10 @@ from ddiloco import models
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.bench import results as results_lib
 from ddiloco.data import corpus
-from services.learner import config as learner_config
 from ddiloco.learner import loop as loop_lib
 from ddiloco.learner import ports
 from ddiloco.learner import snapshot as snapshot_lib
+from services.learner import config as learner_config
 from services.learner import train as train_lib
 
 

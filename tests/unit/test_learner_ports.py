@@ -18,10 +18,10 @@ import types
 import pytest
 
 from ddiloco.chaos import hostile_learner
-from ddiloco.rpc import security
 from ddiloco.learner import client as client_lib
-from services.learner import distributed
 from ddiloco.learner import ports
+from ddiloco.rpc import security
+from services.learner import distributed
 from tests.unit import test_learner_resend, test_sharded_train
 
 LOOP = pathlib.Path(__file__).resolve().parents[2] / "ddiloco" / "learner" / "loop.py"
