@@ -176,7 +176,7 @@ class Learner:
             client.close(leave=False)
             raise TimeoutError(f"ddiloco.Learner: {exc} (join_timeout_s={self._join_timeout_s:g}); is a syncer "
                                f"listening at {self._cfg.target}?") from None
-        except client_lib.FencedError:
+        except BaseException:  # FencedError (refused), or interrupted: the client's thread stops too
             client.close(leave=False)
             raise
         plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
