@@ -6,6 +6,7 @@ Start a syncer of the same model first (`ddiloco syncer --insecure --model-confi
 import argparse
 import json
 import pathlib
+import time
 
 import jax
 import numpy as np
@@ -18,6 +19,7 @@ args = argparse.ArgumentParser()
 args.add_argument("--syncer", required=True)
 args.add_argument("--learner-id", required=True)
 args.add_argument("--steps", type=int, default=200)
+args.add_argument("--step-delay-s", type=float, default=0.0)  # simulated slower hardware (the tests)
 args = args.parse_args()
 
 model = models.get_model("transformer", {"preset": "tiny"})  # the model the syncer runs
@@ -41,4 +43,5 @@ with ddiloco.Learner(syncer=args.syncer, params=model.init(jax.random.PRNGKey(0)
         batch = np.stack([text[s:s + model.seq_len + 1] for s in rng.integers(0, len(text) - model.seq_len - 1, 8)])
         params, opt_state, loss = my_step(params, opt_state, batch)
         params = sync.after_step(params, tokens=batch[:, 1:].size, loss=loss)
+        time.sleep(args.step_delay_s)
 print(json.dumps({"loss": float(loss), **sync.summary()}))

@@ -20,7 +20,7 @@ from tests.integration.conftest import TINY, SyncerProbe
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "embedded_learner.py"
-STEPS = 150
+STEPS = 300
 LEARNERS = ("embedded-a", "embedded-b")
 
 
@@ -33,7 +33,9 @@ def test_two_embedded_learners_merge_all_their_work_as_service_learners_do(clust
                     open(cluster.workdir / f"{learner_id}.log", "wb") as log:
                 procs[learner_id] = subprocess.Popen(
                     [sys.executable, str(EXAMPLE), "--syncer", syncer.address, "--learner-id", learner_id,
-                     "--steps", str(STEPS)], stdout=out, stderr=log, env=cluster.env, cwd=cluster.workdir)
+                     # Paced as the service learners of these tests are (LEARNER_PACE): ~30 ms a step.
+                     "--steps", str(STEPS), "--step-delay-s", "0.03"],
+                    stdout=out, stderr=log, env=cluster.env, cwd=cluster.workdir)
         for learner_id, proc in procs.items():
             log = cluster.workdir / f"{learner_id}.log"
             assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
@@ -47,6 +49,11 @@ def test_two_embedded_learners_merge_all_their_work_as_service_learners_do(clust
         state = probe.state()
     finally:
         probe.close()
+    # Rounds went on while they trained (not only their last contributions at the end), and some
+    # held both learners' work, as the service learners' rounds do.
+    assert state.outer_steps > 2 * state.config.num_fragments, state.outer_steps
+    assert any(len(m.contributors) == len(LEARNERS) for m in state.recent_merges), [
+        [c.learner_id for c in m.contributors] for m in state.recent_merges]
     summaries = {lid: json.loads((cluster.workdir / f"{lid}.out").read_text().strip().splitlines()[-1])
                  for lid in LEARNERS}
     tokens = sum(s["tokens"] for s in summaries.values())
@@ -58,3 +65,4 @@ def test_two_embedded_learners_merge_all_their_work_as_service_learners_do(clust
         assert summary["all_merged"] is True, (learner_id, summary)
         assert summary["merged_contributions"] > 0, (learner_id, summary)
         assert summary["steps"] == STEPS
+        assert summary["uploads_queued"] > state.config.num_fragments, (learner_id, summary)  # not only the final ones
