@@ -486,9 +486,9 @@ def _learner_run(target: str, steps: int, warmup: int, capture: dict | None, bat
     from ddiloco.rpc import security as security_lib
     from ddiloco.wire import codec as codec_lib
     from ddiloco.wire import serde
-    from services.learner import client as client_lib
-    from services.learner import loop as loop_lib
-    from services.learner import ports as ports_lib
+    from ddiloco.learner import client as client_lib
+    from ddiloco.learner import loop as loop_lib
+    from ddiloco.learner import ports as ports_lib
     from services.learner import train as train_lib
 
     incarnation = time.time_ns()
@@ -921,7 +921,7 @@ async def _replay_send(ctx: dict, ident: _Identity, fid: int, base: int, steps: 
     import grpc
 
     from ddiloco.rpc import errors as errors_lib
-    from services.learner import client as client_lib
+    from ddiloco.learner import client as client_lib
 
     info, chunks = ctx["payloads"][fid]
     msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * 2048, final=final)

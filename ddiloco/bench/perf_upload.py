@@ -5,7 +5,7 @@ For each model size, one syncer process (``python -m services.syncer``, shipped 
 quorum no round reaches, so no merge runs while uploads are measured) and one bare sink process
 (a grpc.aio server that reads bytes and does nothing else). The client is this process:
 
-* real: ``services.learner.client.send_upload``, the function the learner's SyncClient uploads
+* real: ``ddiloco.learner.client.send_upload``, the function the learner's SyncClient uploads
   with, on the messages it builds (``upload_messages``; payloads encoded by ``codec.encode`` with
   the run's codec, as the learner's default encoder does), with the pipeline window the syncer
   announced at Join (the header's acknowledgement overlaps the transfer);
@@ -75,7 +75,7 @@ class _Learner:
     def messages(self, fid: int, encoded, chunk_size_bytes: int) -> list:
         from ddiloco.v1 import syncer_pb2
         from ddiloco.wire import serde
-        from services.learner import client as client_lib
+        from ddiloco.learner import client as client_lib
 
         versions = serde.versions_from_proto(self.join.fragment_versions)
         header = syncer_pb2.UploadHeader(
@@ -85,7 +85,7 @@ class _Learner:
         return client_lib.upload_messages(header, encoded.payload, chunk_size_bytes)
 
     async def upload(self, messages: list, timeout_s: float):
-        from services.learner import client as client_lib
+        from ddiloco.learner import client as client_lib
 
         return await client_lib.send_upload(self.stub, messages, timeout_s,
                                             pipeline_bytes=self.join.upload_pipeline_bytes)

@@ -1,6 +1,6 @@
 """`ddiloco bench snapshot`: what a learner's resume snapshot costs (size on disk, time per write).
 
-Builds the learner's own loop (services.learner.loop) on a model (the default transformer unless
+Builds the learner's own loop (ddiloco.learner.loop) on a model (the default transformer unless
 --model-config says otherwise), takes a few inner steps so the optimizer state is real, then writes
 the snapshot the way the learner does (Snapshotter.write: host copies of the parameters, the
 optimizer state and the held global fragments, safetensors encoding, tmp + fsync + rename +
@@ -25,10 +25,10 @@ from ddiloco import models
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.bench import results as results_lib
 from ddiloco.data import corpus
+from ddiloco.learner import loop as loop_lib
+from ddiloco.learner import ports
+from ddiloco.learner import snapshot as snapshot_lib
 from services.learner import config as learner_config
-from services.learner import loop as loop_lib
-from services.learner import ports
-from services.learner import snapshot as snapshot_lib
 from services.learner import train as train_lib
 
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     num_params = sum(int(np.prod(s.shape)) for s in model.tensor_specs())
     median_s = statistics.median(times)
     result = {
-        "what": "learner snapshot (services/learner/snapshot.py) written by Snapshotter.write, as the learner does",
+        "what": "learner snapshot (ddiloco/learner/snapshot.py) written by Snapshotter.write, as the learner does",
         "model": model.name, "model_config": model.config, "params": num_params,
         "file_bytes": size, "bytes_per_param": round(size / num_params, 2),
         "writes": len(times), "median_s": round(median_s, 4),

@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ddiloco.learner import client as client_lib
 from services.learner import __main__ as learner_main
-from services.learner import client as client_lib
 
 _USAGE = ("python -m ddiloco.chaos.hostile_learner --hostile {signflip,scale:<x>,noise:<x>,drift:<x>,replay,honest} "
           "[--claim-steps S] [--claim-batch B] <ddiloco learner flags>")

@@ -192,7 +192,7 @@ def check_uploads(syncer_records: Sequence[dict], learner_records: Mapping[str, 
 
 
 # The codes a learner records on a `failed` upload whose call ended without the syncer's verdict
-# (services/learner/client.py _OUTCOME_UNKNOWN: a reset or cancelled stream, a server going away
+# (ddiloco/learner/client.py _OUTCOME_UNKNOWN: a reset or cancelled stream, a server going away
 # mid-write): the upload may or may not have been taken, and the learner sends the same job again
 # (idempotent on its key), or drops it once its syncer life is gone.
 OUTCOME_UNKNOWN_CODES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"})

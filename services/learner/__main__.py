@@ -25,19 +25,19 @@ import numpy as np
 from ddiloco import build_info
 from ddiloco import liveness as liveness_lib
 from ddiloco import logs, models
-from ddiloco.algo import fragments as fragments_lib
 from ddiloco import metrics as metrics_lib
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco.data import corpus
 from ddiloco.data import sources as data_sources
+from ddiloco.learner import client as client_lib
+from ddiloco.learner import loop as loop_lib
+from ddiloco.learner import snapshot as snapshot_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.learner import client as client_lib
 from services.learner import config as config_lib
 from services.learner import distributed as distributed_lib
-from services.learner import loop as loop_lib
 from services.learner import metrics as learner_metrics
-from services.learner import snapshot as snapshot_lib
 from services.learner import train as train_lib
 
 _LOG = logging.getLogger("ddiloco.learner")

@@ -100,7 +100,7 @@ class LearnerConfig:
     history_file: str = ""  # append each upload's acknowledgement (JSONL) here; empty: off
     log_level: str = "INFO"
     json_logs: bool = False
-    # Resume (services/learner/snapshot.py, docs/operations.md): this learner's state on local disk,
+    # Resume (ddiloco/learner/snapshot.py, docs/operations.md): this learner's state on local disk,
     # written atomically every snapshot_every_steps steps or snapshot_interval_s seconds (whichever
     # first; 0 turns one off) and at exit; a restart with the same --learner-id continues from it.
     # Empty: off (`ddiloco up`, compose and the chart give each learner a directory).

@@ -45,7 +45,7 @@ LIVENESS_TIMEOUT_S = 4
 # made OUTAGE_MERGES merges (which takes ~6 s). 20 s before: the same assertions, 20 s more waiting.
 HOLD_S = 10.0
 OUTAGE_MERGES = 6
-# A learner sends at most one upload per fragment at a time (services/learner/client.py
+# A learner sends at most one upload per fragment at a time (ddiloco/learner/client.py
 # max_concurrent_uploads, = DDILOCO_NUM_FRAGMENTS here).
 UPLOADS_IN_FLIGHT = 4
 # No quarantine: with the tiny model a learner that starts (or restarts) late sends its first

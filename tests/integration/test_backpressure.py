@@ -27,7 +27,7 @@ from ddiloco.rpc import security
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.learner import client as client_lib
+from ddiloco.learner import client as client_lib
 from tests.waits import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

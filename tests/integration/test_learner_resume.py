@@ -27,7 +27,7 @@ import pytest
 
 from ddiloco import build_info
 from ddiloco.data import corpus
-from services.learner import snapshot as snapshot_lib
+from ddiloco.learner import snapshot as snapshot_lib
 from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from ddiloco.rpc import security as security_lib
-from services.learner import client as client_lib
+from ddiloco.learner import client as client_lib
 from services.syncer import core as core_lib
 from tests.integration.conftest import TINY, SyncerProbe, wait_until
 

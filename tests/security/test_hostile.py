@@ -23,7 +23,7 @@ from ddiloco.rpc import security
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.learner import client as client_lib
+from ddiloco.learner import client as client_lib
 from services.syncer import checkpointing
 from services.syncer import core as core_lib
 from tests.fakes import FakeClock, join, settle

@@ -18,7 +18,7 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.cli import render
 from ddiloco.rpc import security
 from ddiloco.v1 import syncer_pb2
-from services.learner import client as client_lib
+from ddiloco.learner import client as client_lib
 from services.learner import config as learner_config
 from services.syncer import config as config_lib
 from tests.fakes import make_core

@@ -23,7 +23,7 @@ from ddiloco.rpc import errors
 from ddiloco.rpc import security
 from ddiloco.rpc import server as server_lib
 from ddiloco.v1 import syncer_pb2_grpc
-from services.learner import client as client_lib
+from ddiloco.learner import client as client_lib
 from services.syncer import core as core_lib
 from services.syncer import servicer as servicer_lib
 from tests import fakes

@@ -1,7 +1,7 @@
 """Upload refusals reach the learner with their own status, through a real syncer servicer on 127.0.0.1:0.
 
 The syncer acknowledges an accepted upload header with initial metadata and the learner sends
-chunks only after it (`services.learner.client.send_upload`). Without that handshake a refusal of
+chunks only after it (`ddiloco.learner.client.send_upload`). Without that handshake a refusal of
 the header races the learner's chunk writes, and the grpc asyncio client reports a write that
 fails after the status arrived as INTERNAL (grpc/grpc#36066): the learner then cannot tell a
 refusal worth resending from a bug. Every wait has a timeout.
@@ -23,7 +23,7 @@ from ddiloco.rpc import security
 from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.learner import client as client_lib
+from ddiloco.learner import client as client_lib
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
 from services.syncer import servicer as servicer_lib

@@ -1,4 +1,4 @@
-"""The learner loop's declared sync-client interface (services/learner/ports.py, issue 22).
+"""The learner loop's declared sync-client interface (ddiloco/learner/ports.py, issue 22).
 
 The loop talks to its client only through `SyncClientLike`: its source (read as an AST) uses
 exactly the Protocol's members, never probes the client (`getattr`, `hasattr`) nor hands it on;
@@ -18,13 +18,13 @@ import types
 import pytest
 
 from ddiloco.chaos import hostile_learner
+from ddiloco.learner import client as client_lib
+from ddiloco.learner import ports
 from ddiloco.rpc import security
-from services.learner import client as client_lib
 from services.learner import distributed
-from services.learner import ports
 from tests.unit import test_learner_resend, test_sharded_train
 
-LOOP = pathlib.Path(__file__).resolve().parents[2] / "services" / "learner" / "loop.py"
+LOOP = pathlib.Path(__file__).resolve().parents[2] / "ddiloco" / "learner" / "loop.py"
 PROTOCOL_MEMBERS = frozenset(name for name in vars(ports.SyncClientLike) if not name.startswith("_"))
 
 

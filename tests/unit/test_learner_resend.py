@@ -13,9 +13,9 @@ import numpy as np
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import syncer_pb2
-from services.learner import client as client_lib
-from services.learner import loop as loop_lib
-from services.learner import ports
+from ddiloco.learner import client as client_lib
+from ddiloco.learner import loop as loop_lib
+from ddiloco.learner import ports
 
 
 class _Step:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
-from services.learner import client as client_lib
+from ddiloco.learner import client as client_lib
 
 
 def _client(initial_values) -> client_lib.SyncClient:

@@ -1,4 +1,4 @@
-"""The learner's snapshot (services/learner/snapshot.py) and LearnerLoop.resume.
+"""The learner's snapshot (ddiloco/learner/snapshot.py) and LearnerLoop.resume.
 
 The file round-trips every array bit for bit; a write that dies before its rename leaves the
 previous snapshot usable; a damaged file or one of another run, model or fragment plan is refused
@@ -20,10 +20,10 @@ import pytest
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.data import corpus
 from ddiloco.v1 import common_pb2, syncer_pb2
-from services.learner import client as client_lib
-from services.learner import loop as loop_lib
-from services.learner import ports
-from services.learner import snapshot as snapshot_lib
+from ddiloco.learner import client as client_lib
+from ddiloco.learner import loop as loop_lib
+from ddiloco.learner import ports
+from ddiloco.learner import snapshot as snapshot_lib
 
 _OPT = optax.adamw(1e-2)
 _IDENTITY = snapshot_lib.RunIdentity(run_id="run-a", model_fingerprint="f" * 64, plan_digest="d" * 64,

@@ -1,10 +1,10 @@
-"""services/learner/targets.py: which syncer the learner's next session uses."""
+"""ddiloco/learner/targets.py: which syncer the learner's next session uses."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.learner import targets as targets_lib
+from ddiloco.learner import targets as targets_lib
 
 
 def test_one_address_is_always_used():
@@ -55,7 +55,7 @@ def test_the_client_never_folds_in_a_version_of_an_older_epoch():
     from ddiloco.v1 import syncer_pb2
     from ddiloco.wire import codec as codec_lib
     from ddiloco.wire import serde
-    from services.learner import client as client_lib
+    from ddiloco.learner import client as client_lib
 
     client = client_lib.SyncClient(client_lib.ClientConfig(target="a:1,b:2", learner_id="l", incarnation=1,
                                                            region="r", tokens_per_step=1))

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from services.learner import ports
+from ddiloco.learner import ports
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -134,8 +134,8 @@ def scenario_loop() -> dict:
     brings only that fragment to the host; fold-ins keep the step's shardings."""
     from ddiloco.algo import fragments as fragments_lib
     from ddiloco.data import BatchSampler
-    from services.learner import client as client_lib
-    from services.learner import loop as loop_lib
+    from ddiloco.learner import client as client_lib
+    from ddiloco.learner import loop as loop_lib
     from services.learner.train import TrainStep
 
     model, optimizer, init, tokens = _setup()

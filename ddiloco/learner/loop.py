@@ -13,6 +13,10 @@ ports.SyncClientLike; the SyncClient in production). With the run's round_trigge
 At the end, `finish` contributes the remaining progress on every fragment and waits (bounded)
 until the global model holds it.
 
+`step` runs the loop's own train step on its sampler's next batch (the service learner); a user's
+own training loop runs its step itself and calls `end_step` and `apply_updates` (ddiloco.Learner,
+api.py): the rest of the step is the same code either way.
+
 The parameters live wherever the train step keeps them (one device, or sharded over a learner
 unit's mesh). Fragments move between host and devices one tensor at a time through the train
 step's `to_host` / `place`: extracting or folding in a fragment never holds more than that
@@ -43,9 +47,9 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import grace as grace_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
-from services.learner import client as client_lib
-from services.learner import ports
-from services.learner import snapshot as snapshot_lib
+from ddiloco.learner import client as client_lib
+from ddiloco.learner import ports
+from ddiloco.learner import snapshot as snapshot_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
 
@@ -219,14 +223,23 @@ class LearnerLoop:
             self.params, self.opt_state, loss = self._train_step(self.params, self.opt_state, batch)
         if self._step_delay_s is not None:
             time.sleep(self._step_delay_s())  # simulated slower hardware (benchmarks, tests)
-        tokens = self._sampler.tokens_per_batch
+        self.end_step(loss, self._sampler.tokens_per_batch, started=started, grads=grads)
+        return loss
+
+    def end_step(self, loss: float | None, tokens: int, *, started: float, grads: dict | None = None) -> None:
+        """Everything after an inner step's compute, whoever ran the step (`step`, or a user's own
+        loop through ddiloco.learner.api): the counters, the answers to the syncer's round calls,
+        the progress report and, in the synchronous modes, the barrier. `self.params` must already
+        hold the step's result. `started`: time.monotonic() when the step began (the step time
+        reported to the syncer, whose round schedule follows it); `loss`: None when not known."""
         self.stats.steps += 1
         self.stats.tokens += tokens
         self.c_steps += 1
         self.c_tokens += tokens
-        if self.stats.first_loss is None:
-            self.stats.first_loss = loss
-        self.stats.loss_ema.update(loss)
+        if loss is not None:
+            if self.stats.first_loss is None:
+                self.stats.first_loss = loss
+            self.stats.loss_ema.update(loss)
         if self.sync_mode == "decoupled":
             jobs = [job for job in (self._contribute(fid) for fid in self._due_fragments()) if job is not None]
             arrivals = {}
@@ -240,7 +253,6 @@ class LearnerLoop:
         self._client.set_progress(self.progress_request())
         if jobs and self._barrier:
             self._wait_for_merges(jobs, arrivals)
-        return loss
 
     def _due_fragments(self) -> list[int]:
         """Fragments to contribute now (decoupled mode): those the syncer called (or, with the

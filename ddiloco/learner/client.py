@@ -12,6 +12,9 @@ asyncio loop in a background thread:
 - bounded retries (tenacity) of idempotent calls on UNAVAILABLE / DEADLINE_EXCEEDED;
 - a deadline on every call: unary calls get `call_timeout_s`, uploads a deadline scaled by their
   size, and the watch stream is re-opened every `watch_stream_max_s` (it is resumable).
+
+The uploads (queue, encoding, retries, verdicts, back-pressure) are uploads.py's `Uploader`, a
+mixin of SyncClient; this module keeps the session: join, watch, progress, shutdown.
 """
 
 from __future__ import annotations
@@ -30,38 +33,30 @@ import numpy as np
 
 from ddiloco import failpoints as failpoints_lib
 from ddiloco import history as history_lib
+from ddiloco.learner import targets as targets_lib
+from ddiloco.learner import uploads as uploads_lib
 from ddiloco.rpc import channel as channel_lib
-from ddiloco.rpc import errors as errors_lib
 from ddiloco.rpc import retry as retry_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.learner import targets as targets_lib
+
+# The upload half lives in uploads.py; its names stay importable from here, where the loop, the
+# tools and the tests have always found them.
+from ddiloco.learner.uploads import (  # noqa: F401 (re-exported)
+    OUTCOME_ACCEPTED,
+    OUTCOME_DUPLICATE,
+    OUTCOME_NOT_TAKEN,
+    UploadJob,
+    UploadOutcome,
+    send_upload,
+    upload_messages,
+)
 
 _LOG = logging.getLogger("ddiloco.learner")
 
 MIN_PROGRESS_INTERVAL_S = 0.02  # the fastest a learner reports progress (see _progress_interval_s)
-
-# Upload endings that are not the syncer's verdict: the upload may or may not have been taken.
-_OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                              grpc.StatusCode.CANCELLED})
-_UNKNOWN_OUTCOME_PAUSE_S = 0.2
-# The status the grpc asyncio client gives a call whose write failed in the core because the call
-# had already ended (grpc/aio/_call.py: set_internal_error), replacing the status that ended it
-# (grpc/grpc#36066): a broken link, a deadline, or a refusal while chunks were still being written.
-_WRITE_FAILED_DETAILS = "Internal error from Core"
-# The longest back-pressure hold honoured: a syncer's hint is advice, not a reason to stall a fragment.
-_MAX_UPLOAD_HOLD_S = 60.0
-# Refusals (ServiceError.reason, sent as trailing metadata) that end the session: this life of the
-# learner is not (or no longer) a member, so the next step is a re-join.
-_REJOIN_REASONS = frozenset({errors_lib.REASON_FENCED, errors_lib.REASON_NOT_JOINED})
-# Refusals after which the same base may be sent again (the contribution was not taken, and a later
-# try can succeed); INVALID_ARGUMENT, PERMISSION_DENIED, ALREADY_EXISTS and the like are final.
-_RESENDABLE = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
-                         grpc.StatusCode.CANCELLED})
-
 
 @dataclasses.dataclass(frozen=True)
 class ClientConfig:
@@ -103,35 +98,6 @@ class ClientConfig:
     fallback_data_shard: int = 0
 
 
-@dataclasses.dataclass
-class UploadJob:
-    fragment_id: int
-    base_version: int
-    syncer_instance: str
-    steps: int
-    tokens: int
-    delta: np.ndarray  # flat float32: global base - local
-    local_step: int = 0  # the learner's step when the delta was taken (UploadHeader.local_step)
-    final: bool = False  # the learner's last contribution of this fragment
-    # Set by the client once encoded: the values the syncer will decode (the delta through a lossy
-    # upload codec), which is what a merge adds to the global model (ddiloco.algo.arrival).
-    sent_values: np.ndarray | None = None
-
-
-# UploadOutcome.result values.
-OUTCOME_ACCEPTED = "accepted"  # in the fragment's next merge (unless that round is dropped)
-OUTCOME_DUPLICATE = "duplicate"  # accepted before (a retry)
-OUTCOME_NOT_TAKEN = "not_taken"  # refused, failed, superseded or for another syncer life: never merged
-
-
-@dataclasses.dataclass(frozen=True)
-class UploadOutcome:
-    fragment_id: int
-    local_step: int
-    result: str
-    current_version: int = 0  # the fragment's version when the syncer accepted it
-
-
 @dataclasses.dataclass(frozen=True)
 class GlobalFragment:
     fragment_id: int
@@ -162,15 +128,11 @@ class FencedError(RuntimeError):
     """A newer life of this learner joined: this process must stop."""
 
 
-class _SessionBroken(Exception):
-    """The session must be re-established (re-join, new watch stream)."""
-
-
-class _NotLeader(targets_lib.NotLeader, _SessionBroken):
+class _NotLeader(targets_lib.NotLeader, uploads_lib.SessionBroken):
     """A session that reached a syncer which does not lead."""
 
 
-class SyncClient:
+class SyncClient(uploads_lib.Uploader):
     """See the module docstring. Start with `start()`, stop with `close()`."""
 
     def __init__(self, cfg: ClientConfig) -> None:
@@ -245,46 +207,11 @@ class SyncClient:
             waited += 0.05
         raise TimeoutError(f"did not receive the global parameters within {timeout_s:.0f} s")
 
-    def submit_upload(self, job: UploadJob) -> None:
-        """Queues an upload; a queued, not yet started upload of the same fragment is replaced."""
-        with self._lock:
-            replaced = self._uploads.get(job.fragment_id)
-            self._uploads[job.fragment_id] = job
-            if replaced is not None and replaced is not job:
-                self._outcomes.append(UploadOutcome(replaced.fragment_id, replaced.local_step, OUTCOME_NOT_TAKEN))
-        if self._upload_wakeup is not None:
-            self._loop.call_soon_threadsafe(self._upload_wakeup.set)
-
-    def take_refused(self) -> set[tuple[int, str, int]]:
-        """(fragment, syncer instance, base version) of uploads refused since the last call, for a
-        reason a later upload on the same base can get past (an open round, admission, a lost
-        connection). The loop sends once per base version; without this, a refused upload would
-        leave the fragment without this learner's contribution until a new version arrives, and
-        a round that needs it to reach quorum would never merge (the fragment stalls)."""
-        with self._lock:
-            out, self._refused = self._refused, set()
-        return out
-
-    def take_outcomes(self) -> list[UploadOutcome]:
-        """What became of submitted uploads since the last call, in order."""
-        with self._lock:
-            out, self._outcomes = self._outcomes, []
-        return out
-
     def take_calls(self) -> dict[int, syncer_pb2.RoundCall]:
         """The syncer's round calls received since the last call (the newest per fragment)."""
         with self._lock:
             out, self._calls = self._calls, {}
         return out
-
-    def _requeue(self, job: UploadJob) -> None:
-        """Queues a job whose fate is unknown again, unless a newer one of its fragment waits."""
-        with self._lock:
-            self._uploads.setdefault(job.fragment_id, job)
-
-    def _outcome(self, job: UploadJob, result: str, current_version: int = 0) -> None:
-        with self._lock:
-            self._outcomes.append(UploadOutcome(job.fragment_id, job.local_step, result, current_version))
 
     def take_updates(self) -> list[GlobalFragment]:
         """The newest received version of each fragment since the last call (never blocks)."""
@@ -380,7 +307,7 @@ class SyncClient:
             await self._channel.close()
 
     async def _connect(self) -> None:
-        """Points the stub at the syncer the next session should use (services/learner/targets.py)."""
+        """Points the stub at the syncer the next session should use (ddiloco/learner/targets.py)."""
         previous = self._targets.current
         target = self._targets.next()
         if target == previous and self._channel is not None:
@@ -452,9 +379,9 @@ class SyncClient:
                     refusal = self._targets.not_leader(exc)
                     if refusal is not None:
                         raise _NotLeader(str(refusal), refusal.leader) from None
-                    if len(self._targets.targets) > 1 and exc.code() in _OUTCOME_UNKNOWN:
+                    if len(self._targets.targets) > 1 and exc.code() in uploads_lib.OUTCOME_UNKNOWN:
                         # Another syncer of the list may lead: try it rather than wait for this one.
-                        raise _SessionBroken(f"{self._targets.current}: {exc.code().name}") from None
+                        raise uploads_lib.SessionBroken(f"{self._targets.current}: {exc.code().name}") from None
                     if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED,
                                       grpc.StatusCode.UNAUTHENTICATED):
                         # Fenced, or credentials that do not allow this learner id: retrying is futile.
@@ -548,16 +475,16 @@ class SyncClient:
                     assembler = serde.ChunkAssembler(header.payload.payload_size_bytes)
                     continue
                 if assembler is None:
-                    raise _SessionBroken("payload chunk without a header in the watch stream")
+                    raise uploads_lib.SessionBroken("payload chunk without a header in the watch stream")
                 assembler.add(msg.chunk)
                 if assembler.done:
                     await self._receive(header, assembler.payload())
                     header = assembler = None
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise _SessionBroken("watch stream reached its deadline; resuming") from None
+                raise uploads_lib.SessionBroken("watch stream reached its deadline; resuming") from None
             raise
-        raise _SessionBroken("the syncer ended the watch stream")
+        raise uploads_lib.SessionBroken("the syncer ended the watch stream")
 
     async def _receive(self, header: syncer_pb2.GlobalFragmentHeader, payload: bytes) -> None:
         if header.epoch < self.max_epoch:  # never fold in a deposed leader's version
@@ -573,7 +500,7 @@ class SyncClient:
             if held != header.delta_base_version or base is None or base.size != values.size:
                 # Cannot happen with a correct syncer (it sends a delta only against the version
                 # this stream declared or received); re-watching gets exact values.
-                raise _SessionBroken(f"delta for fragment {fid} against version {header.delta_base_version}, "
+                raise uploads_lib.SessionBroken(f"delta for fragment {fid} against version {header.delta_base_version}, "
                                      f"but this learner holds {held}")
             values = serde.apply_delta(base, values)
             self.stats.delta_fragments_received += 1
@@ -609,7 +536,7 @@ class SyncClient:
                             self.cfg.on_budget_reached()
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        raise _SessionBroken(f"progress refused: {exc.details()}") from None
+                        raise uploads_lib.SessionBroken(f"progress refused: {exc.details()}") from None
                     # Transient: the next snapshot is sent on the next tick; the watch stream
                     # notices a dead syncer on its own.
             await asyncio.sleep(self._progress_interval_s(request))
@@ -625,224 +552,3 @@ class SyncClient:
         slot_s = request.step_time_s * cfg.sync_period_steps / cfg.num_fragments
         return min(self.cfg.progress_interval_s, max(MIN_PROGRESS_INTERVAL_S, 0.5 * slot_s))
 
-    async def _upload_loop(self) -> None:
-        # One upload in flight per fragment, fragments side by side. Sent one after another, an
-        # upload the syncer holds (a fragment's first contributions wait for each other's to be
-        # judged against, robust.DirectionPolicy.judge_wait_s) held back this learner's other
-        # fragments, which other learners' held uploads were waiting for in turn: 4 learners
-        # split 2/2 over two fragments all waited the full judge window.
-        self._upload_wakeup.set()  # what was queued while the session was down goes out now
-        loop = asyncio.get_running_loop()
-        async with asyncio.TaskGroup() as group:  # a broken session ends every upload
-            while True:
-                await self._upload_wakeup.wait()
-                self._upload_wakeup.clear()
-                now = loop.time()
-                with self._lock:
-                    waiting = [fid for fid in self._uploads if fid not in self._sending]
-                    # A learner's last contribution of a fragment is never held: it is leaving.
-                    ready = sorted(fid for fid in waiting
-                                   if self._uploads[fid].final or self._hold_until.get(fid, 0.0) <= now)
-                    held = [self._hold_until[fid] for fid in waiting if fid not in ready]
-                    for fid in ready[:max(0, self.cfg.max_concurrent_uploads - len(self._sending))]:
-                        self._sending.add(fid)
-                        group.create_task(self._send(self._uploads.pop(fid)))
-                if held:  # look again when the first hold ends
-                    loop.call_at(min(held), self._upload_wakeup.set)
-
-    async def _send(self, job: UploadJob) -> None:
-        try:
-            await self._upload(job)
-        except asyncio.CancelledError:
-            # The session broke mid-upload: the syncer may or may not have taken it. The same job
-            # goes again once re-joined (idempotent on its key: a duplicate if it was taken), never
-            # a new contribution carrying the same work (which would count it twice).
-            self._requeue(job)
-            raise
-        finally:
-            with self._lock:
-                self._sending.discard(job.fragment_id)
-            self._upload_wakeup.set()  # a newer upload of this fragment, or one over the limit, may wait
-
-    async def _upload(self, job: UploadJob) -> None:
-        cfg = self.run_config
-        if job.syncer_instance != self.instance:
-            # Based on another syncer life: worthless now. Whether that life merged it (and
-            # checkpointed the merge) is for the new life's MergeReceipt to say, not this client.
-            self.stats.uploads_refused += 1
-            return
-        codec = serde.codec_from_proto(cfg.upload_codec)
-        try:
-            encoded = await asyncio.to_thread(
-                self.cfg.encode, job.delta, codec, block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level
-            )
-        except codec_lib.NonFiniteError as exc:
-            self.stats.uploads_refused += 1
-            self._outcome(job, OUTCOME_NOT_TAKEN)
-            _LOG.error(f"fragment {job.fragment_id} not sent: {exc}")
-            return
-        if encoded.codec != "fp32":
-            job.sent_values = await asyncio.to_thread(serde.decode_payload, serde.payload_info_to_proto(encoded),
-                                                      encoded.payload)
-        header = syncer_pb2.UploadHeader(
-            protocol_version=serde.PROTOCOL_VERSION, learner_id=self.cfg.learner_id, incarnation=self.cfg.incarnation,
-            fragment_id=job.fragment_id, base_version=job.base_version, syncer_instance=job.syncer_instance,
-            steps=job.steps, tokens=job.tokens, payload=serde.payload_info_to_proto(encoded),
-            local_step=job.local_step, final=job.final,
-        )
-        messages = upload_messages(header, encoded.payload, cfg.chunk_size_bytes)
-        wire_bytes = sum(m.ByteSize() for m in messages)
-        timeout_s = self.cfg.call_timeout_s + wire_bytes / self.cfg.upload_min_bandwidth_bytes_per_s
-        sent_at = time.time()
-        try:
-            async for attempt in retry_lib.async_retrying(
-                what=f"upload fragment {job.fragment_id}", timeout=datetime.timedelta(seconds=self.cfg.retry_bound_s),
-                idempotent=True,  # keyed on (learner, incarnation, fragment, base): never applied twice
-            ):
-                with attempt:
-                    with self._lock:
-                        superseded = job.fragment_id in self._uploads
-                    if superseded:
-                        self._outcome(job, OUTCOME_NOT_TAKEN)
-                        return  # a newer pseudo-gradient of this fragment is queued; send that one
-                    self.stats.bytes_sent += wire_bytes
-                    if self._header_ack:
-                        after_chunk = (lambda: self._failpoints.hit("learner.after_chunk")) if self._failpoints else None
-                        response = await send_upload(self._stub, messages, timeout_s, after_chunk=after_chunk,
-                                                     pipeline_bytes=self._pipeline_bytes)
-                    else:
-                        response = await self._stub.UploadFragment(self._request_stream(messages), timeout=timeout_s)
-        except retry_lib.RetriesExhausted as exc:
-            # An attempt may have been taken before the link failed: send the same job again later.
-            self.stats.uploads_failed += 1
-            self._requeue(job)
-            self._record("failed", job, sent_at)
-            _LOG.warning(str(exc))
-            raise _SessionBroken("uploads keep failing") from None
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.INTERNAL and exc.details() == _WRITE_FAILED_DETAILS:
-                # Not the syncer's verdict but the client's own: the call ended while this upload was
-                # still being written, so the stream's end never went out and the syncer, which
-                # takes an upload only at its end, did not take it. Whatever ended the call (a broken
-                # link, most often), it is sent again like any upload whose call broke.
-                _LOG.info(f"fragment {job.fragment_id} base {job.base_version}: the call ended while the "
-                          "upload was being written (grpc reports INTERNAL, grpc/grpc#36066); sending it again")
-                code = grpc.StatusCode.UNAVAILABLE
-            if code in _OUTCOME_UNKNOWN:
-                # Not the syncer's verdict (a reset stream, a cancelled call): the upload may have been
-                # taken. The same job goes again after a short pause (idempotent on its key).
-                self.stats.uploads_failed += 1
-                self._record("failed", job, sent_at, code=code.name)
-                await asyncio.sleep(_UNKNOWN_OUTCOME_PAUSE_S)
-                self._requeue(job)
-                return
-            self.stats.uploads_refused += 1
-            self._outcome(job, OUTCOME_NOT_TAKEN)
-            _LOG.info(f"fragment {job.fragment_id} base {job.base_version} refused: {code.name}: {exc.details()}")
-            self._record("refused", job, sent_at, code=code.name)
-            if code == grpc.StatusCode.FAILED_PRECONDITION and errors_lib.reason_of(exc) in _REJOIN_REASONS:
-                # The syncer's typed reason, not its wording: fenced off by a newer life (the re-join
-                # is refused and sets `fenced`), or forgotten by a restarted syncer (the re-join works).
-                raise _SessionBroken("the syncer no longer knows this learner") from None
-            if code in _RESENDABLE:
-                with self._lock:
-                    self._refused.add((job.fragment_id, job.syncer_instance, job.base_version))
-            return
-        duplicate = response.result == syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE
-        if response.next_upload_after_s > 0:  # back-pressure: the syncer is saturated
-            self._hold_until[job.fragment_id] = (asyncio.get_running_loop().time()
-                                                 + min(response.next_upload_after_s, _MAX_UPLOAD_HOLD_S))
-            self.stats.uploads_slowed += 1
-            self.stats.last_upload_hold_s = min(response.next_upload_after_s, _MAX_UPLOAD_HOLD_S)
-        self._outcome(job, OUTCOME_DUPLICATE if duplicate else OUTCOME_ACCEPTED, response.current_version)
-        self._record("ack", job, sent_at, result="duplicate" if duplicate else "accepted")
-        if duplicate:
-            self.stats.uploads_duplicate += 1
-        else:
-            self.stats.uploads_accepted += 1
-
-    def _request_stream(self, messages: list):
-        """The upload's messages; with the `learner.after_chunk` failpoint armed, a generator that
-        may crash the process after a chunk went out (before the stream ends: a partial upload)."""
-        if not self._failpoints:
-            return iter(messages)
-
-        def stream():
-            for msg in messages:
-                yield msg
-                if msg.WhichOneof("kind") == "chunk":
-                    self._failpoints.hit("learner.after_chunk")
-
-        return stream()
-
-    def _record(self, event: str, job: UploadJob, sent_at: float, **fields) -> None:
-        """Appends to the fault-test history (`--history-file`), if any."""
-        if self._history is not None:
-            self._history.write(event, learner=self.cfg.learner_id, incarnation=self.cfg.incarnation,
-                                instance=job.syncer_instance, fragment=job.fragment_id,
-                                base_version=job.base_version, tokens=job.tokens, sent_at=sent_at, **fields)
-
-
-def upload_messages(header: syncer_pb2.UploadHeader, payload: bytes, chunk_size_bytes: int) -> list:
-    """The UploadFragment request messages of one upload: the header, then the payload's chunks."""
-    return [syncer_pb2.UploadFragmentRequest(header=header)] + [
-        syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(payload, chunk_size_bytes)]
-
-
-async def send_upload(stub, messages: list, timeout_s: float, *, after_chunk=None, pipeline_bytes: int = 0):
-    """One UploadFragment call to a syncer that acknowledges headers (JoinResponse.upload_header_ack):
-    sends the header and the chunks that start within `pipeline_bytes` of the payload
-    (JoinResponse.upload_pipeline_bytes) at once, and the rest only after the syncer accepted the
-    header (initial metadata). The header's round trip thus overlaps the transfer.
-
-    A refusal of the header still arrives while nothing is being written: the syncer reads the
-    pipelined chunks (and, when they were the whole payload, the end of the stream) before it
-    sends the status. The grpc asyncio client replaces the status of a call whose write fails
-    after the status came in with INTERNAL (grpc/grpc#36066), which would hide refusals worth
-    resending (_RESENDABLE).
-
-    Args:
-        stub: a SyncerStub on an aio channel.
-        messages: the header message, then the chunk messages.
-        timeout_s: the call's deadline.
-        after_chunk: called after each chunk is written (the `learner.after_chunk` failpoint).
-        pipeline_bytes: the syncer's pipeline window (0: no chunk before the acknowledgement).
-
-    Returns:
-        The UploadFragmentResponse. Raises grpc.aio.AioRpcError with the syncer's status.
-    """
-    call = stub.UploadFragment(timeout=timeout_s)
-    ack = None
-    first = messages[0]
-    if pipeline_bytes:  # the syncer reads that much before refusing the header (a copy: messages are reused)
-        first = syncer_pb2.UploadFragmentRequest()
-        first.CopyFrom(messages[0])
-        first.header.pipeline_bytes = pipeline_bytes
-    try:
-        await call.write(first)
-        # Resolves once the header is accepted (the syncer's acknowledgement), or empty when the
-        # call is ending: the status may not have been processed yet, so done() is no test here.
-        ack = asyncio.ensure_future(call.initial_metadata())
-        offset_bytes = 0
-        acknowledged = False
-        for msg in messages[1:]:
-            if not acknowledged and offset_bytes >= pipeline_bytes:
-                metadata = await ack
-                if tuple(serde.UPLOAD_HEADER_ACK) not in [tuple(item) for item in (metadata or ())]:
-                    return await call  # raises the refusal's status
-                acknowledged = True
-            if call.done():
-                break  # refused mid-stream: awaiting the call raises its status
-            await call.write(msg)
-            offset_bytes += len(msg.chunk.data)
-            if after_chunk is not None:
-                after_chunk()
-        else:
-            await call.done_writing()
-    except asyncio.InvalidStateError:
-        pass  # the call ended between the check and the write: its status is raised below
-    finally:
-        if ack is not None and not ack.done():
-            ack.cancel()
-    return await call
