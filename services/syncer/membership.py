@@ -309,6 +309,16 @@ class Membership:
         return {m.learner_id for m in self.members.values()
                 if self._live(m, now) and not m.finished and now >= m.quarantined_until_s}
 
+    def quorum_reachable(self, min_quorum: int, contributors: set[str]) -> bool:
+        """Whether `min_quorum` distinct learners could still be in a round that holds `contributors`.
+        Every member counts unless it finished or left: a silent, stopped or quarantined one may
+        come back, and so may a killed one (as a new life), so only learners that are done end a
+        quorum. Before the run has seen `min_quorum` learners the rest may still be joining."""
+        if len(self.members) < min_quorum:
+            return True
+        could = {lid for lid, m in self.members.items() if not m.finished and not m.left}
+        return len(could | contributors) >= min_quorum
+
     def comparable_learners(self, learner_id: str) -> int:
         """Live, unquarantined learners other than `learner_id`: who could still send a reference."""
         now = self._clock()

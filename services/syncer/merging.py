@@ -229,6 +229,7 @@ class Rounds:
                     contributors=len(rnd.learners),
                     quorum_reached_at_s=rnd.quorum_reached_at_s,
                     expected_contributors=max(len(expected | rnd.learners), 1),
+                    quorum_reachable=self._membership.quorum_reachable(self.config.min_quorum, rnd.learners),
                 ),
                 min_quorum=self.config.min_quorum,
                 grace_s=grace_s,
