@@ -252,6 +252,31 @@ def test_a_quorum_that_can_no_longer_form_does_not_hold_the_last_learners_work(c
     asyncio.run(run())
 
 
+def test_last_work_waits_for_no_learner_that_stopped_stepping(clock):
+    async def run():
+        core = make_scheduled_core(clock)
+        for lid in ("a", "b", "c"):
+            join(core, lid)
+            report(core, lid, 1)
+        # c is killed here (it stays expected until the liveness timeout, 30 s); a and b finish.
+        await contribute(core, "a", 0, mark=1, final=True)
+        await contribute(core, "b", 0, mark=1, final=True)
+        clock.now_s += 1.0
+        report(core, "a", 1, finished=True)
+        await settle()
+        assert not core.slots[0].round.open  # c may still step: the work waits for a scheduled round
+        clock.now_s += 7.5  # no step of c for 8.5 s, over 2 periods (H = 4 steps of 1 s): a stalled schedule
+        report(core, "a", 1, finished=True)  # a finished learner's reports while it waits in finish()
+        assert core.slots[0].round.open and core.round_call(0, "c") is not None
+        clock.now_s += 0.8 * 4 * 1.0 + 0.1  # c does not answer: the grace window closes the round
+        core.tick()
+        await settle()
+        assert core.slots[0].version == 1 and core.merges[-1].reason == "grace_expired"
+        assert sorted(c.learner_id for c in core.merges[-1].contributors) == ["a", "b"]
+
+    asyncio.run(run())
+
+
 def test_below_quorum_rounds_still_wait_while_the_quorum_can_form(clock):
     async def run():
         core = make_scheduled_core(clock, min_quorum=2)
