@@ -187,6 +187,8 @@ class Membership:
         else:  # same incarnation re-joining after a broken connection
             member.left = False
             member.last_seen_s, member.last_seen_unix_s = now, wall
+            # As a new life's join: a learner back after a syncer restart is not a stalled one.
+            member.progressed_at_s = max(member.progressed_at_s, now)
             self._place_on_data_shard(member, req, member)
         self._on_change()
         return member, replaced
