@@ -137,10 +137,10 @@ def decide_merge(
 
     Below quorum the round waits for contributions, unless the quorum can no longer be
     reached (``round_.quorum_reachable`` False) and every expected contributor is in: it then
-    merges what it holds (a round with no contribution never merges). At or above quorum it merges once every
-    expected contributor is in, or once the grace window after quorum has passed; until
-    then it waits for the window's end. With ``grace_s == 0`` it merges as soon as the
-    quorum is reached.
+    merges what it holds (a round with no contribution never merges). At or above quorum it
+    merges once every expected contributor is in, or once the grace window after quorum has
+    passed; until then it waits for the window's end. With ``grace_s == 0`` it merges as soon
+    as the quorum is reached.
 
     Args:
         now_s: current time, on the same clock as the round's timestamps.
