@@ -100,12 +100,17 @@ class RoundView:
             None while below it.
         expected_contributors: live members that could still contribute; the round merges
             early once all of them have.
+        quorum_reachable: False once too few learners remain that could ever contribute
+            (the others finished or left) to bring the round to the minimum quorum; such a
+            round merges below quorum once every expected contributor is in, so that the
+            last work is not held by a quorum that cannot form.
     """
 
     opened_at_s: float
     contributors: int
     quorum_reached_at_s: float | None
     expected_contributors: int
+    quorum_reachable: bool = True
 
 
 @dataclass(frozen=True)
@@ -116,8 +121,8 @@ class MergeDecision:
         merge: merge the round now.
         wake_at_s: when not merging, when to decide again (None: only on the next
             contribution).
-        reason: ``"below_quorum"``, ``"grace"``, ``"all_contributed"`` or
-            ``"grace_expired"``.
+        reason: ``"below_quorum"``, ``"grace"``, ``"all_contributed"``,
+            ``"grace_expired"`` or ``"quorum_unreachable"``.
     """
 
     merge: bool
@@ -130,10 +135,12 @@ def decide_merge(
 ) -> MergeDecision:
     """Decides whether a fragment's open round should be merged now.
 
-    Below quorum the round waits for contributions. At or above quorum it merges once every
-    expected contributor is in, or once the grace window after quorum has passed; until
-    then it waits for the window's end. With ``grace_s == 0`` it merges as soon as the
-    quorum is reached.
+    Below quorum the round waits for contributions, unless the quorum can no longer be
+    reached (``round_.quorum_reachable`` False) and every expected contributor is in: it then
+    merges what it holds (a round with no contribution never merges). At or above quorum it
+    merges once every expected contributor is in, or once the grace window after quorum has
+    passed; until then it waits for the window's end. With ``grace_s == 0`` it merges as soon
+    as the quorum is reached.
 
     Args:
         now_s: current time, on the same clock as the round's timestamps.
@@ -153,6 +160,9 @@ def decide_merge(
     if not (math.isfinite(grace_s) and grace_s >= 0):
         raise ValueError(f"grace_s={grace_s} is invalid: must be finite and >= 0")
     if round_.contributors < min_quorum:
+        if (not round_.quorum_reachable and round_.contributors >= 1
+                and round_.contributors >= round_.expected_contributors):
+            return MergeDecision(merge=True, wake_at_s=None, reason="quorum_unreachable")
         return MergeDecision(merge=False, wake_at_s=None, reason="below_quorum")
     if round_.quorum_reached_at_s is None:
         raise ValueError(

@@ -21,7 +21,9 @@ I1  Every upload a learner saw acknowledged (ACCEPTED or DUPLICATE) is in exactl
         and a merge contributor the syncer never accepted.
     double_applied (a violation): one key in two merges.
 I2  Within a syncer life each fragment's versions go up by exactly one per merge, from the
-    version it started at; every merge has at least K (min_quorum) distinct contributors; a new
+    version it started at; every merge has at least K (min_quorum) distinct contributors, except a
+    merge the syncer recorded as "quorum_unreachable" (every learner that could still contribute
+    had, and too few remained, the others having finished or left: counted, not a violation); a new
     life starts from a state that really existed (a merged or restored version with the same
     parameter hash) and from at least the newest checkpoint the previous lives committed.
 I3  After recovery every learner holds the syncer's bytes: for every fragment, the sha256 of the
@@ -235,7 +237,7 @@ def check_versions(syncer_records: Sequence[dict]) -> Check:
     lives = syncer_lives(syncer_records)
     known: dict[int, set[tuple[int, str]]] = collections.defaultdict(set)  # fragment -> (version, params sha)
     last_checkpoint = -1
-    merges = below = 0
+    merges = below = unreachable = 0
     for n, life in enumerate(lives):
         start_fragments = {int(f): v for f, v in life.start.get("fragments", {}).items()}
         if n > 0:
@@ -263,7 +265,9 @@ def check_versions(syncer_records: Sequence[dict]) -> Check:
             version[f] = int(rec["version"])
             known[f].add((int(rec["version"]), rec.get("params_sha256", rec["sha256"])))
             distinct = len({c[0] for c in rec["contributors"]})
-            if distinct < quorum:
+            if distinct < quorum and rec.get("reason") == "quorum_unreachable" and distinct >= 1:
+                unreachable += 1  # the last work of a run whose other learners are done
+            elif distinct < quorum:
                 below += 1
                 check.fail(f"life {life.instance[:8]} fragment {f} version {rec['version']}: {distinct} contributors "
                            f"< min_quorum {quorum} (reason {rec.get('reason')})")
@@ -275,7 +279,7 @@ def check_versions(syncer_records: Sequence[dict]) -> Check:
                 last[int(rec["fragment"])] = rec["t"]
     newest = max(last.values(), default=0.0)
     stalled = sorted(f for f, t in last.items() if newest - t > STALL_S)
-    check.figures = {"merges": merges, "below_quorum": below, "lives": len(lives),
+    check.figures = {"merges": merges, "below_quorum": below, "quorum_unreachable": unreachable, "lives": len(lives),
                      "restarts": max(len(lives) - 1, 0), "stalled_fragments": stalled}
     return check
 

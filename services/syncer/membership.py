@@ -93,6 +93,8 @@ class Member:
     direction_count: int = 0
     # Finished its steps (ReportProgressRequest.finished): flushing its last work, not waited for.
     finished: bool = False
+    # clock() of this life's join or of its last report with a higher local step (schedule_stalled).
+    progressed_at_s: float = -math.inf
     tokens_prev_lives: int = 0  # tokens processed by this learner's earlier incarnations
     # fragment -> (version, highest merged local_step mark of this life) per merge that held one.
     merged_marks: dict = dataclasses.field(default_factory=dict)
@@ -185,6 +187,8 @@ class Membership:
         else:  # same incarnation re-joining after a broken connection
             member.left = False
             member.last_seen_s, member.last_seen_unix_s = now, wall
+            # As a new life's join: a learner back after a syncer restart is not a stalled one.
+            member.progressed_at_s = max(member.progressed_at_s, now)
             self._place_on_data_shard(member, req, member)
         self._on_change()
         return member, replaced
@@ -213,6 +217,7 @@ class Membership:
             tokens_per_step=req.tokens_per_step,
             last_seen_s=now,
             last_seen_unix_s=wall,
+            progressed_at_s=now,
             joins=previous.joins + 1 if previous else 1,
             bytes_in=previous.bytes_in if previous else 0,
             bytes_out=previous.bytes_out if previous else 0,
@@ -278,6 +283,8 @@ class Membership:
         member = self.require_member(req.learner_id, req.incarnation)
         member.last_seen_s, member.last_seen_unix_s = self._clock(), self._wall()
         member.left = False
+        if req.local_step > member.local_step:
+            member.progressed_at_s = member.last_seen_s
         member.local_step = req.local_step
         member.tokens_total = req.tokens_total
         return member
@@ -308,6 +315,23 @@ class Membership:
         now = self._clock()
         return {m.learner_id for m in self.members.values()
                 if self._live(m, now) and not m.finished and now >= m.quarantined_until_s}
+
+    def schedule_stalled(self, stall_s: float) -> bool:
+        """Whether no expected learner has advanced its local step for `stall_s` (True when none is
+        expected): a killed learner not yet past the liveness timeout, a stopped one, or a client that
+        only watches moves no schedule, so nobody will bring the next scheduled round soon."""
+        now = self._clock()
+        return all(now - self.members[lid].progressed_at_s > stall_s for lid in self.expected_learners())
+
+    def quorum_reachable(self, min_quorum: int, contributors: set[str]) -> bool:
+        """Whether `min_quorum` distinct learners could still be in a round that holds `contributors`.
+        Every member counts unless it finished or left: a silent, stopped or quarantined one may
+        come back, and so may a killed one (as a new life), so only learners that are done end a
+        quorum. Before the run has seen `min_quorum` learners the rest may still be joining."""
+        if len(self.members) < min_quorum:
+            return True
+        could = {lid for lid, m in self.members.items() if not m.finished and not m.left}
+        return len(could | contributors) >= min_quorum
 
     def comparable_learners(self, learner_id: str) -> int:
         """Live, unquarantined learners other than `learner_id`: who could still send a reference."""

@@ -35,6 +35,9 @@ from services.syncer import slots as slots_lib
 from services.syncer import state as state_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
+# The least time without a step of any expected learner that counts as a stalled schedule: several
+# of the learners' progress intervals (0.25 s by default), so a report in flight never counts.
+_MIN_STALL_S = 2.0
 
 
 class Rounds:
@@ -169,14 +172,33 @@ class Rounds:
         finished, left or gone silent): nobody advances the schedule, and the last work must merge.
         While some learner trains, finished learners' last contributions join the fragments' next
         scheduled rounds: merging each learner's tail in a round of its own added a full outer step,
-        momentum included, per learner and fragment at the end (16 extra merges of 4 learners)."""
+        momentum included, per learner and fragment at the end (16 extra merges of 4 learners).
+        Those rounds open too once the schedule has stalled (_stall_s): the learners still expected
+        have not stepped for a while (killed but not yet past the liveness timeout, stopped, or a
+        client that only watches), and the finished learners waited for them until the timeout."""
+        if not self.scheduled:
+            return False
+        nobody = not self._membership.expected_learners()
+        stalled = nobody or self._membership.schedule_stalled(self._stall_s())
         opened = False
-        if self.scheduled and not self._membership.expected_learners():
-            for slot in self.slots:
-                if slot.round is not None and slot.round.contributions and not slot.round.open:
-                    self._open_round(slot, "last")
-                    opened = True
+        for slot in self.slots:
+            rnd = slot.round
+            if rnd is None or not rnd.contributions or rnd.open or not stalled:
+                continue
+            if nobody or any(self._is_finished(lid) for lid in rnd.learners):
+                self._open_round(slot, "last")
+                opened = True
         return opened
+
+    def _stall_s(self) -> float:
+        """How long without any expected learner's step means the schedule stalled: twice a period
+        of H steps at the learners' pace (a scheduled round is at most H global steps away), and
+        never less than _MIN_STALL_S."""
+        return max(_MIN_STALL_S, 2.0 * self.plan.sync_period_steps * self._membership.step_time_s())
+
+    def _is_finished(self, learner_id: str) -> bool:
+        member = self._membership.members.get(learner_id)
+        return member is not None and member.finished
 
     def open_due(self) -> list[int]:
         """Opens the rounds the schedule says are due; returns their fragment ids."""
@@ -229,6 +251,7 @@ class Rounds:
                     contributors=len(rnd.learners),
                     quorum_reached_at_s=rnd.quorum_reached_at_s,
                     expected_contributors=max(len(expected | rnd.learners), 1),
+                    quorum_reachable=self._membership.quorum_reachable(self.config.min_quorum, rnd.learners),
                 ),
                 min_quorum=self.config.min_quorum,
                 grace_s=grace_s,

@@ -74,6 +74,9 @@ class MemberSnapshot:
     data_shard_assigned: bool = False
     # The quarantine time left, so a restart keeps it (quarantines "until restart" end).
     quarantine_remaining_s: float = 0.0
+    # This life finished its steps or left: restored as finished, so that a learner gone before a
+    # restart neither is waited for nor keeps a quorum reachable (Membership.quorum_reachable).
+    ended: bool = False
 
     @classmethod
     def of(cls, m: membership_lib.Member, now_s: float) -> MemberSnapshot:
@@ -83,7 +86,8 @@ class MemberSnapshot:
                    flags=m.flags, rejections=dict(m.rejections), tokens_total=m.tokens_this_life(),
                    tokens_prev_lives=m.tokens_prev_lives, num_data_shards=m.num_data_shards,
                    data_shard=m.data_shard, data_shard_assigned=m.data_shard_assigned,
-                   quarantine_remaining_s=remaining_s if 0 < remaining_s < math.inf else 0.0)
+                   quarantine_remaining_s=remaining_s if 0 < remaining_s < math.inf else 0.0,
+                   ended=m.finished or m.left)
 
     def to_dict(self) -> dict:
         fields = dataclasses.asdict(self)
@@ -99,7 +103,8 @@ class MemberSnapshot:
                    tokens_prev_lives=int(m.get("tokens_prev_lives", 0)),
                    num_data_shards=int(m.get("num_data_shards", 0)), data_shard=int(m.get("data_shard", -1)),
                    data_shard_assigned=bool(m.get("data_shard_assigned", False)),
-                   quarantine_remaining_s=float(m.get("quarantine_remaining_s", 0.0)))
+                   quarantine_remaining_s=float(m.get("quarantine_remaining_s", 0.0)),
+                   ended=bool(m.get("ended", False)))
 
     def restore(self, fragments: list[FragmentSnapshot], *, now_s: float, now_unix_s: float) -> membership_lib.Member:
         """The member as a restarted syncer knows it: not seen yet, fenced at this incarnation (a
@@ -111,7 +116,7 @@ class MemberSnapshot:
             tokens_prev_lives=self.tokens_prev_lives,
             # A returning learner id is given its shard again (Membership._place_on_data_shard).
             num_data_shards=self.num_data_shards, data_shard=self.data_shard,
-            data_shard_assigned=self.data_shard_assigned,
+            data_shard_assigned=self.data_shard_assigned, finished=self.ended,
         )
         for frag in fragments:
             incarnation, mark = frag.merged_marks.get(self.learner_id, (-1, 0))

@@ -212,6 +212,14 @@ def test_i2_finds_version_gaps_small_quorums_and_restores_of_unknown_states():
     assert invariants.check_versions(_healthy_history()).ok
 
 
+def test_i2_counts_a_merge_below_k_only_when_the_syncer_found_the_quorum_unreachable():
+    last = {**_merged("A", 2, 0, 2, [("l1", 1)]), "reason": "quorum_unreachable"}  # the last learner's last work
+    check = invariants.check_versions([*_healthy_history()[:4], last])
+    assert check.ok and check.figures["quorum_unreachable"] == 1 and check.figures["below_quorum"] == 0
+    hidden = {**last, "reason": "grace_expired"}
+    assert not invariants.check_versions([*_healthy_history()[:4], hidden]).ok
+
+
 def test_i3_compares_learner_hashes_with_the_syncer_life_they_came_from():
     syncer = _healthy_history()
     good = {"held": {"0": {"version": 1, "sha256": "pA0v1"}}, "held_instances": {"0": "A"}, "incarnation": 1}

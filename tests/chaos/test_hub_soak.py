@@ -17,14 +17,16 @@ import json
 
 import pytest
 
-from ddiloco.chaos import harness, scenarios
-from tests.chaos.conftest import SEED
+from ddiloco.chaos import harness
+from tests.chaos.conftest import build
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(420)]
 
 
-def test_hub_soak_short_keeps_every_invariant_across_syncers_stores_and_etcd(tmp_path, jax_cache, capsys):
-    scenario, events = scenarios.build("hub-soak-short", SEED)
+def test_hub_soak_short_keeps_every_invariant_across_syncers_stores_and_etcd(tmp_path, jax_cache,
+                                                                             learner_compilation_cache, capsys):
+    # The session's learner compilation cache (the other chaos runs' programs), not one per run.
+    scenario, events = build("hub-soak-short", learner_compilation_cache)
     result = harness.run_scenario(scenario, events, tmp_path / "hub", jax_cache_dir=jax_cache)
     with capsys.disabled():
         print(f"\n{result.report_line}")

@@ -83,6 +83,26 @@ def test_below_quorum_waits_for_the_next_contribution():
     assert decision == grace_lib.MergeDecision(merge=False, wake_at_s=None, reason="below_quorum")
 
 
+def test_below_an_unreachable_quorum_merges_once_every_expected_member_contributed():
+    # K = 2 with one learner left that could contribute (the others finished or left): the old rule
+    # held its round below quorum for good.
+    alone = grace_lib.RoundView(opened_at_s=100.0, contributors=1, quorum_reached_at_s=None,
+                                expected_contributors=1, quorum_reachable=False)
+    decision = grace_lib.decide_merge(100.0, alone, min_quorum=2, grace_s=1.0)
+    assert decision == grace_lib.MergeDecision(merge=True, wake_at_s=None, reason="quorum_unreachable")
+
+
+@pytest.mark.parametrize(("contributors", "expected", "reachable"), [
+    (1, 2, False),  # a live learner that may still answer the call
+    (0, 1, False),  # nothing to merge
+    (1, 1, True),  # a quorum that may still form (a silent learner may come back)
+])
+def test_below_quorum_waits_unless_the_quorum_is_unreachable_and_everyone_is_in(contributors, expected, reachable):
+    view = grace_lib.RoundView(opened_at_s=100.0, contributors=contributors, quorum_reached_at_s=None,
+                               expected_contributors=expected, quorum_reachable=reachable)
+    assert grace_lib.decide_merge(105.0, view, min_quorum=2, grace_s=1.0).reason == "below_quorum"
+
+
 def test_merges_early_once_every_expected_member_contributed():
     decision = grace_lib.decide_merge(101.0, _round(3, 101.0, 3), min_quorum=1, grace_s=5.0)
     assert decision == grace_lib.MergeDecision(merge=True, wake_at_s=None, reason="all_contributed")

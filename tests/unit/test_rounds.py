@@ -111,10 +111,10 @@ def test_pending_is_resolved_unmerged_only_by_a_later_version_or_another_syncer_
 # ------------------------------------------------------------------------ scheduled core
 
 
-def make_scheduled_core(clock: FakeClock, *, grace_gamma: float = 0.8):
+def make_scheduled_core(clock: FakeClock, *, grace_gamma: float = 0.8, min_quorum: int = 1):
     # Offsets 0 and 2: rounds at global steps 2, 4, 6, ...
     return make_core(clock, sync_period_steps=4, overlap_steps=4, max_staleness_versions=4, initial_std=0.0,
-                     grace_gamma=grace_gamma, merge_history=64, round_trigger="schedule")
+                     grace_gamma=grace_gamma, merge_history=64, round_trigger="schedule", min_quorum=min_quorum)
 
 
 def report(core, learner_id: str, step: int, *, step_time_s: float = 1.0, finished: bool = False) -> None:
@@ -222,6 +222,100 @@ def test_final_contributions_join_the_next_scheduled_round_until_nobody_trains(c
         assert core.expected_learners() == set()
         # The reports carried no tokens; the merges hold a's 400 (fragment 0) and b's 400 per fragment.
         assert core.tokens_processed() == 800
+
+    asyncio.run(run())
+
+
+def test_a_quorum_that_can_no_longer_form_does_not_hold_the_last_learners_work(clock):
+    async def run():
+        core = make_scheduled_core(clock, min_quorum=2)
+        for lid in ("a", "b"):
+            join(core, lid)
+            report(core, lid, 0)
+        await contribute(core, "a", 0, mark=1, final=True)  # a is done, with nothing left on fragment 1
+        await settle()
+        report(core, "b", 4)  # both rounds open; fragment 0's holds a's last work
+        await contribute(core, "b", 0, mark=4)
+        await settle()
+        assert core.slots[0].version == 1 and core.merges[-1].reason == "all_contributed"  # K = 2 met
+        # Fragment 1: b is the only learner that could ever contribute (a finished): K = 2 cannot
+        # form, and every expected learner is in. The old rule held the round below quorum for good.
+        await contribute(core, "b", 1, mark=4)
+        await settle()
+        assert core.slots[1].version == 1 and core.merges[-1].reason == "quorum_unreachable"
+        assert [c.learner_id for c in core.merges[-1].contributors] == ["b"]
+        await contribute(core, "b", 0, mark=6, final=True)  # the last learner's last work merges at once
+        await settle()
+        assert core.slots[0].version == 2 and core.merges[-1].reason == "quorum_unreachable"
+        assert core.receipt("b", 1, 0, 2).merged_through_step == 6  # its receipt lets it stop
+
+    asyncio.run(run())
+
+
+def test_last_work_waits_for_no_learner_that_stopped_stepping(clock):
+    async def run():
+        core = make_scheduled_core(clock)
+        for lid in ("a", "b", "c"):
+            join(core, lid)
+            report(core, lid, 1)
+        # c is killed here (it stays expected until the liveness timeout, 30 s); a and b finish.
+        await contribute(core, "a", 0, mark=1, final=True)
+        await contribute(core, "b", 0, mark=1, final=True)
+        clock.now_s += 1.0
+        report(core, "a", 1, finished=True)
+        await settle()
+        assert not core.slots[0].round.open  # c may still step: the work waits for a scheduled round
+        clock.now_s += 7.5  # no step of c for 8.5 s, over 2 periods (H = 4 steps of 1 s): a stalled schedule
+        report(core, "a", 1, finished=True)  # a finished learner's reports while it waits in finish()
+        assert core.slots[0].round.open and core.round_call(0, "c") is not None
+        clock.now_s += 0.8 * 4 * 1.0 + 0.1  # c does not answer: the grace window closes the round
+        core.tick()
+        await settle()
+        assert core.slots[0].version == 1 and core.merges[-1].reason == "grace_expired"
+        assert sorted(c.learner_id for c in core.merges[-1].contributors) == ["a", "b"]
+
+    asyncio.run(run())
+
+
+def test_below_quorum_rounds_still_wait_while_the_quorum_can_form(clock):
+    async def run():
+        core = make_scheduled_core(clock, min_quorum=2)
+        join(core, "a")
+        report(core, "a", 0)
+        report(core, "a", 4)  # only a has joined yet: the run's other learners may still come
+        await contribute(core, "a", 0, mark=4)
+        await settle()
+        assert core.slots[0].version == 0
+        join(core, "b")
+        report(core, "b", 4)
+        clock.now_s += 100.0  # b falls silent (liveness 30 s): it is not waited for, but it may come back
+        report(core, "a", 8)
+        await contribute(core, "a", 1, mark=8)
+        core.tick()
+        await settle()
+        assert core.versions() == {0: 0, 1: 0} and core.expected_learners() == {"a"}
+        report(core, "b", 8)  # it does, and the quorum forms
+        await contribute(core, "b", 1, mark=8)
+        await settle()
+        assert core.slots[1].version == 1 and len(core.merges[-1].contributors) == 2
+
+    asyncio.run(run())
+
+
+def test_learners_that_ended_before_a_syncer_restart_do_not_keep_a_quorum_reachable(clock):
+    async def run():
+        core = make_scheduled_core(clock, min_quorum=2)
+        for lid in ("a", "b", "c"):
+            join(core, lid)
+            report(core, lid, 0)
+        report(core, "a", 3, finished=True)
+        core.leave(syncer_pb2.LeaveRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id="b", incarnation=1))
+        restored = make_scheduled_core(clock, min_quorum=2)
+        restored.restore(await core.snapshot())
+        assert restored.membership.quorum_reachable(2, set()) is False  # only c may still contribute
+        assert core.membership.quorum_reachable(2, set()) is False
+        join(core, "b", incarnation=2)  # a new life of b: the quorum can form again
+        assert core.membership.quorum_reachable(2, set())
 
     asyncio.run(run())
 
