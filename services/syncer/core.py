@@ -168,6 +168,9 @@ class SyncerCore:
         self.influence = influence_lib.Influence(run_id=run_config.run_id, instance=self.instance,
                                                  directions=self.directions)
         self.admission.influence = self.rounds.influence = self.influence
+        # For the ledger's replayable records: the outer optimizer, when it is the shared Nesterov SGD.
+        self.rounds.outer = ({"lr": outer_lr, "momentum": outer_momentum, "nesterov": True}
+                             if stepper_factory is None else None)
         self.started_at_unix_s = wall_clock()
         self.restored_from_checkpoint = False
         self.last_checkpoint_outer_step = 0
@@ -383,7 +386,7 @@ class SyncerCore:
             self.admission.judge_direction(header, decoded.heading, slot.version)
             rnd = self.rounds.round_for(slot)
             await self.rounds.fold(slot, rnd, header.fragment_id, delta, norms, weight, ticket.base_params,
-                                   header.learner_id, steps)
+                                   header.learner_id, steps, decoded=decoded.values)
             self.admission.accepted(slot, member, header, decoded, norms, steps, weight)
             self.rounds.add(rnd, header, weight)
             self._emit("upload_accepted", header)
@@ -568,6 +571,7 @@ class SyncerCore:
             self.evals.append(e.record())
         self.restored_from_checkpoint = True
         self.last_checkpoint_outer_step = self.outer_steps
+        self.influence.restored_step = self.outer_steps  # the ledger's records name the lineage they follow
         _LOG.info("restored", extra={"fields": {"outer_step": self.outer_steps,
                                                 "versions": self.versions(),
                                                 "sha256": [s.params_sha256[:12] for s in self.slots]}})
