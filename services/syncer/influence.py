@@ -19,13 +19,14 @@ the rotation. The same records go to the checkpoint store's ledger (services/syn
 each sink with its own chain.
 
 Accountability (issue 24): each record also names the syncer's leader `epoch`, the new values'
-`params_sha256`, the checkpoint step this syncer life restored (`restored_step`, None for a fresh
-start) and the merge's inputs (`merge_inputs`: rules, share cap, norm clip, outer step fraction and
-optimizer); each contributor its `contribution_sha256` (sha256 of the decoded contribution's
-float32 bytes) and its fold-in (`fold`: position in the accumulator's order, weight as folded in,
-before the share cap, per-tensor norms if given, steps). With retention on, `fold.blob` is the
-digest of the values folded in (re-anchored and clipped) stored as a blob, and the record's `blobs`
-lists them: `ddiloco audit replay` re-runs the merge from them in the recorded order, bit for bit.
+`params_sha256`, the syncer's `outer_step` after the merge (a checkpoint's step), the checkpoint
+step this syncer life restored (`restored_step`, None for a fresh start) and the merge's inputs
+(`merge_inputs`: rules, share cap, norm clip, outer step fraction and optimizer); each contributor
+its `contribution_sha256` (sha256 of the decoded contribution's float32 bytes) and its fold-in
+(`fold`: position in the accumulator's order, weight as folded in, before the share cap, per-tensor
+norms if given, steps). With retention on, `fold.blob` is the digest of the values folded in
+(re-anchored and clipped) stored as a blob, and the record's `blobs` lists them: `ddiloco audit
+replay` re-runs the merge from them in the recorded order, bit for bit.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class Influence:
         self.clipped_claims[what] += 1
 
     def merged(self, rnd, record, merged_direction: np.ndarray | None, published_sha256: str,
-               params_sha256: str = "") -> dict:
+               params_sha256: str = "", *, outer_step: int | None = None) -> dict:
         """Accounts for one merge (call under the fragment's lock, after the outer step): shares,
         cosines with the merged update (`merged_direction`, from `merged_direction`); appends the
         ledger record. Returns the record."""
@@ -201,7 +202,7 @@ class Influence:
             "merged_norm": _rounded(record.outer_grad_norm), "total_weight": _rounded(total, 9),
             "contributors": contributors, "refused": list(self._refusals.pop(record.fragment_id, ())),
         }
-        blobs = self._accountability(rnd, out, params_sha256)
+        blobs = self._accountability(rnd, out, params_sha256, outer_step)
         if self.ledger is not None:
             try:
                 self.ledger.append(out)
@@ -211,11 +212,12 @@ class Influence:
             self.store_ledger.append(out, blobs)  # queued: shipped in the background, never blocks a merge
         return out
 
-    def _accountability(self, rnd, out: dict, params_sha256: str) -> dict[str, bytes]:
+    def _accountability(self, rnd, out: dict, params_sha256: str, outer_step: int | None) -> dict[str, bytes]:
         """Adds the epoch, hashes and fold-ins (module docstring) to a record; returns the retained
         contributions' bytes by digest."""
         folds = list(getattr(rnd, "folds", ()))
         out.update(epoch=int(self.epoch()), params_sha256=params_sha256, restored_step=self.restored_step,
+                   outer_step=outer_step,
                    merge_inputs=getattr(rnd, "merge_inputs", None))
         by_learner = {f["learner"]: (index, f) for index, f in enumerate(folds)}
         blobs: dict[str, bytes] = {}

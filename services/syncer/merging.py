@@ -306,7 +306,8 @@ class Rounds:
             if self.influence is not None:
                 direction = await asyncio.to_thread(self.influence.merged_direction, slot.fragment.fragment_id,
                                                     slot.last_outer_grad[0])
-                self.influence.merged(rnd, record, direction, slot.published_sha256, slot.params_sha256)
+                self.influence.merged(rnd, record, direction, slot.published_sha256, slot.params_sha256,
+                                      outer_step=self.outer_steps)
             await self._publisher.encoded_payload(slot)
             if self.sync_time.value is None or not expected:
                 # Until a broadcast has been measured (broadcast_sent), merge and publish time.

@@ -1,0 +1,306 @@
+"""`ddiloco audit replay`: re-applies a run's retained contributions and checks every published hash.
+
+    ddiloco audit replay --store HOST:PORT --run-id RUN [--from-step N] [--json]
+
+Owns reading a run's merge ledger and checkpoints from the checkpoint store (the `--store` form of
+`ddiloco audit` reads the ledger through here too) and the replay: from a checkpoint (its global
+fragments and outer optimizer state; `--from-step`, default the oldest retained), every later merge
+of the ledger is computed again with the library's merge (ddiloco.algo.merge.MergeAccumulator) and
+outer optimizer (ddiloco.algo.outer), from the contributions the syncer retained
+(`--retain-contributions`), folded in the order the record gives (`fold.index`: the order the
+syncer folded them in, held-back contributions included), with the record's weights, norms, steps
+and merge inputs. Each new fragment's sha256 must equal the record's `params_sha256` (and its
+`fragment_sha256` when downloads are lossless, where the two are the same) bit for bit.
+
+A syncer that restarted from a checkpoint starts a new lineage: its first record of a fragment
+names the checkpoint (`restored_step`), which the replay loads again when the store retains it.
+Merges before the starting checkpoint are skipped; a merge that cannot be replayed (no retained
+contributions, a gap in the versions, a restart from a checkpoint no longer retained) is counted
+as unverifiable and ends that fragment's replay.
+Exit status: 0 every replayed hash matches; 1 a mismatch, or a retained contribution that is
+missing or corrupt (the first one is printed with its merge); 2 a broken ledger chain, no ledger
+or no checkpoint to start from.
+Must not: write to the store (it reads as a `reader` or `model-reader`: GetBlob needs the latter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+from safetensors import numpy as st_numpy
+
+from ddiloco import checkpoint_client as checkpoint_client_lib
+from ddiloco import checkpoint_replicas as replicas_lib
+from ddiloco import run_description as run_description_lib
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import merge as merge_lib
+from ddiloco.algo import outer as outer_lib
+from ddiloco.cli import audit as audit_lib
+from ddiloco.cli import status as status_lib
+from ddiloco.rpc import channel as channel_lib
+
+_CALL_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+class Mismatch(Exception):
+    """A replayed merge that does not reproduce what the ledger says was published."""
+
+
+# ------------------------------------------------------------------------------ the store
+
+
+class _Store:
+    """A read-only client of one store, or of replicas (a comma list): a context manager."""
+
+    def __init__(self, targets: str, security) -> None:
+        self._targets = [t.strip() for t in targets.split(",") if t.strip()]
+        self._security = security
+        self._channels: list = []
+        self.client = None
+
+    async def __aenter__(self):
+        clients = {}
+        for target in self._targets:
+            channel = channel_lib.aio_channel(target, self._security)
+            self._channels.append(channel)
+            clients[target] = checkpoint_client_lib.CheckpointClient(
+                channel, timeout=_CALL_TIMEOUT, retry_timeout=datetime.timedelta(seconds=10))
+        self.client = (clients[self._targets[0]] if len(clients) == 1
+                       else replicas_lib.ReplicatedCheckpointClient(clients, write_quorum=1, quorum_wait_s=10.0))
+        return self.client
+
+    async def __aexit__(self, *exc) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+def fetch_ledger_lines(targets: str, run_id: str, security, timeout_s: float = 300.0) -> list[bytes]:
+    """The run's ledger lines as the store holds them (`ddiloco audit --store`)."""
+
+    async def fetch() -> list[bytes]:
+        async with _Store(targets, security) as client:
+            return [line.encode() for line in await client.read_ledger(run_id)]
+
+    return asyncio.run(asyncio.wait_for(fetch(), timeout_s))
+
+
+# ----------------------------------------------------------------------------- the replay
+
+
+@dataclasses.dataclass
+class _Fragment:
+    layout: fragments_lib.Fragment
+    version: int
+    params: np.ndarray | None  # None: this fragment's replay stopped (unverifiable from here)
+    opt_state: list
+    params_sha256: str = ""
+    instance: str | None = None  # the syncer life whose lineage the values follow (None: the first seen)
+    anchor: int = -1  # ledger index of the record that published the starting values (-1: none)
+
+
+@dataclasses.dataclass
+class Outcome:
+    replayed: int = 0
+    skipped: int = 0  # merges before the starting checkpoint
+    unverifiable: list = dataclasses.field(default_factory=list)
+    mismatch: str = ""
+
+
+class Replay:
+    """Replays ledger records against a store client (see the module docstring)."""
+
+    def __init__(self, client, run_id: str) -> None:
+        self._client = client
+        self.run_id = run_id
+        self._manifests: dict[int, checkpoint_client_lib.Manifest] = {}
+        self._steppers: dict[tuple, outer_lib.OuterStepper] = {}
+        self.fragments: dict[int, _Fragment] = {}
+
+    async def start(self, from_step: int | None) -> int:
+        """Loads the starting checkpoint; returns its step. ValueError when there is none."""
+        manifests = await self._client.list_manifests(self.run_id)
+        self._manifests = {m.step: m for m in manifests}
+        if not manifests:
+            raise ValueError(f"the store retains no checkpoint of run {self.run_id!r} to replay from")
+        step = manifests[0].step if from_step is None else from_step
+        if step not in self._manifests:
+            raise ValueError(f"no checkpoint at step {step}; retained: {sorted(self._manifests)}")
+        self.fragments = await self._load(step)
+        return step
+
+    async def _load(self, step: int) -> dict[int, _Fragment]:
+        manifest = self._manifests[step]
+        description = run_description_lib.RunDescription.from_json(
+            await self._client.get_blob(manifest.blob(run_description_lib.BLOB_NAME).digest))
+        state = json.loads(await self._client.get_blob(manifest.blob("state").digest))
+        out = {}
+        for meta in state["fragments"]:
+            fid = int(meta["fragment_id"])
+            tensors = st_numpy.load(await self._client.get_blob(manifest.blob(f"fragment/{fid}").digest))
+            layout = description.fragments[fid]
+            fragment = fragments_lib.Fragment(fid, tuple(
+                fragments_lib.TensorSpec(t.name, t.shape, t.is_embedding) for t in layout.tensors), 0)
+            out[fid] = _Fragment(fragment, int(meta["version"]), np.asarray(tensors["params"], np.float32),
+                                 [tensors[f"opt/{i:03d}"] for i in range(int(meta["opt_state_len"]))],
+                                 params_sha256=str(meta.get("params_sha256", "")))
+        return out
+
+    def anchor(self, records: Sequence[dict]) -> None:
+        """Finds each fragment's starting record: the last one that published the checkpoint's values.
+        Its syncer life is the lineage replayed; other lives' records before it are skipped (merges
+        before the checkpoint, or of a life that died before it restarted)."""
+        for index, record in enumerate(records):
+            frag = self.fragments.get(record.get("fragment"))
+            if (frag is not None and record.get("version") == frag.version
+                    and record.get("params_sha256") == frag.params_sha256):
+                frag.instance, frag.anchor = record.get("syncer_instance", ""), index
+
+    async def apply(self, index: int, record: dict, outcome: Outcome) -> None:
+        """Replays record `index` of the ledger (or says why it cannot); raises Mismatch."""
+        fid, version = record.get("fragment"), record.get("version", 0)
+        frag = self.fragments.get(fid)
+        what = f"merge of fragment {fid} version {version} (epoch {record.get('epoch', 0)})"
+        if frag is None:
+            outcome.unverifiable.append(f"{what}: the fragment is not in the checkpoint")
+            return
+        if index <= frag.anchor:
+            outcome.skipped += 1
+            return
+        instance = record.get("syncer_instance", "")
+        if frag.instance is None:
+            frag.instance = instance
+        elif instance != frag.instance:  # a later syncer life: it continues the checkpoint it restored
+            restored = record.get("restored_step")
+            if restored not in self._manifests:
+                outcome.unverifiable.append(f"{what}: its syncer restarted from checkpoint {restored}, not retained")
+                frag.params, frag.instance = None, instance
+                return
+            frag = self.fragments[fid] = (await self._load(restored))[fid]
+            frag.instance = instance
+        if version <= frag.version:
+            outcome.skipped += 1
+            return
+        why = self._unreplayable(record, frag)
+        if why:
+            outcome.unverifiable.append(f"{what}: {why}")
+            frag.params = None
+            return
+        params, opt_state = await self._merge(record, frag, what)
+        digest = fragments_lib.fragment_sha256(params)
+        expected = record.get("params_sha256")
+        if digest != expected:
+            raise Mismatch(f"{what}: replayed values hash to {digest[:16]}..., the ledger says {str(expected)[:16]}...; "
+                           f"contributors {[c['learner'] for c in record.get('contributors', ())]}, "
+                           f"inputs {record.get('merge_inputs')}")
+        if record.get("fragment_sha256") not in (expected, None) and _lossless(record):
+            raise Mismatch(f"{what}: published hash {record['fragment_sha256'][:16]}... differs from the values")
+        frag.version, frag.params, frag.opt_state = version, params, opt_state
+        outcome.replayed += 1
+
+    @staticmethod
+    def _unreplayable(record: dict, frag: _Fragment) -> str:
+        if frag.params is None:
+            return "an earlier merge of this fragment could not be replayed"
+        if record.get("version") != frag.version + 1:
+            return f"follows version {frag.version}, not {record.get('version', 0) - 1}"
+        inputs = record.get("merge_inputs") or {}
+        if not inputs.get("outer") or "fraction" not in inputs:
+            return "the record has no merge inputs (a syncer without the ledger's replay fields, or not Nesterov SGD)"
+        for c in record.get("contributors", ()):
+            if not (c.get("fold") or {}).get("blob"):
+                return f"the contribution of {c.get('learner')} was not retained (--retain-contributions)"
+        return ""
+
+    async def _merge(self, record: dict, frag: _Fragment, what: str) -> tuple[np.ndarray, list]:
+        inputs = record["merge_inputs"]
+        accumulator = merge_lib.MergeAccumulator(
+            frag.layout, rule=inputs["rule"], embedding_rule=inputs["embedding_rule"],
+            max_share=inputs["max_share"], max_norm_ratio=inputs["max_norm_ratio"])
+        for c in sorted(record["contributors"], key=lambda c: c["fold"]["index"]):
+            fold = c["fold"]
+            try:
+                data = await self._client.get_blob(fold["blob"])
+            except Exception as exc:
+                raise Mismatch(f"{what}: the retained contribution of {c['learner']} (blob {fold['blob'][:16]}...) "
+                               f"cannot be read intact: {exc}") from None
+            values = np.frombuffer(data, dtype="<f4").astype(np.float32)
+            norms = None if fold.get("norms") is None else np.asarray(fold["norms"], np.float64)
+            accumulator.add(values, fold["weight"], norms=norms, key=c["learner"], steps=fold["steps"])
+        outer = inputs["outer"]
+        key = (outer["lr"], outer["momentum"], outer.get("nesterov", True))
+        stepper = self._steppers.get(key)
+        if stepper is None:
+            stepper = self._steppers[key] = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(*key))
+        stepped = stepper.step_scaled(frag.params, frag.opt_state, *accumulator.scaled_result(), write_grad=False,
+                                      fraction=inputs["fraction"])
+        return stepped.params, list(stepped.state)
+
+
+def _lossless(record: dict) -> bool:
+    """Whether what learners hold is the values themselves (fp32 downloads): then both hashes agree."""
+    return record.get("fragment_sha256") == record.get("params_sha256")
+
+
+async def replay(client, run_id: str, from_step: int | None) -> tuple[int, Outcome]:
+    """The replay of a run: (starting step, outcome). LedgerError, ValueError, Mismatch."""
+    lines = [line.encode() for line in await client.read_ledger(run_id)]
+    if not lines:
+        raise audit_lib.LedgerError(f"the store holds no ledger for run {run_id!r}")
+    records = audit_lib.verify_lines(lines, from_genesis=True)
+    job = Replay(client, run_id)
+    step = await job.start(from_step)
+    job.anchor(records)
+    outcome = Outcome()
+    for index, record in enumerate(records):
+        try:
+            await job.apply(index, record, outcome)
+        except Mismatch as exc:
+            outcome.mismatch = str(exc)
+            break
+    return step, outcome
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", required=True, help="the checkpoint store (HOST:PORT; replicas: a comma list)")
+    parser.add_argument("--run-id", required=True, help="the run to replay")
+    parser.add_argument("--from-step", type=int, default=None,
+                        help="the checkpoint (outer step) to start from (default: the oldest retained)")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
+    parser.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    status_lib.add_security_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    async def go() -> tuple[int, Outcome]:
+        async with _Store(args.store, status_lib.client_security(args)) as client:
+            return await replay(client, args.run_id, args.from_step)
+
+    try:
+        step, outcome = asyncio.run(asyncio.wait_for(go(), args.timeout_s))
+    except (audit_lib.LedgerError, ValueError, asyncio.TimeoutError) as exc:
+        print(f"ddiloco audit replay: {exc or 'timed out'}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"from_step": step, **dataclasses.asdict(outcome)}, indent=2))
+    else:
+        print(f"replayed {outcome.replayed} merges of run {args.run_id} from the checkpoint at step {step} "
+              f"({outcome.skipped} before it, {len(outcome.unverifiable)} unverifiable)")
+        for line in outcome.unverifiable[:20]:
+            print(f"  unverifiable: {line}")
+    if outcome.mismatch:
+        print(f"MISMATCH: {outcome.mismatch}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ddiloco audit replay", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
