@@ -4,13 +4,16 @@
 
 Owns reading a run's merge ledger and checkpoints from the checkpoint store (the `--store` form of
 `ddiloco audit` reads the ledger through here too) and the replay: from a checkpoint (its global
-fragments and outer optimizer state; `--from-step`, default the oldest retained), every later merge
+fragments and outer optimizer state; `--from-step`; the default 0 rebuilds the run's initial values
+from the run description, model and seed, as the syncer built them), every later merge
 of the ledger is computed again with the library's merge (ddiloco.algo.merge.MergeAccumulator) and
 outer optimizer (ddiloco.algo.outer), from the contributions the syncer retained
 (`--retain-contributions`), folded in the order the record gives (`fold.index`: the order the
 syncer folded them in, held-back contributions included), with the record's weights, norms, steps
-and merge inputs. Each new fragment's sha256 must equal the record's `params_sha256` (and its
-`fragment_sha256` when downloads are lossless, where the two are the same) bit for bit.
+and merge inputs. Each new fragment's sha256 must equal the record's `params_sha256`, and what
+learners were sent (the values, or with a lossy download codec their error-fed reconstruction,
+computed again from the previous one) its `fragment_sha256`, bit for bit. The reconstruction is
+known from step 0 and after a syncer restart; from a live syncer's checkpoint only the values are.
 
 A syncer that restarted from a checkpoint starts a new lineage: its first record of a fragment
 names the checkpoint (`restored_step`), which the replay loads again when the store retains it.
@@ -45,6 +48,8 @@ from ddiloco.algo import outer as outer_lib
 from ddiloco.cli import audit as audit_lib
 from ddiloco.cli import status as status_lib
 from ddiloco.rpc import channel as channel_lib
+from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import serde
 
 _CALL_TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -101,6 +106,9 @@ class _Fragment:
     params: np.ndarray | None  # None: this fragment's replay stopped (unverifiable from here)
     opt_state: list
     params_sha256: str = ""
+    # What learners hold (error-fed reconstruction with a lossy download codec); None: unknown (a
+    # checkpoint of a live syncer), then only the values' hash is checked.
+    published: np.ndarray | None = None
     instance: str | None = None  # the syncer life whose lineage the values follow (None: the first seen)
     anchor: int = -1  # ledger index of the record that published the starting values (-1: none)
 
@@ -108,6 +116,7 @@ class _Fragment:
 @dataclasses.dataclass
 class Outcome:
     replayed: int = 0
+    published_checked: int = 0  # of those, merges whose published hash was checked too
     skipped: int = 0  # merges before the starting checkpoint
     unverifiable: list = dataclasses.field(default_factory=list)
     mismatch: str = ""
@@ -123,30 +132,58 @@ class Replay:
         self._steppers: dict[tuple, outer_lib.OuterStepper] = {}
         self.fragments: dict[int, _Fragment] = {}
 
-    async def start(self, from_step: int | None) -> int:
-        """Loads the starting checkpoint; returns its step. ValueError when there is none."""
+    async def start(self, from_step: int) -> int:
+        """Loads the starting state (step 0: the run's initial values); returns its step.
+        ValueError when there is no such checkpoint (or none at all: the run description is in each)."""
         manifests = await self._client.list_manifests(self.run_id)
         self._manifests = {m.step: m for m in manifests}
         if not manifests:
-            raise ValueError(f"the store retains no checkpoint of run {self.run_id!r} to replay from")
-        step = manifests[0].step if from_step is None else from_step
-        if step not in self._manifests:
-            raise ValueError(f"no checkpoint at step {step}; retained: {sorted(self._manifests)}")
-        self.fragments = await self._load(step)
-        return step
+            raise ValueError(f"the store retains no checkpoint of run {self.run_id!r} (each describes the run)")
+        if from_step == 0 and 0 not in self._manifests:
+            self.fragments = await self._initial(manifests[-1])
+            return 0
+        if from_step not in self._manifests:
+            raise ValueError(f"no checkpoint at step {from_step}; retained: {sorted(self._manifests)} (or 0: the "
+                             "initial values)")
+        self.fragments = await self._load(from_step)
+        return from_step
+
+    async def _description(self, manifest) -> run_description_lib.RunDescription:
+        return run_description_lib.RunDescription.from_json(
+            await self._client.get_blob(manifest.blob(run_description_lib.BLOB_NAME).digest))
+
+    async def _initial(self, manifest) -> dict[int, _Fragment]:
+        """Version 0 of every fragment, rebuilt as the syncer builds it: the model of the run
+        description initialised with the run's seed, and a fresh outer optimizer state."""
+        import jax  # only this path needs the model
+
+        from ddiloco import models
+
+        description = await self._description(manifest)
+        model = models.get_model(description.model_name, description.model_config)
+        if description.model_fingerprint and models.model_fingerprint(model) != description.model_fingerprint:
+            raise ValueError("the run's model cannot be rebuilt here (fingerprint differs): replay from a checkpoint")
+        seed = int(description.training.get("seed", 0))
+        params = {k: np.asarray(v, dtype=np.float32) for k, v in model.init(jax.random.PRNGKey(seed)).items()}
+        stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(
+            float(description.training.get("outer_lr", 0.7)), float(description.training.get("outer_momentum", 0.9))))
+        out = {}
+        for fid in range(len(description.fragments)):
+            fragment = _layout(description, fid)
+            values = fragments_lib.flatten_fragment(params, fragment)
+            out[fid] = _Fragment(fragment, 0, values, stepper.init(values),
+                                 params_sha256=fragments_lib.fragment_sha256(values), published=values)
+        return out
 
     async def _load(self, step: int) -> dict[int, _Fragment]:
         manifest = self._manifests[step]
-        description = run_description_lib.RunDescription.from_json(
-            await self._client.get_blob(manifest.blob(run_description_lib.BLOB_NAME).digest))
+        description = await self._description(manifest)
         state = json.loads(await self._client.get_blob(manifest.blob("state").digest))
         out = {}
         for meta in state["fragments"]:
             fid = int(meta["fragment_id"])
             tensors = st_numpy.load(await self._client.get_blob(manifest.blob(f"fragment/{fid}").digest))
-            layout = description.fragments[fid]
-            fragment = fragments_lib.Fragment(fid, tuple(
-                fragments_lib.TensorSpec(t.name, t.shape, t.is_embedding) for t in layout.tensors), 0)
+            fragment = _layout(description, fid)
             out[fid] = _Fragment(fragment, int(meta["version"]), np.asarray(tensors["params"], np.float32),
                                  [tensors[f"opt/{i:03d}"] for i in range(int(meta["opt_state_len"]))],
                                  params_sha256=str(meta.get("params_sha256", "")))
@@ -183,7 +220,7 @@ class Replay:
                 frag.params, frag.instance = None, instance
                 return
             frag = self.fragments[fid] = (await self._load(restored))[fid]
-            frag.instance = instance
+            frag.instance, frag.published = instance, frag.params  # a restore publishes the values themselves
         if version <= frag.version:
             outcome.skipped += 1
             return
@@ -199,9 +236,13 @@ class Replay:
             raise Mismatch(f"{what}: replayed values hash to {digest[:16]}..., the ledger says {str(expected)[:16]}...; "
                            f"contributors {[c['learner'] for c in record.get('contributors', ())]}, "
                            f"inputs {record.get('merge_inputs')}")
-        if record.get("fragment_sha256") not in (expected, None) and _lossless(record):
-            raise Mismatch(f"{what}: published hash {record['fragment_sha256'][:16]}... differs from the values")
-        frag.version, frag.params, frag.opt_state = version, params, opt_state
+        published = _published(record, frag.published, params)
+        if published is not None and fragments_lib.fragment_sha256(published) != record.get("fragment_sha256"):
+            raise Mismatch(f"{what}: the values match, but what learners were sent hashes to "
+                           f"{fragments_lib.fragment_sha256(published)[:16]}..., the ledger says "
+                           f"{str(record.get('fragment_sha256'))[:16]}...")
+        outcome.published_checked += published is not None
+        frag.version, frag.params, frag.opt_state, frag.published = version, params, opt_state, published
         outcome.replayed += 1
 
     @staticmethod
@@ -243,12 +284,30 @@ class Replay:
         return stepped.params, list(stepped.state)
 
 
-def _lossless(record: dict) -> bool:
-    """Whether what learners hold is the values themselves (fp32 downloads): then both hashes agree."""
-    return record.get("fragment_sha256") == record.get("params_sha256")
+def _layout(description: run_description_lib.RunDescription, fid: int) -> fragments_lib.Fragment:
+    layout = description.fragments[fid]
+    return fragments_lib.Fragment(fid, tuple(
+        fragments_lib.TensorSpec(t.name, t.shape, t.is_embedding) for t in layout.tensors), 0)
 
 
-async def replay(client, run_id: str, from_step: int | None) -> tuple[int, Outcome]:
+def _published(record: dict, held: np.ndarray | None, params: np.ndarray) -> np.ndarray | None:
+    """What learners hold after the merge, computed as the syncer computes it (publishing.Publisher):
+    the values themselves with fp32 downloads; else the last published values plus the quantized
+    delta (error feedback), known only when the last ones are (None otherwise)."""
+    download = (record.get("merge_inputs") or {}).get("download") or {}
+    if download.get("codec", "fp32") == "fp32":
+        return params
+    if held is None:
+        return None
+    encoded = codec_lib.encode((params - held).astype(np.float32), download["codec"],
+                               block_size=download["block_size"], zstd_level=download["zstd_level"])
+    step = codec_lib.decode(encoded.payload, codec=encoded.codec, numel=encoded.numel,
+                            raw_size_bytes=encoded.raw_size_bytes, checksum=encoded.checksum,
+                            block_size=encoded.block_size)
+    return serde.apply_delta(held, step)
+
+
+async def replay(client, run_id: str, from_step: int = 0) -> tuple[int, Outcome]:
     """The replay of a run: (starting step, outcome). LedgerError, ValueError, Mismatch."""
     lines = [line.encode() for line in await client.read_ledger(run_id)]
     if not lines:
@@ -270,8 +329,9 @@ async def replay(client, run_id: str, from_step: int | None) -> tuple[int, Outco
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", required=True, help="the checkpoint store (HOST:PORT; replicas: a comma list)")
     parser.add_argument("--run-id", required=True, help="the run to replay")
-    parser.add_argument("--from-step", type=int, default=None,
-                        help="the checkpoint (outer step) to start from (default: the oldest retained)")
+    parser.add_argument("--from-step", type=int, default=0,
+                        help="the checkpoint (outer step) to start from; 0: the run's initial values, rebuilt from "
+                             "the run description (model and seed) when no checkpoint of step 0 is retained")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long")
     parser.add_argument("--json", action="store_true", help="print the outcome as JSON")
     status_lib.add_security_arguments(parser)
@@ -290,8 +350,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"from_step": step, **dataclasses.asdict(outcome)}, indent=2))
     else:
-        print(f"replayed {outcome.replayed} merges of run {args.run_id} from the checkpoint at step {step} "
-              f"({outcome.skipped} before it, {len(outcome.unverifiable)} unverifiable)")
+        print(f"replayed {outcome.replayed} merges of run {args.run_id} from step {step} "
+              f"({outcome.published_checked} published hashes checked, {outcome.skipped} merges before it, "
+              f"{len(outcome.unverifiable)} unverifiable)")
         for line in outcome.unverifiable[:20]:
             print(f"  unverifiable: {line}")
     if outcome.mismatch:

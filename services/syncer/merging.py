@@ -106,7 +106,7 @@ class Rounds:
         slot.round = slots_lib.Round(
             accumulator=merge_lib.MergeAccumulator(slot.fragment, **inputs),
             opened_at_s=self._clock(),
-            merge_inputs={**inputs, "outer": self.outer},
+            merge_inputs={**inputs, "outer": self.outer, "download": self._publisher.settings()},
         )
         if not self.scheduled:
             self._open_round(slot, "upload")
