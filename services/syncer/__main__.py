@@ -316,8 +316,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     await _settle_merges(core)
     await checkpointer.drain()
     await checkpointer.save()
-    if store_ledger is not None:  # the last merges' records, before the store may go away
-        await store_ledger.drain(cfg.checkpoint_timeout_s)
+    if store_ledger is not None:  # the last merges' records, briefly: a store that is down must not hold the exit
+        await store_ledger.drain(min(_LEDGER_DRAIN_S, cfg.checkpoint_timeout_s))
         await store_ledger.close()
     await leadership.resign()  # after the final commit: a standby leads at once, without waiting for the lease
     history = history or leadership.history
@@ -330,6 +330,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
 
 
 _TEARDOWN_LIMIT_S = 5.0
+_LEDGER_DRAIN_S = 10.0  # at shutdown, how long queued merge records may take to reach the store
 
 
 async def _start_store_ledger(cfg, core, client, leadership) -> ledger_sink_lib.StoreLedger | None:
