@@ -4,16 +4,17 @@
 
 Owns reading a run's merge ledger and checkpoints from the checkpoint store (the `--store` form of
 `ddiloco audit` reads the ledger through here too) and the replay: from a checkpoint (its global
-fragments and outer optimizer state; `--from-step`; the default 0 rebuilds the run's initial values
-from the run description, model and seed, as the syncer built them), every later merge
-of the ledger is computed again with the library's merge (ddiloco.algo.merge.MergeAccumulator) and
+fragments and outer optimizer state; `--from-step`; the default 0 rebuilds the run's initial
+values from the run description, model and seed, as the syncer built them), every later merge of
+the ledger is computed again with the library's merge (ddiloco.algo.merge.MergeAccumulator) and
 outer optimizer (ddiloco.algo.outer), from the contributions the syncer retained
-(`--retain-contributions`), folded in the order the record gives (`fold.index`: the order the
-syncer folded them in, held-back contributions included), with the record's weights, norms, steps
-and merge inputs. Each new fragment's sha256 must equal the record's `params_sha256`, and what
-learners were sent (the values, or with a lossy download codec their error-fed reconstruction,
-computed again from the previous one) its `fragment_sha256`, bit for bit. The reconstruction is
-known from step 0 and after a syncer restart; from a live syncer's checkpoint only the values are.
+(`--retain-contributions`), added in the order the record gives (`fold.index`), with the record's
+weights, norms, steps and merge inputs; the accumulator then sums them in the order the syncer's
+did (`fold.summed`: held-back contributions last), which is checked too. Each new fragment's
+sha256 must equal the record's `params_sha256`, and what learners were sent (the values, or with a
+lossy download codec their error-fed reconstruction, computed again from the previous one) its
+`fragment_sha256`, bit for bit. The reconstruction is known from version 0 and after a syncer
+restart; from a live syncer's checkpoint only the values are.
 
 A syncer that restarted from a checkpoint starts a new lineage: its first record of a fragment
 names the checkpoint (`restored_step`), which the replay loads again when the store retains it.
@@ -184,9 +185,12 @@ class Replay:
             fid = int(meta["fragment_id"])
             tensors = st_numpy.load(await self._client.get_blob(manifest.blob(f"fragment/{fid}").digest))
             fragment = _layout(description, fid)
-            out[fid] = _Fragment(fragment, int(meta["version"]), np.asarray(tensors["params"], np.float32),
+            params = np.asarray(tensors["params"], np.float32)
+            version = int(meta["version"])
+            out[fid] = _Fragment(fragment, version, params,
                                  [tensors[f"opt/{i:03d}"] for i in range(int(meta["opt_state_len"]))],
-                                 params_sha256=str(meta.get("params_sha256", "")))
+                                 params_sha256=str(meta.get("params_sha256", "")),
+                                 published=params if version == 0 else None)  # version 0 is sent as it is
         return out
 
     def anchor(self, records: Sequence[dict]) -> None:
@@ -273,13 +277,22 @@ class Replay:
                                f"cannot be read intact: {exc}") from None
             values = np.frombuffer(data, dtype="<f4").astype(np.float32)
             norms = None if fold.get("norms") is None else np.asarray(fold["norms"], np.float64)
-            accumulator.add(values, fold["weight"], norms=norms, key=c["learner"], steps=fold["steps"])
+            try:
+                accumulator.add(values, fold["weight"], norms=norms, key=c["learner"], steps=fold["steps"])
+            except ValueError as exc:  # a blob of the wrong size or values: not what the syncer folded in
+                raise Mismatch(f"{what}: the retained contribution of {c['learner']} cannot be folded in: {exc}") from None
+        merged = accumulator.scaled_result()
+        recorded = [c["learner"] for c in sorted(record["contributors"], key=lambda c: c["fold"].get("summed") or 0)]
+        if all(c["fold"].get("summed") is not None for c in record["contributors"]) and \
+                accumulator.fold_order != recorded:
+            raise Mismatch(f"{what}: the library sums the contributions in the order {accumulator.fold_order}, the "
+                           f"syncer summed them in the order {recorded}")
         outer = inputs["outer"]
         key = (outer["lr"], outer["momentum"], outer.get("nesterov", True))
         stepper = self._steppers.get(key)
         if stepper is None:
             stepper = self._steppers[key] = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(*key))
-        stepped = stepper.step_scaled(frag.params, frag.opt_state, *accumulator.scaled_result(), write_grad=False,
+        stepped = stepper.step_scaled(frag.params, frag.opt_state, *merged, write_grad=False,
                                       fraction=inputs["fraction"])
         return stepped.params, list(stepped.state)
 

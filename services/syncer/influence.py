@@ -23,8 +23,9 @@ Accountability (issue 24): each record also names the syncer's leader `epoch`, t
 step this syncer life restored (`restored_step`, None for a fresh start) and the merge's inputs
 (`merge_inputs`: rules, share cap, norm clip, outer step fraction and optimizer); each contributor
 its `contribution_sha256` (sha256 of the decoded contribution's float32 bytes) and its fold-in
-(`fold`: position in the accumulator's order, weight as folded in, before the share cap, per-tensor
-norms if given, steps). With retention on, `fold.blob` is the digest of the values folded in
+(`fold`: `index`, its position in the order contributions were added to the merge; `summed`, its
+position in the order the accumulator summed them, held-back ones last; its weight as added, before
+the share cap; per-tensor norms if given; steps). With retention on, `fold.blob` is the digest of the values folded in
 (re-anchored and clipped) stored as a blob, and the record's `blobs` lists them: `ddiloco audit
 replay` re-runs the merge from them in the recorded order, bit for bit.
 """
@@ -220,13 +221,15 @@ class Influence:
                    outer_step=outer_step,
                    merge_inputs=getattr(rnd, "merge_inputs", None))
         by_learner = {f["learner"]: (index, f) for index, f in enumerate(folds)}
+        summed = {key: position for position, key in enumerate(rnd.accumulator.fold_order)} if folds else {}
         blobs: dict[str, bytes] = {}
         for c in out["contributors"]:
             index, f = by_learner.get(c["learner"], (None, None))
             if f is None:
                 continue
             c["contribution_sha256"] = f["contribution_sha256"]
-            c["fold"] = {"index": index, "weight": f["weight"], "norms": f["norms"], "steps": f["steps"]}
+            c["fold"] = {"index": index, "summed": summed.get(c["learner"]), "weight": f["weight"],
+                         "norms": f["norms"], "steps": f["steps"]}
             if "blob" in f:
                 c["fold"]["blob"] = f["blob"]
                 blobs[f["blob"]] = f.pop("data")
