@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -315,7 +316,7 @@ class ReplicatedCheckpointClient:
                             timeout: datetime.timedelta | None = None) -> tuple[int, str]:
         """Appends ledger lines on every reachable store (QuorumError below write_quorum). A store
         whose chain is behind (it missed appends while down) is first given the records it lacks,
-        read from a store that took these lines. Returns (length, head) of an acknowledging store."""
+        read from a store that took these lines (with the blobs they name). Returns (length, head) of an acknowledging store."""
         timeout_s = timeout.total_seconds() if timeout else self._call_timeout_s
         acked, errors = await self._fan_out("AppendLedger", lambda c: c.append_ledger(run_id, lines), timeout_s)
         behind = [n for n, e in errors.items() if e.startswith("FAILED_PRECONDITION")]
@@ -324,7 +325,13 @@ class ReplicatedCheckpointClient:
 
             async def catch_up(store: StoreClient) -> tuple[int, str]:
                 length, _ = await store.ledger_head(run_id)
-                return await store.append_ledger(run_id, await source.read_ledger(run_id, length))
+                missed = await source.read_ledger(run_id, length)
+                # The blobs those records name (retained contributions) first: the store checks them.
+                digests = sorted({d for line in missed for d in json.loads(line).get("blobs") or ()})
+                held = await store.stat_blobs(digests) if digests else set()
+                for digest in (d for d in digests if d not in held):
+                    await store.put_blob(await source.get_blob(digest))
+                return await store.append_ledger(run_id, missed)
 
             for name in behind:
                 try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -190,7 +191,7 @@ class LedgerStore:
                     raise OSError(f"short write to {run.path.name}")
         except BaseException:
             # A partial write would leave a torn line: cut the file back to what is acknowledged.
-            with open(run.path, "r+b") as f:
+            with contextlib.suppress(FileNotFoundError), open(run.path, "r+b") as f:
                 f.truncate(run.size_bytes)
                 os.fsync(f.fileno())
             raise

@@ -224,3 +224,63 @@ def test_a_sink_whose_chain_is_refused_rechains_onto_the_stores_head(tmp_path):
         assert len(audit_lib.verify_lines([x.encode() for x in lines], from_genesis=True)) == 2
 
     _serve(tmp_path, body)
+
+
+class _Switchable:
+    """A store client that can be cut off (UNAVAILABLE on every call) and brought back."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.down = False
+
+    def __getattr__(self, name):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        async def call(*args, **kwargs):
+            if self.down:
+                raise _Unavailable()
+            return await attr(*args, **kwargs)
+
+        return call
+
+
+def test_replicas_each_get_every_record_and_one_that_missed_some_catches_up(tmp_path):
+    from ddiloco import checkpoint_replicas as replicas_lib
+
+    async def body(env: Env) -> None:
+        other_store = store_lib.BlobStore(tmp_path / "other")
+        servicer = servicer_lib.CheckpointStoreServicer(other_store, chunk_size_bytes=64 * 1024)
+        handle = await server_lib.start_server(
+            "127.0.0.1:0", [SERVICE_NAME],
+            [lambda s: checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(servicer, s)])
+        channel = channel_lib.aio_channel(handle.address)
+        try:
+            other = _Switchable(checkpoint_client.CheckpointClient(
+                channel, timeout=datetime.timedelta(seconds=5), retry_timeout=datetime.timedelta(seconds=1)))
+            client = replicas_lib.ReplicatedCheckpointClient({"a": env.client, "b": other}, write_quorum=1,
+                                                             down_backoff_s=0.0, quorum_wait_s=2.0)
+            sink = sink_lib.StoreLedger(client, RUN, call_timeout_s=5.0)
+            await sink.resume()
+            sink.start()
+            data = b"\x01\x02\x03\x04" * 8
+            digest = hashlib.sha256(data).hexdigest()
+            sink.append({"fragment": 0, "version": 1})
+            await wait_until_async(lambda: sink.pending == 0, timeout_s=20.0, what="record 1 on both stores")
+            other.down = True  # b misses record 2 and the blob it names
+            sink.append({"fragment": 0, "version": 2, "blobs": [digest]}, {digest: data})
+            await wait_until_async(lambda: sink.pending == 0, timeout_s=20.0, what="record 2 on a alone")
+            assert (await other._client.ledger_head(RUN))[0] == 1
+            other.down = False  # b is back: the next append gives it what it missed first
+            sink.append({"fragment": 0, "version": 3})
+            await wait_until_async(lambda: sink.pending == 0, timeout_s=20.0, what="record 3")
+            await sink.close()
+            assert await other._client.read_ledger(RUN) == await env.client.read_ledger(RUN)
+            assert len(await env.client.read_ledger(RUN)) == 3
+            assert await other._client.get_blob(digest) == data
+        finally:
+            await channel.close()
+            await handle.server.stop(None)
+
+    _serve(tmp_path, body)
