@@ -375,6 +375,7 @@ class SyncerCore:
             return self._duplicate(slot, weight)
         decoded = await self.admission.decode(header, payload)
         await self.admission.await_direction_references(header, decoded.heading, wait_budget_s)
+        contribution_sha256 = await self.rounds.contribution_sha256(decoded.values)  # for the ledger, before the lock
         async with slot.lock:
             # Re-check under the lock: the round may have moved while decoding (the base version's
             # values stay pinned: it was within the staleness bound when the header arrived).
@@ -386,7 +387,8 @@ class SyncerCore:
             self.admission.judge_direction(header, decoded.heading, slot.version)
             rnd = self.rounds.round_for(slot)
             await self.rounds.fold(slot, rnd, header.fragment_id, delta, norms, weight, ticket.base_params,
-                                   header.learner_id, steps, decoded=decoded.values)
+                                   header.learner_id, steps, decoded=decoded.values,
+                                   contribution_sha256=contribution_sha256)
             self.admission.accepted(slot, member, header, decoded, norms, steps, weight)
             self.rounds.add(rnd, header, weight)
             self._emit("upload_accepted", header)

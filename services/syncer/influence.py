@@ -57,19 +57,23 @@ def line_sha256(line: bytes) -> str:
     return hashlib.sha256(line.rstrip(b"\n")).hexdigest()
 
 
-def fold_record(learner: str, weight: float, norms: np.ndarray | None, steps: int, decoded: np.ndarray,
-                folded: np.ndarray, *, retain: bool) -> dict:
-    """What the ledger keeps of one fold-in (MergeAccumulator.add's inputs, in fold order), in
-    exactly the form replay passes back. One pass over the contribution (two with `retain` when
-    the folded values differ from the decoded ones): call it in a worker thread."""
-    decoded_bytes = np.ascontiguousarray(decoded, dtype="<f4").tobytes()
+def values_sha256(values: np.ndarray) -> str:
+    """sha256 of a contribution's values as little-endian float32 bytes (one pass: a worker thread)."""
+    return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").data).hexdigest()
+
+
+def fold_record(learner: str, weight: float, norms: np.ndarray | None, steps: int, contribution_sha256: str,
+                decoded: np.ndarray, folded: np.ndarray, *, retain: bool) -> dict:
+    """What the ledger keeps of one fold-in (MergeAccumulator.add's inputs, in the order of the
+    adds), in exactly the form replay passes back. `contribution_sha256`: values_sha256(decoded),
+    taken before the fragment's lock. With `retain` a copy of the values folded in (and their
+    hash when they differ from the decoded ones): call it in a worker thread."""
     out = {"learner": learner, "weight": float(weight), "steps": max(1, int(steps)),
            "norms": None if norms is None else [float(n) for n in np.asarray(norms, np.float64)],
-           "contribution_sha256": hashlib.sha256(decoded_bytes).hexdigest()}
+           "contribution_sha256": contribution_sha256}
     if retain:
-        data = decoded_bytes if folded is decoded else np.ascontiguousarray(folded, dtype="<f4").tobytes()
-        out["data"] = data
-        out["blob"] = out["contribution_sha256"] if data is decoded_bytes else hashlib.sha256(data).hexdigest()
+        out["data"] = np.ascontiguousarray(folded, dtype="<f4").tobytes()
+        out["blob"] = contribution_sha256 if folded is decoded else hashlib.sha256(out["data"]).hexdigest()
     return out
 
 

@@ -112,13 +112,21 @@ class Rounds:
             self._open_round(slot, "upload")
         return slot.round
 
+    async def contribution_sha256(self, values: np.ndarray) -> str:
+        """The hash of a decoded contribution the ledger names ("" without a ledger); a worker
+        thread, before the fragment's lock is taken."""
+        if self.influence is None or not self.influence.audit_mode:
+            return ""
+        return await asyncio.to_thread(influence_lib.values_sha256, values)
+
     async def fold(self, slot: slots_lib.FragmentSlot, rnd: slots_lib.Round, fragment_id: int, delta: np.ndarray,
                    norms: np.ndarray, weight: float, base: np.ndarray, learner_id: str = "", steps: int = 1,
-                   decoded: np.ndarray | None = None) -> None:
+                   decoded: np.ndarray | None = None, contribution_sha256: str = "") -> None:
         """Adds a contribution to the round in a worker thread, re-anchored at the current global
         fragment (paper App. D.2); learners hold the published values, so the correction is in
         that space. Call under the slot's lock. With a ledger, the fold-in's inputs are recorded
-        in fold order (`decoded`: the contribution as decoded, before clipping, for its hash)."""
+        in the order of the adds (`decoded`: the contribution as decoded, before clipping, whose
+        hash is `contribution_sha256`)."""
         audit = self.influence.audit_mode if self.influence is not None else ""
 
         def fold() -> None:
@@ -128,8 +136,8 @@ class Rounds:
             rnd.accumulator.add(corrected, weight, norms=folded_norms, key=learner_id, steps=steps)
             if audit:  # after add: a refused contribution leaves no trace in the order
                 rnd.folds.append(influence_lib.fold_record(
-                    learner_id, weight, folded_norms, steps, delta if decoded is None else decoded, corrected,
-                    retain=audit == "retain"))
+                    learner_id, weight, folded_norms, steps, contribution_sha256 or influence_lib.values_sha256(delta),
+                    delta if decoded is None else decoded, corrected, retain=audit == "retain"))
 
         try:
             await asyncio.to_thread(fold)
