@@ -316,7 +316,8 @@ class ReplicatedCheckpointClient:
                             timeout: datetime.timedelta | None = None) -> tuple[int, str]:
         """Appends ledger lines on every reachable store (QuorumError below write_quorum). A store
         whose chain is behind (it missed appends while down) is first given the records it lacks,
-        read from a store that took these lines (with the blobs they name). Returns (length, head) of an acknowledging store."""
+        and the blobs they name, read from a store that took these lines. Returns (length, head)
+        of an acknowledging store."""
         timeout_s = timeout.total_seconds() if timeout else self._call_timeout_s
         acked, errors = await self._fan_out("AppendLedger", lambda c: c.append_ledger(run_id, lines), timeout_s)
         behind = [n for n, e in errors.items() if e.startswith("FAILED_PRECONDITION")]

@@ -237,8 +237,8 @@ class Replay:
         digest = fragments_lib.fragment_sha256(params)
         expected = record.get("params_sha256")
         if digest != expected:
-            raise Mismatch(f"{what}: replayed values hash to {digest[:16]}..., the ledger says {str(expected)[:16]}...; "
-                           f"contributors {[c['learner'] for c in record.get('contributors', ())]}, "
+            raise Mismatch(f"{what}: replayed values hash to {digest[:16]}..., the ledger says "
+                           f"{str(expected)[:16]}...; contributors {[c['learner'] for c in record.get('contributors', ())]}, "
                            f"inputs {record.get('merge_inputs')}")
         published = _published(record, frag.published, params)
         if published is not None and fragments_lib.fragment_sha256(published) != record.get("fragment_sha256"):
@@ -280,7 +280,8 @@ class Replay:
             try:
                 accumulator.add(values, fold["weight"], norms=norms, key=c["learner"], steps=fold["steps"])
             except ValueError as exc:  # a blob of the wrong size or values: not what the syncer folded in
-                raise Mismatch(f"{what}: the retained contribution of {c['learner']} cannot be folded in: {exc}") from None
+                raise Mismatch(f"{what}: the retained contribution of {c['learner']} cannot be folded in: "
+                               f"{exc}") from None
         merged = accumulator.scaled_result()
         recorded = [c["learner"] for c in sorted(record["contributors"], key=lambda c: c["fold"].get("summed") or 0)]
         if all(c["fold"].get("summed") is not None for c in record["contributors"]) and \

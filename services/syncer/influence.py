@@ -25,9 +25,9 @@ step this syncer life restored (`restored_step`, None for a fresh start) and the
 its `contribution_sha256` (sha256 of the decoded contribution's float32 bytes) and its fold-in
 (`fold`: `index`, its position in the order contributions were added to the merge; `summed`, its
 position in the order the accumulator summed them, held-back ones last; its weight as added, before
-the share cap; per-tensor norms if given; steps). With retention on, `fold.blob` is the digest of the values folded in
-(re-anchored and clipped) stored as a blob, and the record's `blobs` lists them: `ddiloco audit
-replay` re-runs the merge from them in the recorded order, bit for bit.
+the share cap; per-tensor norms if given; steps). With retention on, `fold.blob` is the digest of
+the values folded in (re-anchored and clipped) stored as a blob, and the record's `blobs` lists
+them: `ddiloco audit replay` re-runs the merge from them in the recorded order, bit for bit.
 """
 
 from __future__ import annotations
