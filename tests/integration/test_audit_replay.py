@@ -43,7 +43,7 @@ def test_replay_reproduces_every_published_hash_and_names_a_tampered_merge(tmp_p
         syncer = cluster.start_syncer(run_id=RUN_ID, extra=[*TINY, "--retain-contributions"])
         for i in range(3):
             cluster.start_learner(i, region=f"region-{i % 2}", extra=[
-                "--steps", "24", "--num-shards", "3", "--seed", "1", "--incarnation", "1", *LEARNER_PACE])
+                "--steps", "40", "--num-shards", "3", "--seed", "1", "--incarnation", "1", *LEARNER_PACE])
         for learner in cluster.learners():
             assert learner.wait(400) == 0, learner.log_tail()
         assert syncer.stop(60) == 0, syncer.log_tail()  # final checkpoint; the ledger's queue drained
@@ -54,7 +54,7 @@ def test_replay_reproduces_every_published_hash_and_names_a_tampered_merge(tmp_p
         ledger_path = cluster.workdir / "store" / "ledger" / f"{RUN_ID}.jsonl"
         lines = ledger_path.read_bytes().splitlines()
         records = audit_lib.verify_lines(lines, from_genesis=True)
-        assert len(records) >= 20, len(records)
+        assert len(records) >= 24, len(records)  # a few dozen merges
         assert all(c["fold"].get("blob") for r in records for c in r["contributors"])
         assert len({c["learner"] for r in records for c in r["contributors"]}) == 3
 
