@@ -170,6 +170,8 @@ class StoreLedger:
         if self._head is None:
             await self.resume()
         batch = list(self._pending)[:BATCH_RECORDS]
+        if not batch:  # the store already held them all (resume acknowledged them)
+            return
         for entry in batch:  # blobs before the records that reference them (the store checks)
             for digest, data in entry.blobs.items():
                 if digest not in self._uploaded:
