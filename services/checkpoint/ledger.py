@@ -102,6 +102,7 @@ class LedgerStore:
 
     def __init__(self, root: str | os.PathLike, held: Callable[[Iterable[str]], set[str]]) -> None:
         self._dir = pathlib.Path(root) / "ledger"
+        self._dir.parent.mkdir(parents=True, exist_ok=True)
         blob_io.ensure_dir(self._dir)
         self._held = held
         self._lock = threading.Lock()
