@@ -1,13 +1,14 @@
 """`CheckpointClient`: the typed grpc.aio client of the checkpoint store (used by the syncer).
 
 Every call has a deadline and is retried on transient failures under an overall time bound.
-All seven RPCs are idempotent, so DEADLINE_EXCEEDED is retried as well as UNAVAILABLE:
+All ten RPCs are idempotent, so DEADLINE_EXCEEDED is retried as well as UNAVAILABLE:
   * reads (GetBlob, StatBlobs, GetLatestManifest, ListManifests) change nothing;
   * PutBlob is content-addressed: storing the same bytes again is a no-op;
   * CommitManifest: the store accepts a re-commit of the run's latest step with the same blobs
     and metadata as a no-op, so a retry after a lost response succeeds instead of failing the
     step check;
-  * RestoreManifest (repair of a replica): storing a manifest already held is a no-op.
+  * RestoreManifest (repair of a replica): storing a manifest already held is a no-op;
+  * AppendLedger: a line the ledger already holds is a no-op (ReadLedger, GetLedgerHead read).
 Blobs are verified again on the client after download.
 """
 
@@ -17,7 +18,7 @@ import dataclasses
 import datetime
 import hashlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import grpc
@@ -247,3 +248,50 @@ class CheckpointClient:
             "RestoreManifest", lambda: self._stub.RestoreManifest(request, timeout=seconds)
         )
         return response.restored, response.retained
+
+    async def append_ledger(
+        self, run_id: str, lines: Sequence[str], *, timeout: datetime.timedelta | None = None
+    ) -> tuple[int, str]:
+        """Appends hash-chained ledger lines (the store checks the chain); returns (length, head).
+        Raises grpc.aio.AioRpcError with FAILED_PRECONDITION when the first new line does not chain
+        to the store's head (or a referenced blob is missing)."""
+        request = checkpoint_pb2.AppendLedgerRequest(run_id=run_id, lines=list(lines))
+        seconds = (timeout or self._timeout).total_seconds()
+        response = await self._call(
+            "AppendLedger", lambda: self._stub.AppendLedger(request, timeout=seconds)
+        )
+        return response.length, response.head
+
+    async def ledger_head(
+        self, run_id: str, *, timeout: datetime.timedelta | None = None
+    ) -> tuple[int, str]:
+        """(length, head) of the run's ledger on this store."""
+        request = checkpoint_pb2.GetLedgerHeadRequest(run_id=run_id)
+        seconds = (timeout or self._timeout).total_seconds()
+        response = await self._call(
+            "GetLedgerHead", lambda: self._stub.GetLedgerHead(request, timeout=seconds)
+        )
+        return response.length, response.head
+
+    async def read_ledger(
+        self, run_id: str, from_index: int = 0, *, timeout: datetime.timedelta | None = None
+    ) -> list[str]:
+        """The run's ledger lines from `from_index` on, oldest first (the whole read under one
+        deadline: `blob_timeout`, since a long ledger is many messages)."""
+        seconds = (timeout or self._blob_timeout).total_seconds()
+
+        async def attempt() -> list[str]:
+            lines: list[str] = []
+            call = self._stub.ReadLedger(
+                checkpoint_pb2.ReadLedgerRequest(run_id=run_id, from_index=from_index), timeout=seconds
+            )
+            async for response in call:
+                for record in response.records:
+                    if record.index != from_index + len(lines):
+                        raise BlobVerificationError(
+                            f"ledger {run_id}: record {record.index} arrived, expected {from_index + len(lines)}"
+                        )
+                    lines.append(record.line)
+            return lines
+
+        return await self._call("ReadLedger", attempt)

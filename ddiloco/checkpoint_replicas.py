@@ -9,6 +9,8 @@ Owns the replication rules between checkpoint stores (each a `CheckpointClient`)
     e.g. etcd fenced by the leader's epoch), read from any store holding that manifest; without
     a pointer, the highest step held by a read quorum of `n - write_quorum + 1` stores (any commit
     acknowledged by `write_quorum` stores is on at least one of them);
+  * merge ledgers (AppendLedger) go to every reachable store, under the write quorum too; a
+    store whose chain is behind is given the records it missed, from a store that has them;
   * repair: a store that missed writes (down, partitioned, or its disk lost) gets every blob the
     retained manifests of its peers reference and then those manifests (`RestoreManifest`),
     in bounded passes, in the background (`start_repair`) or once (`repair`).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -64,6 +67,12 @@ class StoreClient(Protocol):
     async def list_manifests(self, run_id: str) -> list[Manifest]: ...
 
     async def restore_manifest(self, manifest: Manifest) -> tuple[bool, bool]: ...
+
+    async def append_ledger(self, run_id: str, lines: Sequence[str]) -> tuple[int, str]: ...
+
+    async def ledger_head(self, run_id: str) -> tuple[int, str]: ...
+
+    async def read_ledger(self, run_id: str, from_index: int = 0) -> list[str]: ...
 
 
 @dataclasses.dataclass
@@ -300,6 +309,53 @@ class ReplicatedCheckpointClient:
         """The retained checkpoints of `run_id` over a read quorum of stores, oldest first."""
         answers = await self._read_quorum(f"ListManifests {run_id}", lambda c: c.list_manifests(run_id))
         return _union(answers.values())
+
+    # -- the merge ledger -----------------------------------------------------------------------
+
+    async def append_ledger(self, run_id: str, lines: Sequence[str], *,
+                            timeout: datetime.timedelta | None = None) -> tuple[int, str]:
+        """Appends ledger lines on every reachable store (QuorumError below write_quorum). A store
+        whose chain is behind (it missed appends while down) is first given the records it lacks,
+        and the blobs they name, read from a store that took these lines. Returns (length, head)
+        of an acknowledging store."""
+        timeout_s = timeout.total_seconds() if timeout else self._call_timeout_s
+        acked, errors = await self._fan_out("AppendLedger", lambda c: c.append_ledger(run_id, lines), timeout_s)
+        behind = [n for n, e in errors.items() if e.startswith("FAILED_PRECONDITION")]
+        if acked and behind:
+            source = self._stores[next(iter(acked))]
+
+            async def catch_up(store: StoreClient) -> tuple[int, str]:
+                length, _ = await store.ledger_head(run_id)
+                missed = await source.read_ledger(run_id, length)
+                # The blobs those records name (retained contributions) first: the store checks them.
+                digests = sorted({d for line in missed for d in json.loads(line).get("blobs") or ()})
+                held = await store.stat_blobs(digests) if digests else set()
+                for digest in (d for d in digests if d not in held):
+                    await store.put_blob(await source.get_blob(digest))
+                return await store.append_ledger(run_id, missed)
+
+            for name in behind:
+                try:
+                    acked[name] = await self._one(name, "AppendLedger (catch-up)", catch_up, timeout_s)
+                    errors.pop(name)
+                except Exception as exc:
+                    errors[name] = _describe(exc)
+        self._require(f"AppendLedger {run_id}", acked, errors, self.write_quorum)
+        return max(acked.values())
+
+    async def ledger_head(self, run_id: str, *, timeout: datetime.timedelta | None = None) -> tuple[int, str]:
+        """The longest (length, head) over a read quorum of stores (an acknowledged append is on one)."""
+        answers = await self._read_quorum(f"GetLedgerHead {run_id}", lambda c: c.ledger_head(run_id))
+        return max(answers.values())
+
+    async def read_ledger(self, run_id: str, from_index: int = 0, *,
+                          timeout: datetime.timedelta | None = None) -> list[str]:
+        """The ledger from the store holding the longest one (over a read quorum)."""
+        answers = await self._read_quorum(f"GetLedgerHead {run_id}", lambda c: c.ledger_head(run_id))
+        longest = max(answers, key=lambda n: answers[n])
+        timeout_s = timeout.total_seconds() if timeout else self._blob_timeout_s
+        return await self._one(longest, f"ReadLedger {run_id}", lambda c: c.read_ledger(run_id, from_index),
+                               timeout_s)
 
     # -- repair ---------------------------------------------------------------------------------
 

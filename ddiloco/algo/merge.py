@@ -225,6 +225,9 @@ class MergeAccumulator:
         self.norm_clipped_key = ""  # whose contribution that was
         # (key, weight, capped weight) of the contribution scaled_result capped, if any.
         self.capped: tuple[str, float, float] | None = None
+        # Keys in the order their contributions went into the sums (held-back ones last): float32
+        # sums depend on it, so an audit that recomputes a merge checks it (ddiloco audit replay).
+        self.fold_order: list[str] = []
         self._fragment = fragment
         self._segments = [
             (where, embedding_rule if spec.is_embedding else rule)
@@ -318,6 +321,7 @@ class MergeAccumulator:
         self._heavy, self._large = heavy, large
 
     def _fold_entry(self, entry: tuple) -> None:
+        self.fold_order.append(entry[3])
         self._per_step_norms.append(entry[5])
         self._fold(entry[0], entry[1], entry[2])
 

@@ -1,6 +1,8 @@
 """`ddiloco audit`: who influenced the global model, and by how much, from the syncer's merge ledger.
 
     ddiloco audit --ledger runs/merges.jsonl [--run-id RUN] [--fragment P] [--from-version A] [--to-version B]
+    ddiloco audit --store HOST:PORT --run-id RUN [--fragment P] [--from-version A] [--to-version B] [--merges]
+    ddiloco audit replay --store HOST:PORT --run-id RUN [--from-step N]     (ddiloco/cli/audit_replay.py)
 
 Owns reading a merge ledger (`--merge-ledger` of the syncer, format `ddiloco.ledger/1`: see
 services/syncer/influence.py), verifying its hash chain (each record's `prev` is the sha256 of
@@ -10,8 +12,11 @@ capped, mean cosine with the merged update, refusals and quarantines. An identit
 outlier when its share was capped in more than 10 % of its merges of three or more, its mean cosine is
 far below the others', or any of its contributions was refused, or clipped beyond a step-count
 correction.
+With `--store` the ledger is the checkpoint store's copy of the run (every record since the run's
+first, so its chain must start at the genesis hash); `--merges` lists each merge of the selection
+with its epoch, published hash and every contributor's share and contribution hash.
 Exit status: 0 intact and nothing flagged, 1 something flagged, 2 a broken chain or unreadable ledger.
-Must not: talk to services (it reads a file), or change the ledger.
+Must not: change the ledger; it talks to nothing but the store (ReadLedger, as a reader).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import math
 import statistics
 import sys
 from collections.abc import Iterable, Sequence
+
+from ddiloco.cli import status as status_lib
 
 FORMAT = "ddiloco.ledger/1"
 GENESIS = "0" * 64
@@ -56,8 +63,15 @@ def read_ledger(path: str) -> list[dict]:
             continue
     if not found:
         raise LedgerError(f"no merge ledger at {path} (the syncer writes it with --merge-ledger)")
+    return verify_lines(lines)
+
+
+def verify_lines(lines: Sequence[bytes], *, from_genesis: bool = False) -> list[dict]:
+    """The records of ledger `lines`, oldest first, with the hash chain verified (from the genesis
+    hash when `from_genesis`: a ledger known to be whole). LedgerError names the first bad line and
+    the merge of the record before it (the one changed, when a link breaks)."""
     records: list[dict] = []
-    prev: str | None = None
+    prev: str | None = GENESIS if from_genesis else None
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
@@ -67,8 +81,11 @@ def read_ledger(path: str) -> list[dict]:
             raise LedgerError(f"line {number}: not a {FORMAT} record")
         # The first record kept may follow rotated-away ones: its `prev` is taken on trust.
         if prev is not None and record.get("prev") != prev:
+            before = (f" (fragment {records[-1].get('fragment')} version {records[-1].get('version')})"
+                      if records else "")
             raise LedgerError(f"line {number}: hash chain broken (prev {str(record.get('prev'))[:12]}..., expected "
-                              f"{prev[:12]}...): a record before it was removed, changed or reordered")
+                              f"{prev[:12]}...): the record before it{before} was changed, or records were "
+                              "removed or reordered")
         prev = hashlib.sha256(line).hexdigest()
         records.append(record)
     return records
@@ -146,19 +163,50 @@ def _table(summary: dict[str, dict], records: Sequence[dict]) -> str:
     return "\n".join(rows)
 
 
+def _merges(records: Sequence[dict]) -> str:
+    """One line per merge: who influenced it, by how much, with what (contribution hashes)."""
+    rows = []
+    for r in records:
+        who = ", ".join(f"{c['learner']} {float(c.get('share') or 0):.3f} {str(c.get('contribution_sha256', ''))[:12]}"
+                        for c in r.get("contributors", ()))
+        rows.append(f"fragment {r.get('fragment')} v{r.get('version')} epoch {r.get('epoch', 0)} "
+                    f"sha256 {str(r.get('fragment_sha256', ''))[:12]}: {who}")
+    return "\n".join(rows)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ledger", required=True, help="the syncer's --merge-ledger file")
-    parser.add_argument("--run-id", default="", help="only this run's merges (default: every run in the file)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ledger", help="the syncer's --merge-ledger file")
+    source.add_argument("--store", help="a checkpoint store holding the run's ledger (HOST:PORT; replicas: a comma "
+                                        "list, read from the one holding the longest)")
+    parser.add_argument("--run-id", default="", help="only this run's merges (default: every run in the file; "
+                                                     "required with --store)")
+    parser.add_argument("--merges", action="store_true", help="also list every merge selected, with its contributors")
     parser.add_argument("--fragment", type=int, default=None, help="only this fragment")
     parser.add_argument("--from-version", type=int, default=0, help="first fragment version to count")
     parser.add_argument("--to-version", type=int, default=None, help="last fragment version to count")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    status_lib.add_security_arguments(parser)
+
+
+def _read(args: argparse.Namespace) -> tuple[list[dict], str]:
+    """The verified records and where they came from."""
+    if args.ledger:
+        return read_ledger(args.ledger), f"ledger {args.ledger}"
+    if not args.run_id:
+        raise LedgerError("--store needs --run-id (the store keeps one ledger per run)")
+    from ddiloco.cli import audit_replay  # the store's client: only when asked for
+
+    lines = audit_replay.fetch_ledger_lines(args.store, args.run_id, status_lib.client_security(args))
+    if not lines:
+        raise LedgerError(f"the store holds no ledger for run {args.run_id!r}")
+    return verify_lines(lines, from_genesis=True), f"store {args.store} run {args.run_id}"
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        records = read_ledger(args.ledger)
-    except (LedgerError, OSError) as exc:
+        records, source = _read(args)
+    except (LedgerError, OSError, ValueError) as exc:
         print(f"ddiloco audit: {exc}", file=sys.stderr)
         return 2
     chosen = select(records, run_id=args.run_id, fragment=args.fragment, from_version=args.from_version,
@@ -168,12 +216,19 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"records": len(chosen), "chain": "intact", "identities": summary}, indent=2,
                          default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v))
     else:
-        print(f"ledger {args.ledger}: {len(records)} records, hash chain intact")
+        print(f"{source}: {len(records)} records, hash chain intact")
         print(_table(summary, chosen))
+        if args.merges:
+            print(_merges(chosen))
     return 1 if any(e["flags"] for e in summary.values()) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["replay"]:
+        from ddiloco.cli import audit_replay
+
+        return audit_replay.main(argv[1:])
     parser = argparse.ArgumentParser(prog="ddiloco audit", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -146,6 +146,10 @@ CHECKPOINT_POLICY: Mapping[str, frozenset[str]] = {
     "/ddiloco.v1.CheckpointStore/ListManifests": _STORE_METADATA,
     # Repair of a replica writes manifests: the syncer (or `ddiloco store repair` as the syncer).
     "/ddiloco.v1.CheckpointStore/RestoreManifest": frozenset({KIND_SYNCER}),
+    # The merge ledger: the syncer appends; who influenced which merge is state (`ddiloco audit`).
+    "/ddiloco.v1.CheckpointStore/AppendLedger": frozenset({KIND_SYNCER}),
+    "/ddiloco.v1.CheckpointStore/ReadLedger": _STORE_METADATA,
+    "/ddiloco.v1.CheckpointStore/GetLedgerHead": _STORE_METADATA,
 }
 
 GUARDED_PREFIX = "/ddiloco.v1."

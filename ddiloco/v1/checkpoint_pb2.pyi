@@ -456,3 +456,161 @@ class RestoreManifestResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RestoreManifestResponse: _TypeAlias = RestoreManifestResponse  # noqa: Y015
+
+@_typing.final
+class AppendLedgerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    LINES_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    @_builtins.property
+    def lines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """JSON records, oldest first, without newlines; each chains to the one before."""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        lines: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lines", b"lines", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AppendLedgerRequest: _TypeAlias = AppendLedgerRequest  # noqa: Y015
+
+@_typing.final
+class AppendLedgerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LENGTH_FIELD_NUMBER: _builtins.int
+    HEAD_FIELD_NUMBER: _builtins.int
+    APPENDED_FIELD_NUMBER: _builtins.int
+    length: _builtins.int
+    """The ledger's length and head after the append."""
+    head: _builtins.str
+    appended: _builtins.int
+    """Lines written (the others were already held)."""
+    def __init__(
+        self,
+        *,
+        length: _builtins.int = ...,
+        head: _builtins.str = ...,
+        appended: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended", b"appended", "head", b"head", "length", b"length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AppendLedgerResponse: _TypeAlias = AppendLedgerResponse  # noqa: Y015
+
+@_typing.final
+class ReadLedgerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    FROM_INDEX_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    from_index: _builtins.int
+    """Index of the first record to send (0: the ledger's first)."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        from_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_index", b"from_index", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadLedgerRequest: _TypeAlias = ReadLedgerRequest  # noqa: Y015
+
+@_typing.final
+class LedgerRecord(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    LINE_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    line: _builtins.str
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        line: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "line", b"line"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LedgerRecord: _TypeAlias = LedgerRecord  # noqa: Y015
+
+@_typing.final
+class ReadLedgerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___LedgerRecord]: ...
+    def __init__(
+        self,
+        *,
+        records: _abc.Iterable[Global___LedgerRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadLedgerResponse: _TypeAlias = ReadLedgerResponse  # noqa: Y015
+
+@_typing.final
+class GetLedgerHeadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLedgerHeadRequest: _TypeAlias = GetLedgerHeadRequest  # noqa: Y015
+
+@_typing.final
+class GetLedgerHeadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LENGTH_FIELD_NUMBER: _builtins.int
+    HEAD_FIELD_NUMBER: _builtins.int
+    length: _builtins.int
+    head: _builtins.str
+    def __init__(
+        self,
+        *,
+        length: _builtins.int = ...,
+        head: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["head", b"head", "length", b"length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLedgerHeadResponse: _TypeAlias = GetLedgerHeadResponse  # noqa: Y015

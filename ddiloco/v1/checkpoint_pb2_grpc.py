@@ -69,6 +69,21 @@ class CheckpointStoreStub:
                 request_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestResponse.FromString,
                 _registered_method=True)
+        self.AppendLedger = channel.unary_unary(
+                '/ddiloco.v1.CheckpointStore/AppendLedger',
+                request_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.AppendLedgerRequest.SerializeToString,
+                response_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.AppendLedgerResponse.FromString,
+                _registered_method=True)
+        self.ReadLedger = channel.unary_stream(
+                '/ddiloco.v1.CheckpointStore/ReadLedger',
+                request_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.ReadLedgerRequest.SerializeToString,
+                response_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.ReadLedgerResponse.FromString,
+                _registered_method=True)
+        self.GetLedgerHead = channel.unary_unary(
+                '/ddiloco.v1.CheckpointStore/GetLedgerHead',
+                request_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.GetLedgerHeadRequest.SerializeToString,
+                response_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.GetLedgerHeadResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointStoreServicer:
@@ -134,6 +149,33 @@ class CheckpointStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AppendLedger(self, request, context):
+        """Appends records to a run's merge ledger (durable, append-only, hash-chained; docs/security.md).
+        Each line is one JSON record whose `prev` must be the sha256 of the ledger's last line (the
+        head; 64 zeros for an empty ledger). A line equal to one already held at its position is an
+        idempotent no-op (a retry after a lost response). Blobs a record names in `blobs` must be held
+        already and are kept from garbage collection while the ledger lives. Errors: FAILED_PRECONDITION
+        (a `prev` that is not the head, a record's leader epoch older than the head's, a blob missing),
+        INVALID_ARGUMENT (not a JSON object, bad run id). Only the `syncer` identity may call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadLedger(self, request, context):
+        """Streams a run's ledger records from `from_index`, oldest first (an empty ledger: no records).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLedgerHead(self, request, context):
+        """A run's ledger length and head (the chain hash of its last line; 64 zeros when empty).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +213,21 @@ def add_CheckpointStoreServicer_to_server(servicer, server):
                     servicer.RestoreManifest,
                     request_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestRequest.FromString,
                     response_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestResponse.SerializeToString,
+            ),
+            'AppendLedger': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendLedger,
+                    request_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.AppendLedgerRequest.FromString,
+                    response_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.AppendLedgerResponse.SerializeToString,
+            ),
+            'ReadLedger': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadLedger,
+                    request_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.ReadLedgerRequest.FromString,
+                    response_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.ReadLedgerResponse.SerializeToString,
+            ),
+            'GetLedgerHead': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLedgerHead,
+                    request_deserializer=ddiloco_dot_v1_dot_checkpoint__pb2.GetLedgerHeadRequest.FromString,
+                    response_serializer=ddiloco_dot_v1_dot_checkpoint__pb2.GetLedgerHeadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -362,6 +419,87 @@ class CheckpointStore:
             '/ddiloco.v1.CheckpointStore/RestoreManifest',
             ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestRequest.SerializeToString,
             ddiloco_dot_v1_dot_checkpoint__pb2.RestoreManifestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendLedger(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddiloco.v1.CheckpointStore/AppendLedger',
+            ddiloco_dot_v1_dot_checkpoint__pb2.AppendLedgerRequest.SerializeToString,
+            ddiloco_dot_v1_dot_checkpoint__pb2.AppendLedgerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLedger(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ddiloco.v1.CheckpointStore/ReadLedger',
+            ddiloco_dot_v1_dot_checkpoint__pb2.ReadLedgerRequest.SerializeToString,
+            ddiloco_dot_v1_dot_checkpoint__pb2.ReadLedgerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLedgerHead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddiloco.v1.CheckpointStore/GetLedgerHead',
+            ddiloco_dot_v1_dot_checkpoint__pb2.GetLedgerHeadRequest.SerializeToString,
+            ddiloco_dot_v1_dot_checkpoint__pb2.GetLedgerHeadResponse.FromString,
             options,
             channel_credentials,
             insecure,

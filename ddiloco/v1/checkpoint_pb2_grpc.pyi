@@ -67,6 +67,19 @@ class CheckpointStoreStub:
     ALREADY_EXISTS. The run's retention policy applies afterwards, so a step older than the
     retained ones is dropped again (retained = false). Only the `syncer` identity may call it.
     """
+    AppendLedger: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.AppendLedgerRequest, _checkpoint_pb2.AppendLedgerResponse]
+    """Appends records to a run's merge ledger (durable, append-only, hash-chained; docs/security.md).
+    Each line is one JSON record whose `prev` must be the sha256 of the ledger's last line (the
+    head; 64 zeros for an empty ledger). A line equal to one already held at its position is an
+    idempotent no-op (a retry after a lost response). Blobs a record names in `blobs` must be held
+    already and are kept from garbage collection while the ledger lives. Errors: FAILED_PRECONDITION
+    (a `prev` that is not the head, a record's leader epoch older than the head's, a blob missing),
+    INVALID_ARGUMENT (not a JSON object, bad run id). Only the `syncer` identity may call it.
+    """
+    ReadLedger: _grpc.UnaryStreamMultiCallable[_checkpoint_pb2.ReadLedgerRequest, _checkpoint_pb2.ReadLedgerResponse]
+    """Streams a run's ledger records from `from_index`, oldest first (an empty ledger: no records)."""
+    GetLedgerHead: _grpc.UnaryUnaryMultiCallable[_checkpoint_pb2.GetLedgerHeadRequest, _checkpoint_pb2.GetLedgerHeadResponse]
+    """A run's ledger length and head (the chain hash of its last line; 64 zeros when empty)."""
 
 @_typing.type_check_only
 class CheckpointStoreAsyncStub(CheckpointStoreStub):
@@ -100,6 +113,19 @@ class CheckpointStoreAsyncStub(CheckpointStoreStub):
     ALREADY_EXISTS. The run's retention policy applies afterwards, so a step older than the
     retained ones is dropped again (retained = false). Only the `syncer` identity may call it.
     """
+    AppendLedger: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.AppendLedgerRequest, _checkpoint_pb2.AppendLedgerResponse]  # type: ignore[assignment]
+    """Appends records to a run's merge ledger (durable, append-only, hash-chained; docs/security.md).
+    Each line is one JSON record whose `prev` must be the sha256 of the ledger's last line (the
+    head; 64 zeros for an empty ledger). A line equal to one already held at its position is an
+    idempotent no-op (a retry after a lost response). Blobs a record names in `blobs` must be held
+    already and are kept from garbage collection while the ledger lives. Errors: FAILED_PRECONDITION
+    (a `prev` that is not the head, a record's leader epoch older than the head's, a blob missing),
+    INVALID_ARGUMENT (not a JSON object, bad run id). Only the `syncer` identity may call it.
+    """
+    ReadLedger: _aio.UnaryStreamMultiCallable[_checkpoint_pb2.ReadLedgerRequest, _checkpoint_pb2.ReadLedgerResponse]  # type: ignore[assignment]
+    """Streams a run's ledger records from `from_index`, oldest first (an empty ledger: no records)."""
+    GetLedgerHead: _aio.UnaryUnaryMultiCallable[_checkpoint_pb2.GetLedgerHeadRequest, _checkpoint_pb2.GetLedgerHeadResponse]  # type: ignore[assignment]
+    """A run's ledger length and head (the chain hash of its last line; 64 zeros when empty)."""
 
 class CheckpointStoreServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -172,5 +198,36 @@ class CheckpointStoreServicer(metaclass=_abc_1.ABCMeta):
         ALREADY_EXISTS. The run's retention policy applies afterwards, so a step older than the
         retained ones is dropped again (retained = false). Only the `syncer` identity may call it.
         """
+
+    @_abc_1.abstractmethod
+    def AppendLedger(
+        self,
+        request: _checkpoint_pb2.AppendLedgerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.AppendLedgerResponse, _abc.Awaitable[_checkpoint_pb2.AppendLedgerResponse]]:
+        """Appends records to a run's merge ledger (durable, append-only, hash-chained; docs/security.md).
+        Each line is one JSON record whose `prev` must be the sha256 of the ledger's last line (the
+        head; 64 zeros for an empty ledger). A line equal to one already held at its position is an
+        idempotent no-op (a retry after a lost response). Blobs a record names in `blobs` must be held
+        already and are kept from garbage collection while the ledger lives. Errors: FAILED_PRECONDITION
+        (a `prev` that is not the head, a record's leader epoch older than the head's, a blob missing),
+        INVALID_ARGUMENT (not a JSON object, bad run id). Only the `syncer` identity may call it.
+        """
+
+    @_abc_1.abstractmethod
+    def ReadLedger(
+        self,
+        request: _checkpoint_pb2.ReadLedgerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_checkpoint_pb2.ReadLedgerResponse], _abc.AsyncIterator[_checkpoint_pb2.ReadLedgerResponse]]:
+        """Streams a run's ledger records from `from_index`, oldest first (an empty ledger: no records)."""
+
+    @_abc_1.abstractmethod
+    def GetLedgerHead(
+        self,
+        request: _checkpoint_pb2.GetLedgerHeadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_pb2.GetLedgerHeadResponse, _abc.Awaitable[_checkpoint_pb2.GetLedgerHeadResponse]]:
+        """A run's ledger length and head (the chain hash of its last line; 64 zeros when empty)."""
 
 def add_CheckpointStoreServicer_to_server(servicer: CheckpointStoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

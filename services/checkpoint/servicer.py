@@ -17,6 +17,7 @@ import grpc
 
 from ddiloco.rpc import errors
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+from services.checkpoint import ledger as ledger_lib
 from services.checkpoint import store as store_lib
 
 _LOG = logging.getLogger(__name__)
@@ -54,11 +55,15 @@ async def _abort(
 
 
 class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
-    """Serves one `BlobStore`; `chunk_size_bytes` sizes the GetBlob data messages."""
+    """Serves one `BlobStore` and its merge ledgers (`ledger`: by default the ones under the
+    store's root); `chunk_size_bytes` sizes the GetBlob data messages."""
 
-    def __init__(self, store: store_lib.BlobStore, *, chunk_size_bytes: int) -> None:
+    def __init__(self, store: store_lib.BlobStore, *, chunk_size_bytes: int,
+                 ledger: ledger_lib.LedgerStore | None = None) -> None:
         self._store = store
         self._chunk_size_bytes = chunk_size_bytes
+        self._ledger = ledger or ledger_lib.LedgerStore(store.root, store.stat)
+        store.extra_references = self._ledger.referenced_blobs  # retained contributions outlive GC
 
     async def PutBlob(self, request_iterator, context):
         writer: store_lib.BlobWriter | None = None
@@ -181,3 +186,34 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
             restored, retained,
         )
         return checkpoint_pb2.RestoreManifestResponse(restored=restored, retained=retained)
+
+    async def AppendLedger(self, request, context):
+        try:
+            length, head, appended = await asyncio.to_thread(
+                self._ledger.append, request.run_id, list(request.lines)
+            )
+        except errors.ServiceError as exc:
+            await _abort(context, "AppendLedger", exc)
+        _LOG.debug("%s run=%s appended=%d length=%d", _P.format("AppendLedger"), request.run_id, appended, length)
+        return checkpoint_pb2.AppendLedgerResponse(length=length, head=head, appended=appended)
+
+    async def ReadLedger(self, request, context) -> AsyncIterator[checkpoint_pb2.ReadLedgerResponse]:
+        index = request.from_index
+        while True:
+            try:
+                page = await asyncio.to_thread(self._ledger.read, request.run_id, index)
+            except errors.ServiceError as exc:
+                await _abort(context, "ReadLedger", exc)
+            if not page:
+                return
+            yield checkpoint_pb2.ReadLedgerResponse(
+                records=[checkpoint_pb2.LedgerRecord(index=i, line=line) for i, line in page]
+            )
+            index = page[-1][0] + 1
+
+    async def GetLedgerHead(self, request, context):
+        try:
+            length, head = await asyncio.to_thread(self._ledger.head, request.run_id)
+        except errors.ServiceError as exc:
+            await _abort(context, "GetLedgerHead", exc)
+        return checkpoint_pb2.GetLedgerHeadResponse(length=length, head=head)

@@ -10,6 +10,7 @@ Layout under `root`:
     manifests/<run_id>/<step:020d>.json       one committed checkpoint of a run
     quarantine/<sha256 hex>.<unix s>          a blob that failed verification, kept for forensics
     superseded/<run_id>/<step:020d>.e<epoch>.json  a deposed leader's manifest, set aside (below)
+    ledger/<run_id>.jsonl                     a run's merge ledger (ledger.py)
 
 Leader epochs (syncer failover, docs/failover.md): a manifest may carry the epoch of the leader
 that wrote it, as metadata `leader_epoch` (a decimal integer; absent means 0, as every manifest
@@ -212,6 +213,8 @@ class BlobStore:
         validate_failpoints(self._failpoints)
         self._clock = clock
         self._lock = threading.Lock()
+        # More blobs garbage collection keeps (the merge ledgers' retained contributions, ledger.py).
+        self.extra_references: Callable[[], set[str]] | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         _ensure_dir(self._blobs)
         _ensure_dir(self._manifests)
@@ -566,6 +569,8 @@ class BlobStore:
         except errors.ServiceError as exc:
             _LOG.error("blob GC skipped: %s", exc)
             return 0
+        if self.extra_references is not None:
+            referenced |= self.extra_references()
         cutoff_s = self._clock() - self._gc_grace_s
         removed = 0
         for path in self._blobs.glob("??/*"):

@@ -41,6 +41,7 @@ from services.syncer import core as core_lib
 from services.syncer import history as history_lib
 from services.syncer import influence as influence_lib
 from services.syncer import leadership as leadership_lib
+from services.syncer import ledger_sink as ledger_sink_lib
 from services.syncer import metrics as syncer_metrics
 from services.syncer import servicer as servicer_lib
 
@@ -253,6 +254,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     history = None if leadership.coordinated else history_lib.attach(core, cfg.history_file)
     if cfg.merge_ledger:  # one hash-chained record per merge (ddiloco audit)
         core.influence.ledger = influence_lib.MergeLedger(cfg.merge_ledger, max_bytes=cfg.merge_ledger_max_bytes)
+    store_ledger = await _start_store_ledger(cfg, core, client, leadership)
     if history is not None:  # fault tests: what the invariant checkers read
         checkpointer.on_commit = history.checkpoint_committed
     digests = {fid: core.fragment_digest(fid) for fid in core.versions()}
@@ -314,6 +316,9 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     await _settle_merges(core)
     await checkpointer.drain()
     await checkpointer.save()
+    if store_ledger is not None:  # the last merges' records, briefly: a store that is down must not hold the exit
+        await store_ledger.drain(min(_LEDGER_DRAIN_S, cfg.checkpoint_timeout_s))
+        await store_ledger.close()
     await leadership.resign()  # after the final commit: a standby leads at once, without waiting for the lease
     history = history or leadership.history
     if isinstance(client, replicas_lib.ReplicatedCheckpointClient):
@@ -325,6 +330,26 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
 
 
 _TEARDOWN_LIMIT_S = 5.0
+_LEDGER_DRAIN_S = 10.0  # at shutdown, how long queued merge records may take to reach the store
+
+
+async def _start_store_ledger(cfg, core, client, leadership) -> ledger_sink_lib.StoreLedger | None:
+    """The checkpoint store's merge ledger (--store-ledger), continuing the chain the store holds.
+    With election the head is read when a record is first sent (this syncer may not lead yet)."""
+    if client is None or not cfg.store_ledger:
+        return None
+    sink = ledger_sink_lib.StoreLedger(client, cfg.run_id, call_timeout_s=10.0,
+                                       blob_timeout_s=cfg.checkpoint_timeout_s)
+    core.influence.store_ledger = sink
+    core.influence.retain_contributions = cfg.retain_contributions
+    core.influence.epoch = lambda: leadership.epoch
+    if not leadership.coordinated:
+        try:
+            await sink.resume()
+        except Exception as exc:  # the shipping loop reads the head again before its first append
+            _LOG.warning(f"merge ledger: the store's head is unknown for now: {exc!r}")
+    sink.start()
+    return sink
 
 
 async def _lead(cfg, leadership, handle, core, client, servicer, checkpointer, metrics, stop) -> None:

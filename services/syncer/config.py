@@ -125,6 +125,8 @@ class SyncerConfig:
     norm_clip_factor: float = 4.0  # per-step norm clipped to this x the other learners' median; 0: off
     merge_ledger: str = ""  # append one JSON record per merge (hash-chained) here; empty: off
     merge_ledger_max_bytes: int = 64 << 20  # rotate to <file>.1 beyond this (at most twice this on disk)
+    store_ledger: bool = True  # with a checkpoint store: every merge record goes to its ledger too
+    retain_contributions: bool = False  # store each merged contribution as a blob (`ddiloco audit replay`)
     # Fault tests only (ddiloco.chaos): crash points and the durable history the checkers read.
     failpoints: str = ""  # e.g. "syncer.after_quorum=crash@3"; empty in production
     history_file: str = ""  # append accepted uploads, merges, checkpoints (JSONL) here; empty: off
@@ -211,6 +213,8 @@ class SyncerConfig:
             raise bad("dp_decay_steps", "dp_decay_steps must be 0 (no decay) or exceed dp_warmup_steps")
         if not self.dp_learning_rate > 0 or self.dp_warmup_steps < 0 or self.dp_weight_decay < 0:
             raise bad("dp_learning_rate", "dp_learning_rate must be > 0, dp_warmup_steps and dp_weight_decay >= 0")
+        if self.retain_contributions and not (self.checkpoint_target and self.store_ledger):
+            raise bad("retain_contributions", "needs --checkpoint-target and --store-ledger (the blobs go there)")
         if self.norm_bound_action not in robust_lib.ACTIONS:
             raise bad("norm_bound_action", f"must be one of {robust_lib.ACTIONS}")
         if self.direction_check not in robust_lib.DIRECTION_MODES:
@@ -428,6 +432,11 @@ _HELPS = {
     "merge_ledger": "append one hash-chained JSON record per merge here (contributors, claims, weights, shares, "
                     "norms, cosines, refusals); `ddiloco audit --ledger` reads it; empty: off",
     "merge_ledger_max_bytes": "rotate the merge ledger to <file>.1 beyond this size",
+    "store_ledger": "with --checkpoint-target: append every merge record to the checkpoint store's durable, "
+                    "hash-chained ledger of the run (`ddiloco audit --store`); false: off",
+    "retain_contributions": "store every merged contribution (the values folded in) as a blob in the checkpoint "
+                            "store, referenced from the ledger, so that `ddiloco audit replay` can reproduce every "
+                            "published fragment bit for bit; costs one fragment of store disk per contribution",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "json_logs": "log one JSON object per line",
     "failpoints": "TESTS ONLY: crash at named points, e.g. syncer.after_quorum=crash@3 (ddiloco.failpoints)",

@@ -168,6 +168,9 @@ class SyncerCore:
         self.influence = influence_lib.Influence(run_id=run_config.run_id, instance=self.instance,
                                                  directions=self.directions)
         self.admission.influence = self.rounds.influence = self.influence
+        # For the ledger's replayable records: the outer optimizer, when it is the shared Nesterov SGD.
+        self.rounds.outer = ({"lr": outer_lr, "momentum": outer_momentum, "nesterov": True}
+                             if stepper_factory is None else None)
         self.started_at_unix_s = wall_clock()
         self.restored_from_checkpoint = False
         self.last_checkpoint_outer_step = 0
@@ -372,6 +375,7 @@ class SyncerCore:
             return self._duplicate(slot, weight)
         decoded = await self.admission.decode(header, payload)
         await self.admission.await_direction_references(header, decoded.heading, wait_budget_s)
+        contribution_sha256 = await self.rounds.contribution_sha256(decoded.values)  # for the ledger, before the lock
         async with slot.lock:
             # Re-check under the lock: the round may have moved while decoding (the base version's
             # values stay pinned: it was within the staleness bound when the header arrived).
@@ -383,7 +387,8 @@ class SyncerCore:
             self.admission.judge_direction(header, decoded.heading, slot.version)
             rnd = self.rounds.round_for(slot)
             await self.rounds.fold(slot, rnd, header.fragment_id, delta, norms, weight, ticket.base_params,
-                                   header.learner_id, steps)
+                                   header.learner_id, steps, decoded=decoded.values,
+                                   contribution_sha256=contribution_sha256)
             self.admission.accepted(slot, member, header, decoded, norms, steps, weight)
             self.rounds.add(rnd, header, weight)
             self._emit("upload_accepted", header)
@@ -568,6 +573,7 @@ class SyncerCore:
             self.evals.append(e.record())
         self.restored_from_checkpoint = True
         self.last_checkpoint_outer_step = self.outer_steps
+        self.influence.restored_step = self.outer_steps  # the ledger's records name the lineage they follow
         _LOG.info("restored", extra={"fields": {"outer_step": self.outer_steps,
                                                 "versions": self.versions(),
                                                 "sha256": [s.params_sha256[:12] for s in self.slots]}})

@@ -15,7 +15,19 @@ norm, norm per step over the other learners' median, cosine with the merged upda
 previous merge (outcome `refused` or `quarantined`, with the reason). `prev` is the sha256 of the
 previous line, so `ddiloco audit` can tell a truncated, edited or reordered ledger from an intact
 one. The file is rotated to `<path>.1` when it grows past `max_bytes`; the chain goes on across
-the rotation.
+the rotation. The same records go to the checkpoint store's ledger (services/syncer/ledger_sink.py),
+each sink with its own chain.
+
+Accountability (issue 24): each record also names the syncer's leader `epoch`, the new values'
+`params_sha256`, the syncer's `outer_step` after the merge (a checkpoint's step), the checkpoint
+step this syncer life restored (`restored_step`, None for a fresh start) and the merge's inputs
+(`merge_inputs`: rules, share cap, norm clip, outer step fraction and optimizer); each contributor
+its `contribution_sha256` (sha256 of the decoded contribution's float32 bytes) and its fold-in
+(`fold`: `index`, its position in the order contributions were added to the merge; `summed`, its
+position in the order the accumulator summed them, held-back ones last; its weight as added, before
+the share cap; per-tensor norms if given; steps). With retention on, `fold.blob` is the digest of
+the values folded in (re-anchored and clipped) stored as a blob, and the record's `blobs` lists
+them: `ddiloco audit replay` re-runs the merge from them in the recorded order, bit for bit.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -42,6 +55,26 @@ _REFUSALS_KEPT = 64  # refusals remembered per fragment between two merges (the 
 def line_sha256(line: bytes) -> str:
     """The chain hash of one ledger line (without its newline)."""
     return hashlib.sha256(line.rstrip(b"\n")).hexdigest()
+
+
+def values_sha256(values: np.ndarray) -> str:
+    """sha256 of a contribution's values as little-endian float32 bytes (one pass: a worker thread)."""
+    return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").data).hexdigest()
+
+
+def fold_record(learner: str, weight: float, norms: np.ndarray | None, steps: int, contribution_sha256: str,
+                decoded: np.ndarray, folded: np.ndarray, *, retain: bool) -> dict:
+    """What the ledger keeps of one fold-in (MergeAccumulator.add's inputs, in the order of the
+    adds), in exactly the form replay passes back. `contribution_sha256`: values_sha256(decoded),
+    taken before the fragment's lock. With `retain` a copy of the values folded in (and their
+    hash when they differ from the decoded ones): call it in a worker thread."""
+    out = {"learner": learner, "weight": float(weight), "steps": max(1, int(steps)),
+           "norms": None if norms is None else [float(n) for n in np.asarray(norms, np.float64)],
+           "contribution_sha256": contribution_sha256}
+    if retain:
+        out["data"] = np.ascontiguousarray(folded, dtype="<f4").tobytes()
+        out["blob"] = contribution_sha256 if folded is decoded else hashlib.sha256(out["data"]).hexdigest()
+    return out
 
 
 class MergeLedger:
@@ -65,8 +98,9 @@ class MergeLedger:
                 return line_sha256(lines[-1])
         return GENESIS
 
-    def append(self, record: dict) -> str:
-        """Writes one record (adds `format` and `prev`); returns its chain hash."""
+    def append(self, record: dict, blobs: dict | None = None) -> str:
+        """Writes one record (adds `format` and `prev`); returns its chain hash. `blobs` (retained
+        contributions) are for the store's ledger only."""
         line = json.dumps({"format": FORMAT, **record, "prev": self._prev}, sort_keys=True,
                           separators=(",", ":")).encode()
         try:
@@ -94,6 +128,10 @@ class Influence:
         self.instance = instance
         self.directions = directions
         self.ledger = ledger
+        self.store_ledger = None  # services/syncer/ledger_sink.StoreLedger: the checkpoint store's ledger
+        self.retain_contributions = False  # --retain-contributions: each fold-in's values go to the store
+        self.epoch: Callable[[], int] = lambda: 0  # the syncer's leader epoch (leadership.py)
+        self.restored_step: int | None = None  # the checkpoint this syncer life restored
         self.clipped_claims: collections.Counter = collections.Counter()  # what -> contributions clipped
         self.refused: collections.Counter = collections.Counter()  # learner -> contributions refused
         self.share_capped: collections.Counter = collections.Counter()  # learner -> merges its share was capped in
@@ -115,10 +153,18 @@ class Influence:
         outcome = "quarantined" if reason == "quarantined" else "refused"
         self._refusals[fragment_id].append({"learner": learner_id, "reason": reason, "outcome": outcome})
 
+    @property
+    def audit_mode(self) -> str:
+        """What a fold-in records (fold_record): "" nothing (no ledger), "hash", or "retain"."""
+        if self.ledger is None and self.store_ledger is None:
+            return ""
+        return "retain" if self.retain_contributions and self.store_ledger is not None else "hash"
+
     def note_clipped(self, what: str) -> None:
         self.clipped_claims[what] += 1
 
-    def merged(self, rnd, record, merged_direction: np.ndarray | None, published_sha256: str) -> dict:
+    def merged(self, rnd, record, merged_direction: np.ndarray | None, published_sha256: str,
+               params_sha256: str = "", *, outer_step: int | None = None) -> dict:
         """Accounts for one merge (call under the fragment's lock, after the outer step): shares,
         cosines with the merged update (`merged_direction`, from `merged_direction`); appends the
         ledger record. Returns the record."""
@@ -161,12 +207,39 @@ class Influence:
             "merged_norm": _rounded(record.outer_grad_norm), "total_weight": _rounded(total, 9),
             "contributors": contributors, "refused": list(self._refusals.pop(record.fragment_id, ())),
         }
+        blobs = self._accountability(rnd, out, params_sha256, outer_step)
         if self.ledger is not None:
             try:
                 self.ledger.append(out)
             except OSError as exc:  # the merge stands; the gap shows as a missing version in the audit
                 _LOG.error("merge ledger write failed", extra={"fields": {"path": self.ledger.path, "error": str(exc)}})
+        if self.store_ledger is not None:
+            self.store_ledger.append(out, blobs)  # queued: shipped in the background, never blocks a merge
         return out
+
+    def _accountability(self, rnd, out: dict, params_sha256: str, outer_step: int | None) -> dict[str, bytes]:
+        """Adds the epoch, hashes and fold-ins (module docstring) to a record; returns the retained
+        contributions' bytes by digest."""
+        folds = list(getattr(rnd, "folds", ()))
+        out.update(epoch=int(self.epoch()), params_sha256=params_sha256, restored_step=self.restored_step,
+                   outer_step=outer_step,
+                   merge_inputs=getattr(rnd, "merge_inputs", None))
+        by_learner = {f["learner"]: (index, f) for index, f in enumerate(folds)}
+        summed = {key: position for position, key in enumerate(rnd.accumulator.fold_order)} if folds else {}
+        blobs: dict[str, bytes] = {}
+        for c in out["contributors"]:
+            index, f = by_learner.get(c["learner"], (None, None))
+            if f is None:
+                continue
+            c["contribution_sha256"] = f["contribution_sha256"]
+            c["fold"] = {"index": index, "summed": summed.get(c["learner"]), "weight": f["weight"],
+                         "norms": f["norms"], "steps": f["steps"]}
+            if "blob" in f:
+                c["fold"]["blob"] = f["blob"]
+                blobs[f["blob"]] = f.pop("data")
+        if blobs:
+            out["blobs"] = sorted(blobs)
+        return blobs
 
     def merged_direction(self, fragment_id: int, merged: merge_lib.ScaledResult | None) -> np.ndarray | None:
         """The merged update's unit vector over the direction check's sample (None when it is off).

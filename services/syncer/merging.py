@@ -29,6 +29,7 @@ from ddiloco.algo import reanchor as reanchor_lib
 from ddiloco.algo import rounds as rounds_lib
 from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2
+from services.syncer import influence as influence_lib
 from services.syncer import membership as membership_lib
 from services.syncer import publishing as publishing_lib
 from services.syncer import slots as slots_lib
@@ -55,6 +56,8 @@ class Rounds:
         `merged` runs after each merge (the checkpointer's hook); `failpoint` is the core's."""
         self.config = run_config
         self.influence = None  # services.syncer.influence.Influence, set by the core (who influenced each merge)
+        # The outer optimizer's hyperparameters for the ledger (None: not Nesterov SGD; set by the core).
+        self.outer: dict | None = None
         self.plan = plan
         self.slots = slots
         self.scheduled = scheduled
@@ -100,30 +103,44 @@ class Rounds:
         opens (calls its learners, may merge) only when the schedule says; until then early
         contributions (a learner's final work, an answer that came after its round closed) wait."""
         policy = slot.norms.policy  # bounded influence: the share cap goes with the norm bound
+        inputs = {"rule": self.config.merge_rule, "embedding_rule": self.config.embedding_merge_rule,
+                  "max_share": policy.max_share if policy.enabled else 1.0,
+                  "max_norm_ratio": policy.clip_factor if policy.enabled else 0.0}
         slot.round = slots_lib.Round(
-            accumulator=merge_lib.MergeAccumulator(
-                slot.fragment, rule=self.config.merge_rule, embedding_rule=self.config.embedding_merge_rule,
-                max_share=policy.max_share if policy.enabled else 1.0,
-                max_norm_ratio=policy.clip_factor if policy.enabled else 0.0,
-            ),
+            accumulator=merge_lib.MergeAccumulator(slot.fragment, **inputs),
             opened_at_s=self._clock(),
+            merge_inputs={**inputs, "outer": self.outer, "download": self._publisher.settings()},
         )
         if not self.scheduled:
             self._open_round(slot, "upload")
         return slot.round
 
-    @staticmethod
-    async def fold(slot: slots_lib.FragmentSlot, rnd: slots_lib.Round, fragment_id: int, delta: np.ndarray,
-                   norms: np.ndarray, weight: float, base: np.ndarray, learner_id: str = "", steps: int = 1) -> None:
+    async def contribution_sha256(self, values: np.ndarray) -> str:
+        """The hash of a decoded contribution the ledger names ("" without a ledger); a worker
+        thread, before the fragment's lock is taken."""
+        if self.influence is None or not self.influence.audit_mode:
+            return ""
+        return await asyncio.to_thread(influence_lib.values_sha256, values)
+
+    async def fold(self, slot: slots_lib.FragmentSlot, rnd: slots_lib.Round, fragment_id: int, delta: np.ndarray,
+                   norms: np.ndarray, weight: float, base: np.ndarray, learner_id: str = "", steps: int = 1,
+                   decoded: np.ndarray | None = None, contribution_sha256: str = "") -> None:
         """Adds a contribution to the round in a worker thread, re-anchored at the current global
         fragment (paper App. D.2); learners hold the published values, so the correction is in
-        that space. Call under the slot's lock."""
+        that space. Call under the slot's lock. With a ledger, the fold-in's inputs are recorded
+        in the order of the adds (`decoded`: the contribution as decoded, before clipping, whose
+        hash is `contribution_sha256`)."""
+        audit = self.influence.audit_mode if self.influence is not None else ""
 
         def fold() -> None:
             corrected = reanchor_lib.reanchor(delta, base, slot.published)
             # Not stale: the norms gathered while decoding are this delta's, no second pass over it.
-            rnd.accumulator.add(corrected, weight, norms=norms if corrected is delta else None, key=learner_id,
-                                steps=steps)
+            folded_norms = norms if corrected is delta else None
+            rnd.accumulator.add(corrected, weight, norms=folded_norms, key=learner_id, steps=steps)
+            if audit:  # after add: a refused contribution leaves no trace in the order
+                rnd.folds.append(influence_lib.fold_record(
+                    learner_id, weight, folded_norms, steps, contribution_sha256 or influence_lib.values_sha256(delta),
+                    delta if decoded is None else decoded, corrected, retain=audit == "retain"))
 
         try:
             await asyncio.to_thread(fold)
@@ -320,7 +337,8 @@ class Rounds:
             if self.influence is not None:
                 direction = await asyncio.to_thread(self.influence.merged_direction, slot.fragment.fragment_id,
                                                     slot.last_outer_grad[0])
-                self.influence.merged(rnd, record, direction, slot.published_sha256)
+                self.influence.merged(rnd, record, direction, slot.published_sha256, slot.params_sha256,
+                                      outer_step=self.outer_steps)
             await self._publisher.encoded_payload(slot)
             if self.sync_time.value is None or not expected:
                 # Until a broadcast has been measured (broadcast_sent), merge and publish time.
@@ -339,10 +357,12 @@ class Rounds:
         stepper = self._steppers[slot.fragment.fragment_id]
         # The delta stays factored (sums x per-tensor scales) until the step writes it out.
         merged = await asyncio.to_thread(rnd.accumulator.scaled_result)
+        fraction = self._step_fraction(rnd)
+        if rnd.merge_inputs is not None:
+            rnd.merge_inputs["fraction"] = fraction
         # Δ is kept factored (the round's sums are not written again): one stream less.
         stepped = await asyncio.to_thread(functools.partial(
-            stepper.step_scaled, slot.params, slot.opt_state, *merged, write_grad=False,
-            fraction=self._step_fraction(rnd)))
+            stepper.step_scaled, slot.params, slot.opt_state, *merged, write_grad=False, fraction=fraction))
         slot.last_outer_grad = (merged, stepped.outer_grad_norm)
         return stepped
 

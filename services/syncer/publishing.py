@@ -28,6 +28,10 @@ class Publisher:
         self._block_size = block_size
         self._zstd_level = zstd_level
 
+    def settings(self) -> dict:
+        """What decides the published values (the ledger records it: `ddiloco audit replay`)."""
+        return {"codec": self.download_codec, "block_size": self._block_size, "zstd_level": self._zstd_level}
+
     def error_fed_delta(self, published: np.ndarray, new_params: np.ndarray,
                         ) -> tuple[np.ndarray, codec_lib.EncodedPayload]:
         """Encodes new_params - published in the download codec; returns what learners will hold

@@ -38,6 +38,10 @@ class Round:
     # One dict per contribution folded in: claims, credited steps, weights, norms, what was clipped
     # (Admission.accepted); the merge's influence record and ledger line (services/syncer/influence.py).
     influence: list = dataclasses.field(default_factory=list)
+    # Accountability (influence.fold_record): each fold-in's inputs in the accumulator's order, and
+    # the merge's own inputs (rules, caps, outer step), so that `ddiloco audit replay` can redo it.
+    folds: list = dataclasses.field(default_factory=list)
+    merge_inputs: dict | None = None
 
 
 @dataclasses.dataclass

@@ -170,6 +170,12 @@ def test_checkpoint_store_only_lets_the_syncer_write(tmp_path, pki):
         again = store("syncer").RestoreManifest(checkpoint_pb2.RestoreManifestRequest(manifest=held), timeout=5)
         assert (again.restored, again.retained) == (False, True)  # the syncer may; it held it already
         assert operator.GetLatestManifest(latest, timeout=5).manifest.step == committed[0][0]  # readers read
+        # The merge ledger: only the syncer appends; readers read it, learners do not.
+        append = checkpoint_pb2.AppendLedgerRequest(run_id="security", lines=['{"prev":"' + "0" * 64 + '"}'])
+        head = checkpoint_pb2.GetLedgerHeadRequest(run_id="security")
+        assert code_of(lambda: operator.AppendLedger(append, timeout=5)) == DENIED
+        assert code_of(lambda: learner.GetLedgerHead(head, timeout=5)) == DENIED
+        assert operator.GetLedgerHead(head, timeout=5).head == store("syncer").GetLedgerHead(head, timeout=5).head
         assert code_of(lambda: store("rogue").GetLatestManifest(latest, timeout=3)) == grpc.StatusCode.UNAVAILABLE
         assert h.committed() == committed
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(h.store_handle.health_address))
