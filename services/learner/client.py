@@ -37,7 +37,7 @@ from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.learner import targets as targets_lib
+from . import targets as targets_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
 

@@ -43,9 +43,9 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import grace as grace_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
-from services.learner import client as client_lib
-from services.learner import ports
-from services.learner import snapshot as snapshot_lib
+from . import client as client_lib
+from . import ports
+from . import snapshot as snapshot_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
 

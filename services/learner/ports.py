@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ddiloco.v1 import syncer_pb2
-from services.learner import client as client_lib
+from . import client as client_lib
 
 
 @runtime_checkable
