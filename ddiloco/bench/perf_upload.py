@@ -75,7 +75,9 @@ class _Learner:
     def messages(self, fid: int, encoded, chunk_size_bytes: int) -> list:
         from ddiloco.v1 import syncer_pb2
         from ddiloco.wire import serde
-        from services.learner import client as client_lib
+        from ddiloco.cli import service_names
+
+        client_lib = service_names.load("services.learner.client")
 
         versions = serde.versions_from_proto(self.join.fragment_versions)
         header = syncer_pb2.UploadHeader(
@@ -85,7 +87,9 @@ class _Learner:
         return client_lib.upload_messages(header, encoded.payload, chunk_size_bytes)
 
     async def upload(self, messages: list, timeout_s: float):
-        from services.learner import client as client_lib
+        from ddiloco.cli import service_names
+
+        client_lib = service_names.load("services.learner.client")
 
         return await client_lib.send_upload(self.stub, messages, timeout_s,
                                             pipeline_bytes=self.join.upload_pipeline_bytes)

@@ -25,11 +25,13 @@ from ddiloco import models
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.bench import results as results_lib
 from ddiloco.data import corpus
-from services.learner import config as learner_config
-from services.learner import loop as loop_lib
-from services.learner import ports
-from services.learner import snapshot as snapshot_lib
-from services.learner import train as train_lib
+from ddiloco.cli import service_names
+
+learner_config = service_names.load("services.learner.config")
+loop_lib = service_names.load("services.learner.loop")
+ports = service_names.load("services.learner.ports")
+snapshot_lib = service_names.load("services.learner.snapshot")
+train_lib = service_names.load("services.learner.train")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -25,8 +25,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from services.learner import __main__ as learner_main
-from services.learner import client as client_lib
+from ddiloco.cli import service_names
+
+learner_main = service_names.load("services.learner.__main__")
+client_lib = service_names.load("services.learner.client")
 
 _USAGE = ("python -m ddiloco.chaos.hostile_learner --hostile {signflip,scale:<x>,noise:<x>,drift:<x>,replay,honest} "
           "[--claim-steps S] [--claim-batch B] <ddiloco learner flags>")
