@@ -1,6 +1,7 @@
 # One image for every ddiloco service: checkpoint store, syncer, learner, evaluator, and the
 # `ddiloco status` client. The entrypoint is the `ddiloco` console script, which dispatches to
-# the services (`ddiloco syncer` runs the same code as `python -m services.syncer`), so compose
+# the services (`ddiloco syncer` runs the same code as `python -m ddiloco.services.syncer`; the
+# wheel ships the repository's services/ folder as `ddiloco.services`, see setup.py), so compose
 # files and `docker run` say what to run in one readable word:
 #
 #   docker build -t ddiloco:local .
@@ -43,10 +44,11 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN python3 -m venv /opt/venv
 # pyproject.toml always exists, so this COPY succeeds whether or not dist/ does (a wildcard that
 # matches nothing is allowed next to a source that matches); .dockerignore lets only
-# dist/docker-wheels into the context, which lands in /wheels/docker-wheels.
-COPY pyproject.toml dis[t] /wheels/
-RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/wheels/pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /tmp/requirements.txt \
+# dist/docker-wheels into the context, which lands in /wheels/docker-wheels. The requirements are
+# the project's dependencies plus its `server` extra (TLS certificates, numba kernels, etcd), the
+# same list scripts/docker_env.sh downloads; no plots, examples or dev tools.
+COPY pyproject.toml scripts/image_requirements.py dis[t] /wheels/
+RUN python3 /wheels/image_requirements.py /wheels/pyproject.toml > /tmp/requirements.txt \
     && /opt/venv/bin/pip install --no-cache-dir --requirement /tmp/requirements.txt
 # The accelerator plugin, pinned to the JAX just installed, in a layer of its own (the CPU layer
 # above stays cached when only this argument changes).
@@ -62,12 +64,12 @@ RUN case "$JAX_ACCELERATOR" in \
 FROM deps AS runtime-venv
 RUN /opt/venv/bin/python -m pip uninstall --yes --quiet pip setuptools
 
-# ---- project: the ddiloco and services packages (built into a wheel here) --------------------
+# ---- project: the ddiloco package, services/ as ddiloco.services (built into a wheel here) ----
 # Installed into their own directory, so the final image gets them as a small layer of their
 # own on top of the (large, cached) dependency layer. setuptools lives only in pip's isolated
 # build environment.
 FROM deps AS project
-COPY pyproject.toml README.md /src/
+COPY pyproject.toml setup.py README.md /src/
 COPY ddiloco /src/ddiloco
 COPY services /src/services
 # The commit this image is built from (`--build-arg GIT_COMMIT=$(git rev-parse HEAD)`): `--version`,
@@ -76,7 +78,8 @@ ARG GIT_COMMIT=unknown
 RUN echo "$GIT_COMMIT" > /src/ddiloco/BUILD_COMMIT
 RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --target /opt/ddiloco /src \
     && PYTHONPATH=/opt/ddiloco /opt/venv/bin/python -c \
-       "import ddiloco.healthcheck, ddiloco.cli.main, services.syncer.config, services.learner.config, services.checkpoint.config"
+       "import ddiloco.healthcheck, ddiloco.cli.main, ddiloco.services.syncer.config, ddiloco.services.learner.config, ddiloco.services.checkpoint.config" \
+    && test ! -e /opt/ddiloco/services
 
 # ---- final: the runtime ---------------------------------------------------------------------
 FROM ${BASE_IMAGE}

@@ -4,19 +4,28 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# What `make up` needs: the package and its core dependencies only (no plots, test tools or extras;
+# docs/install.md). `make install` (every other target) installs everything, and stamps both.
+RUN_STAMP := $(VENV)/.installed-run
 
 .PHONY: bench-quality bench-perf fuzz install up test test-fast test-docker docker-env lint protos check-protos clean k8s-tools k8s-render chaos simulate
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
+
+$(RUN_STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $(RUN_STAMP)
 
 # The main job: four learners, a syncer, a checkpoint store and an evaluator on 127.0.0.1.
-up: install
+up: $(RUN_STAMP)
 	$(BIN)/ddiloco up $(ARGS)
 
 # The whole test suite (CI runs exactly this): generated code fresh, lint clean, every test.

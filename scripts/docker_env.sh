@@ -174,9 +174,10 @@ fi
 log "base image $PROMETHEUS_BASE_IMAGE: $(docker image inspect --format '{{.Id}}' "$PROMETHEUS_BASE_IMAGE" | cut -c1-19)"
 
 # --- 5. dependency wheels ---------------------------------------------------------------------
-# The project's runtime dependencies (pyproject.toml) plus setuptools for building the project
-# inside the image, for CPython 3.11 on manylinux x86_64 (glibc 2.17 .. 2.36 = bookworm).
-reqs="$("$PYTHON" -c 'import sys, tomllib; d = tomllib.load(open(sys.argv[1], "rb")); print("\n".join(d["project"]["dependencies"] + [r for r in d["build-system"]["requires"]]))' "$ROOT/pyproject.toml")"
+# What the image installs (the project's dependencies and its `server` extra, as the Dockerfile
+# reads them) plus setuptools for building the project inside the image, for CPython 3.11 on
+# manylinux x86_64 (glibc 2.17 .. 2.36 = bookworm).
+reqs="$("$PYTHON" "$ROOT/scripts/image_requirements.py" "$ROOT/pyproject.toml" --build-system)"
 platforms=(--platform manylinux2014_x86_64)
 for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
 stamp="$(printf '%s\n' "$reqs" "${platforms[*]}" "$PY_VERSION" | sha256sum | cut -c1-16)"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddiloco._jit import njit
+from ddiloco._jit import COMPILED, njit
 
 
 # Values per block: the block's outputs are still in L1 cache when they are summed.
@@ -191,4 +191,10 @@ def warm_up() -> None:
         one, np.array([0, 1], np.int64), np.ones(1, np.float32), one, one,
         np.float32(0.9), np.float32(-0.7), True, np.empty_like(one), np.empty_like(one), np.empty_like(one), True,
         np.float32(0.9), np.float32(1.0),
+    )
+
+
+if not COMPILED:  # no numba (its extra is not installed): the same kernels in numpy, bit for bit
+    from ddiloco.algo._kernels_numpy import (  # noqa: F401, F811 (re-exported in place of the loops above)
+        fold_segments, scaled_sgd_step, segment_square_sums, warm_up,
     )

@@ -34,9 +34,11 @@ from ddiloco import models
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
-from services.syncer import checkpointing
-from services.syncer import config as config_lib
-from services.syncer import core as core_lib
+from ddiloco.cli import service_names
+
+checkpointing = service_names.load("services.syncer.checkpointing")
+config_lib = service_names.load("services.syncer.config")
+core_lib = service_names.load("services.syncer.core")
 
 _DEFAULT_OUT = pathlib.Path("bench/results/checkpoint-cost")
 

@@ -30,7 +30,9 @@ from ddiloco.chaos import etcd as etcd_lib
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
-from services.syncer import config as syncer_config
+from ddiloco.cli import service_names
+
+syncer_config = service_names.load("services.syncer.config")
 
 POLL_S = 0.05
 RUN_ID = "bench-failover"

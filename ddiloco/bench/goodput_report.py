@@ -202,10 +202,9 @@ def render_markdown(result: dict) -> str:
 
 def plot(result: dict, path: pathlib.Path) -> None:
     """goodput.png: goodput and slowdown ratio per mode (mean over the seeds, min-max bars)."""
-    import matplotlib
+    from ddiloco import extras
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = extras.pyplot()  # the plots extra, Agg backend
 
     modes = list(result["modes"])
     fig, ax = plt.subplots(figsize=(8, 4))

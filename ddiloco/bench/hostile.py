@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ddiloco.cli import service_names
 from ddiloco.bench import results as results_lib
 from ddiloco.cli import audit as audit_lib
 from ddiloco.cli import cluster as cluster_lib
@@ -90,8 +91,8 @@ def run_case(workdir: pathlib.Path, hostile: Sequence[str] | None, *, learners: 
                 raise RuntimeError(f"{svc.name} ended with {code}:\n{svc.log_tail()}")
         wall_s = time.monotonic() - started
         out = subprocess.run(
-            [sys.executable, "-m", "services.learner.evaluator", "--once", "--syncer", syncer.address,
-             "--num-shards", "4", "--log-level", "WARNING", "--timeout-s", "60"],
+            [sys.executable, "-m", service_names.module("services.learner.evaluator"), "--once",
+             "--syncer", syncer.address, "--num-shards", "4", "--log-level", "WARNING", "--timeout-s", "60"],
             capture_output=True, text=True, timeout=180, env=cluster.env, check=True).stdout
         state = _state(syncer.address)
     finally:

@@ -55,6 +55,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ddiloco.cli import service_names
 from ddiloco.bench import perf_upload
 from ddiloco.bench import results as results_lib
 
@@ -213,7 +214,8 @@ class Service:
 
 def start_syncer(workdir: pathlib.Path, name: str, model: dict, extra: list[str] = (), timeout_s: float = 180.0) -> Service:
     svc = Service(name, [
-        sys.executable, "-m", "services.syncer", "--bind", "127.0.0.1:0", "--run-id", f"bench-{name}",
+        sys.executable, "-m", service_names.module("services.syncer"), "--bind", "127.0.0.1:0",
+        "--run-id", f"bench-{name}",
         "--ready-file", str(workdir / f"{name}.ready.json"), "--model-config", json.dumps(model),
         "--log-level", "WARNING", *extra,
     ], workdir)
@@ -489,7 +491,7 @@ def _learner_run(target: str, steps: int, warmup: int, capture: dict | None, bat
     from ddiloco.learner import client as client_lib
     from ddiloco.learner import loop as loop_lib
     from ddiloco.learner import ports as ports_lib
-    from services.learner import train as train_lib
+    train_lib = service_names.load("services.learner.train")
 
     incarnation = time.time_ns()
     learner_id = f"bench-learner-{shard}"

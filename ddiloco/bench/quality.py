@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 
+from ddiloco.cli import service_names
 from ddiloco.bench import results as results_lib
 from ddiloco.bench.quality_report import (  # noqa: F401 (the targets: re-exported, part of this benchmark's interface)
     SLOW_FACTOR,
@@ -158,7 +159,8 @@ def ablation_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
 
 
 def _final_eval(cluster, cfg: BenchConfig) -> float | None:
-    cmd = [sys.executable, "-m", "services.learner.evaluator", "--once", "--syncer", cluster.services["syncer"].address,
+    cmd = [sys.executable, "-m", service_names.module("services.learner.evaluator"), "--once",
+           "--syncer", cluster.services["syncer"].address,
            "--num-shards", str(cfg.learners), "--eval-batches", str(cfg.final_eval_batches), "--log-level", "WARNING",
            "--timeout-s", "120"]
     if cfg.data_dir:

@@ -233,10 +233,9 @@ def _definition_lines(cfg: dict) -> list[str]:
 
 
 def plot(result: dict, path: pathlib.Path) -> pathlib.Path:
-    import matplotlib
+    from ddiloco import extras
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = extras.pyplot()  # the plots extra, Agg backend
 
     runs = result["runs"]
     seed = result["config"]["ablation_seed"]

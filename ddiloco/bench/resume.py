@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 
+from ddiloco.cli import service_names
 from ddiloco.bench import results as results_lib
 
 MODES = ("no-crash", "resume", "fresh")
@@ -65,7 +66,8 @@ def _wait_for_step(address: str, step: int, timeout_s: float = 600.0):
 
 
 def _final_loss(cluster, eval_batches: int) -> float:
-    cmd = [sys.executable, "-m", "services.learner.evaluator", "--once", "--syncer", cluster.services["syncer"].address,
+    cmd = [sys.executable, "-m", service_names.module("services.learner.evaluator"), "--once",
+           "--syncer", cluster.services["syncer"].address,
            "--num-shards", "2", "--eval-batches", str(eval_batches), "--log-level", "WARNING", "--timeout-s", "120"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cluster.env, check=True).stdout
     return float(json.loads(out.strip().splitlines()[-1])["heldout_loss"])

@@ -28,8 +28,10 @@ from ddiloco.data import corpus
 from ddiloco.learner import loop as loop_lib
 from ddiloco.learner import ports
 from ddiloco.learner import snapshot as snapshot_lib
-from services.learner import config as learner_config
-from services.learner import train as train_lib
+from ddiloco.cli import service_names
+
+learner_config = service_names.load("services.learner.config")
+train_lib = service_names.load("services.learner.train")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -989,7 +989,9 @@ def load_checkpoints(address: str, run_id: str) -> list[tuple[int, dict | Except
     decoded snapshot), or (step, the exception) when one does not load (I4 reports it)."""
     from ddiloco import checkpoint_client
     from ddiloco.rpc import channel as channel_lib
-    from services.syncer import checkpointing  # the checkpoint layout is the syncer's
+    from ddiloco.cli import service_names
+
+    checkpointing = service_names.load("services.syncer.checkpointing")  # the checkpoint layout is the syncer's
 
     async def load():
         channel = channel_lib.aio_channel(address)

@@ -26,7 +26,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ddiloco.learner import client as client_lib
-from services.learner import __main__ as learner_main
+from ddiloco.cli import service_names
+
+learner_main = service_names.load("services.learner.__main__")
 
 _USAGE = ("python -m ddiloco.chaos.hostile_learner --hostile {signflip,scale:<x>,noise:<x>,drift:<x>,replay,honest} "
           "[--claim-steps S] [--claim-batch B] <ddiloco learner flags>")

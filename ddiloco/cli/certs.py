@@ -39,14 +39,25 @@ import pathlib
 import secrets
 from collections.abc import Iterable, Sequence
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
+from ddiloco import extras
 from ddiloco.rpc import security
 
+try:  # the `certificates` extra: without it `ddiloco --help` still works, and making a certificate says what to install
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+except ImportError as _exc:
+    _MISSING: ImportError | None = _exc
+else:
+    _MISSING = None
+
 _CA_NAME = "ddiloco development CA"
+
+
+def _need_cryptography() -> None:
+    if _MISSING is not None:
+        raise extras.missing("cryptography", "certificates") from _MISSING
 
 
 def _now() -> datetime.datetime:
@@ -60,6 +71,7 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 def make_ca(common_name: str = _CA_NAME, *, days: int = 3650) -> tuple[bytes, bytes]:
     """A self-signed CA certificate and its key, both PEM: (cert_pem, key_pem)."""
+    _need_cryptography()
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = _now()
@@ -96,6 +108,7 @@ def issue_cert(
     SANs: the identity URI, DNS localhost + `identity.name` + `dns_names`, IP 127.0.0.1.
     `not_before`/`not_after` override the validity window (tests use them for expired certs).
     """
+    _need_cryptography()
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -165,6 +178,7 @@ def write_dev_certs(
     Reuses `out/ca.pem` + `out/ca.key` when both exist. Names must be unique across learners and
     services (they name the files).
     """
+    _need_cryptography()  # before anything is written
     root = pathlib.Path(out)
     root.mkdir(parents=True, exist_ok=True)
     ca_pem_path, ca_key_path = root / "ca.pem", root / "ca.key"
@@ -241,6 +255,7 @@ def revoke(deny_list: str | os.PathLike, *, cert_pem: bytes | None = None, seria
                          "previous list while it is broken") from None
     when = _now().strftime("%Y-%m-%dT%H:%M:%SZ")
     if cert_pem is not None:
+        _need_cryptography()
         try:
             cert = x509.load_pem_x509_certificate(cert_pem)
         except ValueError as exc:

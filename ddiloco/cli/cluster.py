@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
+from ddiloco.cli import service_names
 from ddiloco.rpc import security as security_lib
 
 
@@ -32,7 +33,7 @@ class ServiceStartError(RuntimeError):
 @dataclasses.dataclass
 class ServiceProcess:
     name: str
-    module: str  # python -m <module>
+    module: str  # python -m <module>, named as in the repository (service_names.module maps it)
     args: list[str]
     workdir: pathlib.Path
     env: Mapping[str, str]
@@ -61,7 +62,7 @@ class ServiceProcess:
             args[args.index("--bind") + 1] = self.address
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, *args],
+            [sys.executable, "-m", service_names.module(self.module), *args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(self.env),
             cwd=self.workdir,
         )
@@ -133,9 +134,11 @@ class LocalCluster:
         # pool per process oversubscribes the cores; with 4 learners on 2 cores this took a
         # learner step from 1.33 s to 0.59 s. A user-set XLA_FLAGS is left alone.
         base_env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
-        # The services are imported from the project root (python -m services.<name>).
-        root = str(pathlib.Path(__file__).resolve().parents[2])
-        base_env["PYTHONPATH"] = root + (os.pathsep + base_env["PYTHONPATH"] if base_env.get("PYTHONPATH") else "")
+        # In a checkout the services are imported from the project root (python -m services.<name>);
+        # an installed wheel has them as ddiloco.services, already importable.
+        if service_names.SOURCE_ROOT is not None:
+            root = service_names.SOURCE_ROOT
+            base_env["PYTHONPATH"] = root + (os.pathsep + base_env["PYTHONPATH"] if base_env.get("PYTHONPATH") else "")
         self.tls_dir = self.workdir / "certs" if tls else None
         if self.tls_dir is None:
             base_env[security_lib.SHARED_INSECURE_ENV] = "1"  # plaintext on loopback, explicitly

@@ -1,8 +1,9 @@
 """The `ddiloco` console script: dispatches to `up`, `status`, `record`, `report`, `dashboard`, `bench`, `simulate`, `export`, `generate` and the services.
 
 `ddiloco syncer|learner|checkpoint|evaluate ARGS` runs the same code as
-`python -m services.<name> ARGS` (each service parses its own flags; `--help` explains them).
-Services are imported lazily by name: the library never imports `services`.
+`python -m services.<name> ARGS` in a checkout, `python -m ddiloco.services.<name> ARGS` in an
+installed wheel (each service parses its own flags; `--help` explains them). Services are imported
+lazily by name (ddiloco/cli/service_names.py): the library never imports `services`.
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         print(build_info.describe())
         return 0
     if argv and argv[0] in _SERVICES:
-        return importlib.import_module(_SERVICES[argv[0]]).main(argv[1:])
+        from ddiloco.cli import service_names
+
+        return service_names.load(_SERVICES[argv[0]]).main(argv[1:])
     if argv and argv[0] in _TOOLS:
         return importlib.import_module(_TOOLS[argv[0]][0]).main(argv[1:])
-    from ddiloco.cli import certs, record, report, status, store, up  # imported here: rich and grpc only when needed
+    # Imported here: rich and grpc only when needed; certs imports cryptography (the certificates extra)
+    # only when it makes a certificate.
+    from ddiloco.cli import certs, record, report, status, store, up
     from ddiloco.dashboard import cli as dashboard
 
     parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo as gRPC services.")

@@ -119,10 +119,9 @@ def load_run(run_dir: pathlib.Path) -> tuple[list[dict], dict | None]:
 
 def make_plots(run_dir: pathlib.Path, out_dir: pathlib.Path | None = None) -> list[pathlib.Path]:
     """Writes the PNG plots (and an index.md) and returns their paths."""
-    import matplotlib
+    from ddiloco import extras
 
-    matplotlib.use("Agg")  # files only; no display on servers
-    import matplotlib.pyplot as plt
+    plt = extras.pyplot()  # the plots extra, Agg backend
 
     records, final = load_run(run_dir)
     if not records:

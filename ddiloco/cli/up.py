@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 
+from ddiloco.cli import service_names
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.cli import render
 from ddiloco.cli import report as report_lib
@@ -159,7 +160,7 @@ def _state(stub, timeout_s: float = 5.0) -> syncer_pb2.TrainingState | None:
 
 def _final_eval(cluster: cluster_lib.LocalCluster, args, data_flags: list[str]) -> float | None:
     """Evaluates the final global parameters once (a separate evaluator process, bounded)."""
-    cmd = [sys.executable, "-m", "services.learner.evaluator", "--once", "--syncer",
+    cmd = [sys.executable, "-m", service_names.module("services.learner.evaluator"), "--once", "--syncer",
            cluster.services["syncer"].address, "--num-shards", str(args.learners), "--log-level", "WARNING",
            *data_flags, *cluster.tls_args("evaluator")]
     try:

@@ -14,9 +14,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
-import aetcd
-from aetcd import exceptions as aetcd_errors
+from ddiloco import extras
+
+if TYPE_CHECKING:  # annotations only; imported for real by _aetcd()
+    import aetcd
 
 _LOG = logging.getLogger("ddiloco.coord")
 
@@ -49,6 +52,13 @@ class TxnResult:
     read: KeyValue | None
 
 
+def _aetcd():
+    """(aetcd, aetcd.exceptions), imported on first use: etcd is optional (the `etcd` extra), and a
+    syncer without --coord-etcd never needs it."""
+    aetcd = extras.require("aetcd", "etcd")
+    return aetcd, extras.require("aetcd.exceptions", "etcd")
+
+
 def parse_endpoints(text: str) -> list[str]:
     """`host:port[,host:port...]` -> the list; ValueError with the offending entry."""
     endpoints = [e.strip() for e in text.split(",") if e.strip()]
@@ -69,6 +79,7 @@ class Etcd:
             raise ValueError("at least one etcd endpoint is needed")
         if call_timeout_s <= 0:
             raise ValueError(f"call_timeout_s must be > 0, got {call_timeout_s}")
+        self._aetcd, self._errors = _aetcd()  # here, so a syncer without the extra fails at start
         self.endpoints = list(endpoints)
         self.call_timeout_s = call_timeout_s
         self._clients: dict[str, aetcd.Client] = {}
@@ -78,7 +89,7 @@ class Etcd:
         client = self._clients.get(endpoint)
         if client is None:
             host, _, port = endpoint.rpartition(":")
-            client = aetcd.Client(host=host.strip("[]"), port=int(port), timeout=self.call_timeout_s,
+            client = self._aetcd.Client(host=host.strip("[]"), port=int(port), timeout=self.call_timeout_s,
                                   connect_wait_timeout=max(1, int(self.call_timeout_s)))
             self._clients[endpoint] = client
         return client
@@ -93,11 +104,11 @@ class Etcd:
             endpoint = self.endpoints[index]
             try:
                 result = await asyncio.wait_for(fn(self._client(endpoint)), bound_s)
-            except (asyncio.TimeoutError, aetcd_errors.ConnectionFailedError,
-                    aetcd_errors.ConnectionTimeoutError, aetcd_errors.InternalError) as exc:
+            except (asyncio.TimeoutError, self._errors.ConnectionFailedError,
+                    self._errors.ConnectionTimeoutError, self._errors.InternalError) as exc:
                 failures.append(f"{endpoint}: {type(exc).__name__}")
                 continue
-            except aetcd_errors.ClientError as exc:  # etcd's answer: another endpoint would say the same
+            except self._errors.ClientError as exc:  # etcd's answer: another endpoint would say the same
                 raise EtcdError(f"etcd {what}: {exc}") from exc
             self._preferred = index
             return result

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ddiloco import extras
 from ddiloco.rpc import errors
 from ddiloco.rpc.identity import Identity
 
@@ -192,8 +193,9 @@ def parse_deny_list(text: str) -> tuple[frozenset[int], frozenset[Identity]]:
 
 @functools.lru_cache(maxsize=1024)
 def _serial_of_pem(pem: bytes) -> int | None:
-    # Imported here: only servers with a deny list parse peer certificates.
-    from cryptography import x509
+    # Imported here: only servers with a deny list parse peer certificates (DenyList checks at start
+    # that the certificates extra is there).
+    x509 = extras.require("cryptography.x509", "certificates")
 
     try:
         return x509.load_pem_x509_certificate(pem).serial_number
@@ -220,6 +222,7 @@ class DenyList(_WatchedFile):
     what = "deny list"
 
     def __init__(self, path: str, *, reload_interval_s: float = 1.0) -> None:
+        extras.require("cryptography.x509", "certificates")  # a server with a deny list fails at start without it
         self._serials: frozenset[int] = frozenset()
         self._identities: frozenset[Identity] = frozenset()
         super().__init__(path, reload_interval_s=reload_interval_s)

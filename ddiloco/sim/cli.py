@@ -243,10 +243,9 @@ def _markdown(cells: list[model.Cell], whole: list[model.Cell], ours: list[model
 
 def _plot(path: pathlib.Path, cells: list[model.Cell], ours: list[model.OursCell],
           ours_cfg: model.OursConfig, chip_mtbi_s: float) -> None:
-    import matplotlib
+    from ddiloco import extras
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = extras.pyplot()  # the plots extra, Agg backend
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     for i, (row, cs) in enumerate(_by_row(cells).items()):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddiloco._jit import njit
+from ddiloco._jit import COMPILED, njit
 
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 
@@ -133,3 +133,9 @@ def warm_up() -> None:
     scales_from_absmax(inv, one, one, one, np.empty(2, np.float32), np.empty(2, np.float32))
     quantize_int4(values, inv, 2, np.empty(2, np.uint8))
     quantize_int8(values, inv, 2, np.empty(4, np.int8))
+
+
+if not COMPILED:  # no numba (its extra is not installed): the same kernels in numpy, byte for byte
+    from ddiloco.wire._kernels_numpy import (  # noqa: F401, F811 (re-exported in place of the loops above)
+        block_absmax, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, scales_from_absmax, warm_up,
+    )

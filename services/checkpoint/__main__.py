@@ -19,10 +19,10 @@ from ddiloco.rpc import interceptors as rpc_interceptors
 from ddiloco.rpc import security as security_lib
 from ddiloco.rpc import server as server_lib
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc
-from services.checkpoint import config as config_lib
-from services.checkpoint import servicer as servicer_lib
-from services.checkpoint import metrics as store_metrics
-from services.checkpoint import store as store_lib
+from . import config as config_lib
+from . import servicer as servicer_lib
+from . import metrics as store_metrics
+from . import store as store_lib
 
 SERVICE_NAME = checkpoint_pb2.DESCRIPTOR.services_by_name["CheckpointStore"].full_name
 _LOG = logging.getLogger("services.checkpoint")

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from ddiloco import flags
 from ddiloco.rpc import security
 from ddiloco.rpc import server as server_lib
-from services.checkpoint import store as store_lib
+from . import store as store_lib
 
 # Every option `--foo-bar` can also be set as DDILOCO_CHECKPOINT_FOO_BAR, so compose files and
 # Kubernetes manifests configure the service without editing its command.

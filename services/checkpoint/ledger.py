@@ -35,8 +35,8 @@ import threading
 from collections.abc import Callable, Iterable
 
 from ddiloco.rpc import errors
-from services.checkpoint import blob_io
-from services.checkpoint import store as store_lib
+from . import blob_io
+from . import store as store_lib
 
 _LOG = logging.getLogger(__name__)
 

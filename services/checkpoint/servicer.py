@@ -17,8 +17,8 @@ import grpc
 
 from ddiloco.rpc import errors
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc
-from services.checkpoint import ledger as ledger_lib
-from services.checkpoint import store as store_lib
+from . import ledger as ledger_lib
+from . import store as store_lib
 
 _LOG = logging.getLogger(__name__)
 _P = "[CheckpointStore.{}]"

@@ -52,16 +52,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from ddiloco.rpc import errors
-from services.checkpoint.blob_io import (  # noqa: F401 (BlobReader, BlobWriter: re-exported)
+from .blob_io import (  # noqa: F401 (BlobReader, BlobWriter: re-exported)
     DEFAULT_CHUNK_BYTES,
     BlobReader,
     BlobWriter,
 )
-from services.checkpoint.blob_io import disk_full_as_resource_exhausted as _disk_full_as_resource_exhausted
-from services.checkpoint.blob_io import ensure_dir as _ensure_dir
-from services.checkpoint.blob_io import fsync_dir as _fsync_dir
-from services.checkpoint.blob_io import tmp_path as _tmp_path
-from services.checkpoint.blob_io import unlink_quietly as _unlink_quietly
+from .blob_io import disk_full_as_resource_exhausted as _disk_full_as_resource_exhausted
+from .blob_io import ensure_dir as _ensure_dir
+from .blob_io import fsync_dir as _fsync_dir
+from .blob_io import tmp_path as _tmp_path
+from .blob_io import unlink_quietly as _unlink_quietly
 
 _LOG = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from ddiloco.learner import snapshot as snapshot_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.learner import config as config_lib
-from services.learner import distributed as distributed_lib
-from services.learner import metrics as learner_metrics
-from services.learner import train as train_lib
+from . import config as config_lib
+from . import distributed as distributed_lib
+from . import metrics as learner_metrics
+from . import train as train_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
 

@@ -45,7 +45,7 @@ from jax.experimental import multihost_utils
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 from ddiloco.learner import client as client_lib
-from services.learner import train as train_lib
+from . import train as train_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
 

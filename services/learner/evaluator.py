@@ -27,8 +27,8 @@ from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
-from services.learner import config as config_lib
-from services.learner import train as train_lib
+from . import config as config_lib
+from . import train as train_lib
 
 _LOG = logging.getLogger("ddiloco.evaluator")
 

@@ -35,15 +35,15 @@ from ddiloco.rpc import security as security_lib
 from ddiloco.rpc import server as server_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import codec as codec_lib
-from services.syncer import checkpointing
-from services.syncer import config as config_lib
-from services.syncer import core as core_lib
-from services.syncer import history as history_lib
-from services.syncer import influence as influence_lib
-from services.syncer import leadership as leadership_lib
-from services.syncer import ledger_sink as ledger_sink_lib
-from services.syncer import metrics as syncer_metrics
-from services.syncer import servicer as servicer_lib
+from . import checkpointing
+from . import config as config_lib
+from . import core as core_lib
+from . import history as history_lib
+from . import influence as influence_lib
+from . import leadership as leadership_lib
+from . import ledger_sink as ledger_sink_lib
+from . import metrics as syncer_metrics
+from . import servicer as servicer_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
 

@@ -31,9 +31,9 @@ from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from ddiloco.wire import stream as stream_lib
-from services.syncer import influence as influence_lib
-from services.syncer import membership as membership_lib
-from services.syncer import slots as slots_lib
+from . import influence as influence_lib
+from . import membership as membership_lib
+from . import slots as slots_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
 

@@ -22,7 +22,7 @@ from safetensors import numpy as st_numpy
 from ddiloco import run_description as run_description_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import syncer_pb2
-from services.syncer import state as state_lib
+from . import state as state_lib
 
 FORMAT_VERSION = "1"
 # The syncer's own hyperparameters recorded with the run (learners' inner ones are theirs); an

@@ -37,13 +37,13 @@ from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.syncer import admission as admission_lib
-from services.syncer import influence as influence_lib
-from services.syncer import membership as membership_lib
-from services.syncer import merging as merging_lib
-from services.syncer import publishing as publishing_lib
-from services.syncer import slots as slots_lib
-from services.syncer import state as state_lib
+from . import admission as admission_lib
+from . import influence as influence_lib
+from . import membership as membership_lib
+from . import merging as merging_lib
+from . import publishing as publishing_lib
+from . import slots as slots_lib
+from . import state as state_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
 

@@ -29,11 +29,11 @@ from ddiloco.algo import reanchor as reanchor_lib
 from ddiloco.algo import rounds as rounds_lib
 from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2
-from services.syncer import influence as influence_lib
-from services.syncer import membership as membership_lib
-from services.syncer import publishing as publishing_lib
-from services.syncer import slots as slots_lib
-from services.syncer import state as state_lib
+from . import influence as influence_lib
+from . import membership as membership_lib
+from . import publishing as publishing_lib
+from . import slots as slots_lib
+from . import state as state_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
 # The least time without a step of any expected learner that counts as a stalled schedule: several

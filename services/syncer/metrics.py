@@ -23,7 +23,7 @@ from ddiloco import training_state as status_derived
 from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
-from services.syncer import core as core_lib
+from . import core as core_lib
 
 # Upload results exported at 0 before their first occurrence (a series that appears only with its
 # first increment is invisible to rate() until then): the common outcomes and every refusal that

@@ -15,7 +15,7 @@ import numpy as np
 
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.syncer import slots as slots_lib
+from . import slots as slots_lib
 
 
 class Publisher:

@@ -32,8 +32,8 @@ from ddiloco.rpc import errors
 from ddiloco.rpc import security
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
-from services.syncer import backpressure
-from services.syncer import core as core_lib
+from . import backpressure
+from . import core as core_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
 _DEADLINE_MARGIN_S = 2.0  # left of an upload's deadline for the fold-in and the response

@@ -20,8 +20,8 @@ import numpy as np
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
-from services.syncer import membership as membership_lib
-from services.syncer import slots as slots_lib
+from . import membership as membership_lib
+from . import slots as slots_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,8 @@ CHECK = textwrap.dedent(f"""
     RANK = {RANK!r}
 
     def layer(module):
-        if module == "services" or module.startswith("services."):
+        # ddiloco.services: the name the wheel gives the services/ folder (setup.py).
+        if module.split(".")[0] == "services" or module == "ddiloco.services" or module.startswith("ddiloco.services."):
             return "services"
         if any(module == t or module.startswith(t + ".") for t in TOOLS):
             return "tools"
