@@ -35,6 +35,7 @@ import pathlib
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import safetensors
 import safetensors.numpy
@@ -131,8 +132,14 @@ def opt_state_from_host(template, leaves: dict[str, np.ndarray]):
         if tuple(value.shape) != tuple(np.shape(like)) or value.dtype != np.asarray(like).dtype:
             raise SnapshotMismatch(f"optimizer leaf {name}: saved {value.dtype}{list(value.shape)}, "
                                    f"expected {np.asarray(like).dtype}{list(np.shape(like))}")
-        sharding = getattr(like, "sharding", None)
-        out.append(jax.device_put(value, sharding) if sharding is not None else value)
+        # Placed as the template's leaf is, committed to its devices or not: a committed state with
+        # one device made the jitted step's outputs committed, and each fragment folded in (an
+        # uncommitted array, as TrainStep.place makes without a mesh) then a new argument pattern:
+        # a recompilation at nearly every step of a resumed learner (2.9 s per step under load).
+        if getattr(like, "committed", False):
+            out.append(jax.device_put(value, like.sharding))
+        else:
+            out.append(jnp.asarray(value) if isinstance(like, jax.Array) else value)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

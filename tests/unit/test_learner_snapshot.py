@@ -222,6 +222,21 @@ def _snapshot_with_progress():
     return loop, plan, _snapshot(loop)
 
 
+def test_a_restored_optimizer_state_is_placed_like_a_fresh_one_so_the_step_is_not_recompiled():
+    import jax
+    import jax.numpy as jnp
+
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    template = jax.jit(_OPT.init)(params)  # what TrainStep.init_opt_state returns without a mesh
+    leaves = snapshot_lib.opt_state_to_host(template)
+    restored = snapshot_lib.opt_state_from_host(template, leaves)
+    committed = [(x.committed, x.sharding) for x in jax.tree_util.tree_leaves(restored)]
+    # Committed leaves (the old device_put) made every step after a fragment arrived recompile.
+    assert committed == [(x.committed, x.sharding) for x in jax.tree_util.tree_leaves(template)]
+    pinned = jax.tree_util.tree_map(lambda x: jax.device_put(x, x.sharding), template)  # a mesh's placement
+    assert all(x.committed for x in jax.tree_util.tree_leaves(snapshot_lib.opt_state_from_host(pinned, leaves)))
+
+
 def test_resume_rebases_unmerged_progress_onto_the_current_global_fragment():
     loop, plan, snap = _snapshot_with_progress()
     progress = {fid: _progress(loop, fid) for fid in (0, 1)}
