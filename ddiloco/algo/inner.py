@@ -161,8 +161,10 @@ def continue_schedule(opt_state, cfg: InnerOptConfig, start_step: int | None):
 
     def like(old: jax.Array, value) -> jax.Array:
         new = jnp.asarray(value, old.dtype)
-        sharding = getattr(old, "sharding", None)
-        return jax.device_put(new, sharding) if sharding is not None else new
+        # Committed only where the old leaf was (a unit's mesh): jit annotates committed inputs in
+        # the program it lowers, so a leaf committed here and not in another life would change the
+        # compilation-cache key.
+        return jax.device_put(new, old.sharding) if getattr(old, "committed", False) else new
 
     def update(node):
         if not _is_schedule(node):
