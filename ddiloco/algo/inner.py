@@ -1,6 +1,7 @@
 """The inner optimizer: AdamW with global-norm clipping, a linear warmup and a cosine decay.
 
-Owns ``InnerOptConfig`` and ``make_inner_optimizer``. Learners run it on their own parameters
+Owns ``InnerOptConfig``, ``make_inner_optimizer`` and its LR schedule (``InnerScheduleState``,
+``continue_schedule``). Learners run it on their own parameters
 (inner steps); the syncer runs the very same transformation in the data-parallel baseline
 (`--sync-mode dp`), where learners send gradients and the syncer takes the optimizer step, so
 the baseline differs from Decoupled DiLoCo only in where and how often the optimizer runs.
@@ -10,6 +11,7 @@ Must not: hold state or do I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,36 +75,127 @@ def decay_mask(params: Params) -> dict[str, bool]:
     return {name: p.ndim >= 2 for name, p in params.items()}
 
 
-def lr_schedule(cfg: InnerOptConfig) -> optax.Schedule:
-    """The inner LR at step ``s`` (0-based): a linear ramp ``peak * (s + 1) / (warmup_steps + 1)``
-    (the first step already moves, so no batch is wasted; the peak is reached at step
-    ``warmup_steps``), then the peak, or with ``decay_steps`` a cosine from the peak down to
-    ``final_lr_fraction * peak`` at step ``decay_steps``, constant after."""
-    def warmup(step: jax.Array) -> jax.Array:
-        return cfg.learning_rate * jnp.minimum(1.0, (step + 1) / (cfg.warmup_steps + 1))
+class InnerScheduleState(NamedTuple):
+    """The inner LR schedule's position and constants, kept as arrays in the optimizer state.
 
-    if not cfg.decay_steps:
-        return warmup
-    decay = optax.cosine_decay_schedule(cfg.learning_rate, cfg.decay_steps - cfg.warmup_steps,
-                                        alpha=cfg.final_lr_fraction)
-    return optax.join_schedules([warmup, decay], boundaries=[cfg.warmup_steps])
+    The jitted step reads the constants as inputs rather than baking them into the program: the
+    lives of one learner (another --steps, hence another decay horizon, and another start step)
+    then run the same compiled step, which a restart loads from the compilation cache instead of
+    compiling again (a restarted learner's first step took ~6 s under load while the schedule's
+    horizon was a compile-time constant, and its first contributions came too late to merge).
+    """
+
+    count: jax.Array  # int32: inner steps taken on this schedule, by every life of the learner
+    peak_lr: jax.Array  # float32, as the rest
+    warmup_steps: jax.Array
+    decay_steps: jax.Array  # 0: no decay
+    final_lr_fraction: jax.Array
+
+
+def schedule_value(step, peak_lr, warmup_steps, decay_steps, final_lr_fraction) -> jax.Array:
+    """The inner LR at step ``step`` (0-based), for Python numbers or (traced) arrays alike: a linear
+    ramp ``peak * (s + 1) / (warmup_steps + 1)`` (the first step already moves, so no batch is
+    wasted; the peak is reached at step ``warmup_steps``), then the peak, or with ``decay_steps`` a
+    cosine from the peak down to ``final_lr_fraction * peak`` at step ``decay_steps``, constant
+    after."""
+    step = jnp.asarray(step, jnp.float32)
+    ramp = peak_lr * jnp.minimum(1.0, (step + 1.0) / (warmup_steps + 1.0))
+    # jnp.maximum keeps the unused branch finite when there is no decay (decay_steps 0).
+    progress = jnp.clip((step - warmup_steps) / jnp.maximum(decay_steps - warmup_steps, 1.0), 0.0, 1.0)
+    cosine = peak_lr * ((1.0 - final_lr_fraction) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress)) + final_lr_fraction)
+    return jnp.where((decay_steps > 0) & (step >= warmup_steps), cosine, ramp)
+
+
+def lr_schedule(cfg: InnerOptConfig) -> optax.Schedule:
+    """``schedule_value`` with ``cfg``'s constants, as an optax schedule (for models that build
+    their own inner optimizer; the constants are then compiled into their step)."""
+    return lambda step: schedule_value(step, cfg.learning_rate, float(cfg.warmup_steps), float(cfg.decay_steps),
+                                       cfg.final_lr_fraction)
+
+
+def scale_by_inner_schedule(cfg: InnerOptConfig) -> optax.GradientTransformation:
+    """Scales updates by ``-schedule_value`` at the state's count, with the constants taken from the
+    state (``InnerScheduleState``), initialised from ``cfg``; ``continue_schedule`` moves them."""
+
+    def init(params) -> InnerScheduleState:
+        del params
+        return _schedule_state(0, cfg)
+
+    def update(updates, state: InnerScheduleState, params=None):
+        del params
+        lr = schedule_value(state.count, state.peak_lr, state.warmup_steps, state.decay_steps, state.final_lr_fraction)
+        updates = jax.tree_util.tree_map(lambda g: (-lr).astype(g.dtype) * g, updates)
+        return updates, state._replace(count=optax.safe_int32_increment(state.count))
+
+    return optax.GradientTransformation(init, update)
+
+
+def _schedule_state(count: int, cfg: InnerOptConfig) -> InnerScheduleState:
+    def f32(value) -> jax.Array:
+        return jnp.asarray(value, jnp.float32)
+
+    return InnerScheduleState(count=jnp.asarray(count, jnp.int32), peak_lr=f32(cfg.learning_rate),
+                              warmup_steps=f32(cfg.warmup_steps), decay_steps=f32(cfg.decay_steps),
+                              final_lr_fraction=f32(cfg.final_lr_fraction))
+
+
+def _is_schedule(node) -> bool:
+    # optax's ScaleByScheduleState: the count of a model's own optimizer's schedule (Adam's
+    # ScaleByAdamState count is not one: its bias correction must restart with fresh moments).
+    return isinstance(node, (InnerScheduleState, optax.ScaleByScheduleState))
+
+
+def schedule_count(opt_state) -> int | None:
+    """The step count of the first LR schedule in ``opt_state``; None when it has none."""
+    nodes = [n for n in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_schedule) if _is_schedule(n)]
+    return int(nodes[0].count) if nodes else None
+
+
+def continue_schedule(opt_state, cfg: InnerOptConfig, start_step: int | None):
+    """``opt_state`` with every LR schedule's count set to ``start_step`` (None: kept, e.g. as
+    restored from a snapshot) and ``InnerScheduleState``'s constants set to ``cfg``'s.
+
+    A restarted learner's schedule thus goes on from the steps its earlier lives ran instead of
+    warming up again; Adam's moments and bias-correction count are left as they are (zero for a
+    fresh state). Each new leaf is placed like the one it replaces (a unit's mesh)."""
+
+    def like(old: jax.Array, value) -> jax.Array:
+        new = jnp.asarray(value, old.dtype)
+        # Committed only where the old leaf was (a unit's mesh): jit annotates committed inputs in
+        # the program it lowers, so a leaf committed here and not in another life would change the
+        # compilation-cache key.
+        return jax.device_put(new, old.sharding) if getattr(old, "committed", False) else new
+
+    def update(node):
+        if not _is_schedule(node):
+            return node
+        count = node.count if start_step is None else like(node.count, start_step)
+        if isinstance(node, optax.ScaleByScheduleState):
+            return node._replace(count=count)
+        fresh = _schedule_state(0, cfg)
+        return InnerScheduleState(count, *(like(o, f) for o, f in zip(node[1:], fresh[1:])))
+
+    return jax.tree_util.tree_map(update, opt_state, is_leaf=_is_schedule)
 
 
 def make_inner_optimizer(cfg: InnerOptConfig) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping and the LR of ``lr_schedule``.
+    """AdamW with global-norm clipping and the LR of ``schedule_value``.
 
     Without ``decay_steps`` the LR stays constant after the warmup: a learner in Decoupled DiLoCo
     that runs open-ended (it joins, leaves and rejoins under a fleet token budget, or until
-    SIGTERM) has no total step count to decay against. A restarted learner starts a new schedule
-    (its Adam moments start from zero too, so the re-warmup is what a fresh optimizer needs).
+    SIGTERM) has no total step count to decay against. A restarted learner's schedule goes on from
+    its earlier lives' steps (``continue_schedule``); its Adam moments start from zero.
 
     Args:
         cfg: hyperparameters.
 
     Returns:
-        The optax transformation; its state counts steps for the schedule.
+        The optax transformation (optax.adamw's parts, with the LR schedule's constants in its
+        state: ``InnerScheduleState``).
     """
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip_norm),
-        optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2),
+        optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+        scale_by_inner_schedule(cfg),
     )

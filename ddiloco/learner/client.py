@@ -165,6 +165,9 @@ class SyncClient(uploads_lib.Uploader):
         self.budget_reached = False  # the syncer said the run's token budget is spent
         # The data shard this life trains (ClientConfig.data_shard), known after the first join.
         self.data_shard = cfg.data_shard if cfg.num_data_shards else -1
+        # Inner steps this learner id's earlier lives ran (JoinResponse.schedule_start_step), from
+        # the first join: where this life's LR schedule starts.
+        self.schedule_start_step = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sync-client", daemon=True)
         self._upload_wakeup: asyncio.Event | None = None
@@ -408,6 +411,8 @@ class SyncClient(uploads_lib.Uploader):
             if request.assign_data_shard:  # the first join: the data it trains for this whole life
                 self.data_shard = (response.data_shard if response.data_shard_assigned
                                    else self.cfg.fallback_data_shard)
+            if not self._joined.is_set():  # re-joins (a restarted syncer) do not move the schedule
+                self.schedule_start_step = response.schedule_start_step
         if self.cfg.initial_values is not None and not self._seed_checked:
             self._seed_checked = True  # once per life: a model-sized copy is not kept for re-joins
             await self._seed_from_initial_values(response)

@@ -243,6 +243,7 @@ class JoinResponse(_message.Message):
     DATA_SHARD_ASSIGNED_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     UPLOAD_PIPELINE_BYTES_FIELD_NUMBER: _builtins.int
+    SCHEDULE_START_STEP_FIELD_NUMBER: _builtins.int
     syncer_instance: _builtins.str
     """Identifies this life of the syncer; versions are only meaningful within it."""
     upload_header_ack: _builtins.bool
@@ -267,6 +268,11 @@ class JoinResponse(_message.Message):
     the syncer reads them before it refuses a header, so the refusal's status still arrives while
     the learner waits for the acknowledgement. 0 (older syncers): wait before any chunk.
     """
+    schedule_start_step: _builtins.int
+    """Inner steps this learner id's earlier lives ran, as this syncer counted them (each life's last
+    reported local_step, kept across syncer restarts by the checkpoint): a new life starts its
+    inner LR schedule there instead of warming up again. 0 for a first life (and older syncers).
+    """
     @_builtins.property
     def config(self) -> Global___RunConfig: ...
     @_builtins.property
@@ -289,10 +295,11 @@ class JoinResponse(_message.Message):
         data_shard_assigned: _builtins.bool = ...,
         epoch: _builtins.int = ...,
         upload_pipeline_bytes: _builtins.int = ...,
+        schedule_start_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "epoch", b"epoch", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack", "upload_pipeline_bytes", b"upload_pipeline_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "epoch", b"epoch", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "schedule_start_step", b"schedule_start_step", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack", "upload_pipeline_bytes", b"upload_pipeline_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,6 +27,7 @@ from ddiloco import liveness as liveness_lib
 from ddiloco import logs, models
 from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import inner as inner_lib
 from ddiloco.data import corpus
 from ddiloco.data import sources as data_sources
 from ddiloco.learner import client as client_lib
@@ -132,7 +133,8 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
     sampler = corpus.BatchSampler(split.shards[shard], cfg.batch_size, model.seq_len,
                                   seed=int(np.random.SeedSequence([cfg.seed, shard, incarnation]).generate_state(1)[0]))
     # A model may choose its own inner optimizer, any optax chain (ddiloco.models, docs/models.md).
-    inner = cfg.inner_optimizer()
+    # The LR schedule goes on from the steps the syncer counted for this learner's earlier lives.
+    inner = cfg.inner_optimizer(schedule_offset=client.schedule_start_step)
     optimizer = (model.inner_optimizer(inner) if hasattr(model, "inner_optimizer")
                  else train_lib.make_inner_optimizer(inner))
     # Start from zeros of the right shapes; the global fragments overwrite every tensor before
@@ -151,6 +153,7 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
     )
     collector.loop = loop
     snapshots = _resume(cfg, loop, run_config, sampler, shard, sync_mode)  # None: --state-dir off
+    schedule_step = _continue_schedule(cfg, loop, client.schedule_start_step)
     loop.apply_updates()
     _LOG.info(
         f"learner {cfg.learner_id} training",
@@ -158,7 +161,7 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
                           "fragments": plan.num_fragments, "H": plan.sync_period_steps,
                           "inner_optimizer": "model" if hasattr(model, "inner_optimizer") else "adamw",
                           "version": build_info.version(), "commit": build_info.commit(),
-                          "resumed_from_step": loop.stats.resumed_from_step,
+                          "resumed_from_step": loop.stats.resumed_from_step, "schedule_step": schedule_step,
                           **unit.describe()}},
     )
     started = time.monotonic()
@@ -251,6 +254,21 @@ def _resume(cfg: config_lib.LearnerConfig, loop: loop_lib.LearnerLoop, run_confi
                 **resumed, "age_s": round(time.time() - snap.written_at_unix_s, 1), "path": str(store.path)}})
     loop.set_before_upload(store.note_sent)
     return snapshots
+
+
+def _continue_schedule(cfg: config_lib.LearnerConfig, loop: loop_lib.LearnerLoop, start_step: int) -> int | None:
+    """Sets the inner LR schedule's step where the learner's earlier lives left it: a resumed
+    snapshot's restored count, else ``start_step`` (the syncer's count of those lives' steps; Adam's
+    fresh moments keep their bias-correction count 0), with the decay ending where this life's
+    --steps end. Returns the schedule's step (None: the optimizer has no schedule state)."""
+    resumed = loop.stats.resumed_from_step > 0
+    count = inner_lib.schedule_count(loop.opt_state) if resumed else start_step
+    if count is None:
+        return None
+    offset = max(count - loop.stats.steps, 0)  # the schedule's step when this life's counter was 0
+    loop.opt_state = inner_lib.continue_schedule(loop.opt_state, cfg.inner_optimizer(schedule_offset=offset),
+                                                 None if resumed else count)
+    return count
 
 
 def _upload_encoder(cfg: config_lib.LearnerConfig):

@@ -120,11 +120,17 @@ class LearnerConfig:
                                      token_dtype=self.token_dtype, max_bytes=self.max_corpus_bytes,
                                      heldout_fraction=self.heldout_fraction, num_shards=self.num_shards)
 
-    def inner_optimizer(self) -> InnerOptConfig:
-        """The inner AdamW's hyperparameters, with the LR decay resolved against --steps."""
+    def inner_optimizer(self, schedule_offset: int = 0) -> InnerOptConfig:
+        """The inner AdamW's hyperparameters, with the LR decay resolved against --steps.
+
+        ``schedule_offset``: the LR schedule's step when this life's step counter is 0 (the steps
+        the learner's earlier lives ran, JoinResponse.schedule_start_step): the decay then ends
+        where this life's --steps end, and every life of a restarted learner sees the same
+        schedule (one that ran all its --steps in one life decays over them as before)."""
         decay_steps = self.lr_decay_steps
         if decay_steps == -1:  # over --steps; a run no longer than its warmup has nothing to decay
-            decay_steps = self.steps if self.steps > self.warmup_steps else 0
+            horizon = schedule_offset + self.steps
+            decay_steps = horizon if self.steps and horizon > self.warmup_steps else 0
         return InnerOptConfig(learning_rate=self.learning_rate, warmup_steps=self.warmup_steps,
                               weight_decay=self.weight_decay, decay_steps=decay_steps,
                               final_lr_fraction=self.lr_final_fraction)

@@ -258,6 +258,7 @@ class UnitClient:
         self._numels: list[int] = []
         self.run_config: syncer_pb2.RunConfig | None = None
         self.data_shard = -1  # the leader's, after start()
+        self.schedule_start_step = 0  # the leader's, after start()
         self.stop_agreed = False
         self.fenced: client_lib.FencedError | None = None
         self.exchanges = 0
@@ -298,6 +299,8 @@ class UnitClient:
             raise error or RuntimeError("process 0 of this learner unit failed to join the syncer")
         self.run_config = syncer_pb2.RunConfig.FromString(self._unit.agree_bytes(payload))
         self.data_shard = self._unit.agree_int(self._client.data_shard if self._client is not None else 0)
+        self.schedule_start_step = self._unit.agree_int(
+            self._client.schedule_start_step if self._client is not None else 0)
         plan = serde.plan_from_proto(self.run_config.fragments, self.run_config.sync_period_steps)
         self._numels = [f.numel for f in plan.fragments]
         return self.run_config

@@ -257,6 +257,7 @@ class SyncerCore:
             published_sha256={s.fragment.fragment_id: s.published_sha256 for s in self.slots},
             data_shard=max(member.data_shard, 0),
             data_shard_assigned=member.data_shard_assigned and req.assign_data_shard,
+            schedule_start_step=member.steps_prev_lives,
         )
 
     def require_member(self, learner_id: str, incarnation: int) -> membership_lib.Member:

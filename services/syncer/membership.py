@@ -96,6 +96,9 @@ class Member:
     # clock() of this life's join or of its last report with a higher local step (schedule_stalled).
     progressed_at_s: float = -math.inf
     tokens_prev_lives: int = 0  # tokens processed by this learner's earlier incarnations
+    # Inner steps of its earlier incarnations (each one's last reported local_step): a new life
+    # continues its LR schedule from there (JoinResponse.schedule_start_step).
+    steps_prev_lives: int = 0
     # fragment -> (version, highest merged local_step mark of this life) per merge that held one.
     merged_marks: dict = dataclasses.field(default_factory=dict)
     # fragment -> tokens of this life's merged contributions. Each carries the progress since the
@@ -138,6 +141,7 @@ class Member:
         self.quarantined_until_unix_s = previous.quarantined_until_unix_s
         self.direction_sum, self.direction_count = previous.direction_sum, previous.direction_count
         self.tokens_prev_lives = previous.tokens_prev_lives + previous.tokens_this_life()
+        self.steps_prev_lives = previous.steps_prev_lives + previous.local_step
 
 
 class Membership:

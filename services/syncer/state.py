@@ -59,7 +59,7 @@ class FragmentSnapshot:
 
 @dataclasses.dataclass(frozen=True)
 class MemberSnapshot:
-    """What a restart keeps of a learner: fencing, the security record, tokens and its data shard."""
+    """What a restart keeps of a learner: fencing, the security record, tokens, steps and its data shard."""
 
     learner_id: str
     incarnation: int
@@ -69,6 +69,8 @@ class MemberSnapshot:
     rejections: dict[str, int] = dataclasses.field(default_factory=dict)
     tokens_total: int = 0  # this life's
     tokens_prev_lives: int = 0
+    steps_total: int = 0  # this life's last reported local_step
+    steps_prev_lives: int = 0
     num_data_shards: int = 0
     data_shard: int = -1
     data_shard_assigned: bool = False
@@ -84,7 +86,8 @@ class MemberSnapshot:
         remaining_s = m.quarantined_until_s - now_s
         return cls(learner_id=m.learner_id, incarnation=m.incarnation, region=m.region, joins=m.joins,
                    flags=m.flags, rejections=dict(m.rejections), tokens_total=m.tokens_this_life(),
-                   tokens_prev_lives=m.tokens_prev_lives, num_data_shards=m.num_data_shards,
+                   tokens_prev_lives=m.tokens_prev_lives, steps_total=m.local_step,
+                   steps_prev_lives=m.steps_prev_lives, num_data_shards=m.num_data_shards,
                    data_shard=m.data_shard, data_shard_assigned=m.data_shard_assigned,
                    quarantine_remaining_s=remaining_s if 0 < remaining_s < math.inf else 0.0,
                    ended=m.finished or m.left)
@@ -101,6 +104,7 @@ class MemberSnapshot:
                    joins=int(m.get("joins", 1)), flags=int(m.get("flags", 0)),
                    rejections=dict(m.get("rejections", {})), tokens_total=int(m.get("tokens_total", 0)),
                    tokens_prev_lives=int(m.get("tokens_prev_lives", 0)),
+                   steps_total=int(m.get("steps_total", 0)), steps_prev_lives=int(m.get("steps_prev_lives", 0)),
                    num_data_shards=int(m.get("num_data_shards", 0)), data_shard=int(m.get("data_shard", -1)),
                    data_shard_assigned=bool(m.get("data_shard_assigned", False)),
                    quarantine_remaining_s=float(m.get("quarantine_remaining_s", 0.0)),
@@ -113,7 +117,8 @@ class MemberSnapshot:
             learner_id=self.learner_id, incarnation=self.incarnation, region=self.region, tokens_per_step=0,
             last_seen_s=-math.inf, last_seen_unix_s=0.0, joins=self.joins, flags=self.flags,
             rejections=collections.Counter(self.rejections), tokens_total=self.tokens_total,
-            tokens_prev_lives=self.tokens_prev_lives,
+            tokens_prev_lives=self.tokens_prev_lives, local_step=self.steps_total,
+            steps_prev_lives=self.steps_prev_lives,
             # A returning learner id is given its shard again (Membership._place_on_data_shard).
             num_data_shards=self.num_data_shards, data_shard=self.data_shard,
             data_shard_assigned=self.data_shard_assigned, finished=self.ended,
