@@ -34,6 +34,7 @@ from ddiloco.chaos import etcd as etcd_lib
 from ddiloco.chaos import invariants
 from ddiloco.chaos import schedule as schedule_lib
 from ddiloco.chaos.harness import Harness, InjectedFault, Result, _free_port, _HistoryTail, _Poller, _Proc, load_checkpoints
+from ddiloco.cli import cluster as cluster_lib
 
 SYNCERS = ("syncer-a", "syncer-b")
 STORES = ("store-a", "store-b")
@@ -42,7 +43,7 @@ _LEADER_WAIT_S = 60.0
 
 
 @dataclasses.dataclass
-class EtcdMember:
+class EtcdMember(cluster_lib.ProcessControl):
     """One member of the local etcd cluster, with the interface the harness uses for services
     (start / signal / wait / alive / stop / wait_ready). Its data directory survives restarts."""
 
@@ -58,10 +59,6 @@ class EtcdMember:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.client_port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -91,38 +88,6 @@ class EtcdMember:
                 return self.address
             time.sleep(0.1)
         raise RuntimeError(f"{self.name} not healthy within {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            self.proc.send_signal(sig)
-
-    def wait(self, timeout_s: float) -> int | None:
-        if self.proc is None:
-            return None
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        if not self.alive():
-            return self.proc.returncode if self.proc else None
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        code = self.wait(timeout_s)
-        if code is None:
-            self.signal(signal.SIGKILL)
-            code = self.wait(timeout_s)
-        return code
 
 
 class _HubPoller(_Poller):

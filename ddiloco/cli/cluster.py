@@ -30,8 +30,59 @@ class ServiceStartError(RuntimeError):
     """A service exited or did not announce itself in time; the message includes its log tail."""
 
 
+class ProcessControl:
+    """Signals, waits and log tails of one child process: `proc` and `log_path` are the subclass's.
+    Shared by the services here and the chaos harness's etcd members, which it starts and kills
+    the same way."""
+
+    proc: subprocess.Popen | None
+    name: str
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited within timeout_s. A stopped (SIGSTOPped)
+        process is continued first: it would not act on SIGTERM until then."""
+        if not self.alive():
+            return self.proc.returncode if self.proc else None
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        code = self.wait(timeout_s)
+        if code is None:
+            self.signal(signal.SIGKILL)
+            code = self.wait(timeout_s)
+        return code
+
+
 @dataclasses.dataclass
-class ServiceProcess:
+class ServiceProcess(ProcessControl):
     name: str
     module: str  # python -m <module>, named as in the repository (service_names.module maps it)
     args: list[str]
@@ -48,10 +99,6 @@ class ServiceProcess:
     @property
     def log_path(self) -> pathlib.Path:
         return self.workdir / "logs" / f"{self.name}.log"
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
 
     def start(self, extra_args: Sequence[str] = ()) -> None:
         """Starts the process (re-binding the previous port when restarting a server)."""
@@ -88,38 +135,6 @@ class ServiceProcess:
                 raise ServiceStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             time.sleep(0.05)
         raise ServiceStartError(f"{self.name} not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            os.kill(self.proc.pid, sig)
-
-    def wait(self, timeout_s: float) -> int | None:
-        if self.proc is None:
-            return None
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM, then SIGKILL if it has not exited within timeout_s."""
-        if not self.alive():
-            return self.proc.returncode if self.proc else None
-        self.signal(signal.SIGTERM)
-        code = self.wait(timeout_s)
-        if code is None:
-            self.signal(signal.SIGKILL)
-            code = self.wait(timeout_s)
-        return code
 
 
 class LocalCluster:
