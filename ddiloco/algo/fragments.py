@@ -270,6 +270,17 @@ def unflatten_fragment(flat: np.ndarray, fragment: Fragment) -> dict[str, np.nda
     }
 
 
+def state_sha256(arrays) -> str:
+    """sha256 (hex) of a sequence of arrays (an outer optimizer's state: the momentum buffer), each
+    as little-endian float32 bytes, in order. A merge's ledger record carries it: the parameters
+    alone can hide a changed merge, whose last bits round away when added to the parameters while
+    the momentum buffer keeps them (and shows them a few merges later)."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        digest.update(np.ascontiguousarray(array, dtype="<f4").tobytes())
+    return digest.hexdigest()
+
+
 def fragment_sha256(values: np.ndarray) -> str:
     """sha256 (hex) of a flat fragment's values as little-endian float32 bytes: how learners, the
     syncer and checkpoints tell whether they hold the same fragment values, whatever the dtype or

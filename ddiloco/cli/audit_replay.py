@@ -240,6 +240,11 @@ class Replay:
             raise Mismatch(f"{what}: replayed values hash to {digest[:16]}..., the ledger says "
                            f"{str(expected)[:16]}...; contributors {[c['learner'] for c in record.get('contributors', ())]}, "
                            f"inputs {record.get('merge_inputs')}")
+        expected_state = record.get("outer_state_sha256")
+        if expected_state and fragments_lib.state_sha256(opt_state) != expected_state:
+            raise Mismatch(f"{what}: the values match, but the outer optimizer state (momentum) hashes to "
+                           f"{fragments_lib.state_sha256(opt_state)[:16]}..., the ledger says {expected_state[:16]}... "
+                           f"(a changed merge whose difference rounded away in the values)")
         published = _published(record, frag.published, params)
         if published is not None and fragments_lib.fragment_sha256(published) != record.get("fragment_sha256"):
             raise Mismatch(f"{what}: the values match, but what learners were sent hashes to "

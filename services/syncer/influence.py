@@ -164,7 +164,7 @@ class Influence:
         self.clipped_claims[what] += 1
 
     def merged(self, rnd, record, merged_direction: np.ndarray | None, published_sha256: str,
-               params_sha256: str = "", *, outer_step: int | None = None) -> dict:
+               params_sha256: str = "", *, outer_step: int | None = None, outer_state_sha256: str = "") -> dict:
         """Accounts for one merge (call under the fragment's lock, after the outer step): shares,
         cosines with the merged update (`merged_direction`, from `merged_direction`); appends the
         ledger record. Returns the record."""
@@ -208,6 +208,8 @@ class Influence:
             "contributors": contributors, "refused": list(self._refusals.pop(record.fragment_id, ())),
         }
         blobs = self._accountability(rnd, out, params_sha256, outer_step)
+        if outer_state_sha256:  # replay compares it: see ddiloco.algo.fragments.state_sha256
+            out["outer_state_sha256"] = outer_state_sha256
         if self.ledger is not None:
             try:
                 self.ledger.append(out)

@@ -337,8 +337,10 @@ class Rounds:
             if self.influence is not None:
                 direction = await asyncio.to_thread(self.influence.merged_direction, slot.fragment.fragment_id,
                                                     slot.last_outer_grad[0])
+                state_sha256 = (await asyncio.to_thread(fragments_lib.state_sha256, slot.opt_state)
+                                if self.influence.audit_mode else "")
                 self.influence.merged(rnd, record, direction, slot.published_sha256, slot.params_sha256,
-                                      outer_step=self.outer_steps)
+                                      outer_step=self.outer_steps, outer_state_sha256=state_sha256)
             await self._publisher.encoded_payload(slot)
             if self.sync_time.value is None or not expected:
                 # Until a broadcast has been measured (broadcast_sent), merge and publish time.

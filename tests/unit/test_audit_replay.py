@@ -174,3 +174,24 @@ def test_a_changed_blob_names_its_merge(clock):
         assert "cannot be read intact" in outcome.mismatch
 
     asyncio.run(run())
+
+
+def test_a_changed_outer_state_hash_names_its_merge(clock):
+    """Each record carries the hash of the fragment's outer optimizer state after the merge, and
+    replay compares it: a merge whose difference rounds away in the parameters (its momentum
+    keeps it) is named at that merge, not a few merges later."""
+    async def run() -> None:
+        store, run_id = await _seeded_run(clock)
+        records = audit_lib.verify_lines([line.encode() for line in store.lines], from_genesis=True)
+        assert all(len(r["outer_state_sha256"]) == 64 for r in records)
+        target = records[3]
+
+        def other_state(record: dict) -> None:
+            record["outer_state_sha256"] = "0" * 64
+
+        store.rewrite(3, other_state)
+        _, outcome = await audit_replay.replay(store, run_id, 0)
+        assert f"fragment {target['fragment']} version {target['version']}" in outcome.mismatch, outcome
+        assert "outer optimizer state" in outcome.mismatch and outcome.replayed == 3
+
+    asyncio.run(run())
