@@ -131,8 +131,6 @@ SIZE_EXCEPTIONS = {
     "ddiloco/wire/codec.py::_deserialize": "as ddiloco/wire/codec.py",
     "services/syncer/__main__.py::serve": "being changed by another engineer this session; split after the merge",
     "services/syncer/metrics.py::_StateCollector.collect": "being changed by another engineer this session",
-    "ddiloco/sim/cli.py::_markdown": "not in this session's slices: the report text, split when next touched",
-    "ddiloco/sim/model.py::simulate_unit": "not in this session's slices: split when next touched",
     "services/learner/__main__.py::run": "not in this session's slices (the learner's start-up): split when next "
                                          "touched",
     "tests/docker/test_compose_monitoring.py::_scenario": "not in this session's slices: one compose scenario",
