@@ -129,8 +129,6 @@ SIZE_EXCEPTIONS = {
     "ddiloco/chaos/harness.py": "being changed by another engineer this session; split after the merge",
     "ddiloco/wire/codec.py": "being changed by another engineer this session; split after the merge",
     "ddiloco/wire/codec.py::_deserialize": "as ddiloco/wire/codec.py",
-    "services/syncer/__main__.py::serve": "being changed by another engineer this session; split after the merge",
-    "services/syncer/metrics.py::_StateCollector.collect": "being changed by another engineer this session",
     "services/learner/__main__.py::run": "not in this session's slices (the learner's start-up): split when next "
                                          "touched",
     "tests/docker/test_compose_monitoring.py::_scenario": "not in this session's slices: one compose scenario",
