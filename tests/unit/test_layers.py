@@ -129,10 +129,7 @@ SIZE_EXCEPTIONS = {
     "ddiloco/chaos/harness.py": "being changed by another engineer this session; split after the merge",
     "ddiloco/wire/codec.py": "being changed by another engineer this session; split after the merge",
     "ddiloco/wire/codec.py::_deserialize": "as ddiloco/wire/codec.py",
-    "tests/docker/test_compose_monitoring.py::_scenario": "not in this session's slices: one compose scenario",
     "tests/k8s/test_chart.py": "not in this session's slices: the chart's tests, split by topic when next touched",
-    "tests/security/test_auth.py::test_mutual_tls_identities_roles_and_handshake_failures":
-        "not in this session's slices (84 lines): one end-to-end mTLS scenario",
 }
 
 
