@@ -129,7 +129,6 @@ SIZE_EXCEPTIONS = {
     "ddiloco/chaos/harness.py": "being changed by another engineer this session; split after the merge",
     "ddiloco/wire/codec.py": "being changed by another engineer this session; split after the merge",
     "ddiloco/wire/codec.py::_deserialize": "as ddiloco/wire/codec.py",
-    "tests/k8s/test_chart.py": "not in this session's slices: the chart's tests, split by topic when next touched",
 }
 
 
