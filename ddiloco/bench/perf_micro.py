@@ -14,8 +14,14 @@ import pathlib
 from collections.abc import Callable
 
 import numpy as np
+import zstandard
 
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import merge as merge_lib
+from ddiloco.algo import robust as robust_lib
 from ddiloco.bench import perf_common as common
+from ddiloco.wire import codec as codec_lib
+
 
 def micro_worker(spec: dict) -> dict:
     """Codec and merge micro-benchmarks in this process (pinned to one core by the caller)."""
@@ -52,7 +58,6 @@ def _memcpy(values: np.ndarray) -> Callable[[], None]:
 def _micro_codec(values: np.ndarray, codec: str, repeats: int, min_time_s: float) -> dict:
     import jax
 
-    from ddiloco.wire import codec as codec_lib
     from ddiloco.wire import jax_codec
 
     numel, gbytes = values.size, values.nbytes / 1e9
@@ -73,10 +78,6 @@ def _micro_codec(values: np.ndarray, codec: str, repeats: int, min_time_s: float
 
 
 def _micro_zstd(values: np.ndarray, repeats: int, min_time_s: float, real: bool) -> dict:
-    import zstandard
-
-    from ddiloco.wire import codec as codec_lib
-
     gbytes = values.nbytes / 1e9
     out = {}
     for name, raw in (("int4", codec_lib._serialize(values, "int4", 128)), ("fp32", values.tobytes())):
@@ -104,11 +105,6 @@ def _micro_zstd(values: np.ndarray, repeats: int, min_time_s: float, real: bool)
 def _upload_path_stages(values: np.ndarray) -> dict[str, Callable[[], object]]:
     """The syncer's per-upload work on one int4 contribution of `values`, stage by stage, as
     `SyncerCore._accept_upload` runs it (callables to time; `memcpy` of the values for scale)."""
-    from ddiloco.algo import fragments as fragments_lib
-    from ddiloco.algo import merge as merge_lib
-    from ddiloco.algo import robust as robust_lib
-    from ddiloco.wire import codec as codec_lib
-
     numel = values.size
     sizes = [numel // 4, numel // 4, numel // 4, numel - 3 * (numel // 4)]
     fragment = fragments_lib.Fragment(
@@ -161,8 +157,6 @@ def upload_work_s(values: np.ndarray, repeats: int) -> float:
 
 
 def _micro_merge(values: np.ndarray, repeats: int, min_time_s: float) -> dict:
-    from ddiloco.algo import fragments as fragments_lib
-    from ddiloco.algo import merge as merge_lib
     from ddiloco.algo import outer as outer_lib
 
     numel, gbytes = values.size, values.nbytes / 1e9

@@ -18,6 +18,7 @@ TARGETS = {
 
 def figure(name: str, value: float, unit: str, limit: float, limit_name: str, target: float | None = None,
            higher_is_better: bool = True, **extra) -> dict:
+    """One headline row: `value` as a ratio of `limit`, marked against `target` if given."""
     ratio = value / limit if limit > 0 else 0.0
     out = {"name": name, "value": value, "unit": unit, "limit": limit, "limit_name": limit_name, "ratio": ratio}
     if target is not None:
@@ -28,6 +29,7 @@ def figure(name: str, value: float, unit: str, limit: float, limit_name: str, ta
 
 
 def headline(result: dict) -> list[dict]:
+    """The figures perf.md opens with, each against its limit and, where one is set, its target."""
     rows = []
     micro = result.get("micro", {}).get("sizes", {})
     for label in ("default", "large"):
@@ -178,6 +180,7 @@ def _md_transport(key: str, t: dict) -> list[str]:
 
 
 def _md_overlap(ov: dict) -> list[str]:
+    """The learner's communication share in each run, and the bandwidth the configuration needs."""
     md = ["", "## Learner overlap", "", ov["definition"], ""]
     rows = []
     for key in ("null", "default", "capped"):
@@ -205,6 +208,7 @@ def _md_overlap(ov: dict) -> list[str]:
 
 
 def _md_scale(sc: dict) -> list[str]:
+    """One row per learner count, and how to read them."""
     md = ["", f"## Scale: one syncer, lightweight learners replaying captured fragments "
               f"(step {sc['step_s']:.2f} s, default fragment schedule)", ""]
     md.append(results_lib.markdown_table(

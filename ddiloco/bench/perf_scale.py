@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco.bench import perf_common as common
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
@@ -20,8 +21,7 @@ from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 def synthetic_capture(model: dict, path: pathlib.Path) -> None:
     """Random pseudo-gradients (std 1e-4) of each of the model's default fragments, saved as the
     overlap section saves captured ones."""
-    from ddiloco import models
-    from ddiloco.algo import fragments as fragments_lib
+    from ddiloco import models  # JAX: after perf.run has set XLA_FLAGS
 
     plan = fragments_lib.plan_fragments(models.get_model("transformer", model).tensor_specs(), 4, 8)
     rng = np.random.default_rng(0)

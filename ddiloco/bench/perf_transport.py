@@ -14,6 +14,7 @@ import pathlib
 import grpc
 import numpy as np
 
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco.bench import perf_common as common
 from ddiloco.bench import perf_identity
 from ddiloco.bench import perf_micro
@@ -148,8 +149,7 @@ def _ceiling(deltas: dict, payloads: dict, best: dict, repeats: int) -> dict:
 
 def run_transport(workdir: pathlib.Path, model: dict, uploads: int, tag: str, repeats: int) -> dict:
     """Upload throughput through the real servicer vs a bare gRPC bytes stream."""
-    from ddiloco import models
-    from ddiloco.algo import fragments as fragments_lib
+    from ddiloco import models  # JAX: after perf.run has set XLA_FLAGS
 
     specs = models.get_model("transformer", model).tensor_specs()
     plan = fragments_lib.plan_fragments(specs, 4, 8)

@@ -28,10 +28,17 @@ import pathlib
 import statistics
 import time
 
+import grpc
 import numpy as np
 
 from ddiloco.bench import perf_common as common
 from ddiloco.bench import perf_transport
+from ddiloco.bench import results as results_lib
+from ddiloco.learner import client as client_lib
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import serde
 
 
 class _Learner:
@@ -44,18 +51,11 @@ class _Learner:
         self.join = None
 
     async def start(self, timeout_s: float) -> None:
-        from ddiloco.v1 import syncer_pb2
-        from ddiloco.wire import serde
-
         self.join = await self.stub.Join(syncer_pb2.JoinRequest(
             protocol_version=serde.PROTOCOL_VERSION, learner_id=self.learner_id, incarnation=self.incarnation,
             region="bench"), timeout=timeout_s)
 
     def messages(self, fid: int, encoded, chunk_size_bytes: int) -> list:
-        from ddiloco.v1 import syncer_pb2
-        from ddiloco.wire import serde
-        from ddiloco.learner import client as client_lib
-
         versions = serde.versions_from_proto(self.join.fragment_versions)
         header = syncer_pb2.UploadHeader(
             protocol_version=serde.PROTOCOL_VERSION, learner_id=self.learner_id, incarnation=self.incarnation,
@@ -64,8 +64,6 @@ class _Learner:
         return client_lib.upload_messages(header, encoded.payload, chunk_size_bytes)
 
     async def upload(self, messages: list, timeout_s: float):
-        from ddiloco.learner import client as client_lib
-
         return await client_lib.send_upload(self.stub, messages, timeout_s,
                                             pipeline_bytes=self.join.upload_pipeline_bytes)
 
@@ -74,11 +72,6 @@ async def _measure(syncer_address: str, bare_address: str, encoded: dict, upload
                    timeout_s: float) -> dict:
     """`uploads` real uploads (cycling fragments, each from a fresh learner identity) alternating
     with bare streams of the same bytes; per-upload times of each."""
-    import grpc
-
-    from ddiloco.rpc import channel as channel_lib
-    from ddiloco.v1 import syncer_pb2_grpc
-
     syncer_channel = channel_lib.aio_channel(syncer_address, None)
     bare_channel = channel_lib.aio_channel(bare_address, None)
     stub = syncer_pb2_grpc.SyncerStub(syncer_channel)
@@ -165,11 +158,6 @@ def run_upload(workdir: pathlib.Path, model: dict, label: str, rtts_s: list[floa
 def _payloads(address: str) -> tuple:
     """The run's configuration (as a learner gets it at Join) and one encoded pseudo-gradient per
     fragment in its upload codec, block size and zstd level, as the learner's encoder makes them."""
-    from ddiloco.rpc import channel as channel_lib
-    from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
-    from ddiloco.wire import codec as codec_lib
-    from ddiloco.wire import serde
-
     channel = channel_lib.sync_channel(address)
     try:
         join = syncer_pb2_grpc.SyncerStub(channel).Join(syncer_pb2.JoinRequest(
@@ -200,8 +188,6 @@ def markdown(sections: list[dict], target: float) -> list[str]:
                          f"{c['real_median_s'] * 1e3:.2f}", f"{c['bare_median_s'] * 1e3:.2f}",
                          f"{c['ratio']:.1%}", "yes" if c["ratio"] >= target else "NO",
                          f"{c['accepted']}/{c['uploads']}" + (f" {c['refused']}" if c["refused"] else "")])
-    from ddiloco.bench import results as results_lib
-
     md.append(results_lib.markdown_table(
         ["params", "added RTT", "MB on the wire", "real ms", "bare ms", "ratio", f">= {target:.0%}", "accepted"], rows))
     for sec in sections:
