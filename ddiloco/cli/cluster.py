@@ -83,6 +83,10 @@ class ProcessControl:
 
 @dataclasses.dataclass
 class ServiceProcess(ProcessControl):
+    """One `python -m <module>` process in `workdir`, its output in logs/<name>.log: a service of
+    LocalCluster, or a process of a benchmark (ddiloco.bench.perf_common starts every one of its
+    own: syncers, a bare gRPC sink, proxies, worker jobs)."""
+
     name: str
     module: str  # python -m <module>, named as in the repository (service_names.module maps it)
     args: list[str]
