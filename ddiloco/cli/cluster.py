@@ -83,6 +83,10 @@ class ProcessControl:
 
 @dataclasses.dataclass
 class ServiceProcess(ProcessControl):
+    """One `python -m <module>` process in `workdir`, its output in logs/<name>.log: a service of
+    LocalCluster, or a process of a benchmark (ddiloco.bench.perf_common starts every one of its
+    own: syncers, a bare gRPC sink, proxies, worker jobs)."""
+
     name: str
     module: str  # python -m <module>, named as in the repository (service_names.module maps it)
     args: list[str]
@@ -91,6 +95,7 @@ class ServiceProcess(ProcessControl):
     proc: subprocess.Popen | None = None
     address: str = ""
     starts: int = 0
+    info: dict = dataclasses.field(default_factory=dict)  # the ready file's fields (a proxy's ports)
 
     @property
     def ready_file(self) -> pathlib.Path:
@@ -128,8 +133,8 @@ class ServiceProcess(ProcessControl):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.ready_file.exists():
-                info = json.loads(self.ready_file.read_text())
-                self.address = info["address"].replace("0.0.0.0", "127.0.0.1")
+                self.info = json.loads(self.ready_file.read_text())
+                self.address = self.info["address"].replace("0.0.0.0", "127.0.0.1")
                 return self.address
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServiceStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
