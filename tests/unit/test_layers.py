@@ -126,7 +126,6 @@ SIZE_EXCEPTIONS = {
     "ddiloco/bench/perf.py": "being changed by another engineer this session (issue 22 slices); split after the merge",
     "ddiloco/bench/perf.py::_learner_run": "as ddiloco/bench/perf.py",
     "ddiloco/bench/perf.py::_markdown": "as ddiloco/bench/perf.py",
-    "ddiloco/chaos/harness.py": "being changed by another engineer this session; split after the merge",
     "services/syncer/__main__.py::serve": "being changed by another engineer this session; split after the merge",
     "services/syncer/metrics.py::_StateCollector.collect": "being changed by another engineer this session",
     "ddiloco/algo/outer.py::OuterStepper.step_scaled": "not in this session's slices (83 lines): split when next touched",
