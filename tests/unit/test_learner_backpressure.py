@@ -6,7 +6,8 @@ up to 31 periods, capped at 60 s), the loop answered the fragment's next call an
 contribution sat in the client's queue on its base while the rounds merged without it (one
 contribution in flight per fragment: nothing newer replaced it). When the hold ended it was refused
 as too stale. The real SyncClient (never started: no thread, no network) under the real loop on
-numpy fakes reproduces that state.
+numpy fakes reproduces that state. And the syncer's rounds waited the whole grace window for the
+learners it had asked to hold.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.learner import client as client_lib
 from ddiloco.learner import loop as loop_lib
 from ddiloco.v1 import syncer_pb2
+from tests.fakes import join, settle
 from tests.unit.test_learner_resend import _Sampler, _Step
+from tests.unit.test_rounds import contribute, make_scheduled_core, report
 
 _INSTANCE = "inst"
 
@@ -117,3 +120,31 @@ def test_a_hold_is_bounded_by_the_fragments_periods_at_the_learners_step_time():
     assert client.take_calls() == {}  # held: the call waits
     client._hold_until[1] = 0.0
     assert list(client.take_calls()) == [1]
+
+
+def test_a_round_does_not_wait_for_a_learner_the_syncer_asked_to_hold_that_fragment(clock):
+    # The benchmark's rounds waited the whole grace window (10 s) for learners that were holding:
+    # the schedule called them, and nobody was going to answer.
+    learners = ("a", "b", "c")
+
+    async def run():
+        core = make_scheduled_core(clock)
+        for lid in learners:
+            join(core, lid)
+        for lid in learners:
+            report(core, lid, 0)
+        core.note_hold(syncer_pb2.UploadHeader(learner_id="c", incarnation=1, fragment_id=1), 30.0)
+        core.note_hold(syncer_pb2.UploadHeader(learner_id="b", incarnation=2, fragment_id=1), 30.0)  # not this life
+        for lid in learners:
+            report(core, lid, 2)  # global step 2: fragment 1's round opens and calls everyone
+        assert core.round_call(1, "c") is not None  # still called: it answers if its hold ends first
+        await contribute(core, "a", 1, mark=2)
+        await contribute(core, "b", 1, mark=2)
+        await settle()
+        assert core.slots[1].version == 1  # before the fix: waiting for c until the grace window ends
+        record = core.merges[-1]
+        assert record.reason == "all_contributed" and record.expected_contributors == 3
+        clock.now_s += 31.0  # the hold is over: c is waited for again
+        assert core.membership.holding(1) == set()
+
+    asyncio.run(run())
