@@ -427,6 +427,10 @@ class SyncerCore:
         """Opens the rounds the schedule says are due; returns their fragment ids."""
         return self.rounds.open_due()
 
+    def note_hold(self, header: syncer_pb2.UploadHeader, hold_s: float) -> None:
+        """The back-pressure hint an accepted upload's response carries (Membership.note_hold)."""
+        self.membership.note_hold(header.learner_id, header.incarnation, header.fragment_id, hold_s)
+
     def round_call(self, fragment_id: int, learner_id: str) -> syncer_pb2.RoundCall | None:
         """The call to send this learner for the fragment's open round, if it has not contributed."""
         return self.rounds.round_call(fragment_id, learner_id)

@@ -261,13 +261,16 @@ class Rounds:
             rnd = slot.round
             if rnd is None or not rnd.open or slot.merging or slot.lock.locked():
                 continue
+            # A learner asked to hold its uploads of this fragment (back-pressure) answers no call
+            # meanwhile: waiting the grace window for it only delayed everyone else's work (issue 20).
+            waited_for = expected - self._membership.holding(slot.fragment.fragment_id)
             decision = grace_lib.decide_merge(
                 now,
                 grace_lib.RoundView(
                     opened_at_s=rnd.opened_at_s,
                     contributors=len(rnd.learners),
                     quorum_reached_at_s=rnd.quorum_reached_at_s,
-                    expected_contributors=max(len(expected | rnd.learners), 1),
+                    expected_contributors=max(len(waited_for | rnd.learners), 1),
                     quorum_reachable=self._membership.quorum_reachable(self.config.min_quorum, rnd.learners),
                 ),
                 min_quorum=self.config.min_quorum,
