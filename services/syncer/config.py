@@ -429,9 +429,9 @@ _HELPS = {
     "max_batch_ratio": "a claimed batch (tokens per step, which sets the merge weight) above this x the other "
                        "learners' median is clipped to it; 0: --norm-bound-factor",
     "norm_clip_factor": "median-of-norms clipping: a contribution's norm above this x the other learners' median "
-                        "per step over their contributions of the last 4 versions (times its steps, or "
-                        "sqrt(steps x their median steps) below that) is scaled down to it (accepted, no strike); "
-                        "0: off",
+                        "per step over their contributions of the last 2 versions with steps within 2x of its own "
+                        "(times its steps, or sqrt(steps x their median steps) below that) is scaled down to it "
+                        "(accepted, no strike); 0: off",
     "merge_ledger": "append one hash-chained JSON record per merge here (contributors, claims, weights, shares, "
                     "norms, cosines, refusals); `ddiloco audit --ledger` reads it; empty: off",
     "merge_ledger_max_bytes": "rotate the merge ledger to <file>.1 beyond this size",

@@ -126,13 +126,20 @@ def _history(records) -> robust_lib.NormHistory:
 
 def test_a_few_step_honest_contribution_is_not_clipped():
     """Norms grow slower than steps for a contribution of few steps (a restarted learner's first):
-    2 steps at 5x the others' per-step norm (others: 16 steps) is 1.8x their norm at √(2 x 16) steps
-    and stays whole; per step it was clipped (ratio 5 > 4). Many steps are still compared per step."""
-    history = _history([(lid, 16, 1.0, 10) for lid in "abc"])
-    assert history.clip_scale("x", 2 * 5.0, 2, version=10) == 1.0
-    assert history.norm_ratio("x", 2 * 5.0, 2, version=10) == pytest.approx(10 / np.sqrt(32))
-    assert history.clip_scale("x", 16 * 10.0, 16, version=10) == pytest.approx(0.4)  # a scaled update
-    assert history.clip_scale("x", 64 * 10.0, 64, version=10) == pytest.approx(0.4)
+    4 steps at 5x the others' per-step norm (others: 8 steps) is 3.5x their norm at √(4 x 8) steps
+    and stays whole; per step it was clipped (ratio 5 > 4). Many steps are still compared per step,
+    and step counts unlike every reference's (2 against 16: more than 2x apart) are not compared."""
+    history = _history([(lid, 8, 1.0, 10) for lid in "abc"])
+    assert history.clip_scale("x", 4 * 5.0, 4, version=10) == 1.0
+    assert history.norm_ratio("x", 4 * 5.0, 4, version=10) == pytest.approx(20 / np.sqrt(32))
+    assert history.clip_scale("x", 8 * 10.0, 8, version=10) == pytest.approx(0.4)  # a scaled update
+    assert history.clip_scale("x", 16 * 10.0, 16, version=10) == pytest.approx(0.4)
+    per_step = robust_lib.NormHistory(robust_lib.NormBoundPolicy(step_scaling="per_step"), _fragment())
+    for lid in "abc":
+        per_step.add(lid, np.array([8.0]), 8, 1.0, 10)
+    assert per_step.clip_scale("x", 4 * 5.0, 4, version=10) == pytest.approx(0.8)  # the rule before: clipped
+    unlike = _history([(lid, 16, 1.0, 10) for lid in "abc"])
+    assert unlike.clip_reference("x", 10, steps=2) is None and unlike.clip_scale("x", 2 * 5.0, 2, version=10) == 1.0
     # In the merge itself: the few-step one is the largest per step, held back, and left whole.
     acc = merge_lib.MergeAccumulator(_fragment(), max_share=0.5, max_norm_ratio=4.0, share_cap_min_count=3,
                                      step_scaling="sqrt_below_median")
@@ -153,12 +160,12 @@ def test_a_few_step_honest_contribution_is_not_clipped():
 
 def test_the_clip_reference_is_the_other_learners_recent_contributions():
     """Contributions from early in the run (small per-step norms, mid warm-up) leave the reference
-    after 4 versions: a later honest contribution at 3x the recent ones is not clipped against them."""
+    after 2 versions: a later honest contribution at 3x the recent ones is not clipped against them."""
     history = _history([(lid, 4, 0.1, 0) for lid in "abcab"] + [(lid, 4, 1.0, 10) for lid in "abc"])
     assert history.clip_reference("x", 11) == (pytest.approx(1.0), 4.0)
     assert history.clip_scale("x", 4 * 3.0, 4, version=11) == 1.0
     assert history.clip_scale("x", 4 * 3.0, 4) == pytest.approx(4 * 0.1 / 3.0)  # all kept ones: the median is 0.1
-    assert history.clip_reference("x", 20) is None  # nothing recent: no clip (the merge's own clip remains)
+    assert history.clip_reference("x", 13) is None  # nothing recent: no clip (the merge's own clip remains)
 
 
 def test_the_merge_applies_the_share_cap_by_size_or_unverified_claims():
