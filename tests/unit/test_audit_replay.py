@@ -91,19 +91,27 @@ async def _upload(core, learner_id: str, fid: int, base: int, delta: np.ndarray,
     await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=len(enc.payload))
 
 
-async def _seeded_run(clock) -> tuple[MemoryStore, str]:
-    """Four merges of each of two fragments; `heavy` claims a 20x batch (held back, share capped),
-    `loud` sends 10x the others' norm (held back, clipped in the merge); in the last round `b` is
-    one version behind (re-anchored). Downloads are lossy (int8, error-fed)."""
-    core = make_core(clock, min_quorum=len(LEARNERS), download_codec="int8")
-    run_id = core.config.run_id
+async def _ledgered(core) -> tuple[MemoryStore, ledger_sink.StoreLedger]:
+    """An in-memory store holding the core's initial checkpoint, and the core's ledger sink to it,
+    contributions retained."""
     store = MemoryStore()
+    run_id = core.config.run_id
     description = run_description_lib.describe(core.config, core.plan, {"outer_lr": 0.7, "outer_momentum": 0.9})
     await store.checkpoint(run_id, 0, checkpointing.encode_snapshot(await core.snapshot(), description)[0])
     sink = ledger_sink.StoreLedger(store, run_id)
     await sink.resume()
     sink.start()
     core.influence.store_ledger, core.influence.retain_contributions = sink, True
+    return store, sink
+
+
+async def _seeded_run(clock) -> tuple[MemoryStore, str]:
+    """Four merges of each of two fragments; `heavy` claims a 20x batch (held back, share capped),
+    `loud` sends 10x the others' norm (held back, clipped in the merge); in the last round `b` is
+    one version behind (re-anchored). Downloads are lossy (int8, error-fed)."""
+    core = make_core(clock, min_quorum=len(LEARNERS), download_codec="int8")
+    run_id = core.config.run_id
+    store, sink = await _ledgered(core)
     for lid in LEARNERS:
         join(core, lid)
     rng = np.random.default_rng(7)
@@ -203,13 +211,7 @@ async def _pairs_run(clock) -> tuple[MemoryStore, str]:
     claims are unchecked; `x` with a 20x batch has it clipped, so the cap applies to it."""
     core = make_core(clock, min_quorum=2)
     run_id = core.config.run_id
-    store = MemoryStore()
-    description = run_description_lib.describe(core.config, core.plan, {"outer_lr": 0.7, "outer_momentum": 0.9})
-    await store.checkpoint(run_id, 0, checkpointing.encode_snapshot(await core.snapshot(), description)[0])
-    sink = ledger_sink.StoreLedger(store, run_id)
-    await sink.resume()
-    sink.start()
-    core.influence.store_ledger, core.influence.retain_contributions = sink, True
+    store, sink = await _ledgered(core)
     rng = np.random.default_rng(11)
     n = core.plan.fragments[0].numel
     for lid in ("a", "unit", "x"):
