@@ -27,9 +27,10 @@ same fragment, so a learner can never raise its own reference:
 * median-of-norms clipping (`clip_factor`): a contribution within the bound whose norm is above
   clip_factor x the others' median per step (over their contributions of the last
   `clip_window_versions` versions and of similar step counts, `clip_step_ratio`; below their
-  median step count compared as √steps, merge.norm_allowance_steps) is scaled down to it, accepted and not a strike (the merge itself
-  applies the same clip to its largest contribution, and caps the share of its heaviest at
-  `max_share` in merges of `share_min_contributors` or more: ddiloco.algo.merge.MergeAccumulator).
+  median step count compared as √steps, merge.norm_allowance_steps) is scaled down to it,
+  accepted and not a strike (the merge itself applies the same clip to its largest contribution,
+  and caps the share of its heaviest at `max_share` in merges of `share_min_contributors` or more
+  or for unverified claims: ddiloco.algo.merge.MergeAccumulator).
 
 Violations are rejected or clipped (scaled down to the bound), as configured.
 

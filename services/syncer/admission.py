@@ -512,7 +512,7 @@ class Admission:
         against, the learner's direction agreement, its idempotency key and the counts."""
         total_norm = float(np.sqrt(np.sum(np.square(norms))))
         # As sent (before any clipping), against the reference before this one joins it.
-        reference = slot.norms.clip_reference(header.learner_id, slot.version)
+        reference = slot.norms.clip_reference(header.learner_id, slot.version, steps)
         ratio = slot.norms.norm_ratio(header.learner_id, float(np.sqrt(np.sum(np.square(decoded.norms)))), steps,
                                       slot.version)
         slot.norms.add(header.learner_id, norms, steps, weight, slot.version)
