@@ -270,9 +270,12 @@ class Replay:
 
     async def _merge(self, record: dict, frag: _Fragment, what: str) -> tuple[np.ndarray, list]:
         inputs = record["merge_inputs"]
+        # Records from before the cap's minimum merge size and the step scaling: the cap applied in
+        # every merge and norms were compared per step.
         accumulator = merge_lib.MergeAccumulator(
             frag.layout, rule=inputs["rule"], embedding_rule=inputs["embedding_rule"],
-            max_share=inputs["max_share"], max_norm_ratio=inputs["max_norm_ratio"])
+            max_share=inputs["max_share"], max_norm_ratio=inputs["max_norm_ratio"],
+            share_cap_min_count=inputs.get("share_cap_min_count", 1), step_scaling=inputs.get("step_scaling", "per_step"))
         for c in sorted(record["contributors"], key=lambda c: c["fold"]["index"]):
             fold = c["fold"]
             try:
@@ -283,7 +286,8 @@ class Replay:
             values = np.frombuffer(data, dtype="<f4").astype(np.float32)
             norms = None if fold.get("norms") is None else np.asarray(fold["norms"], np.float64)
             try:
-                accumulator.add(values, fold["weight"], norms=norms, key=c["learner"], steps=fold["steps"])
+                accumulator.add(values, fold["weight"], norms=norms, key=c["learner"], steps=fold["steps"],
+                                claims_unverified=fold.get("claims_unverified", False))
             except ValueError as exc:  # a blob of the wrong size or values: not what the syncer folded in
                 raise Mismatch(f"{what}: the retained contribution of {c['learner']} cannot be folded in: "
                                f"{exc}") from None

@@ -389,7 +389,8 @@ class SyncerCore:
             rnd = self.rounds.round_for(slot)
             await self.rounds.fold(slot, rnd, header.fragment_id, delta, norms, weight, ticket.base_params,
                                    header.learner_id, steps, decoded=decoded.values,
-                                   contribution_sha256=contribution_sha256)
+                                   contribution_sha256=contribution_sha256,
+                                   claims_unverified=self.admission.claims_unverified(header.learner_id, header.fragment_id))
             self.admission.accepted(slot, member, header, decoded, norms, steps, weight)
             self.rounds.add(rnd, header, weight)
             self._emit("upload_accepted", header)
@@ -533,6 +534,7 @@ class SyncerCore:
             direction_judgments=dict(self.direction_judgments),
             tokens_processed=self.tokens_processed(),
             token_budget=self.token_budget,
+            influence=self.influence.summary(),
         )
 
     async def snapshot(self) -> state_lib.SyncerSnapshot:
