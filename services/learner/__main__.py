@@ -85,7 +85,9 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
     incarnation = unit.agree_int(cfg.incarnation or time.time_ns())  # one identity per unit
     # Liveness from here on: the start, the join and every inner step are progress (see config).
     liveness = liveness_lib.LoopLiveness(cfg.liveness_timeout_s)
-    if cfg.health_bind and not _serve_health(cfg, liveness):
+    # Held for the whole life: a gRPC server nobody references is stopped when it is collected.
+    health_server = _serve_health(cfg, liveness) if cfg.health_bind else None
+    if cfg.health_bind and health_server is None:
         return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -137,17 +139,19 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
     return 0
 
 
-def _serve_health(cfg: config_lib.LearnerConfig, liveness: liveness_lib.LoopLiveness) -> bool:
-    """The liveness health endpoint on --health-bind; False (logged) when its port is taken."""
+def _serve_health(cfg: config_lib.LearnerConfig,
+                  liveness: liveness_lib.LoopLiveness) -> liveness_lib.HealthServer | None:
+    """The liveness health endpoint on --health-bind; None (logged) when its port is taken. The
+    caller keeps the server referenced for as long as it must answer."""
     try:
         health_server = liveness_lib.HealthServer(cfg.health_bind, liveness)
     except OSError as exc:
         _LOG.error(f"{exc}: another learner on this host? give each its own --health-bind "
                    "(127.0.0.1:0 picks a free port; empty disables it)")
-        return False
+        return None
     _LOG.info(f"health on {health_server.address} (NOT_SERVING after {cfg.liveness_timeout_s:g} s "
               "without an inner step)")
-    return True
+    return health_server
 
 
 def _client_config(cfg: config_lib.LearnerConfig, incarnation: int, stop: threading.Event) -> client_lib.ClientConfig:
