@@ -123,9 +123,10 @@ def test_big_and_small_units_merge_in_proportion_to_tokens(cluster):
             if c.weight == pytest.approx(raw[c.learner_id], rel=1e-9):
                 continue
             # The shipped share cap (--max-merge-share 0.5): in a merge of two only a contribution whose
-            # claims were clipped or not checkable yet, lowered to the other's weight.
+            # claims were clipped or not checkable yet, lowered to the other's weight. Either unit can be
+            # the unchecked one: whichever contributes a fragment first has no other history to be
+            # checked against (the small one when the 4-device unit compiles longer).
             assert len(raw) == 2 and c.weight == pytest.approx(others, rel=1e-9), (c, raw)
-            assert c.learner_id == "learner-0", (c, raw)
             capped += 1
         if len(by_learner) == 2:
             both += 1
@@ -139,10 +140,10 @@ def test_big_and_small_units_merge_in_proportion_to_tokens(cluster):
     assert all(r == pytest.approx(16.0) for r, _ in equal_steps_ratios), equal_steps_ratios
     assert any(w == pytest.approx(16.0) for _, w in equal_steps_ratios), equal_steps_ratios
     # The training state's influence columns count the same: the cap at most in each fragment's first
-    # merges (three of the small learner's contributions check the unit's batch) and where it was clipped.
+    # merges (three of the other learner's contributions check a unit's batch) and where it was clipped.
     influence = {i.learner_id: i for i in state.influence}
-    assert influence["learner-1"].share_capped == 0, influence
-    assert influence["learner-0"].share_capped <= 3 * len(state.fragments) + influence["learner-0"].clipped, influence
+    for learner_id in per_step:
+        assert influence[learner_id].share_capped <= 3 * len(state.fragments) + influence[learner_id].clipped, influence
     assert influence["learner-0"].max_share > 0.5 and capped < both, (influence, capped, both)
     # Nothing was refused or capped as hostile (default norm bound, weight cap, direction check); the
     # median-of-norms clip (--norm-clip-factor 4) leaves all but a few contributions whole.
