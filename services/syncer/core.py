@@ -151,7 +151,8 @@ class SyncerCore:
         self.evals: collections.deque[state_lib.EvalSnapshot] = collections.deque(maxlen=_EVAL_HISTORY)
         self.uploads: collections.Counter = collections.Counter()  # shared by the parts: never rebound
         self.membership = membership_lib.Membership(
-            run_config=run_config, clock=clock, wall_clock=wall_clock, liveness_timeout_s=liveness_timeout_s,
+            model_fingerprint=run_config.model_fingerprint, model_name=run_config.model_name,
+            clock=clock, wall_clock=wall_clock, liveness_timeout_s=liveness_timeout_s,
             quarantine_after=quarantine_after, quarantine_window_s=quarantine_window_s, quarantine_s=quarantine_s,
             uploads=self.uploads, emit=self._emit, on_change=self._notify, on_quarantine=self._after_quarantine)
         self.admission = admission_lib.Admission(
@@ -248,7 +249,7 @@ class SyncerCore:
 
     def join(self, req: syncer_pb2.JoinRequest) -> syncer_pb2.JoinResponse:
         """Registers a learner; a higher incarnation replaces (fences off) the previous life."""
-        member, replaced = self.membership.join(req)
+        member, replaced = self.membership.join(wire_views.join_args(req))
         if replaced is not None:
             self.schedule.forget((replaced.learner_id, replaced.incarnation))
         return syncer_pb2.JoinResponse(
@@ -269,7 +270,8 @@ class SyncerCore:
         return self.membership.is_current(learner_id, incarnation)
 
     def report_progress(self, req: syncer_pb2.ReportProgressRequest, wire_bytes: int) -> syncer_pb2.ReportProgressResponse:
-        member = self.membership.seen(req)
+        progress = wire_views.progress(req)
+        member = self.membership.seen(progress)
         if req.finished and not member.finished:
             member.finished = True
             self.tick()  # rounds that waited for it may be complete (tick also opens the last rounds)
@@ -277,7 +279,7 @@ class SyncerCore:
             # A finished learner keeps reporting while it waits: the last training learner may have
             # gone silent (a crash) since, and only a report or a timer brings the syncer here.
             self.tick()
-        self.membership.note_step_stats(member, req, wire_bytes)
+        self.membership.note_step_stats(member, progress, wire_bytes)
         if self.scheduled and not member.finished:
             self.schedule.observe((member.learner_id, member.incarnation), req.local_step,
                                   len(self.expected_learners()))
@@ -286,7 +288,8 @@ class SyncerCore:
                                                  budget_reached=self.budget_reached())
 
     def leave(self, req: syncer_pb2.LeaveRequest) -> None:
-        member = self.membership.leave(req)
+        member = self.membership.leave(learner_id=req.learner_id, incarnation=req.incarnation,
+                                       protocol_version=req.protocol_version)
         self.schedule.forget((member.learner_id, member.incarnation))
         self.rounds.open_if_nobody_trains()
         self._notify()

@@ -2,7 +2,8 @@
 syncer_pb2 messages from the parts' Python values.
 
 Owns `make_run_config` (the RunConfig learners adopt), the TrainingState rows (`member_state`,
-`fragment_state`) and the EvalRecord form of an `EvalSnapshot`. The parts (state, membership, slots,
+`fragment_state`), the EvalRecord form of an `EvalSnapshot`, and the plain forms of the requests
+membership reads (`join_args`, `progress`). The parts (state, membership, slots,
 checkpointing, ...) stay free of generated code; tests/unit/test_syncer_no_protobuf.py checks that.
 Must not: hold state, take locks or mutate the core; called on the core's loop.
 """
@@ -17,6 +18,23 @@ from ddiloco.wire import serde
 from . import membership as membership_lib
 from . import slots as slots_lib
 from . import state as state_lib
+
+
+def join_args(req: syncer_pb2.JoinRequest) -> membership_lib.JoinArgs:
+    """The JoinRequest as membership reads it."""
+    return membership_lib.JoinArgs(
+        learner_id=req.learner_id, incarnation=req.incarnation, region=req.region,
+        protocol_version=req.protocol_version, model_fingerprint=req.model_fingerprint,
+        tokens_per_step=req.tokens_per_step, num_data_shards=req.num_data_shards, data_shard=req.data_shard,
+        assign_data_shard=req.assign_data_shard)
+
+
+def progress(req: syncer_pb2.ReportProgressRequest) -> membership_lib.Progress:
+    """The ReportProgressRequest as membership reads it."""
+    return membership_lib.Progress(
+        learner_id=req.learner_id, incarnation=req.incarnation, protocol_version=req.protocol_version,
+        local_step=req.local_step, tokens_total=req.tokens_total, step_time_s=req.step_time_s,
+        inner_loss=req.inner_loss)
 
 
 def eval_record(e: state_lib.EvalSnapshot) -> syncer_pb2.EvalRecord:

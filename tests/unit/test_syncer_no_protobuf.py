@@ -19,7 +19,6 @@ WIRE_LAYER = {"servicer.py", "wire_views.py", "__main__.py"}
 NOT_YET = {
     "core.py": "the facade still takes request messages and builds responses (JoinResponse, UploadFragmentResponse, ...)",
     "admission.py": "UploadHeader in, Contribution / UploadFragmentResponse out: next after merging",
-    "membership.py": "reads JoinRequest / ReportProgressRequest / LeaveRequest fields directly",
     "merging.py": "builds MergeRecord / RoundCall; being split by another change (issue 22)",
     "influence.py": "builds the influence records of MergeRecord; with merging.py",
     "metrics.py": "the Prometheus exporter reads the TrainingState message (a view of the servicer's output)",
