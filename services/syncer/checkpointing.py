@@ -21,7 +21,6 @@ from safetensors import numpy as st_numpy
 
 from ddiloco import run_description as run_description_lib
 from ddiloco.algo import fragments as fragments_lib
-from ddiloco.v1 import syncer_pb2
 from . import state as state_lib
 
 FORMAT_VERSION = "1"
@@ -32,9 +31,9 @@ _TRAINING_FIELDS = ("sync_mode", "seed", "outer_lr", "outer_momentum", "outer_st
                     "dp_learning_rate", "dp_warmup_steps", "dp_decay_steps", "dp_weight_decay")
 
 
-def describe_run(cfg, run_config: syncer_pb2.RunConfig,
-                 plan: fragments_lib.FragmentPlan) -> run_description_lib.RunDescription:
-    """The `run` blob's record for a syncer started with `cfg` (a SyncerConfig)."""
+def describe_run(cfg, run_config, plan: fragments_lib.FragmentPlan) -> run_description_lib.RunDescription:
+    """The `run` blob's record for a syncer started with `cfg` (a SyncerConfig); `run_config` is the
+    RunConfig learners adopt (wire_views.make_run_config), passed through to the library unread."""
     training = {name: getattr(cfg, name) for name in _TRAINING_FIELDS if hasattr(cfg, name)}
     return run_description_lib.describe(run_config, plan, training)
 

@@ -44,6 +44,7 @@ from . import merging as merging_lib
 from . import publishing as publishing_lib
 from . import slots as slots_lib
 from . import state as state_lib
+from . import wire_views
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
@@ -64,7 +65,7 @@ NORM_STRIKE_RATIO = admission_lib.NORM_STRIKE_RATIO
 BOOTSTRAP_STRIKE_RATIO = admission_lib.BOOTSTRAP_STRIKE_RATIO
 UploadTicket = admission_lib.UploadTicket
 SyncerSnapshot = state_lib.SyncerSnapshot
-make_run_config = state_lib.make_run_config
+make_run_config = wire_views.make_run_config
 
 
 def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int) -> None:
@@ -147,10 +148,11 @@ class SyncerCore:
         self.publisher = publishing_lib.Publisher(download_codec=serde.codec_from_proto(run_config.download_codec),
                                                   block_size=run_config.upload_block_size,
                                                   zstd_level=run_config.zstd_level)
-        self.evals: collections.deque = collections.deque(maxlen=_EVAL_HISTORY)
+        self.evals: collections.deque[state_lib.EvalSnapshot] = collections.deque(maxlen=_EVAL_HISTORY)
         self.uploads: collections.Counter = collections.Counter()  # shared by the parts: never rebound
         self.membership = membership_lib.Membership(
-            run_config=run_config, clock=clock, wall_clock=wall_clock, liveness_timeout_s=liveness_timeout_s,
+            model_fingerprint=run_config.model_fingerprint, model_name=run_config.model_name,
+            clock=clock, wall_clock=wall_clock, liveness_timeout_s=liveness_timeout_s,
             quarantine_after=quarantine_after, quarantine_window_s=quarantine_window_s, quarantine_s=quarantine_s,
             uploads=self.uploads, emit=self._emit, on_change=self._notify, on_quarantine=self._after_quarantine)
         self.admission = admission_lib.Admission(
@@ -247,7 +249,7 @@ class SyncerCore:
 
     def join(self, req: syncer_pb2.JoinRequest) -> syncer_pb2.JoinResponse:
         """Registers a learner; a higher incarnation replaces (fences off) the previous life."""
-        member, replaced = self.membership.join(req)
+        member, replaced = self.membership.join(wire_views.join_args(req))
         if replaced is not None:
             self.schedule.forget((replaced.learner_id, replaced.incarnation))
         return syncer_pb2.JoinResponse(
@@ -268,7 +270,8 @@ class SyncerCore:
         return self.membership.is_current(learner_id, incarnation)
 
     def report_progress(self, req: syncer_pb2.ReportProgressRequest, wire_bytes: int) -> syncer_pb2.ReportProgressResponse:
-        member = self.membership.seen(req)
+        progress = wire_views.progress(req)
+        member = self.membership.seen(progress)
         if req.finished and not member.finished:
             member.finished = True
             self.tick()  # rounds that waited for it may be complete (tick also opens the last rounds)
@@ -276,7 +279,7 @@ class SyncerCore:
             # A finished learner keeps reporting while it waits: the last training learner may have
             # gone silent (a crash) since, and only a report or a timer brings the syncer here.
             self.tick()
-        self.membership.note_step_stats(member, req, wire_bytes)
+        self.membership.note_step_stats(member, progress, wire_bytes)
         if self.scheduled and not member.finished:
             self.schedule.observe((member.learner_id, member.incarnation), req.local_step,
                                   len(self.expected_learners()))
@@ -285,7 +288,8 @@ class SyncerCore:
                                                  budget_reached=self.budget_reached())
 
     def leave(self, req: syncer_pb2.LeaveRequest) -> None:
-        member = self.membership.leave(req)
+        member = self.membership.leave(learner_id=req.learner_id, incarnation=req.incarnation,
+                                       protocol_version=req.protocol_version)
         self.schedule.forget((member.learner_id, member.incarnation))
         self.rounds.open_if_nobody_trains()
         self._notify()
@@ -489,7 +493,7 @@ class SyncerCore:
         if not math.isfinite(req.heldout_loss):
             raise errors.InvalidArgument("heldout_loss must be finite", reason="eval")
         self.evals.append(
-            syncer_pb2.EvalRecord(
+            state_lib.EvalSnapshot(
                 at_unix_s=self._wall(),
                 heldout_loss=req.heldout_loss,
                 tokens_merged=req.tokens_merged,
@@ -503,7 +507,7 @@ class SyncerCore:
 
     def training_state(self, recent_merges: int) -> syncer_pb2.TrainingState:
         now = self._clock()
-        members = [state_lib.member_state(m, now_s=now, liveness_timeout_s=self.liveness_timeout_s)
+        members = [wire_views.member_state(m, now_s=now, liveness_timeout_s=self.liveness_timeout_s)
                    for m in sorted(self.members.values(), key=lambda m: m.learner_id)]
         merges = list(self.merges)[-recent_merges:] if recent_merges else []
         return syncer_pb2.TrainingState(
@@ -513,13 +517,13 @@ class SyncerCore:
             started_at_unix_s=self.started_at_unix_s,
             now_unix_s=self._wall(),
             outer_steps=self.outer_steps,
-            fragments=[state_lib.fragment_state(s) for s in self.slots],
+            fragments=[wire_views.fragment_state(s) for s in self.slots],
             members=members,
             recent_merges=merges,
             tokens_merged=self.tokens_merged,
             bytes_in=self.membership.bytes_in,
             bytes_out=self.membership.bytes_out,
-            evals=list(self.evals),
+            evals=[wire_views.eval_record(e) for e in self.evals],
             last_checkpoint_outer_step=self.last_checkpoint_outer_step,
             last_checkpoint_unix_s=self.last_checkpoint_unix_s,
             restored_from_checkpoint=self.restored_from_checkpoint,
@@ -551,7 +555,7 @@ class SyncerCore:
             bytes_out=self.membership.bytes_out,
             uploads=dict(self.uploads),
             members={m.learner_id: state_lib.MemberSnapshot.of(m, self._clock()) for m in self.members.values()},
-            evals=[state_lib.EvalSnapshot.of(e) for e in self.evals],
+            evals=list(self.evals),
             quorum_time_s=self.rounds.quorum_time.value,
             sync_time_s=self.rounds.sync_time.value,
             global_step=self.schedule.global_step,
@@ -577,7 +581,7 @@ class SyncerCore:
             if m.quarantine_remaining_s > 0:  # quarantine survives restarts too
                 self.membership.quarantines += 1
         for e in snapshot.evals:
-            self.evals.append(e.record())
+            self.evals.append(e)
         self.restored_from_checkpoint = True
         self.last_checkpoint_outer_step = self.outer_steps
         self.influence.restored_step = self.outer_steps  # the ledger's records name the lineage they follow

@@ -4,7 +4,8 @@ Owns `Member` (one learner's current life plus what is kept across its lives), t
 MemberState.flags bits, the reasons that count as strikes, and `Membership`: join (incarnation
 fencing, data-shard placement), progress, leave, liveness (who a round waits for), traffic and
 token accounting, refusal counting, strikes and quarantine.
-Must not: touch fragments, rounds or payloads. It tells the core what changed through the
+Must not: touch fragments, rounds or payloads, or protobuf messages (the requests arrive as `JoinArgs`
+/ `Progress`, converted in services/syncer/wire_views.py). It tells the core what changed through the
 callbacks it is given (`on_change`, `on_quarantine`, `emit`), all called on the core's loop.
 """
 
@@ -15,9 +16,9 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ddiloco.rpc import errors
-from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 
 _LOG = logging.getLogger("ddiloco.syncer")
@@ -146,16 +147,43 @@ class Member:
         self.steps_prev_lives = previous.steps_prev_lives + previous.local_step
 
 
+class JoinArgs(NamedTuple):
+    """A JoinRequest's fields that membership reads."""
+
+    learner_id: str
+    incarnation: int
+    region: str = ""
+    protocol_version: int = 0
+    model_fingerprint: str = ""
+    tokens_per_step: int = 0
+    num_data_shards: int = 0
+    data_shard: int = 0
+    assign_data_shard: bool = False
+
+
+class Progress(NamedTuple):
+    """A ReportProgressRequest's fields that membership reads."""
+
+    learner_id: str
+    incarnation: int
+    protocol_version: int = 0
+    local_step: int = 0
+    tokens_total: int = 0
+    step_time_s: float = 0.0
+    inner_loss: float = 0.0
+
+
 class Membership:
     """The membership table and its policies (liveness, quarantine). See the module docstring."""
 
-    def __init__(self, *, run_config: syncer_pb2.RunConfig, clock: Callable[[], float],
+    def __init__(self, *, model_fingerprint: str, model_name: str, clock: Callable[[], float],
                  wall_clock: Callable[[], float], liveness_timeout_s: float, quarantine_after: int,
                  quarantine_window_s: float, quarantine_s: float, uploads: collections.Counter,
                  emit: Callable[..., None], on_change: Callable[[], None],
                  on_quarantine: Callable[[], None]) -> None:
         """`uploads` is the core's upload counter (refusals are counted there by reason);
-        `on_quarantine` runs after a learner is quarantined (rounds waiting for it may be due)."""
+        `on_quarantine` runs after a learner is quarantined (rounds waiting for it may be due);
+        `model_fingerprint` / `model_name`: the run's model, which joining learners must match."""
         self.members: dict[str, Member] = {}
         self.auth_failures: collections.Counter = collections.Counter()
         self.quarantines = 0
@@ -164,7 +192,8 @@ class Membership:
         self.uploads = uploads
         self.liveness_timeout_s = liveness_timeout_s
         self.quarantine_after = quarantine_after
-        self._config = run_config
+        self._model_fingerprint = model_fingerprint
+        self._model_name = model_name
         self._clock = clock
         self._wall = wall_clock
         self._quarantine_window_s = quarantine_window_s
@@ -175,7 +204,7 @@ class Membership:
 
     # ---------------------------------------------------------------------------------- lives
 
-    def join(self, req: syncer_pb2.JoinRequest) -> tuple[Member, Member | None]:
+    def join(self, req: JoinArgs) -> tuple[Member, Member | None]:
         """Registers a learner; a higher incarnation replaces (fences off) the previous life.
         Returns the member and the life it replaced (None when there was none)."""
         self._check_join(req)
@@ -199,21 +228,21 @@ class Membership:
         self._on_change()
         return member, replaced
 
-    def _check_join(self, req: syncer_pb2.JoinRequest) -> None:
+    def _check_join(self, req: JoinArgs) -> None:
         check_protocol(req.protocol_version)
         if not req.learner_id or len(req.learner_id) > MAX_ID_CHARS or len(req.region) > MAX_ID_CHARS:
             raise errors.InvalidArgument(
                 f"learner_id must be 1-{MAX_ID_CHARS} characters and region at most {MAX_ID_CHARS}",
                 reason="learner_id",
             )
-        if req.model_fingerprint and req.model_fingerprint != self._config.model_fingerprint:
+        if req.model_fingerprint and req.model_fingerprint != self._model_fingerprint:
             raise errors.FailedPrecondition(
                 f"model fingerprint {req.model_fingerprint[:12]}... does not match the run's "
-                f"{self._config.model_fingerprint[:12]}... (model {self._config.model_name})",
+                f"{self._model_fingerprint[:12]}... (model {self._model_name})",
                 reason="fingerprint",
             )
 
-    def _new_life(self, req: syncer_pb2.JoinRequest, previous: Member | None, now: float, wall: float) -> Member:
+    def _new_life(self, req: JoinArgs, previous: Member | None, now: float, wall: float) -> Member:
         if previous is not None and math.isfinite(previous.last_seen_s):
             self._emit("rejoined", req.learner_id, now - previous.last_seen_s)
         member = Member(
@@ -236,7 +265,7 @@ class Membership:
                                                       "region": req.region, "data_shard": member.data_shard}})
         return member
 
-    def _place_on_data_shard(self, member: Member, req: syncer_pb2.JoinRequest, previous: Member | None) -> None:
+    def _place_on_data_shard(self, member: Member, req: JoinArgs, previous: Member | None) -> None:
         """Records the joining learner's data shard, choosing it when the learner asks
         (JoinRequest.assign_data_shard). Learners that pick their own shard from a hashed id
         (`--learner-id auto`: a container id) collide: with 4 shards and 4 learners most runs put
@@ -283,7 +312,7 @@ class Membership:
         member = self.members.get(learner_id)
         return member is not None and member.incarnation == incarnation and not member.left
 
-    def seen(self, req: syncer_pb2.ReportProgressRequest) -> Member:
+    def seen(self, req: Progress) -> Member:
         """A progress report's first effect: the life is alive at this local step and token count."""
         check_protocol(req.protocol_version)
         member = self.require_member(req.learner_id, req.incarnation)
@@ -295,7 +324,7 @@ class Membership:
         member.tokens_total = req.tokens_total
         return member
 
-    def note_step_stats(self, member: Member, req: syncer_pb2.ReportProgressRequest, wire_bytes: int) -> None:
+    def note_step_stats(self, member: Member, req: Progress, wire_bytes: int) -> None:
         """A progress report's measurements (ignored when not finite) and its size."""
         if math.isfinite(req.step_time_s) and req.step_time_s > 0:
             member.step_time_s = req.step_time_s
@@ -303,11 +332,11 @@ class Membership:
             member.inner_loss = req.inner_loss
         self.count_bytes(member, inbound=wire_bytes)
 
-    def leave(self, req: syncer_pb2.LeaveRequest) -> Member:
-        check_protocol(req.protocol_version)
-        member = self.require_member(req.learner_id, req.incarnation)
+    def leave(self, *, learner_id: str, incarnation: int, protocol_version: int) -> Member:
+        check_protocol(protocol_version)
+        member = self.require_member(learner_id, incarnation)
         member.left = True
-        _LOG.info("learner left", extra={"fields": {"learner": req.learner_id}})
+        _LOG.info("learner left", extra={"fields": {"learner": learner_id}})
         return member
 
     # ------------------------------------------------------------------------------ liveness

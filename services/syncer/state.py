@@ -1,11 +1,11 @@
-"""The syncer's state as others see it: RunConfig, the TrainingState view and the typed snapshot.
+"""The syncer's state as a restart needs it: the typed snapshot, in plain Python values.
 
-Owns `make_run_config` (the RunConfig learners adopt); `SyncerSnapshot` (with `FragmentSnapshot`,
-`MemberSnapshot`, `EvalSnapshot`): what a checkpoint keeps, and its conversion to and from the
-checkpoint's JSON-friendly form (services/syncer/checkpointing.py stores that form); and the
-per-member and per-fragment pieces of the TrainingState message and of a snapshot.
-Must not: take locks or mutate the core; SyncerCore.snapshot and restore call these under the
-fragments' locks, on the core's loop.
+Owns `SyncerSnapshot` (with `FragmentSnapshot`, `MemberSnapshot`, `EvalSnapshot`): what a checkpoint
+keeps, and its conversion to and from the checkpoint's JSON-friendly form
+(services/syncer/checkpointing.py stores that form). The protobuf views of this state (RunConfig,
+the TrainingState rows, EvalRecord) live in services/syncer/wire_views.py, next to the servicer.
+Must not: import generated protobuf code; take locks or mutate the core (SyncerCore.snapshot and
+restore call these under the fragments' locks, on the core's loop).
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ddiloco.algo import fragments as fragments_lib
-from ddiloco.v1 import syncer_pb2
-from ddiloco.wire import serde
 from . import membership as membership_lib
 from . import slots as slots_lib
 
@@ -141,14 +138,6 @@ class EvalSnapshot:
     tokens_merged: int = 0
     outer_steps: int = 0
 
-    @classmethod
-    def of(cls, e: syncer_pb2.EvalRecord) -> EvalSnapshot:
-        return cls(at_unix_s=e.at_unix_s, heldout_loss=e.heldout_loss, tokens_merged=e.tokens_merged,
-                   outer_steps=e.outer_steps)
-
-    def record(self) -> syncer_pb2.EvalRecord:
-        return syncer_pb2.EvalRecord(**dataclasses.asdict(self))
-
 
 @dataclasses.dataclass(frozen=True)
 class SyncerSnapshot:
@@ -209,68 +198,3 @@ class SyncerSnapshot:
 
     def __getitem__(self, key: str):
         return self.to_dict()[key]
-
-
-def member_state(m: membership_lib.Member, *, now_s: float, liveness_timeout_s: float) -> syncer_pb2.MemberState:
-    """One member's row of the TrainingState."""
-    status = syncer_pb2.MemberState
-    if m.left:
-        st = status.STATUS_LEFT
-    elif now_s - m.last_seen_s <= liveness_timeout_s:
-        st = status.STATUS_ACTIVE
-    else:
-        st = status.STATUS_SILENT
-    quarantined = now_s < m.quarantined_until_s
-    return status(
-        learner_id=m.learner_id, incarnation=m.incarnation, region=m.region, status=st,
-        last_seen_unix_s=m.last_seen_unix_s, local_step=m.local_step, tokens_total=m.tokens_total,
-        step_time_s=m.step_time_s, inner_loss=m.inner_loss, uploads_accepted=m.uploads_accepted,
-        uploads_rejected=m.uploads_rejected, joins=m.joins, bytes_in=m.bytes_in, bytes_out=m.bytes_out,
-        quarantined=quarantined, flags=m.flags, rejections=dict(m.rejections),
-        quarantined_until_unix_s=m.quarantined_until_unix_s if quarantined else 0.0,
-        direction_agreement=m.direction_sum / m.direction_count if m.direction_count else 0.0,
-        num_data_shards=m.num_data_shards, data_shard=max(m.data_shard, 0),
-        data_shard_assigned=m.data_shard_assigned,
-    )
-
-
-def fragment_state(s: slots_lib.FragmentSlot) -> syncer_pb2.FragmentState:
-    """One fragment's row of the TrainingState."""
-    return syncer_pb2.FragmentState(
-        fragment_id=s.fragment.fragment_id, version=s.version, numel=s.fragment.numel,
-        pending_contributions=len(s.round.contributions) if s.round else 0,
-        params_sha256=s.params_sha256,
-        published_sha256=s.published_sha256,
-        round=s.rounds_opened,
-        round_open=bool(s.round is not None and s.round.open),
-    )
-
-
-def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, model_config_json: str,
-                    fingerprint: str) -> syncer_pb2.RunConfig:
-    """The RunConfig learners adopt, from the syncer's configuration and fragment plan."""
-    return syncer_pb2.RunConfig(
-        run_id=cfg.run_id,
-        model_name=model_name,
-        model_config_json=model_config_json,
-        model_fingerprint=fingerprint,
-        num_fragments=plan.num_fragments,
-        sync_period_steps=plan.sync_period_steps,
-        overlap_steps=cfg.overlap_steps,
-        min_quorum=cfg.min_quorum,
-        upload_codec=serde.codec_to_proto(cfg.upload_codec),
-        upload_block_size=cfg.upload_block_size,
-        download_codec=serde.codec_to_proto(cfg.download_codec),
-        chunk_size_bytes=cfg.chunk_size_bytes,
-        max_staleness_versions=cfg.max_staleness_versions,
-        mixing_alpha=cfg.mixing_alpha,
-        on_arrival=cfg.on_arrival,
-        round_trigger=cfg.round_trigger,
-        fragments=serde.plan_to_proto(plan),
-        zstd_level=cfg.zstd_level,
-        merge_rule=cfg.merge_rule,
-        embedding_merge_rule=cfg.embedding_merge_rule,
-        protocol_version=serde.PROTOCOL_VERSION,
-        sync_mode=cfg.sync_mode,
-        init_seed=cfg.seed,
-    )

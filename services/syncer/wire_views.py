@@ -1,0 +1,107 @@
+"""The protobuf views of the syncer's plain state: the one place below the servicer that builds
+syncer_pb2 messages from the parts' Python values.
+
+Owns `make_run_config` (the RunConfig learners adopt), the TrainingState rows (`member_state`,
+`fragment_state`), the EvalRecord form of an `EvalSnapshot`, and the plain forms of the requests
+membership reads (`join_args`, `progress`). The parts (state, membership, slots,
+checkpointing, ...) stay free of generated code; tests/unit/test_syncer_no_protobuf.py checks that.
+Must not: hold state, take locks or mutate the core; called on the core's loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ddiloco.algo import fragments as fragments_lib
+from ddiloco.v1 import syncer_pb2
+from ddiloco.wire import serde
+from . import membership as membership_lib
+from . import slots as slots_lib
+from . import state as state_lib
+
+
+def join_args(req: syncer_pb2.JoinRequest) -> membership_lib.JoinArgs:
+    """The JoinRequest as membership reads it."""
+    return membership_lib.JoinArgs(
+        learner_id=req.learner_id, incarnation=req.incarnation, region=req.region,
+        protocol_version=req.protocol_version, model_fingerprint=req.model_fingerprint,
+        tokens_per_step=req.tokens_per_step, num_data_shards=req.num_data_shards, data_shard=req.data_shard,
+        assign_data_shard=req.assign_data_shard)
+
+
+def progress(req: syncer_pb2.ReportProgressRequest) -> membership_lib.Progress:
+    """The ReportProgressRequest as membership reads it."""
+    return membership_lib.Progress(
+        learner_id=req.learner_id, incarnation=req.incarnation, protocol_version=req.protocol_version,
+        local_step=req.local_step, tokens_total=req.tokens_total, step_time_s=req.step_time_s,
+        inner_loss=req.inner_loss)
+
+
+def eval_record(e: state_lib.EvalSnapshot) -> syncer_pb2.EvalRecord:
+    """One held-out evaluation as the TrainingState carries it."""
+    return syncer_pb2.EvalRecord(**dataclasses.asdict(e))
+
+
+def member_state(m: membership_lib.Member, *, now_s: float, liveness_timeout_s: float) -> syncer_pb2.MemberState:
+    """One member's row of the TrainingState."""
+    status = syncer_pb2.MemberState
+    if m.left:
+        st = status.STATUS_LEFT
+    elif now_s - m.last_seen_s <= liveness_timeout_s:
+        st = status.STATUS_ACTIVE
+    else:
+        st = status.STATUS_SILENT
+    quarantined = now_s < m.quarantined_until_s
+    return status(
+        learner_id=m.learner_id, incarnation=m.incarnation, region=m.region, status=st,
+        last_seen_unix_s=m.last_seen_unix_s, local_step=m.local_step, tokens_total=m.tokens_total,
+        step_time_s=m.step_time_s, inner_loss=m.inner_loss, uploads_accepted=m.uploads_accepted,
+        uploads_rejected=m.uploads_rejected, joins=m.joins, bytes_in=m.bytes_in, bytes_out=m.bytes_out,
+        quarantined=quarantined, flags=m.flags, rejections=dict(m.rejections),
+        quarantined_until_unix_s=m.quarantined_until_unix_s if quarantined else 0.0,
+        direction_agreement=m.direction_sum / m.direction_count if m.direction_count else 0.0,
+        num_data_shards=m.num_data_shards, data_shard=max(m.data_shard, 0),
+        data_shard_assigned=m.data_shard_assigned,
+    )
+
+
+def fragment_state(s: slots_lib.FragmentSlot) -> syncer_pb2.FragmentState:
+    """One fragment's row of the TrainingState."""
+    return syncer_pb2.FragmentState(
+        fragment_id=s.fragment.fragment_id, version=s.version, numel=s.fragment.numel,
+        pending_contributions=len(s.round.contributions) if s.round else 0,
+        params_sha256=s.params_sha256,
+        published_sha256=s.published_sha256,
+        round=s.rounds_opened,
+        round_open=bool(s.round is not None and s.round.open),
+    )
+
+
+def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, model_config_json: str,
+                    fingerprint: str) -> syncer_pb2.RunConfig:
+    """The RunConfig learners adopt, from the syncer's configuration and fragment plan."""
+    return syncer_pb2.RunConfig(
+        run_id=cfg.run_id,
+        model_name=model_name,
+        model_config_json=model_config_json,
+        model_fingerprint=fingerprint,
+        num_fragments=plan.num_fragments,
+        sync_period_steps=plan.sync_period_steps,
+        overlap_steps=cfg.overlap_steps,
+        min_quorum=cfg.min_quorum,
+        upload_codec=serde.codec_to_proto(cfg.upload_codec),
+        upload_block_size=cfg.upload_block_size,
+        download_codec=serde.codec_to_proto(cfg.download_codec),
+        chunk_size_bytes=cfg.chunk_size_bytes,
+        max_staleness_versions=cfg.max_staleness_versions,
+        mixing_alpha=cfg.mixing_alpha,
+        on_arrival=cfg.on_arrival,
+        round_trigger=cfg.round_trigger,
+        fragments=serde.plan_to_proto(plan),
+        zstd_level=cfg.zstd_level,
+        merge_rule=cfg.merge_rule,
+        embedding_merge_rule=cfg.embedding_merge_rule,
+        protocol_version=serde.PROTOCOL_VERSION,
+        sync_mode=cfg.sync_mode,
+        init_seed=cfg.seed,
+    )
