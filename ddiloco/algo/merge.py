@@ -140,6 +140,12 @@ class ScaledResult(NamedTuple):
     # Σ values² per segment (float64) when known, so ‖Δ‖² = Σ scales² · sum_squares needs no pass.
     sum_squares: np.ndarray | None = None
 
+    def scaled(self, factor: float) -> ScaledResult:
+        """Δ·factor, still factored (float32 scales); ``self`` when factor is 1, bit for bit."""
+        if factor == 1.0:
+            return self
+        return self._replace(scales=(self.scales * np.float32(factor)).astype(np.float32))
+
     def materialize(self) -> np.ndarray:
         """Δ as a fresh float32 vector."""
         out = np.empty_like(self.values)
