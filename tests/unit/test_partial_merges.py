@@ -135,3 +135,19 @@ def test_desynchronised_learners_diverge_with_whole_lone_steps_and_train_with_th
     assert best < 0.1 * steps[0] and steps[-1] > 100 * best, (steps[0], best, steps[-1])  # trained, then diverged
     assert max(work[len(work) // 2:]) < 0.1 * work[0], (work[0], work[-1])
     assert work[-1] < steps[-1] / 100
+
+
+def test_the_weighted_mean_never_moves_further_than_rda_even_with_a_long_contribution():
+    # Not the merge rule: the weighted mean's norm is at most RDA's (‖Σ w·v‖ / Σ w <= Σ w·‖v‖ / Σ w),
+    # also when one contribution spans k rounds (k x the steps, so k x the weight and about k x the norm).
+    rng = np.random.default_rng(3)
+    for k in (1, 3, 10):
+        vectors = [rng.standard_normal(FRAGMENT.numel).astype(np.float32) * scale for scale in (1.0, 1.0, k)]
+        weights = [merge_lib.contribution_weight(100 * s, s) for s in (H, H, k * H)]
+        merged = {}
+        for rule in ("mean", "rda"):
+            accumulator = merge_lib.MergeAccumulator(FRAGMENT, rule=rule)
+            for vector, weight in zip(vectors, weights, strict=True):
+                accumulator.add(vector, weight)
+            merged[rule] = np.linalg.norm(accumulator.result())
+        assert merged["mean"] <= merged["rda"] * (1 + 1e-6), (k, merged)
