@@ -99,8 +99,10 @@ def merge_share(mode: str, contributions: Sequence[tuple[int, int]], *, contribu
       a stale contribution is re-anchored by the syncer's own last move (Θ_v − Θ_base), which
       the step sends back amplified by η(1 + μ); with η = 0.7, μ = 0.9 and each lone merge one
       version stale its moves grow by |λ| = 1.04 per merge even when the learners do no work
-      (at q = 1/2 with "work": 0.84). ``ddiloco bench quality --quick`` saw a decoupled run's held-out
-      loss go 4.53 -> 5.29 under load.
+      (at q = 1/2 with "work": 0.84); two rebasing learners on a noisy quadratic, half a period
+      apart with a few steps of latency, diverge (tests/unit/test_partial_merges.py). Under load a
+      quick ``bench quality`` run's held-out loss went 4.53 -> 5.29 in 12 merges this way (likely:
+      the run was not recorded merge by merge).
     * ``"whole"``: every merge one whole step of Δ (the synchronous baselines).
 
     Args:

@@ -72,8 +72,9 @@ class SyncerConfig:
     # expected learners) of a Nesterov step, on its delta x (contributors / expected learners)
     # (ddiloco.algo.outer.merge_share): learners a round expected but did not get count as zero
     # pseudo-gradients, so lone merges of desynchronised learners add up to one step per round of
-    # work (with whole steps for lone merges the loop diverged under load: quick bench quality
-    # 4.53 -> 5.29). A merge of every expected learner is as with steps.
+    # work (a whole step per lone merge feeds the syncer's own moves back through re-anchored stale
+    # contributions, a loop that diverges: tests/unit/test_partial_merges.py). A merge of every
+    # expected learner is as with steps.
     # steps: s = (token-weighted mean inner steps) / H, the whole delta whatever the learners: a
     # short round (the first staggered rounds, the end of training) adds no whole momentum push
     # (bench quality: -3.8 % held-out loss at seed 0), and many rounds' work at once (learners back
