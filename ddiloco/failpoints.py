@@ -11,8 +11,11 @@ comma-separated list of `name=action[@n]`:
 `stall` blocks the thread that reached the point until the process ends, while every other
 thread (servers, the sync client) goes on: a hung loop, as a wedged device or a deadlocked
 collective leaves it; what liveness probes must catch (SIGSTOP would freeze the probe's answer too).
-The services arm them with `--failpoints` (env DDILOCO_<SERVICE>_FAILPOINTS); the checkpoint
-store has its own set (services/checkpoint/store.py, `store.*`, which also knows `enospc`).
+`enospc` (store points only) raises OSError(ENOSPC) at that hit and every later one: a disk
+that filled up stays full, and the store answers as it does for a real full disk.
+The services arm them with `--failpoints` (env DDILOCO_<SERVICE>_FAILPOINTS; the checkpoint
+store's is DDILOCO_FAILPOINTS). This is the one failpoint system of the project: every service
+parses and fires its points here.
 
 Known points:
 
@@ -22,10 +25,16 @@ Known points:
                           (ddiloco/learner/client.py `_upload`): a crash mid-upload
     learner.inner_step    the training loop is about to take an inner step
                           (services/learner/__main__.py): with `stall`, a hung loop
+    store.write           the checkpoint store is about to write data to a temp file
+    store.after_tmp_write             a temp file is complete and fsynced
+    store.before_rename               just before the temp file is renamed over its target
+    store.after_rename_before_dirsync renamed, the directory not yet fsynced
+                          (services/checkpoint/store.py and blob_io.py: every atomic write)
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -36,15 +45,27 @@ KNOWN: dict[str, str] = {
     "syncer.after_quorum": "a round reached quorum, before the outer step is applied",
     "learner.after_chunk": "an upload sent a payload chunk, before the stream ends",
     "learner.inner_step": "the training loop is about to take an inner step",
+    "store.write": "the store is about to write data to a temp file",
+    "store.after_tmp_write": "a temp file is complete and fsynced",
+    "store.before_rename": "just before a temp file is renamed over its target",
+    "store.after_rename_before_dirsync": "renamed, the directory not yet fsynced",
 }
-ACTIONS = frozenset({"crash", "stall"})
+# The store's points fail the write as a full disk would; the other services' may stall a thread
+# (their servers go on answering, which is what a stall is for).
+_STORE_ACTIONS = frozenset({"crash", "enospc"})
+_SERVICE_ACTIONS = frozenset({"crash", "stall"})
 CRASH_EXIT_CODE = 137  # what a SIGKILLed process reports, so a crash failpoint looks like one
+
+
+def actions_of(name: str) -> frozenset[str]:
+    """The actions failpoint `name` accepts."""
+    return _STORE_ACTIONS if name.startswith("store.") else _SERVICE_ACTIONS
 
 
 def parse(spec: str, *, prefix: str = "") -> dict[str, tuple[str, int]]:
     """`"a=crash,b=crash@3"` -> {name: (action, nth hit)}; ValueError naming what is wrong.
 
-    `prefix` ("syncer." or "learner.") restricts the names a service accepts.
+    `prefix` ("syncer.", "learner." or "store.") restricts the names a service accepts.
     """
     points: dict[str, tuple[str, int]] = {}
     for entry in (e.strip() for e in spec.split(",")):
@@ -58,8 +79,8 @@ def parse(spec: str, *, prefix: str = "") -> dict[str, tuple[str, int]]:
             known = sorted(k for k in KNOWN if k.startswith(prefix))
             raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(known)}")
         action, _, nth = action.partition("@")
-        if action not in ACTIONS:
-            raise ValueError(f"failpoint {name}={action!r}: the action must be one of {sorted(ACTIONS)}")
+        if action not in actions_of(name):
+            raise ValueError(f"failpoint {name}={action!r}: the action must be one of {sorted(actions_of(name))}")
         try:
             count = int(nth) if nth else 1
         except ValueError:
@@ -90,8 +111,10 @@ class Failpoints:
             return
         with self._lock:
             self._hits[name] = self._hits.get(name, 0) + 1
-            fire = self._hits[name] == armed[1]
-        if not fire:
+            hits = self._hits[name]
+        if armed[0] == "enospc" and hits >= armed[1]:  # a full disk stays full
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (failpoint {name})")
+        if hits != armed[1]:
             return
         if armed[0] == "stall":
             _LOG.error("failpoint %s fired (hit %d): this thread stalls until the process ends", name, armed[1])

@@ -12,8 +12,6 @@ from collections.abc import Iterator
 from ddiloco.chaos import etcd as etcd_lib
 from tests import tools
 
-EtcdProcess = etcd_lib.EtcdProcess
-
 
 def etcd_binary() -> str:
     """The path of a working etcd; fails the calling test when there is none."""
@@ -21,6 +19,6 @@ def etcd_binary() -> str:
 
 
 @contextlib.contextmanager
-def running_etcd(directory: pathlib.Path) -> Iterator[EtcdProcess]:
+def running_etcd(directory: pathlib.Path) -> Iterator[etcd_lib.EtcdMember]:
     with etcd_lib.running_etcd(directory, etcd_binary()) as etcd:
         yield etcd

@@ -39,6 +39,36 @@ from ddiloco.algo import fragments as fragments_lib
 
 EQUAL_MEAN = "equal_mean"
 RULES: tuple[str, ...] = ("rda", "mean", EQUAL_MEAN)
+# How norms of contributions spanning different step counts are compared (``norm_allowance_steps``).
+STEP_SCALINGS: tuple[str, ...] = ("per_step", "sqrt_below_median")
+
+
+class _Entry(NamedTuple):
+    """A contribution held back or folded in by ``MergeAccumulator``."""
+
+    delta: np.ndarray
+    weight: float
+    norms: np.ndarray
+    key: str
+    steps: int
+    per_step: float  # ‖Δ‖ / steps
+    claims_unverified: bool  # its claimed steps or batch were clipped or not checked: the share cap always applies
+
+
+def norm_allowance_steps(steps: int, reference_steps: float, scaling: str) -> float:
+    """The multiple of a per-step reference norm (from contributions of `reference_steps` steps,
+    their median) a contribution of `steps` steps is compared with: ``"per_step"``, `steps`;
+    ``"sqrt_below_median"``, `steps` from the reference's step count up, √(steps · reference_steps)
+    below it. Why (docs/security.md#bounded-influence): norms grow about linearly with steps across
+    one merge's learners, except for contributions of far fewer steps (a restarted learner's first
+    ones), whose per-step norms are higher. Claiming fewer steps only lowers a weight (tokens² /
+    steps), so the allowance buys a hostile learner little: weight x norm falls as steps^1.5."""
+    if scaling not in STEP_SCALINGS:
+        raise ValueError(f"scaling={scaling!r} is unknown: use one of {list(STEP_SCALINGS)}")
+    steps = max(1, int(steps))
+    if scaling == "per_step" or steps >= reference_steps:
+        return float(steps)
+    return math.sqrt(steps * float(reference_steps))
 
 
 def contribution_weight(tokens: int, steps: int) -> float:
@@ -140,12 +170,6 @@ class ScaledResult(NamedTuple):
     # Σ values² per segment (float64) when known, so ‖Δ‖² = Σ scales² · sum_squares needs no pass.
     sum_squares: np.ndarray | None = None
 
-    def scaled(self, factor: float) -> ScaledResult:
-        """Δ·factor, still factored (float32 scales); ``self`` when factor is 1, bit for bit."""
-        if factor == 1.0:
-            return self
-        return self._replace(scales=(self.scales * np.float32(factor)).astype(np.float32))
-
     def materialize(self) -> np.ndarray:
         """Δ as a fresh float32 vector."""
         out = np.empty_like(self.values)
@@ -184,9 +208,17 @@ class MergeAccumulator:
     merge's total. A share is only known once every weight is, so the heaviest contribution so
     far is held back (by reference) and folded in last, by ``scaled_result``, with its weight
     lowered to max_share / (1 - max_share) x the others' total if it is above. With max_share >=
-    1/2 no other contribution can be above it, so the cap is exact. Likewise (``max_norm_ratio``)
-    the contribution of the largest norm per step is held back and clipped to that many times
-    the median of the others'. At most two fragments more in memory: still O(fragment size).
+    1/2 no other contribution can be above it, so the cap is exact. The cap applies in merges of
+    at least ``share_cap_min_count`` contributions, where the others are a majority to compare
+    with, and always to a contribution whose claims the syncer clipped or could not check yet (no
+    other learners' history at the start of a run): in a merge of two, the cap
+    at 1/2 gave an honest 4x-batch unit the weight of a 1x learner, undoing tokens² / steps.
+    Likewise (``max_norm_ratio``) the contribution of the largest norm per step is held back and
+    clipped to that many times the median of the others' (per step, with ``norm_allowance_steps``
+    below the others' median step count). It is the largest per step that is held back, so with
+    ``"sqrt_below_median"`` a few-step contribution held back leaves a many-step one above the
+    ratio unclipped here (the syncer's history clip still bounds that one). At most two fragments
+    more in memory: still O(fragment size).
     """
 
     def __init__(
@@ -197,6 +229,8 @@ class MergeAccumulator:
         embedding_rule: str = "mean",
         max_share: float = 1.0,
         max_norm_ratio: float = 0.0,
+        share_cap_min_count: int = 1,
+        step_scaling: str = "per_step",
     ) -> None:
         """Creates an empty accumulator.
 
@@ -208,6 +242,9 @@ class MergeAccumulator:
                 have, in [0.5, 1] (1: no cap). See ``scaled_result``.
             max_norm_ratio: the contribution of the largest norm per step is held back too, and
                 clipped to this x the median of the others' in the merge (0: not).
+            share_cap_min_count: the share cap applies in merges of at least this many
+                contributions, and to contributions added with ``claims_unverified`` in any merge.
+            step_scaling: one of ``STEP_SCALINGS`` (``norm_allowance_steps``).
 
         Raises:
             ValueError: on an unknown rule or a share outside [0.5, 1].
@@ -218,15 +255,17 @@ class MergeAccumulator:
         if not 0.5 <= max_share <= 1.0:
             raise ValueError(f"max_share={max_share} must be in [0.5, 1]: below 0.5 more than one "
                              "contribution could exceed it, and a streamed merge can hold back only one")
+        norm_allowance_steps(1, 1, step_scaling)  # checks the name
         self._max_share = float(max_share)
+        self._share_cap_min_count = int(share_cap_min_count)
+        self._step_scaling = step_scaling
         # Held back, not folded in yet: the heaviest contribution so far (max_share < 1: only it
         # can exceed a share >= 1/2, so capping it at the end is exact) and the one of the largest
-        # norm per step (max_norm_ratio > 0), possibly the same. Each (delta, weight, norms, key,
-        # steps, norm per step).
-        self._heavy: tuple | None = None
-        self._large: tuple | None = None
+        # norm per step (max_norm_ratio > 0), possibly the same.
+        self._heavy: _Entry | None = None
+        self._large: _Entry | None = None
         self._max_norm_ratio = float(max_norm_ratio)
-        self._per_step_norms: list[float] = []  # ‖Δ‖ / steps of each contribution folded in
+        self._folded: list[tuple[float, int]] = []  # (‖Δ‖ / steps, steps) of each contribution folded in
         self.held_norm_scale = 1.0  # the factor the largest contribution was scaled by (clipped: < 1)
         self.norm_clipped_key = ""  # whose contribution that was
         # (key, weight, capped weight) of the contribution scaled_result capped, if any.
@@ -254,7 +293,7 @@ class MergeAccumulator:
         self._weight_unit = 1.0
         self._folded_weight = 0.0
 
-    def _held(self) -> list[tuple]:
+    def _held(self) -> list[_Entry]:
         return [e for i, e in enumerate((self._heavy, self._large)) if e is not None and (i == 0 or e is not self._heavy)]
 
     @property
@@ -265,10 +304,10 @@ class MergeAccumulator:
     @property
     def total_weight(self) -> float:
         """Sum of the weights passed to ``add`` (after ``scaled_result``: with the cap applied)."""
-        return self._total_weight + sum(e[1] for e in self._held())
+        return self._total_weight + sum(e.weight for e in self._held())
 
     def add(self, delta_flat: np.ndarray, weight: float, norms: np.ndarray | None = None, *,
-            key: str = "", steps: int = 1) -> None:
+            key: str = "", steps: int = 1, claims_unverified: bool = False) -> None:
         """Folds one learner's pseudo-gradient into the merge.
 
         Args:
@@ -282,6 +321,9 @@ class MergeAccumulator:
             key: who contributed (``capped`` names it). With ``max_share`` < 1 the heaviest
                 contribution is kept by reference until the merge: do not modify it.
             steps: the inner steps the contribution spans (``max_norm_ratio`` compares per step).
+            claims_unverified: the caller clipped this contribution's claims (steps, batch) or
+                had nothing to check them against: the share cap applies to it whatever the
+                merge's size.
 
         Raises:
             ValueError: on a wrong size, non-finite values (or norms), or a negative or
@@ -313,50 +355,55 @@ class MergeAccumulator:
                 "reject the contribution"
             )
         steps = max(1, int(steps))
-        entry = (delta, float(weight), norms, key, steps, math.sqrt(float(np.sum(np.square(norms)))) / steps)
+        entry = _Entry(delta, float(weight), norms, key, steps, math.sqrt(float(np.sum(np.square(norms)))) / steps,
+                       bool(claims_unverified))
         holding = (self._max_share < 1.0, self._max_norm_ratio > 0)
         if not any(holding):
             self._fold_entry(entry)
             return
         candidates = list({id(e): e for e in (self._heavy, self._large, entry) if e is not None}.values())
-        heavy = max(candidates, key=lambda e: e[1]) if holding[0] else None  # first of equals: the earlier
-        large = max(candidates, key=lambda e: e[5]) if holding[1] else None
+        heavy = max(candidates, key=lambda e: e.weight) if holding[0] else None  # first of equals: the earlier
+        large = max(candidates, key=lambda e: e.per_step) if holding[1] else None
         for e in candidates:
             if e is not heavy and e is not large:
                 self._fold_entry(e)
         self._heavy, self._large = heavy, large
 
-    def _fold_entry(self, entry: tuple) -> None:
-        self.fold_order.append(entry[3])
-        self._per_step_norms.append(entry[5])
-        self._fold(entry[0], entry[1], entry[2])
+    def _fold_entry(self, entry: _Entry) -> None:
+        self.fold_order.append(entry.key)
+        self._folded.append((entry.per_step, entry.steps))
+        self._fold(entry.delta, entry.weight, entry.norms)
 
     def _settle(self) -> None:
-        """Folds in the held contributions: the largest with its norm per step clipped to
-        ``max_norm_ratio`` x the median of the others' (no history needed, so it holds at the
-        start of a run too), the heaviest with its weight capped at ``max_share`` of the total."""
+        """Folds in the held contributions: the largest with its norm clipped to ``max_norm_ratio``
+        x the median of the others' per step (no history needed, so it holds at the start of a run
+        too), the heaviest with its weight capped at ``max_share`` of the total."""
         heavy, large = self._heavy, self._large
         self._heavy = self._large = None
         if large is not None:
-            others = self._per_step_norms + ([heavy[5]] if heavy is not None and heavy is not large else [])
-            limit = self._max_norm_ratio * float(np.median(others)) * large[4] if others else 0.0
-            norm = large[5] * large[4]
+            others = self._folded + ([(heavy.per_step, heavy.steps)] if heavy is not None and heavy is not large else [])
+            limit = 0.0
+            if others:
+                allowance = norm_allowance_steps(large.steps, float(np.median([s for _, s in others])),
+                                                 self._step_scaling)
+                limit = self._max_norm_ratio * float(np.median([n for n, _ in others])) * allowance
+            norm = large.per_step * large.steps
             if limit > 0 and norm > limit:
-                self.held_norm_scale, self.norm_clipped_key = limit / norm, large[3]
-                clipped = (large[0] * np.float32(limit / norm), large[1], large[2] * (limit / norm), large[3],
-                           large[4], limit / large[4])
+                self.held_norm_scale, self.norm_clipped_key = limit / norm, large.key
+                clipped = large._replace(delta=large.delta * np.float32(limit / norm), norms=large.norms * (limit / norm),
+                                         per_step=limit / large.steps)
                 heavy = clipped if heavy is large else heavy
                 large = clipped
         if large is not None and large is not heavy:
             self._fold_entry(large)
         if heavy is None:
             return
-        delta, weight, norms, key, _, _ = heavy
         rest = self._total_weight
-        if rest > 0 and weight > self._max_share * (weight + rest):
+        applies = self._count + 1 >= self._share_cap_min_count or heavy.claims_unverified
+        if applies and rest > 0 and heavy.weight > self._max_share * (heavy.weight + rest):
             capped = self._max_share / (1.0 - self._max_share) * rest
-            self.capped = (key, weight, capped)
-            heavy = (delta, capped, *heavy[2:])
+            self.capped = (heavy.key, heavy.weight, capped)
+            heavy = heavy._replace(weight=capped)
         self._fold_entry(heavy)
 
     def _fold(self, delta: np.ndarray, weight: float, norms: np.ndarray) -> None:

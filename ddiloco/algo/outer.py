@@ -130,6 +130,14 @@ def merge_share(mode: str, contributions: Sequence[tuple[int, int]], *, contribu
     return MergeShare(rounds * share, share)
 
 
+def scale_delta(merged: merge_lib.ScaledResult, factor: float) -> merge_lib.ScaledResult:
+    """Δ·factor (``MergeShare.delta_scale``), still factored (float32 scales, sum_squares kept: it is
+    per unscaled value); ``merged`` itself when factor is 1, so a full merge is bit for bit unchanged."""
+    if factor == 1.0:
+        return merged
+    return merged._replace(scales=(merged.scales * np.float32(factor)).astype(np.float32))
+
+
 def make_outer_optimizer(
     learning_rate: float = 0.7, momentum: float = 0.9, nesterov: bool = True
 ) -> optax.GradientTransformation:
@@ -332,26 +340,8 @@ class OuterStepper:
                 f"values has {values.size} values but params_flat has {params.size}: "
                 "both must cover the same fragment"
             )
-        bounds = np.ascontiguousarray(bounds, dtype=np.int64)
-        scales = np.ascontiguousarray(scales, dtype=np.float32)
-        # A fragment has a few segments: Python on the list is ~4 us cheaper per step than
-        # numpy's diff and any (a few % of the step of a 131K-value fragment).
-        offsets = bounds.tolist() if bounds.ndim == 1 else []
-        if (
-            scales.ndim != 1 or len(offsets) != scales.size + 1
-            or offsets[0] != 0 or offsets[-1] != values.size
-            or any(lo > hi for lo, hi in zip(offsets, offsets[1:]))
-        ):
-            raise ValueError(
-                f"bounds {bounds.tolist()[:8]} and {scales.size} scales do not split a vector "
-                f"of {values.size} values: need len(scales) + 1 increasing offsets from 0"
-            )
-        grad_sq = None
-        if sum_squares is not None:
-            squares = np.asarray(sum_squares, dtype=np.float64)
-            if squares.shape != scales.shape:
-                raise ValueError(f"sum_squares has shape {squares.shape}: pass one per segment ({scales.size})")
-            grad_sq = float(np.dot(squares, np.square(scales.astype(np.float64))))
+        bounds, scales = _check_segments(values.size, bounds, scales)
+        grad_sq = None if sum_squares is None else _squared_norm(sum_squares, scales)
         if not (fraction > 0.0 and math.isfinite(fraction)):
             raise ValueError(f"fraction={fraction}: a step's fraction must be a finite number > 0")
         return self._step_checked(params, self._check_state(params.size, state), values, bounds, scales, write_grad,
@@ -457,6 +447,34 @@ class OuterStepper:
                 jax.eval_shape(self._optimizer.init, spec)
             )
         return self._structures[numel]
+
+
+def _check_segments(numel: int, bounds: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``bounds`` as contiguous int64 and ``scales`` as contiguous float32, once they are
+    checked to split a vector of ``numel`` values into ``len(scales)`` segments."""
+    bounds = np.ascontiguousarray(bounds, dtype=np.int64)
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    # A fragment has a few segments: Python on the list is ~4 us cheaper per step than
+    # numpy's diff and any (a few % of the step of a 131K-value fragment).
+    offsets = bounds.tolist() if bounds.ndim == 1 else []
+    if (
+        scales.ndim != 1 or len(offsets) != scales.size + 1
+        or offsets[0] != 0 or offsets[-1] != numel
+        or any(lo > hi for lo, hi in zip(offsets, offsets[1:]))
+    ):
+        raise ValueError(
+            f"bounds {bounds.tolist()[:8]} and {scales.size} scales do not split a vector "
+            f"of {numel} values: need len(scales) + 1 increasing offsets from 0"
+        )
+    return bounds, scales
+
+
+def _squared_norm(sum_squares: np.ndarray, scales: np.ndarray) -> float:
+    """‖Δ‖² from the factored form's Σ values² per segment and its float32 scales."""
+    squares = np.asarray(sum_squares, dtype=np.float64)
+    if squares.shape != scales.shape:
+        raise ValueError(f"sum_squares has shape {squares.shape}: pass one per segment ({scales.size})")
+    return float(np.dot(squares, np.square(scales.astype(np.float64))))
 
 
 def _check_vector(field: str, value: np.ndarray) -> np.ndarray:

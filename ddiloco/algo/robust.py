@@ -24,10 +24,13 @@ same fragment, so a learner can never raise its own reference:
   A legitimately bigger unit (a 4-device learner with a 4x global batch weighs 16x per step) is
   weighted in full; comparing weights themselves would clip every unit whose batch exceeds √b
   times the median;
-* median-of-norms clipping (`clip_factor`): a contribution within the bound whose per-step norm is
-  above clip_factor x the others' median is scaled down to it, accepted and not a strike (the
-  merge itself applies the same clip to its largest contribution, and caps the share of its
-  heaviest at `max_share`: ddiloco.algo.merge.MergeAccumulator).
+* median-of-norms clipping (`clip_factor`): a contribution within the bound whose norm is above
+  clip_factor x the others' median per step (over their contributions of the last
+  `clip_window_versions` versions and of similar step counts, `clip_step_ratio`; below their
+  median step count compared as √steps, merge.norm_allowance_steps) is scaled down to it,
+  accepted and not a strike (the merge itself applies the same clip to its largest contribution,
+  and caps the share of its heaviest at `max_share` in merges of `share_min_contributors` or more
+  or for unverified claims: ddiloco.algo.merge.MergeAccumulator).
 
 Violations are rejected or clipped (scaled down to the bound), as configured.
 
@@ -91,8 +94,19 @@ class NormBoundPolicy:
     # moving the merged norm far (RDA's norm is the weighted mean of the contributions').
     clip_factor: float = 4.0
     # The largest share of one merge's total weight a contribution may have (MergeAccumulator
-    # max_share, in [0.5, 1]; 1: no cap).
+    # max_share, in [0.5, 1]; 1: no cap), in merges of at least share_min_contributors (the others
+    # are a majority to compare with) and for contributions whose claims were clipped.
     max_share: float = 0.5
+    share_min_contributors: int = 3
+    # The clip's reference: other learners' contributions accepted within this many versions of the
+    # fragment, of step counts within clip_step_ratio of the contribution's (0: any), compared per
+    # step (below their median steps as sqrt(steps x median), step_scaling). Measured on the ledgers
+    # of two seeded 16-learner goodput runs (docs/security.md#bounded-influence): the old reference
+    # (the last 16 kept, any steps, per step) put honest contributions at up to 12-14x, mostly in the
+    # learning rate's warm-up, where 4-40-step contributions met references of 1-3 steps.
+    clip_window_versions: int = 2
+    clip_step_ratio: float = 2.0
+    step_scaling: str = "sqrt_below_median"  # merge.STEP_SCALINGS
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -103,6 +117,9 @@ class NormBoundPolicy:
             raise ValueError("need batch_factor >= 0 and clip_factor >= 0 (0: off)")
         if not 0.5 <= self.max_share <= 1.0:
             raise ValueError(f"max_share={self.max_share} must be in [0.5, 1] (1: no cap)")
+        if self.share_min_contributors < 1 or self.clip_window_versions < 0 or self.clip_step_ratio < 0:
+            raise ValueError("need share_min_contributors >= 1, clip_window_versions >= 0 and clip_step_ratio >= 0")
+        merge_lib.norm_allowance_steps(1, 1, self.step_scaling)  # checks the name
 
     @property
     def enabled(self) -> bool:
@@ -256,13 +273,16 @@ class NormHistory:
         norms = np.asarray(norms, dtype=np.float64)
         return np.append(norms, np.sqrt(np.sum(norms * norms)))
 
-    def add(self, learner_id: str, norms: np.ndarray, steps: int, weight: float) -> None:
+    def add(self, learner_id: str, norms: np.ndarray, steps: int, weight: float, version: int = 0) -> None:
+        """Records an accepted contribution, at the fragment version it was accepted at."""
         self._refused_since_accept.clear()
         steps = max(1, int(steps))
-        self._records.append((learner_id, self._extended(norms) / steps, float(weight), steps))
+        self._records.append((learner_id, self._extended(norms) / steps, float(weight), steps, int(version)))
 
-    def _others(self, learner_id: str) -> list:
-        return [r for r in self._records if r[0] != learner_id]
+    def _others(self, learner_id: str, version: int | None = None) -> list:
+        """Other learners' records; with `version`, only those of the clip's window before it."""
+        oldest = -math.inf if version is None else version - self.policy.clip_window_versions
+        return [r for r in self._records if r[0] != learner_id and r[4] >= oldest]
 
     def check(self, learner_id: str, norms: np.ndarray, steps: int, params_norm: float, *,
               steps_verified: bool = False) -> Verdict:
@@ -323,21 +343,34 @@ class NormHistory:
         batch = self.policy.batch_factor or self.policy.factor
         return credited * (batch * per_step) ** 2
 
-    def norm_ratio(self, learner_id: str, norm: float, steps: int) -> float | None:
-        """The contribution's whole-fragment norm per step over the others' median (None: fewer
-        than min_history others to compare with). What median-of-norms clipping acts on."""
-        others = self._others(learner_id)
+    def clip_reference(self, learner_id: str, version: int | None = None,
+                       steps: int | None = None) -> tuple[float, float] | None:
+        """(median norm per step, median steps) of the other learners' contributions in the clip's
+        window before `version` (all kept ones when None) whose steps are within clip_step_ratio of
+        `steps` (any when None); None with fewer than min_history."""
+        others = self._others(learner_id, version)
+        ratio = self.policy.clip_step_ratio
+        if steps is not None and ratio > 0:
+            others = [r for r in others if r[3] <= ratio * steps and steps <= ratio * r[3]]
         if len(others) < self.policy.min_history:
             return None
-        reference = float(np.median([r[1][-1] for r in others]))  # whole-fragment norm per step
-        return norm / max(1, int(steps)) / reference if reference > 0 else None
+        return float(np.median([r[1][-1] for r in others])), float(np.median([r[3] for r in others]))
 
-    def clip_scale(self, learner_id: str, norm: float, steps: int) -> float:
-        """The factor (<= 1) median-of-norms clipping scales the contribution by: per-step norm
-        at most clip_factor x the others' median (1 when off, within, or without a reference)."""
+    def norm_ratio(self, learner_id: str, norm: float, steps: int, version: int | None = None) -> float | None:
+        """The contribution's whole-fragment norm over the others' median per step times its
+        allowance (merge.norm_allowance_steps; None: no reference, clip_reference). What
+        median-of-norms clipping acts on."""
+        reference = self.clip_reference(learner_id, version, max(1, int(steps)))
+        if reference is None or reference[0] <= 0:
+            return None
+        return norm / (reference[0] * merge_lib.norm_allowance_steps(steps, reference[1], self.policy.step_scaling))
+
+    def clip_scale(self, learner_id: str, norm: float, steps: int, version: int | None = None) -> float:
+        """The factor (<= 1) median-of-norms clipping scales the contribution by: at most clip_factor
+        x the reference (norm_ratio; 1 when off, within, or without a reference)."""
         if not self.policy.enabled or self.policy.clip_factor <= 0:
             return 1.0
-        ratio = self.norm_ratio(learner_id, norm, steps)
+        ratio = self.norm_ratio(learner_id, norm, steps, version)
         if ratio is None or ratio <= self.policy.clip_factor:
             return 1.0
         return self.policy.clip_factor / ratio

@@ -26,33 +26,19 @@ import json
 import os
 import pathlib
 import statistics
-import sys
 import time
 
+import grpc
 import numpy as np
 
-_PROXIES = r"""
-import asyncio, json, os, sys
-from ddiloco.chaos import proxy as proxy_lib
-
-async def main(spec, ready):
-    ports = []
-    for upstream in spec["upstreams"]:
-        host, port = upstream.rsplit(":", 1)
-        proxy = proxy_lib.FaultProxy("127.0.0.1", host, int(port))
-        ports.append(await proxy.start())
-        proxy.set(latency_s=spec["latency_s"])
-    with open(ready + ".tmp", "w") as f:
-        json.dump({"address": f"127.0.0.1:{ports[0]}", "ports": ports, "pid": os.getpid()}, f)
-    os.replace(ready + ".tmp", ready)
-    await asyncio.Event().wait()
-
-asyncio.run(main(json.loads(sys.argv[1]), sys.argv[2]))
-"""
-
-
-def _now() -> float:
-    return time.perf_counter()
+from ddiloco.bench import perf_common as common
+from ddiloco.bench import perf_transport
+from ddiloco.bench import results as results_lib
+from ddiloco.learner import client as client_lib
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import serde
 
 
 class _Learner:
@@ -65,18 +51,11 @@ class _Learner:
         self.join = None
 
     async def start(self, timeout_s: float) -> None:
-        from ddiloco.v1 import syncer_pb2
-        from ddiloco.wire import serde
-
         self.join = await self.stub.Join(syncer_pb2.JoinRequest(
             protocol_version=serde.PROTOCOL_VERSION, learner_id=self.learner_id, incarnation=self.incarnation,
             region="bench"), timeout=timeout_s)
 
     def messages(self, fid: int, encoded, chunk_size_bytes: int) -> list:
-        from ddiloco.v1 import syncer_pb2
-        from ddiloco.wire import serde
-        from ddiloco.learner import client as client_lib
-
         versions = serde.versions_from_proto(self.join.fragment_versions)
         header = syncer_pb2.UploadHeader(
             protocol_version=serde.PROTOCOL_VERSION, learner_id=self.learner_id, incarnation=self.incarnation,
@@ -85,8 +64,6 @@ class _Learner:
         return client_lib.upload_messages(header, encoded.payload, chunk_size_bytes)
 
     async def upload(self, messages: list, timeout_s: float):
-        from ddiloco.learner import client as client_lib
-
         return await client_lib.send_upload(self.stub, messages, timeout_s,
                                             pipeline_bytes=self.join.upload_pipeline_bytes)
 
@@ -95,11 +72,6 @@ async def _measure(syncer_address: str, bare_address: str, encoded: dict, upload
                    timeout_s: float) -> dict:
     """`uploads` real uploads (cycling fragments, each from a fresh learner identity) alternating
     with bare streams of the same bytes; per-upload times of each."""
-    import grpc
-
-    from ddiloco.rpc import channel as channel_lib
-    from ddiloco.v1 import syncer_pb2_grpc
-
     syncer_channel = channel_lib.aio_channel(syncer_address, None)
     bare_channel = channel_lib.aio_channel(bare_address, None)
     stub = syncer_pb2_grpc.SyncerStub(syncer_channel)
@@ -122,17 +94,17 @@ async def _measure(syncer_address: str, bare_address: str, encoded: dict, upload
             fid = fids[n % len(fids)]
             messages = learners[n // len(fids)].messages(fid, encoded[fid], chunk_size_bytes)
             frames = [m.SerializeToString() for m in messages]
-            t0 = _now()
+            t0 = common.now()
             try:
                 response = await learners[n // len(fids)].upload(messages, timeout_s)
                 out["accepted"] += 1
                 out["slowed"] += response.next_upload_after_s > 0
             except grpc.aio.AioRpcError as exc:
                 out["refused"][exc.code().name] = out["refused"].get(exc.code().name, 0) + 1
-            t1 = _now()
+            t1 = common.now()
             await bare(iter(frames), timeout=timeout_s)
             out["real_s"].append(t1 - t0)
-            out["bare_s"].append(_now() - t1)
+            out["bare_s"].append(common.now() - t1)
             out["wire_bytes"].append(sum(len(f) for f in frames))
     finally:
         await syncer_channel.close()
@@ -140,42 +112,42 @@ async def _measure(syncer_address: str, bare_address: str, encoded: dict, upload
     return out
 
 
+def _cells(syncer, bare, workdir: pathlib.Path, label: str, rtts_s: list[float], uploads: int, run_config,
+           encoded: dict) -> list[dict]:
+    """One cell per RTT: the real client and the bare stream, through a proxy process when the RTT > 0."""
+    cells = []
+    for rtt_s in rtts_s:
+        proxy = None
+        syncer_address, bare_address = syncer.address, bare.address
+        if rtt_s > 0:
+            name = f"proxy-{label}-{rtt_s:g}"
+            spec = {"upstreams": [syncer.address, bare.address], "latency_s": rtt_s / 2}
+            proxy = common.start_server(workdir, name, "ddiloco.bench.perf_workers.proxies",
+                                        [json.dumps(spec), common.ready_path(workdir, name)], timeout_s=60)
+            syncer_address, bare_address = (f"127.0.0.1:{p}" for p in proxy.info["ports"])
+        try:
+            res = asyncio.run(_measure(syncer_address, bare_address, encoded, uploads,
+                                       run_config.chunk_size_bytes, timeout_s=120.0))
+        finally:
+            if proxy is not None:
+                proxy.stop()
+        real, bare_s = statistics.median(res["real_s"]), statistics.median(res["bare_s"])
+        wire = statistics.median(res["wire_bytes"])
+        cells.append({"rtt_s": rtt_s, "uploads": uploads, "real_median_s": real, "bare_median_s": bare_s,
+                      "real_bytes_per_s": wire / real, "bare_bytes_per_s": wire / bare_s,
+                      "ratio": bare_s / real, "wire_bytes_median": wire, **res})
+    return cells
+
+
 def run_upload(workdir: pathlib.Path, model: dict, label: str, rtts_s: list[float], uploads: int) -> dict:
     """The upload section for one model: every RTT in `rtts_s`, one syncer and one sink for all."""
-    from ddiloco.bench import perf
-
-    cells = []
-    bare = perf.Service(f"bare-upload-{label}", [sys.executable, "-c", perf._BARE_SERVER,
-                                                 str(workdir / f"bare-upload-{label}.ready.json")], workdir)
-    try:
-        bare.wait_ready(60)
-        with perf.running_syncer(workdir, f"syncer-upload-{label}", model,
-                                 ["--min-quorum", "1000000", "--max-grace-s", "600", "--liveness-timeout-s", "600"]) as syncer:
-            run_config, encoded = _payloads(syncer.address)
-            for rtt_s in rtts_s:
-                proxy = None
-                syncer_address, bare_address = syncer.address, bare.address
-                if rtt_s > 0:
-                    spec = {"upstreams": [syncer.address, bare.address], "latency_s": rtt_s / 2}
-                    proxy = perf.Service(f"proxy-{label}-{rtt_s:g}", [
-                        sys.executable, "-c", _PROXIES, json.dumps(spec),
-                        str(workdir / f"proxy-{label}-{rtt_s:g}.ready.json")], workdir)
-                    proxy.wait_ready(60)
-                    syncer_address, bare_address = (f"127.0.0.1:{p}" for p in proxy.info["ports"])
-                try:
-                    res = asyncio.run(_measure(syncer_address, bare_address, encoded, uploads,
-                                               run_config.chunk_size_bytes, timeout_s=120.0))
-                finally:
-                    if proxy is not None:
-                        proxy.stop()
-                real, bare_s = statistics.median(res["real_s"]), statistics.median(res["bare_s"])
-                wire = statistics.median(res["wire_bytes"])
-                cells.append({"rtt_s": rtt_s, "uploads": uploads, "real_median_s": real, "bare_median_s": bare_s,
-                              "real_bytes_per_s": wire / real, "bare_bytes_per_s": wire / bare_s,
-                              "ratio": bare_s / real, "wire_bytes_median": wire, **res})
-            rss = perf.vm_hwm_bytes(syncer.pid)
-    finally:
-        bare.stop()
+    with common.running(perf_transport.start_bare(workdir, f"bare-upload-{label}")) as bare, \
+            common.running_syncer(workdir, f"syncer-upload-{label}", model,
+                                  ["--min-quorum", "1000000", "--max-grace-s", "600",
+                                   "--liveness-timeout-s", "600"]) as syncer:
+        run_config, encoded = _payloads(syncer.address)
+        cells = _cells(syncer, bare, workdir, label, rtts_s, uploads, run_config, encoded)
+        rss = common.vm_hwm_bytes(syncer.pid)
     sample = encoded[max(encoded, key=lambda f: encoded[f].numel)]
     return {"label": label, "model": model, "params": sum(e.numel for e in encoded.values()),
             "fragment_numels": [encoded[f].numel for f in sorted(encoded)], "codec": sample.codec,
@@ -186,11 +158,6 @@ def run_upload(workdir: pathlib.Path, model: dict, label: str, rtts_s: list[floa
 def _payloads(address: str) -> tuple:
     """The run's configuration (as a learner gets it at Join) and one encoded pseudo-gradient per
     fragment in its upload codec, block size and zstd level, as the learner's encoder makes them."""
-    from ddiloco.rpc import channel as channel_lib
-    from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
-    from ddiloco.wire import codec as codec_lib
-    from ddiloco.wire import serde
-
     channel = channel_lib.sync_channel(address)
     try:
         join = syncer_pb2_grpc.SyncerStub(channel).Join(syncer_pb2.JoinRequest(
@@ -221,8 +188,6 @@ def markdown(sections: list[dict], target: float) -> list[str]:
                          f"{c['real_median_s'] * 1e3:.2f}", f"{c['bare_median_s'] * 1e3:.2f}",
                          f"{c['ratio']:.1%}", "yes" if c["ratio"] >= target else "NO",
                          f"{c['accepted']}/{c['uploads']}" + (f" {c['refused']}" if c["refused"] else "")])
-    from ddiloco.bench import results as results_lib
-
     md.append(results_lib.markdown_table(
         ["params", "added RTT", "MB on the wire", "real ms", "bare ms", "ratio", f">= {target:.0%}", "accepted"], rows))
     for sec in sections:

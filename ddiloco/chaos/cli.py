@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
             parser.error(str(exc))
         return _run(scenario, events, args)
     if args.action == "replay":
-        from ddiloco.chaos.harness import Scenario
+        from ddiloco.chaos.config import Scenario
 
         loaded = schedule_lib.FaultSchedule.load(args.faults)
         if not loaded.scenario:

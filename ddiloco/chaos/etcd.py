@@ -1,20 +1,24 @@
-"""A local etcd for fault tests and benchmarks: one single-member cluster in a directory of its own.
+"""A local etcd for fault tests and benchmarks: `EtcdMember`, one member process with its data in a
+directory of its own, and `running_etcd`, a single-member cluster for the length of a block.
 
 The binary comes from scripts/etcd_env.sh (Debian's etcd-server package if none is installed).
-etcd cannot bind port 0 and report the port back, so its ports are picked free just before it
-starts (racy: a start that loses the race is tried again, bounded). It is stopped by its PID only.
+Members are started, signalled and stopped by PID through the tools' one launcher
+(ddiloco/cli/processes.py). etcd cannot bind port 0 and report the port back, so its ports are
+picked free just before it starts (racy: a start that loses the race is tried again, bounded).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+
+from ddiloco.cli import processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 START_ATTEMPTS = 3
@@ -34,12 +38,6 @@ def etcd_binary() -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _healthy(endpoint: str) -> bool:
     try:
         with urllib.request.urlopen(f"http://{endpoint}/health", timeout=1) as response:
@@ -48,52 +46,83 @@ def _healthy(endpoint: str) -> bool:
         return False
 
 
-class EtcdProcess:
-    def __init__(self, proc: subprocess.Popen, endpoint: str, log_path: pathlib.Path) -> None:
-        self.proc = proc
-        self.endpoint = endpoint  # host:port of its client URL
-        self.log_path = log_path
+@dataclasses.dataclass
+class EtcdMember(processes.ProcessControl):
+    """One etcd member on 127.0.0.1, with the interface the chaos harness uses for services
+    (start / signal / wait / alive / stop / wait_ready). Its data directory survives restarts, so
+    a killed member restarts on its own data and rejoins its cluster."""
+
+    name: str
+    binary: str
+    workdir: pathlib.Path
+    client_port: int
+    peer_port: int
+    initial_cluster: str  # every member as name=http://127.0.0.1:<peer port>, comma-separated
+    proc: subprocess.Popen | None = None
+    starts: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def endpoint(self) -> str:
+        """host:port of its client URL (what an etcd client is given)."""
+        return self.address
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.workdir / "logs" / f"{self.name}.log"
+
+    def start(self, extra_args: Sequence[str] = ()) -> None:
+        client, peer = f"http://{self.address}", f"http://127.0.0.1:{self.peer_port}"
+        self.launch([self.binary, "--name", self.name, "--data-dir", str(self.workdir / f"{self.name}.data"),
+                     "--listen-client-urls", client, "--advertise-client-urls", client,
+                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                     "--initial-cluster", self.initial_cluster, "--initial-cluster-state", "new",
+                     "--initial-cluster-token", "ddiloco-chaos", "--logger", "zap", "--log-outputs", "stderr",
+                     *extra_args])
+        self.starts += 1
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """Until the member reports healthy (it then has a leader: a quorum of members is up)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if _healthy(self.address):
+                return self.address
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not healthy within {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def pause(self) -> None:
         """SIGSTOP: etcd answers nothing (cut off from everyone) until resume()."""
-        self.proc.send_signal(signal.SIGSTOP)
+        self.signal(signal.SIGSTOP)
 
     def resume(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        self.signal(signal.SIGCONT)
 
 
 @contextlib.contextmanager
-def running_etcd(directory: pathlib.Path, binary: str | None = None) -> Iterator[EtcdProcess]:
+def running_etcd(directory: pathlib.Path, binary: str | None = None) -> Iterator[EtcdMember]:
     """A single-member etcd with its data under `directory`, killed (by PID) when the block ends."""
     binary = binary or etcd_binary()
     directory.mkdir(parents=True, exist_ok=True)
     last_log = ""
     for attempt in range(START_ATTEMPTS):
-        client, peer = f"127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
-        log_path = directory / f"etcd-{attempt}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [binary, "--name", "m", "--data-dir", str(directory / f"data-{attempt}"),
-                 "--listen-client-urls", f"http://{client}", "--advertise-client-urls", f"http://{client}",
-                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", f"m={peer}", "--logger", "zap", "--log-outputs", "stderr"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        etcd = EtcdProcess(proc, client, log_path)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while proc.poll() is None and time.monotonic() < deadline and not _healthy(client):
-            time.sleep(0.1)
-        if proc.poll() is None and _healthy(client):
-            try:
-                yield etcd
-            finally:
-                etcd.stop()
-            return
-        etcd.stop()
-        last_log = log_path.read_text(errors="replace")[-2000:]
+        name, peer_port = f"etcd-{attempt}", processes.preset_port()
+        etcd = EtcdMember(name, binary, directory, processes.preset_port(), peer_port,
+                          f"{name}=http://127.0.0.1:{peer_port}")
+        etcd.start()
+        try:
+            etcd.wait_ready(READY_TIMEOUT_S)
+        except RuntimeError as exc:
+            etcd.kill()
+            last_log = str(exc)[-2000:]
+            continue
+        try:
+            yield etcd
+        finally:
+            etcd.kill()
+        return
     raise RuntimeError(f"etcd did not start in {START_ATTEMPTS} attempts:\n{last_log}")

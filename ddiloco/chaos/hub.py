@@ -2,7 +2,7 @@
 replicated checkpoint stores and a three-member etcd, for the `hub-soak` scenario.
 
 What it adds to `Harness` (ddiloco/chaos/harness.py), everything on 127.0.0.1, signalled by PID:
-- a local 3-member etcd cluster (`EtcdMember`, the binary from scripts/etcd_env.sh); members
+- a local 3-member etcd cluster (`etcd.EtcdMember`, the binary from scripts/etcd_env.sh); members
   `etcd-0..2` are fault targets like any service (kill restarts a member on its own data
   directory: it rejoins the cluster);
 - stores `store-a`, `store-b` (each its own directory; the fault `wipe` deletes it);
@@ -20,21 +20,23 @@ and learners' folded-in versions are checked against leader epochs (I6).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime
 import json
 import pathlib
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Sequence
 
 from ddiloco.chaos import etcd as etcd_lib
 from ddiloco.chaos import invariants
 from ddiloco.chaos import schedule as schedule_lib
-from ddiloco.chaos.harness import Harness, InjectedFault, Result, _free_port, _HistoryTail, _Poller, _Proc, load_checkpoints
-from ddiloco.cli import cluster as cluster_lib
+from ddiloco.chaos.actions import ProcessState
+from ddiloco.chaos.checkpoints import load_checkpoints
+from ddiloco.chaos.harness import Harness
+from ddiloco.chaos.observe import HistoryTail, Poller
+from ddiloco.chaos.report import InjectedFault, Result
+from ddiloco.cli import processes
 
 SYNCERS = ("syncer-a", "syncer-b")
 STORES = ("store-a", "store-b")
@@ -42,55 +44,7 @@ ETCD_MEMBERS = ("etcd-0", "etcd-1", "etcd-2")
 _LEADER_WAIT_S = 60.0
 
 
-@dataclasses.dataclass
-class EtcdMember(cluster_lib.ProcessControl):
-    """One member of the local etcd cluster, with the interface the harness uses for services
-    (start / signal / wait / alive / stop / wait_ready). Its data directory survives restarts."""
-
-    name: str
-    binary: str
-    workdir: pathlib.Path
-    client_port: int
-    peer_port: int
-    initial_cluster: str
-    proc: subprocess.Popen | None = None
-    starts: int = 0
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
-
-    @property
-    def log_path(self) -> pathlib.Path:
-        return self.workdir / "logs" / f"{self.name}.log"
-
-    def start(self, extra_args: Sequence[str] = ()) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        client, peer = f"http://{self.address}", f"http://127.0.0.1:{self.peer_port}"
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [self.binary, "--name", self.name, "--data-dir", str(self.workdir / f"{self.name}.data"),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
-                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", self.initial_cluster, "--initial-cluster-state", "new",
-                 "--initial-cluster-token", "ddiloco-chaos", "--logger", "zap", "--log-outputs", "stderr",
-                 *extra_args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.starts += 1
-
-    def wait_ready(self, timeout_s: float) -> str:
-        """Until the member reports healthy (it then has a leader: a quorum of members is up)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if etcd_lib._healthy(self.address):
-                return self.address
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name} not healthy within {timeout_s:.0f} s:\n{self.log_tail()}")
-
-
-class _HubPoller(_Poller):
+class _HubPoller(Poller):
     """Polls every syncer; members are taken from whichever answers (only the leader lists them)."""
 
     def __init__(self, addresses: Sequence[str], interval_s: float = 0.5) -> None:
@@ -139,13 +93,13 @@ class HubHarness(Harness):
     def _start_cluster(self) -> None:
         sc, cl = self.scenario, self.cluster
         binary = etcd_lib.etcd_binary()
-        ports = {name: (_free_port(), _free_port()) for name in ETCD_MEMBERS}
+        ports = {name: (processes.preset_port(), processes.preset_port()) for name in ETCD_MEMBERS}
         initial = ",".join(f"{n}=http://127.0.0.1:{peer}" for n, (_, peer) in ports.items())
         for name, (client, peer) in ports.items():  # all at once: the first needs a quorum to be healthy
-            member = EtcdMember(name, binary, cl.workdir, client, peer, initial)
+            member = etcd_lib.EtcdMember(name, binary, cl.workdir, client, peer, initial)
             cl.services[name] = member
             member.start()
-            self.procs[name] = _Proc()
+            self.procs[name] = ProcessState()
         for name in ETCD_MEMBERS:
             cl.services[name].wait_ready(60)
         for name in STORES:
@@ -153,26 +107,26 @@ class HubHarness(Harness):
                 "--bind", "127.0.0.1:0", "--root", str(self._store_root(name)), "--ready-file",
                 str(cl.workdir / f"{name}.ready.json"), "--keep-latest", "100000", "--grace-s", "2"])
             store.start()
-            self.procs[name] = _Proc()
+            self.procs[name] = ProcessState()
         for name in STORES:
             cl.services[name].wait_ready(60)
         stores = ",".join(cl.services[n].address for n in STORES)
         endpoints = ",".join(cl.services[n].address for n in ETCD_MEMBERS)
         syncer_ports = []
         for name in SYNCERS:
-            port = _free_port()
+            port = processes.preset_port()
             args = self._syncer_args(name)
             args[args.index("--bind") + 1] = f"127.0.0.1:{port}"
             svc = cl.add(name, "services.syncer", [*args, "--checkpoint-target", stores, "--coord-etcd", endpoints,
                                                    "--coord-advertise", f"127.0.0.1:{port}", *sc.syncer_args])
             svc.address = f"127.0.0.1:{port}"
             svc.start()
-            self.procs[name] = _Proc()
+            self.procs[name] = ProcessState()
             syncer_ports.append(port)
         self._start_learners(syncer_ports)
         for name in SYNCERS:
             cl.services[name].wait_ready(120)
-        self._tail = _HistoryTail(self._history_path("syncer"))
+        self._tail = HistoryTail(self._history_path("syncer"))
         self._poller = _HubPoller([cl.services[n].address for n in SYNCERS])
         self._poller.start()
 
@@ -190,8 +144,7 @@ class HubHarness(Harness):
         fault = InjectedFault("wipe", name, time.time(), detail=f"pid {svc.pid}")
         self.faults.append(fault)
         proc.fault = fault
-        svc.signal(signal.SIGKILL)
-        svc.wait(10)
+        svc.kill(10)
         shutil.rmtree(self._store_root(name), ignore_errors=True)  # the whole disk: blobs and manifests
         proc.state = "down"
         delay = float(ev.params.get("restart_after_s", 1.0))
@@ -213,8 +166,7 @@ class HubHarness(Harness):
         for name in members:
             svc, proc = self.cluster.services[name], self.procs[name]
             svc.signal(signal.SIGCONT)
-            svc.signal(signal.SIGKILL)
-            svc.wait(10)
+            svc.kill(10)
             proc.state, proc.fault = "down", fault
             self._later(delay, f"restart {name}", lambda n=name: self._restart(n, fault))
         self._emit(f"injected {ev.describe()}: {fault.detail}")

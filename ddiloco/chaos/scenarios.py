@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable
 
 from ddiloco.chaos import schedule as schedule_lib
-from ddiloco.chaos.harness import Scenario
+from ddiloco.chaos.config import Scenario
 from ddiloco.chaos.schedule import FaultEvent
 
 ROW_STEPS = 500

@@ -270,9 +270,12 @@ class Replay:
 
     async def _merge(self, record: dict, frag: _Fragment, what: str) -> tuple[np.ndarray, list]:
         inputs = record["merge_inputs"]
+        # Records from before the cap's minimum merge size and the step scaling: the cap applied in
+        # every merge and norms were compared per step.
         accumulator = merge_lib.MergeAccumulator(
             frag.layout, rule=inputs["rule"], embedding_rule=inputs["embedding_rule"],
-            max_share=inputs["max_share"], max_norm_ratio=inputs["max_norm_ratio"])
+            max_share=inputs["max_share"], max_norm_ratio=inputs["max_norm_ratio"],
+            share_cap_min_count=inputs.get("share_cap_min_count", 1), step_scaling=inputs.get("step_scaling", "per_step"))
         for c in sorted(record["contributors"], key=lambda c: c["fold"]["index"]):
             fold = c["fold"]
             try:
@@ -283,13 +286,14 @@ class Replay:
             values = np.frombuffer(data, dtype="<f4").astype(np.float32)
             norms = None if fold.get("norms") is None else np.asarray(fold["norms"], np.float64)
             try:
-                accumulator.add(values, fold["weight"], norms=norms, key=c["learner"], steps=fold["steps"])
+                accumulator.add(values, fold["weight"], norms=norms, key=c["learner"], steps=fold["steps"],
+                                claims_unverified=fold.get("claims_unverified", False))
             except ValueError as exc:  # a blob of the wrong size or values: not what the syncer folded in
                 raise Mismatch(f"{what}: the retained contribution of {c['learner']} cannot be folded in: "
                                f"{exc}") from None
         # The merged delta as the syncer stepped on it: scaled by the learners' share (records before that
         # field: 1).
-        merged = accumulator.scaled_result().scaled(inputs.get("delta_scale", 1.0))
+        merged = outer_lib.scale_delta(accumulator.scaled_result(), inputs.get("delta_scale", 1.0))
         recorded = [c["learner"] for c in sorted(record["contributors"], key=lambda c: c["fold"].get("summed") or 0)]
         if all(c["fold"].get("summed") is not None for c in record["contributors"]) and \
                 accumulator.fold_order != recorded:

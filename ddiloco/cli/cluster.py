@@ -16,13 +16,13 @@ import dataclasses
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 
 from ddiloco.cli import service_names
+from ddiloco.cli.processes import ProcessControl
 from ddiloco.rpc import security as security_lib
 
 
@@ -30,59 +30,12 @@ class ServiceStartError(RuntimeError):
     """A service exited or did not announce itself in time; the message includes its log tail."""
 
 
-class ProcessControl:
-    """Signals, waits and log tails of one child process: `proc` and `log_path` are the subclass's.
-    Shared by the services here and the chaos harness's etcd members, which it starts and kills
-    the same way."""
-
-    proc: subprocess.Popen | None
-    name: str
-
-    @property
-    def log_path(self) -> pathlib.Path:
-        raise NotImplementedError
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            os.kill(self.proc.pid, sig)
-
-    def wait(self, timeout_s: float) -> int | None:
-        if self.proc is None:
-            return None
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM, then SIGKILL if it has not exited within timeout_s. A stopped (SIGSTOPped)
-        process is continued first: it would not act on SIGTERM until then."""
-        if not self.alive():
-            return self.proc.returncode if self.proc else None
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        code = self.wait(timeout_s)
-        if code is None:
-            self.signal(signal.SIGKILL)
-            code = self.wait(timeout_s)
-        return code
-
-
 @dataclasses.dataclass
 class ServiceProcess(ProcessControl):
+    """One `python -m <module>` process in `workdir`, its output in logs/<name>.log: a service of
+    LocalCluster, or a process of a benchmark (ddiloco.bench.perf_common starts every one of its
+    own: syncers, a bare gRPC sink, proxies, worker jobs)."""
+
     name: str
     module: str  # python -m <module>, named as in the repository (service_names.module maps it)
     args: list[str]
@@ -91,6 +44,7 @@ class ServiceProcess(ProcessControl):
     proc: subprocess.Popen | None = None
     address: str = ""
     starts: int = 0
+    info: dict = dataclasses.field(default_factory=dict)  # the ready file's fields (a proxy's ports)
 
     @property
     def ready_file(self) -> pathlib.Path:
@@ -103,17 +57,10 @@ class ServiceProcess(ProcessControl):
     def start(self, extra_args: Sequence[str] = ()) -> None:
         """Starts the process (re-binding the previous port when restarting a server)."""
         self.ready_file.unlink(missing_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         args = list(self.args) + list(extra_args)
         if self.address and "--bind" in args:
             args[args.index("--bind") + 1] = self.address
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", service_names.module(self.module), *args],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=dict(self.env),
-            cwd=self.workdir,
-        )
-        log.close()
+        self.launch([sys.executable, "-m", service_names.module(self.module), *args], env=self.env, cwd=self.workdir)
         self.starts += 1
         self._record_pid()
 
@@ -128,8 +75,8 @@ class ServiceProcess(ProcessControl):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.ready_file.exists():
-                info = json.loads(self.ready_file.read_text())
-                self.address = info["address"].replace("0.0.0.0", "127.0.0.1")
+                self.info = json.loads(self.ready_file.read_text())
+                self.address = self.info["address"].replace("0.0.0.0", "127.0.0.1")
                 return self.address
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServiceStartError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")

@@ -49,6 +49,14 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def influence_cells(influence: syncer_pb2.LearnerInfluence | None) -> tuple[str, str, str]:
+    """The learners table's share, capped and clipped cells (TrainingState.influence)."""
+    if influence is None or not influence.merges:
+        return "-", "-", "-"
+    capped = f"[yellow]{influence.share_capped}[/]" if influence.share_capped else "0"
+    return (f"{influence.mean_share:.2f} ({influence.max_share:.2f})", capped, str(influence.clipped))
+
+
 def state_renderable(state: syncer_pb2.TrainingState, *, target: str = ""):
     """A rich renderable: run summary, learners, fragments and recent merges."""
     now = state.now_unix_s or time.time()
@@ -74,16 +82,23 @@ def state_renderable(state: syncer_pb2.TrainingState, *, target: str = ""):
         f"checkpoint @ {state.last_checkpoint_outer_step}" + (" (restored)" if state.restored_from_checkpoint else ""),
     )
     members = Table(title="learners", expand=False)
-    for col in ("learner", "region", "status", "shard", "step", "loss", "step s", "accepted", "rejected", "last seen"):
+    window = max((i.window_merges for i in state.influence), default=0)
+    for col in ("learner", "region", "status", "shard", "step", "loss", "step s", "accepted", "rejected",
+                "share", "capped", "clipped", "last seen"):
         members.add_column(col, justify="right" if col not in ("learner", "region", "status") else "left")
+    influence = {i.learner_id: i for i in state.influence}
     for m in state.members:
         members.add_row(
             m.learner_id, m.region, _STATUS.get(m.status, "?"),
             f"{m.data_shard}/{m.num_data_shards}" if m.num_data_shards else "-",  # shard of shards
             str(m.local_step), f"{m.inner_loss:.3f}",
             f"{m.step_time_s:.2f}", str(m.uploads_accepted), str(m.uploads_rejected),
+            *influence_cells(influence.get(m.learner_id)),
             f"{max(0.0, now - m.last_seen_unix_s):.1f}s ago" if m.last_seen_unix_s else "-",
         )
+    if window:
+        members.caption = (f"of the last {window} merges, those a learner was in: share, its mean (largest) "
+                           "share of their weight; capped, clipped: how many capped its share, clipped its contribution")
     frags = Table(title="fragments")
     for col in ("id", "version", "round", "params", "pending", "sha256"):
         frags.add_column(col)

@@ -143,8 +143,8 @@ class SyncClient(uploads_lib.Uploader):
         self._header_ack = False  # the syncer acknowledges upload headers (JoinResponse.upload_header_ack)
         self._pipeline_bytes = 0  # chunks sent ahead of that acknowledgement (JoinResponse.upload_pipeline_bytes)
         # fragment -> loop time before which its next upload waits (the syncer's back-pressure,
-        # UploadFragmentResponse.next_upload_after_s); newer work of the fragment supersedes the
-        # queued job meanwhile, so the periods in between go out as one contribution.
+        # UploadFragmentResponse.next_upload_after_s). Its round calls wait meanwhile (take_calls),
+        # so the periods in between go out as one contribution, formed when the hold ends.
         self._hold_until: dict[int, float] = {}
         self._lock = threading.Lock()
         self._inbox: dict[int, GlobalFragment] = {}
@@ -211,9 +211,17 @@ class SyncClient(uploads_lib.Uploader):
         raise TimeoutError(f"did not receive the global parameters within {timeout_s:.0f} s")
 
     def take_calls(self) -> dict[int, syncer_pb2.RoundCall]:
-        """The syncer's round calls received since the last call (the newest per fragment)."""
+        """The syncer's round calls received since the last call (the newest per fragment), except
+        those of fragments whose next upload a back-pressure hold delays: such a call is handed over
+        (or replaced by a newer one) once the hold ends. The loop forms a contribution when it takes
+        a call and keeps one in flight per fragment, so a contribution formed during the hold sat
+        queued on its base while the rounds went by without this learner, and was then refused as
+        too stale (issue 20): held back here, the work stays local and goes out whole on a fresh base."""
+        now = self._loop.time()  # the clock of _hold_until (time.monotonic, from any thread)
         with self._lock:
-            out, self._calls = self._calls, {}
+            out = {fid: call for fid, call in self._calls.items() if self._hold_until.get(fid, 0.0) <= now}
+            for fid in out:
+                del self._calls[fid]
         return out
 
     def take_updates(self) -> list[GlobalFragment]:

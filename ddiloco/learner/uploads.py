@@ -38,6 +38,11 @@ _UNKNOWN_OUTCOME_PAUSE_S = 0.2
 _WRITE_FAILED_DETAILS = "Internal error from Core"
 # The longest back-pressure hold honoured: a syncer's hint is advice, not a reason to stall a fragment.
 _MAX_UPLOAD_HOLD_S = 60.0
+# ... and at most this many of the fragment's periods (H steps at this learner's step time): the
+# hint asks for up to 31 periods (backpressure.MAX_FACTOR), and the syncer's gauge gets there within
+# a few seconds of load, e.g. 16 learners starting on 2 cores; holds issued at that peak silenced
+# learners for the whole minute, most of a short run (issue 20).
+_MAX_HOLD_PERIODS = 8
 # Refusals (ServiceError.reason, sent as trailing metadata) that end the session: this life of the
 # learner is not (or no longer) a member, so the next step is a re-join.
 _REJOIN_REASONS = frozenset({errors_lib.REASON_FENCED, errors_lib.REASON_NOT_JOINED})
@@ -268,16 +273,28 @@ class Uploader:
     def _accepted(self, job: UploadJob, response: syncer_pb2.UploadFragmentResponse, sent_at: float) -> None:
         duplicate = response.result == syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE
         if response.next_upload_after_s > 0:  # back-pressure: the syncer is saturated
-            self._hold_until[job.fragment_id] = (asyncio.get_running_loop().time()
-                                                 + min(response.next_upload_after_s, _MAX_UPLOAD_HOLD_S))
+            hold_s = self._hold_s(response.next_upload_after_s)
+            with self._lock:  # take_calls reads it from the training thread
+                self._hold_until[job.fragment_id] = asyncio.get_running_loop().time() + hold_s
             self.stats.uploads_slowed += 1
-            self.stats.last_upload_hold_s = min(response.next_upload_after_s, _MAX_UPLOAD_HOLD_S)
+            self.stats.last_upload_hold_s = hold_s
         self._outcome(job, OUTCOME_DUPLICATE if duplicate else OUTCOME_ACCEPTED, response.current_version)
         self._record("ack", job, sent_at, result="duplicate" if duplicate else "accepted")
         if duplicate:
             self.stats.uploads_duplicate += 1
         else:
             self.stats.uploads_accepted += 1
+
+    def _hold_s(self, hint_s: float) -> float:
+        """The hold honoured for a back-pressure hint: at most _MAX_HOLD_PERIODS of the fragment's
+        periods at this learner's reported step time (when known), never over _MAX_UPLOAD_HOLD_S."""
+        with self._lock:
+            progress = self._progress
+        bound_s = _MAX_UPLOAD_HOLD_S
+        cfg = self.run_config
+        if progress is not None and cfg is not None and progress.step_time_s > 0 and cfg.sync_period_steps > 0:
+            bound_s = min(bound_s, _MAX_HOLD_PERIODS * cfg.sync_period_steps * progress.step_time_s)
+        return min(hint_s, bound_s)
 
     def _request_stream(self, messages: list):
         """The upload's messages; with the `learner.after_chunk` failpoint armed, a generator that

@@ -115,6 +115,21 @@ def _markdown(cells: list[model.Cell], whole: list[model.Cell], ours: list[model
     rows = _by_row(cells)
     fleets = [c.fleet_chips for c in next(iter(rows.values()))]
     out = ["# Goodput under chip failures: the paper's Table 1, simulated", ""]
+    out += _md_summary(comparison, args, runtime_s)
+    out += _md_goodput(rows, fleets)
+    out += _md_renewal(rows, fleets, fleet)
+    if whole:
+        out += _md_whole_restart(rows, fleets, whole, fleet)
+    out += ["## Model and assumptions", ""] + [f"- {a}" for a in model.ASSUMPTIONS] + [""]
+    out += _md_constants(fleet)
+    out += _md_ours(rows, ours, ours_cfg)
+    out += ["---", results_lib.provenance_markdown(prov)]
+    return "\n".join(out)
+
+
+def _md_summary(comparison: dict, args: argparse.Namespace, runtime_s: float) -> list[str]:
+    """The report's first lines: the worst difference from the paper and the run's size."""
+    out = []
     if comparison["cells_compared"]:
         verdict = "within" if comparison["within_target"] else "NOT within"
         w = comparison["worst_cell"]
@@ -125,9 +140,14 @@ def _markdown(cells: list[model.Cell], whole: list[model.Cell], ours: list[model
             f"Largest standard error of a cell: {comparison['max_stderr_pct']:.2f} points.")
     out += ["", f"Seed {args.seed}; {args.sim_days:g} simulated days per cell, at most {args.max_failures:,.0f} "
             f"failures per cell; {runtime_s:.1f} s of compute.", ""]
+    return out
 
-    out += ["## Simulated goodput (paper, difference)", "",
-            "Goodput in percent: simulated (paper's Table 1, simulated minus paper).", ""]
+
+def _md_goodput(rows: dict[str, list[model.Cell]], fleets: list[int]) -> list[str]:
+    """Table 1 simulated against the paper, with each cell's standard error and uptime."""
+    header = ["method"] + [_fmt_chips(n) for n in fleets]
+    out = ["## Simulated goodput (paper, difference)", "",
+           "Goodput in percent: simulated (paper's Table 1, simulated minus paper).", ""]
     table = []
     for row, cs in rows.items():
         line = [row]
@@ -135,47 +155,54 @@ def _markdown(cells: list[model.Cell], whole: list[model.Cell], ours: list[model
             line.append(f"{c.goodput_pct:.1f}" if c.paper_pct is None
                         else f"{c.goodput_pct:.1f} ({c.paper_pct:.0f}, {c.diff_pct:+.1f})")
         table.append(line)
-    out += [results_lib.markdown_table(["method"] + [_fmt_chips(n) for n in fleets], table), ""]
+    out += [results_lib.markdown_table(header, table), ""]
     out += ["Standard error of each cell (points), across independent replicas:", ""]
-    out += [results_lib.markdown_table(["method"] + [_fmt_chips(n) for n in fleets],
-                                       [[row] + [f"{c.stderr_pct:.2f}" for c in cs] for row, cs in rows.items()]),
+    out += [results_lib.markdown_table(header, [[row] + [f"{c.stderr_pct:.2f}" for c in cs] for row, cs in rows.items()]),
             ""]
     out += ["Uptime (share of time some training advances; Decoupled: at least one learner stepping):", ""]
-    out += [results_lib.markdown_table(["method"] + [_fmt_chips(n) for n in fleets],
-                                       [[row] + [f"{c.uptime_pct:.1f}" for c in cs] for row, cs in rows.items()]),
+    out += [results_lib.markdown_table(header, [[row] + [f"{c.uptime_pct:.1f}" for c in cs] for row, cs in rows.items()]),
             "", "(The paper: uptime ~100 % for M >= 4, zero global downtime.)", ""]
+    return out
 
+
+def _md_renewal(rows: dict[str, list[model.Cell]], fleets: list[int], fleet: model.FleetModel) -> list[str]:
+    """The DP rows against the renewal formula (empty without DP rows)."""
     renewal = [[row] + [f"{100 * model.renewal_goodput(loss_s, fleet.chip_mtbi_s / n):.1f} "
                         f"(sim {c.goodput_pct:.1f})" for n, c in zip(fleets, rows[row])]
                for row, loss_s in RENEWAL_LOSS_S.items() if row in rows]
-    if renewal:
-        out += ["### Sanity check: the renewal formula", "",
-                "g = 1 / (1 + T_loss / MTBF_cluster) with T_loss = 80 s (no elasticity) and 29 s (elastic), "
-                "the fit algorithm.md quotes, against the simulation:", "",
-                results_lib.markdown_table(["method"] + [_fmt_chips(n) for n in fleets], renewal), "",
-                "The simulation bends away from it at large fleets (higher goodput) for two reasons: a heavy-"
-                "tailed restart that is re-drawn when a failure interrupts it costs less per failure when "
-                "failures are frequent (DP's goodput is E[exp(-rate x restart)], not 1/(1 + rate x mean)); and "
-                "elastic jobs fold returning chips into the next scale-down instead of pausing for them.", ""]
+    if not renewal:
+        return []
+    return ["### Sanity check: the renewal formula", "",
+            "g = 1 / (1 + T_loss / MTBF_cluster) with T_loss = 80 s (no elasticity) and 29 s (elastic), "
+            "the fit algorithm.md quotes, against the simulation:", "",
+            results_lib.markdown_table(["method"] + [_fmt_chips(n) for n in fleets], renewal), "",
+            "The simulation bends away from it at large fleets (higher goodput) for two reasons: a heavy-"
+            "tailed restart that is re-drawn when a failure interrupts it costs less per failure when "
+            "failures are frequent (DP's goodput is E[exp(-rate x restart)], not 1/(1 + rate x mean)); and "
+            "elastic jobs fold returning chips into the next scale-down instead of pausing for them.", ""]
 
-    if whole:
-        whole_rows = _by_row(whole)
-        table = [[row] + [f"{w.goodput_pct:.1f} ({w.goodput_pct - e.goodput_pct:+.1f})"
-                          for w, e in zip(cs, rows.get(row[:-len(model.WHOLE_RESTART)], cs))]
-                 for row, cs in whole_rows.items()]
-        out += ["### Sensitivity: learners that restart whole", "",
-                "The Decoupled rows again, with learners that cannot re-mesh: a failure restarts the whole learner "
-                "with the DP restart delay and loses its work since each fragment's last sync (every "
-                f"{fleet.learner_sync_period_s:g} s, assumed). Goodput in percent (change from the elastic "
-                "learners above). Table 1's Decoupled rows need a learner failure to cost about what an elastic "
-                "re-mesh costs (~30 s), not a full restart plus lost work.", "",
-                results_lib.markdown_table(["method"] + [_fmt_chips(n) for n in fleets], table), ""]
 
-    out += ["## Model and assumptions", ""] + [f"- {a}" for a in model.ASSUMPTIONS] + [""]
-    out += ["## Calibrated constants", "",
-            "Fitted once against all 30 cells of Table 1 (minimax difference), identical in every cell. The "
-            "delay shape and the restart scale were fitted on the DP row; the scale-down, scale-up and "
-            "rejoin window on the elastic and Decoupled rows.", ""]
+def _md_whole_restart(rows: dict[str, list[model.Cell]], fleets: list[int], whole: list[model.Cell],
+                      fleet: model.FleetModel) -> list[str]:
+    """The sensitivity table: Decoupled rows whose learners restart whole."""
+    table = [[row] + [f"{w.goodput_pct:.1f} ({w.goodput_pct - e.goodput_pct:+.1f})"
+                      for w, e in zip(cs, rows.get(row[:-len(model.WHOLE_RESTART)], cs))]
+             for row, cs in _by_row(whole).items()]
+    return ["### Sensitivity: learners that restart whole", "",
+            "The Decoupled rows again, with learners that cannot re-mesh: a failure restarts the whole learner "
+            "with the DP restart delay and loses its work since each fragment's last sync (every "
+            f"{fleet.learner_sync_period_s:g} s, assumed). Goodput in percent (change from the elastic "
+            "learners above). Table 1's Decoupled rows need a learner failure to cost about what an elastic "
+            "re-mesh costs (~30 s), not a full restart plus lost work.", "",
+            results_lib.markdown_table(["method"] + [_fmt_chips(n) for n in fleets], table), ""]
+
+
+def _md_constants(fleet: model.FleetModel) -> list[str]:
+    """The fitted delays and the assumed repair time."""
+    out = ["## Calibrated constants", "",
+           "Fitted once against all 30 cells of Table 1 (minimax difference), identical in every cell. The "
+           "delay shape and the restart scale were fitted on the DP row; the scale-down, scale-up and "
+           "rejoin window on the elastic and Decoupled rows.", ""]
     consts = []
     for name, dist, meaning in (("restart (DP, no elasticity)", fleet.dp_restart,
                                  "reschedule the whole job on spares, reload the last checkpoint"),
@@ -192,8 +219,12 @@ def _markdown(cells: list[model.Cell], whole: list[model.Cell], ours: list[model
                    f"{_fmt_s(rep['p99_s'])}", f"failed replica ({fleet.replica_chips} chips) out of service; "
                    f"{100 * fleet.elastic_unit().out_fraction:.2f} % of chip-time"])
     out += [results_lib.markdown_table(["delay", "parameters", "mean / median / p99", "what it is"], consts), ""]
+    return out
 
-    out += ["## What it implies for us", ""]
+
+def _md_ours(rows: dict[str, list[model.Cell]], ours: list[model.OursCell], ours_cfg: model.OursConfig) -> list[str]:
+    """'What it implies for us': our learner counts at the paper's scale, our setting and its table."""
+    out = ["## What it implies for us", ""]
     learners_in_paper = [m for m in ours_cfg.learners if f"Decoupled M={m}" in rows]
     if learners_in_paper:
         parts = []
@@ -222,23 +253,28 @@ def _markdown(cells: list[model.Cell], whole: list[model.Cell], ours: list[model
     out += ["Goodput in percent, Decoupled (K = 1) / synchronous, by learner MTBF:", "",
             results_lib.markdown_table(["learners"] + [_fmt_s(t) for t in mtbfs], table), ""]
     if ours:
-        worst = min(mtbfs)
-        dec = [c for c in ours if c.learner_mtbf_s == worst]
-        big = max(dec, key=lambda c: c.learners)
-        small = min(dec, key=lambda c: c.learners)
-        yearly = [c for c in ours if c.learner_mtbf_s == per_chip_mtbf]
-        out += [f"- At the paper's failure rate our learners fail every {_fmt_s(per_chip_mtbf)}: goodput is "
-                f"{min(c.decoupled_pct for c in yearly):.2f} % or better either way, bounded by syncer crashes "
-                f"({ours[0].syncer_pct:.2f} %). Failures only matter for preemptible or flaky capacity.",
-                f"- Decoupled goodput does not depend on M ({small.decoupled_pct:.1f} % with {small.learners} and "
-                f"{big.decoupled_pct:.1f} % with {big.learners} learners at an MTBF of {_fmt_s(worst)}); the "
-                f"synchronous job's falls with M ({small.synchronous_pct:.1f} % to {big.synchronous_pct:.1f} %) "
-                "because every crash stops everyone.",
-                f"- A learner crash costs about its restart ({ours_cfg.learner_restart_mean_s:g} s) plus half a "
-                f"sync period of work ({ours_cfg.sync_period_s / 2:g} s), so faster restarts and re-joins pay off "
-                "most; the sync period matters once half of it nears the restart time.", ""]
-    out += ["---", results_lib.provenance_markdown(prov)]
-    return "\n".join(out)
+        out += _md_ours_findings(ours, ours_cfg, mtbfs, per_chip_mtbf)
+    return out
+
+
+def _md_ours_findings(ours: list[model.OursCell], ours_cfg: model.OursConfig, mtbfs: list[float],
+                      per_chip_mtbf: float) -> list[str]:
+    """The three bullet points read off our table."""
+    worst = min(mtbfs)
+    dec = [c for c in ours if c.learner_mtbf_s == worst]
+    big = max(dec, key=lambda c: c.learners)
+    small = min(dec, key=lambda c: c.learners)
+    yearly = [c for c in ours if c.learner_mtbf_s == per_chip_mtbf]
+    return [f"- At the paper's failure rate our learners fail every {_fmt_s(per_chip_mtbf)}: goodput is "
+            f"{min(c.decoupled_pct for c in yearly):.2f} % or better either way, bounded by syncer crashes "
+            f"({ours[0].syncer_pct:.2f} %). Failures only matter for preemptible or flaky capacity.",
+            f"- Decoupled goodput does not depend on M ({small.decoupled_pct:.1f} % with {small.learners} and "
+            f"{big.decoupled_pct:.1f} % with {big.learners} learners at an MTBF of {_fmt_s(worst)}); the "
+            f"synchronous job's falls with M ({small.synchronous_pct:.1f} % to {big.synchronous_pct:.1f} %) "
+            "because every crash stops everyone.",
+            f"- A learner crash costs about its restart ({ours_cfg.learner_restart_mean_s:g} s) plus half a "
+            f"sync period of work ({ours_cfg.sync_period_s / 2:g} s), so faster restarts and re-joins pay off "
+            "most; the sync period matters once half of it nears the restart time.", ""]
 
 
 def _plot(path: pathlib.Path, cells: list[model.Cell], ours: list[model.OursCell],

@@ -215,6 +215,31 @@ def _lost_work_s(unit: RestartUnit, up_s: np.ndarray) -> np.ndarray:
     return np.mod(up_s, period)
 
 
+@dataclasses.dataclass
+class _Replicas:
+    """Every replica's state and counters, one array entry per replica, advanced together."""
+
+    t: np.ndarray  # the replica's clock; negative during its warm-up
+    stalled: np.ndarray
+    stall_end: np.ndarray
+    rejoin_deadline: np.ndarray  # elastic: returned chips waiting to be added
+    up_s: np.ndarray  # restart: time up since the last restart
+    useful_s: np.ndarray
+    stalled_s: np.ndarray
+    lost_s: np.ndarray
+    failures: np.ndarray
+
+    @classmethod
+    def start(cls, replicas: int, warmup_s: float) -> _Replicas:
+        """Every replica running, at the start of its warm-up."""
+        return cls(
+            t=np.full(replicas, -warmup_s), stalled=np.zeros(replicas, dtype=bool),
+            stall_end=np.full(replicas, np.inf), rejoin_deadline=np.full(replicas, np.inf),
+            up_s=np.zeros(replicas), useful_s=np.zeros(replicas), stalled_s=np.zeros(replicas),
+            lost_s=np.zeros(replicas), failures=np.zeros(replicas, dtype=np.int64),
+        )
+
+
 def simulate_unit(unit: RestartUnit | ElasticUnit, failure_rate_per_s: float, unit_time_s: float,
                   rng: np.random.Generator, failures_per_replica: float = 100.0,
                   max_replicas: int = 4096, warmup_fraction: float = 0.1) -> UnitResult:
@@ -232,83 +257,98 @@ def simulate_unit(unit: RestartUnit | ElasticUnit, failure_rate_per_s: float, un
     expected_failures = failure_rate_per_s * unit_time_s
     replicas = int(np.clip(expected_failures / failures_per_replica, 16, max_replicas))
     horizon_s = unit_time_s / replicas
-    elastic = isinstance(unit, ElasticUnit)
-    out_fraction = unit.out_fraction if elastic else 0.0
-
     warmup_s = warmup_fraction * horizon_s
     if failure_rate_per_s > 0:
         warmup_s = max(warmup_s, 10.0 / failure_rate_per_s)
-    t = np.full(replicas, -warmup_s)
-    stalled = np.zeros(replicas, dtype=bool)
-    stall_end = np.full(replicas, np.inf)
-    rejoin_deadline = np.full(replicas, np.inf)  # elastic: returned chips waiting to be added
-    up_s = np.zeros(replicas)  # restart: time up since the last restart
-    useful_s = np.zeros(replicas)
-    stalled_s = np.zeros(replicas)
-    lost_s = np.zeros(replicas)
-    failures = np.zeros(replicas, dtype=np.int64)
+    state = _Replicas.start(replicas, warmup_s)
+    while True:
+        active = state.t < horizon_s
+        if not active.any():
+            break
+        event = _advance_to_next_event(state, active, unit, failure_rate_per_s, horizon_s, rng)
+        fail = active & (event == 0)
+        state.failures += fail & (state.t >= 0.0)
+        if isinstance(unit, ElasticUnit):
+            done, rejoin = _elastic_events(state, unit, active, event, fail, rng)
+        else:
+            done, rejoin = _restart_events(state, unit, active, event, fail, rng)
+        state.stall_end[done] = np.inf
+        state.stalled = (state.stalled | fail | rejoin) & ~done
+
+    goodput = (state.useful_s - state.lost_s) / horizon_s
+    return UnitResult(
+        goodput=float(goodput.mean()),
+        stderr=float(goodput.std(ddof=1) / math.sqrt(replicas)),
+        stalled_fraction=float(state.stalled_s.sum() / (horizon_s * replicas)),
+        failures=int(state.failures.sum()),
+        replicas=replicas,
+        unit_time_s=unit_time_s,
+    )
+
+
+def _advance_to_next_event(state: _Replicas, active: np.ndarray, unit: RestartUnit | ElasticUnit,
+                           failure_rate_per_s: float, horizon_s: float, rng: np.random.Generator) -> np.ndarray:
+    """Moves every active replica to its next event, counting the time in between (after the
+    warm-up) as useful or stalled; returns each replica's event number."""
+    replicas = state.t.size
     never = np.full(replicas, np.inf)
-    end = np.full(replicas, horizon_s)
-    cols = np.arange(replicas)
+    t = state.t
 
     def next_poisson() -> np.ndarray:
         if failure_rate_per_s == 0:
             return never
         return t + rng.exponential(1.0 / failure_rate_per_s, replicas)
 
-    while True:
-        active = t < horizon_s
-        if not active.any():
-            break
-        # Candidate events: 0 failure, 1 repaired chips return, 2 stall ends, 3 rejoin window closes, 4 horizon.
-        candidates = np.stack([
-            next_poisson(),
-            next_poisson() if elastic else never,
-            np.where(stalled, stall_end, np.inf),
-            np.where(stalled, np.inf, rejoin_deadline),
-            end,
-        ])
-        event = candidates.argmin(axis=0)
-        t_next = np.where(active, candidates[event, cols], t)
-        dt = t_next - np.maximum(t, 0.0)  # only the part after the warm-up counts
-        dt = np.maximum(dt, 0.0)
-        running = active & ~stalled
-        useful_s += np.where(running, dt * (1.0 - out_fraction), 0.0)
-        stalled_s += np.where(active & stalled, dt, 0.0)
-        up_s += np.where(running, t_next - t, 0.0)
-        t = t_next
+    elastic = isinstance(unit, ElasticUnit)
+    out_fraction = unit.out_fraction if elastic else 0.0
+    # Candidate events: 0 failure, 1 repaired chips return, 2 stall ends, 3 rejoin window closes, 4 horizon.
+    candidates = np.stack([
+        next_poisson(),
+        next_poisson() if elastic else never,
+        np.where(state.stalled, state.stall_end, np.inf),
+        np.where(state.stalled, np.inf, state.rejoin_deadline),
+        np.full(replicas, horizon_s),
+    ])
+    event = candidates.argmin(axis=0)
+    t_next = np.where(active, candidates[event, np.arange(replicas)], t)
+    dt = t_next - np.maximum(t, 0.0)  # only the part after the warm-up counts
+    dt = np.maximum(dt, 0.0)
+    running = active & ~state.stalled
+    state.useful_s += np.where(running, dt * (1.0 - out_fraction), 0.0)
+    state.stalled_s += np.where(active & state.stalled, dt, 0.0)
+    state.up_s += np.where(running, t_next - t, 0.0)
+    state.t = t_next
+    return event
 
-        fail = active & (event == 0)
-        failures += fail & (t >= 0.0)
-        if elastic:
-            returned = active & (event == 1) & ~stalled & np.isinf(rejoin_deadline)
-            rejoin_deadline[returned] = t[returned] + unit.rejoin_batch_s
-            done = active & (event == 2)
-            rejoin = active & (event == 3)
-            # A failure starts (or re-plans) a scale-down that also takes back any returned chips.
-            stall_end[fail] = t[fail] + unit.scale_down.sample_s(rng, int(fail.sum()))
-            stall_end[rejoin] = t[rejoin] + unit.scale_up.sample_s(rng, int(rejoin.sum()))
-            rejoin_deadline[fail | rejoin] = np.inf
-        else:
-            done = active & (event == 2)
-            lost_now = fail & running
-            # Work lost at a failure counts only for the part done after the warm-up.
-            lost_s[lost_now] += np.minimum(_lost_work_s(unit, up_s[lost_now]), np.maximum(t[lost_now], 0.0))
-            up_s[fail] = 0.0
-            stall_end[fail] = t[fail] + unit.restart.sample_s(rng, int(fail.sum()))
-            rejoin = np.zeros(replicas, dtype=bool)
-        stall_end[done] = np.inf
-        stalled = (stalled | fail | rejoin) & ~done
 
-    goodput = (useful_s - lost_s) / horizon_s
-    return UnitResult(
-        goodput=float(goodput.mean()),
-        stderr=float(goodput.std(ddof=1) / math.sqrt(replicas)),
-        stalled_fraction=float(stalled_s.sum() / (horizon_s * replicas)),
-        failures=int(failures.sum()),
-        replicas=replicas,
-        unit_time_s=unit_time_s,
-    )
+def _elastic_events(state: _Replicas, unit: ElasticUnit, active: np.ndarray, event: np.ndarray, fail: np.ndarray,
+                    rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """An elastic unit's response to its events: returned chips open a rejoin window, a failure
+    starts a scale-down, a closed window a scale-up. Returns (stall ended, scale-up started)."""
+    t = state.t
+    returned = active & (event == 1) & ~state.stalled & np.isinf(state.rejoin_deadline)
+    state.rejoin_deadline[returned] = t[returned] + unit.rejoin_batch_s
+    done = active & (event == 2)
+    rejoin = active & (event == 3)
+    # A failure starts (or re-plans) a scale-down that also takes back any returned chips.
+    state.stall_end[fail] = t[fail] + unit.scale_down.sample_s(rng, int(fail.sum()))
+    state.stall_end[rejoin] = t[rejoin] + unit.scale_up.sample_s(rng, int(rejoin.sum()))
+    state.rejoin_deadline[fail | rejoin] = np.inf
+    return done, rejoin
+
+
+def _restart_events(state: _Replicas, unit: RestartUnit, active: np.ndarray, event: np.ndarray, fail: np.ndarray,
+                    rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A restart unit's response to its events: a failure while running loses the work since
+    the last checkpoint and starts a restart. Returns (stall ended, no scale-up)."""
+    t = state.t
+    done = active & (event == 2)
+    lost_now = fail & active & ~state.stalled
+    # Work lost at a failure counts only for the part done after the warm-up.
+    state.lost_s[lost_now] += np.minimum(_lost_work_s(unit, state.up_s[lost_now]), np.maximum(t[lost_now], 0.0))
+    state.up_s[fail] = 0.0
+    state.stall_end[fail] = t[fail] + unit.restart.sample_s(rng, int(fail.sum()))
+    return done, np.zeros(t.size, dtype=bool)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1339,6 +1339,7 @@ class TrainingState(_message.Message):
     LEADER_ADDRESS_FIELD_NUMBER: _builtins.int
     BUILD_VERSION_FIELD_NUMBER: _builtins.int
     BUILD_COMMIT_FIELD_NUMBER: _builtins.int
+    INFLUENCE_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     syncer_instance: _builtins.str
     started_at_unix_s: _builtins.float
@@ -1413,6 +1414,13 @@ class TrainingState(_message.Message):
         "unjudged" (the wait ran out, or no live learner could send one).
         """
 
+    @_builtins.property
+    def influence(self) -> _containers.RepeatedCompositeFieldContainer[Global___LearnerInfluence]:
+        """Bounded influence (docs/security.md#bounded-influence): per learner identity, its part in the
+        syncer's recent merges (the last 64 merges over all fragments in this syncer's life,
+        LearnerInfluence.window_merges), ordered by learner id. Learners in none of them are left out.
+        """
+
     def __init__(
         self,
         *,
@@ -1446,11 +1454,57 @@ class TrainingState(_message.Message):
         leader_address: _builtins.str = ...,
         build_version: _builtins.str = ...,
         build_commit: _builtins.str = ...,
+        influence: _abc.Iterable[Global___LearnerInfluence] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "build_commit", b"build_commit", "build_version", b"build_version", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "epoch", b"epoch", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "leader_address", b"leader_address", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "token_budget", b"token_budget", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "build_commit", b"build_commit", "build_version", b"build_version", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "epoch", b"epoch", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "influence", b"influence", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "leader_address", b"leader_address", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "token_budget", b"token_budget", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrainingState: _TypeAlias = TrainingState  # noqa: Y015
+
+@_typing.final
+class LearnerInfluence(_message.Message):
+    """One learner's influence on the syncer's recent merges (TrainingState.influence)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEARNER_ID_FIELD_NUMBER: _builtins.int
+    MERGES_FIELD_NUMBER: _builtins.int
+    MEAN_SHARE_FIELD_NUMBER: _builtins.int
+    MAX_SHARE_FIELD_NUMBER: _builtins.int
+    SHARE_CAPPED_FIELD_NUMBER: _builtins.int
+    CLIPPED_FIELD_NUMBER: _builtins.int
+    WINDOW_MERGES_FIELD_NUMBER: _builtins.int
+    learner_id: _builtins.str
+    merges: _builtins.int
+    """Recent merges its contributions were folded into."""
+    mean_share: _builtins.float
+    """Its mean and largest share of those merges' total weight (after the share cap)."""
+    max_share: _builtins.float
+    share_capped: _builtins.int
+    """Of those merges, how many capped its share (--max-merge-share) and how many clipped its
+    contribution in any way (claimed steps, step rate, batch, norm, norm within the merge).
+    """
+    clipped: _builtins.int
+    window_merges: _builtins.int
+    """How many recent merges the counts are over (the window; fewer early in a syncer's life)."""
+    def __init__(
+        self,
+        *,
+        learner_id: _builtins.str = ...,
+        merges: _builtins.int = ...,
+        mean_share: _builtins.float = ...,
+        max_share: _builtins.float = ...,
+        share_capped: _builtins.int = ...,
+        clipped: _builtins.int = ...,
+        window_merges: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clipped", b"clipped", "learner_id", b"learner_id", "max_share", b"max_share", "mean_share", b"mean_share", "merges", b"merges", "share_capped", b"share_capped", "window_merges", b"window_merges"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LearnerInfluence: _TypeAlias = LearnerInfluence  # noqa: Y015

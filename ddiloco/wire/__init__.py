@@ -1,4 +1,5 @@
-"""Bytes on the wire: the fragment codec (``codec``) and proto conversions (``serde``).
+"""Bytes on the wire: the fragment codec (``codec``; the codecs' raw byte layouts in ``layout``) and
+proto conversions (``serde``).
 
 Imports ``ddiloco.v1`` messages at most, never ``grpc``; no I/O.
 """

@@ -2,7 +2,7 @@
 quantize-and-pack and unpack-and-dequantize of whole blocks.
 
 Owns: only arithmetic on arrays the caller allocated and validated.
-Must not: choose scales, handle tails or tiny blocks, or raise (``codec`` does all that).
+Must not: choose scales, handle tails or tiny blocks, or raise (``layout`` does all that).
 
 Why compiled: in numpy, the int4 encode is about ten passes over each chunk (abs, max per
 block, multiply, rint, add, cast, pack) and reached 8-11 % of memory-copy bandwidth on a
@@ -43,7 +43,7 @@ def scales_from_absmax(
     absmax: np.ndarray, qmax: np.float32, min_scale: np.float32, max_scale: np.float32,
     scales: np.ndarray, inverse: np.ndarray,
 ) -> None:
-    """``codec.scales_from_absmax`` and ``codec.inverse_scales`` in one loop, per block:
+    """``layout.scales_from_absmax`` and ``layout.inverse_scales`` in one loop, per block:
     s = absmax / qmax, one float32 step lower if s·qmax > absmax, clamped to
     [min_scale, max_scale], 0 for absmax < min_scale; inverse = 1/s (0 where s = 0)."""
     zero = np.float32(0)

@@ -1,7 +1,7 @@
 """The learner's codec: jitted JAX quantize+pack and unpack+dequantize, byte-identical to codec.py.
 
 Owns: one fused XLA kernel per (codec, numel, block size) that turns a flat float32 vector into
-``codec.py``'s raw layout (block absmax, scale, levels, packing), and the inverse kernel.
+``layout.py``'s raw layout (block absmax, scale, levels, packing), and the inverse kernel.
 zstd, sha256 and every check of a received payload stay in ``codec.py`` (shared code), so the
 bytes on the wire and the errors raised are the same whichever side encoded.
 Must not: do I/O, or be imported by processes that have no JAX (the checkpoint store).
@@ -11,7 +11,7 @@ rewrites ``x / broadcast(s)`` and ``x / constant`` into multiplications by a rec
   * scale = absmax / qmax is divided by a runtime vector of qmax (never rewritten), then
     stepped down with ``nextafter`` where qmax·scale > absmax, exactly as codec.py does;
   * levels use x · fl(1/scale), a multiplication in both implementations.
-XLA on CPU flushes subnormals to zero; codec.py's layout is defined with the same flush, so
+XLA on CPU flushes subnormals to zero; layout.py's layout is defined with the same flush, so
 tests compare the raw bytes with codec.py's over random, structured, extreme and subnormal
 inputs.
 
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import layout
 
 _ALIGN = 64
 _MIN_SCALE = np.float32(np.finfo(np.float32).tiny)
@@ -44,11 +45,11 @@ _MIN_SPLIT_VALUES = 1 << 20
 
 
 def _per_byte(codec: str) -> int:
-    return codec_lib._LEVELS_PER_BYTE[codec]
+    return layout._LEVELS_PER_BYTE[codec]
 
 
 def _qmax(codec: str) -> int:
-    return codec_lib._QMAX[codec]
+    return layout._QMAX[codec]
 
 
 def to_device(values: np.ndarray) -> jax.Array:
@@ -70,9 +71,9 @@ def _qmax_vector(n_blocks: int, qmax: int) -> jax.Array:
 
 
 def _main_blocks(numel: int, block_size: int, per_byte: int) -> int:
-    """Whole blocks handled as one 2-D array (codec.main_blocks); the small rest is padded on
+    """Whole blocks handled as one 2-D array (layout.main_blocks); the small rest is padded on
     its own: padding the whole vector made XLA copy it twice."""
-    return codec_lib.main_blocks(numel, block_size, per_byte)
+    return layout.main_blocks(numel, block_size, per_byte)
 
 
 def _scales(blocks: jax.Array, qvec: jax.Array, codec: str):
@@ -116,7 +117,7 @@ def _pack(codes: jax.Array, codec: str) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("codec", "block_size"), compiler_options=_KERNEL_OPTIONS)
 def _quantize_kernel(main: jax.Array, tail: jax.Array, qvec: jax.Array, *, codec: str, block_size: int):
-    # main: the whole blocks (codec.main_blocks), tail: the rest zero-padded to whole blocks.
+    # main: the whole blocks (layout.main_blocks), tail: the rest zero-padded to whole blocks.
     # They arrive as separate arguments: slicing one vector inside the kernel made XLA copy the
     # main part first whenever a tail existed (measured: 3x slower at 25M values).
     main_blocks = main.shape[0] // block_size
@@ -193,7 +194,7 @@ def encode(
     values_np = np.asarray(values) if not isinstance(values, jax.Array) else None
     if codec not in codec_lib.QUANTIZED_CODECS or (values_np is not None and values_np.size == 0):
         return codec_lib.encode(np.asarray(values), codec, block_size=block_size, zstd_level=zstd_level)
-    codec_lib._check_codec(codec, block_size)
+    layout._check_codec(codec, block_size)
     if zstd_level > codec_lib.zstandard.MAX_COMPRESSION_LEVEL:
         # Same message as codec.encode.
         return codec_lib.encode(np.zeros(0, np.float32), codec, block_size=block_size, zstd_level=zstd_level)
@@ -202,7 +203,7 @@ def encode(
         raise codec_lib.CodecError(f"values is {dtype}{list(shape)}: pass a 1-D float32 vector")
     finite, scales, parts = quantize(values if values_np is None else values_np, codec, block_size)
     if not bool(finite):
-        codec_lib.raise_non_finite(np.asarray(values))
+        layout.raise_non_finite(np.asarray(values))
     numel = shape[0]
     level_bytes = -(-numel // _per_byte(codec))
     pieces = [np.asarray(scales).astype("<f4", copy=False).tobytes()]
@@ -289,7 +290,7 @@ def decode(
                                 checksum=checksum, block_size=block_size, **fmt)
     parts, invalid = dequantize(raw, codec, numel, block_size)
     values = np.concatenate([np.asarray(p) for p in parts])  # fresh and writable, as codec.decode returns
-    if bool(invalid) or (scales.size and float(scales.max()) * _qmax(codec) > codec_lib._F32_MAX
+    if bool(invalid) or (scales.size and float(scales.max()) * _qmax(codec) > layout._F32_MAX
                          and not np.isfinite(values).all()):
         return codec_lib.decode(payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes,
                                 checksum=checksum, block_size=block_size, **fmt)

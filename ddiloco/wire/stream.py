@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddiloco.wire import codec as codec_lib
+from ddiloco.wire import layout
 
 
 class PayloadStream:
@@ -35,7 +36,7 @@ class PayloadStream:
         """`decode_on_arrival`: dequantize an uncompressed payload as it arrives (False: keep only
         its bytes until `finish`, for a receiver short of memory for the values). Raises CodecError (SizeError, ChecksumError for a digest of the wrong length) when the
         declared sizes and format cannot describe a valid payload."""
-        codec_lib._check_codec(codec, block_size)
+        layout._check_codec(codec, block_size)
         codec_lib._check_wire_format(compression, checksum_kind)
         codec_lib.check_sizes(codec, numel, raw_size_bytes, payload_size_bytes, block_size, compression)
         if len(checksum) != codec_lib.CHECKSUM_BYTES[checksum_kind]:
@@ -53,8 +54,8 @@ class PayloadStream:
         self._values = np.empty(numel, np.float32) if self._on_arrival else None
         quantized = codec in codec_lib.QUANTIZED_CODECS
         self._n_blocks = -(-numel // block_size) if quantized else 0
-        self._per_byte = codec_lib._LEVELS_PER_BYTE.get(codec, 1)
-        self._main = codec_lib.main_blocks(numel, block_size, self._per_byte) if quantized else 0
+        self._per_byte = layout._LEVELS_PER_BYTE.get(codec, 1)
+        self._main = layout.main_blocks(numel, block_size, self._per_byte) if quantized else 0
         self._scales: np.ndarray | None = None
         self._body: np.ndarray | None = None
         self._done = 0  # blocks (quantized) or values (fp32, bf16) decoded so far
@@ -86,20 +87,20 @@ class PayloadStream:
         if self._n_blocks == 0:  # fp32, bf16: every whole value in
             ready = min(self.numel, self.received_bytes // (4 if self.codec == "fp32" else 2))
             if ready > self._done:
-                codec_lib.copy_values(self._view, self.codec, self._values, self._done, ready, self._on_chunk)
+                layout.copy_values(self._view, self.codec, self._values, self._done, ready, self._on_chunk)
                 self._done = ready
             return
         scale_bytes = 4 * self._n_blocks
         if self._scales is None:
             if self.received_bytes < scale_bytes:
                 return
-            self._scales = codec_lib.read_scales(self._view, self._n_blocks)
+            self._scales = layout.read_scales(self._view, self._n_blocks)
             self._body = np.frombuffer(self._buffer, np.uint8, offset=scale_bytes)
         # Whole blocks in groups of 4, so that every group ends on a byte of levels.
         blocks_in = (self.received_bytes - scale_bytes) * self._per_byte // self.block_size
         ready = min(self._main, blocks_in // 4 * 4)
         if ready > self._done:
-            self._smallest = min(self._smallest, codec_lib.dequantize_blocks(
+            self._smallest = min(self._smallest, layout.dequantize_blocks(
                 self._body, self._scales, self.codec, self.block_size, self._values, self._done, ready,
                 self._on_chunk))
             self._done = ready
@@ -121,15 +122,15 @@ class PayloadStream:
                 compression=self.compression, checksum_kind=self.checksum_kind, digest=self.digest())
         with np.errstate(over="ignore", invalid="ignore"):
             if self._n_blocks == 0:
-                codec_lib.check_finite(self._values)
+                layout.check_finite(self._values)
                 return self._values
             if self._scales is None:  # fewer values than one group of blocks: nothing decoded yet
-                self._scales = codec_lib.read_scales(self._view, self._n_blocks)
+                self._scales = layout.read_scales(self._view, self._n_blocks)
                 self._body = np.frombuffer(self._buffer, np.uint8, offset=4 * self._n_blocks)
             if self._main > self._done:
-                self._smallest = min(self._smallest, codec_lib.dequantize_blocks(
+                self._smallest = min(self._smallest, layout.dequantize_blocks(
                     self._body, self._scales, self.codec, self.block_size, self._values, self._done, self._main,
                     self._on_chunk))
                 self._done = self._main
-            return codec_lib.finish_dequantized(self._body, self._scales, self.codec, self.block_size,
+            return layout.finish_dequantized(self._body, self._scales, self.codec, self.block_size,
                                                 self._values, self._smallest, self._on_chunk)

@@ -47,8 +47,6 @@ async def serve(cfg: config_lib.CheckpointConfig) -> int:
         gc_grace_s=cfg.gc_grace_s,
         failpoints=cfg.failpoints,
     )
-    if cfg.failpoints:
-        _LOG.warning("failpoints armed: %s", dict(cfg.failpoints))
     servicer = servicer_lib.CheckpointStoreServicer(store, chunk_size_bytes=cfg.chunk_size_bytes)
     def add_servicer(server) -> None:
         checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(servicer, server)

@@ -11,10 +11,10 @@ import logging
 import pathlib
 from collections.abc import Mapping, Sequence
 
+from ddiloco import failpoints as failpoints_lib
 from ddiloco import flags
 from ddiloco.rpc import security
 from ddiloco.rpc import server as server_lib
-from . import store as store_lib
 
 # Every option `--foo-bar` can also be set as DDILOCO_CHECKPOINT_FOO_BAR, so compose files and
 # Kubernetes manifests configure the service without editing its command.
@@ -79,8 +79,8 @@ class CheckpointConfig:
     tls_deny_list: str = ""
     # Also serve the health service alone, in plaintext, on this host:port (probes).
     health_bind: str = ""
-    # Fault injection for tests: point -> "crash" | "enospc" (see store.py). Empty in production.
-    failpoints: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Fault injection for tests, e.g. "store.write=enospc" (ddiloco.failpoints). Empty in production.
+    failpoints: str = ""
 
     def __post_init__(self) -> None:
         if not str(self.root):
@@ -107,7 +107,7 @@ class CheckpointConfig:
         if self.health_bind and ":" not in self.health_bind:
             raise _invalid("health_bind", self.health_bind, "use host:port, e.g. 127.0.0.1:8082")
         try:
-            store_lib.validate_failpoints(self.failpoints)
+            failpoints_lib.parse(self.failpoints, prefix="store.")
         except ValueError as exc:
             raise ValueError(
                 f"failpoints: {exc} (flag --failpoints, env {FAILPOINTS_ENV})"
@@ -165,8 +165,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointC
     parser.add_env_argument(
         "--failpoints",
         env=FAILPOINTS_ENV,
-        type=store_lib.parse_failpoints,
-        default={},
+        default="",
         metavar="POINT=ACTION,...",
         help="TESTS ONLY: crash or fail with ENOSPC at named store points, e.g. "
         "store.after_tmp_write=crash,store.write=enospc",

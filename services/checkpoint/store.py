@@ -26,8 +26,8 @@ that last step a crash can lose the rename). A checkpoint exists once its manife
 into place: the manifest is written last and is the commit marker. Temp files left by a crash
 are removed when the store opens.
 
-Failpoints (fault tests only) make the process die (`crash`: `os._exit(137)`, like SIGKILL) or
-fail as if the disk were full (`enospc`) at a named point of every atomic write:
+Failpoints (fault tests only, `ddiloco.failpoints`) make the process die (`crash`: `os._exit(137)`,
+like SIGKILL) or fail as if the disk were full (`enospc`) at a named point of every atomic write:
 
     store.write                         before each write of data to a temp file
     store.after_tmp_write               temp file complete and fsynced
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
@@ -51,6 +50,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
+from ddiloco import failpoints as failpoints_lib
 from ddiloco.rpc import errors
 from .blob_io import (  # noqa: F401 (BlobReader, BlobWriter: re-exported)
     DEFAULT_CHUNK_BYTES,
@@ -64,18 +64,6 @@ from .blob_io import tmp_path as _tmp_path
 from .blob_io import unlink_quietly as _unlink_quietly
 
 _LOG = logging.getLogger(__name__)
-
-FAILPOINTS: frozenset[str] = frozenset(
-    {
-        "store.write",
-        "store.after_tmp_write",
-        "store.before_rename",
-        "store.after_rename_before_dirsync",
-    }
-)
-FAILPOINT_ACTIONS: frozenset[str] = frozenset({"crash", "enospc"})
-# The exit status of a process killed by SIGKILL, so a crash failpoint looks like one.
-CRASH_EXIT_CODE = 137
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 # A run id becomes a directory name: no separators, no leading dot, bounded length.
@@ -113,35 +101,6 @@ class LatestN:
     def should_preserve(self, steps: Sequence[int]) -> Sequence[bool]:
         first_kept = max(0, len(steps) - self.n)
         return [i >= first_kept for i in range(len(steps))]
-
-
-# ---------------------------------------------------------------------------------------------
-# Failpoints.
-
-
-def parse_failpoints(text: str) -> dict[str, str]:
-    """Parses `"store.after_tmp_write=crash,store.write=enospc"` (empty text: none).
-
-    Raises:
-      ValueError: an unknown point or action, or an entry without `=`.
-    """
-    points: dict[str, str] = {}
-    for entry in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, action = (s.strip() for s in entry.partition("="))
-        if not sep:
-            raise ValueError(f"failpoint {entry!r} has no action; write {entry}=crash or =enospc")
-        points[name] = action
-    validate_failpoints(points)
-    return points
-
-
-def validate_failpoints(points: Mapping[str, str]) -> None:
-    """Raises ValueError naming any unknown failpoint or action."""
-    for name, action in points.items():
-        if name not in FAILPOINTS:
-            raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(sorted(FAILPOINTS))}")
-        if action not in FAILPOINT_ACTIONS:
-            raise ValueError(f"failpoint {name}={action!r}: action must be crash or enospc")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +148,8 @@ class BlobStore:
       max_blob_bytes: larger uploads fail with ResourceExhausted.
       gc_grace_s: unreferenced blobs younger than this survive GC. Blobs of a checkpoint being
         uploaded are referenced by no manifest until it commits; the grace period protects them.
-      failpoints: fault-injection points (see the module docstring); tests only.
+      failpoints: a `ddiloco.failpoints` spec of `store.*` points (see the module docstring);
+        tests only. ValueError names a bad one.
       clock: returns the current unix time in seconds; injectable for tests.
     """
 
@@ -200,7 +160,7 @@ class BlobStore:
         retention: RetentionPolicy = LatestN(5),
         max_blob_bytes: int = 2 * 1024**3,
         gc_grace_s: float = 3600.0,
-        failpoints: Mapping[str, str] | None = None,
+        failpoints: str = "",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.root = pathlib.Path(root)
@@ -209,8 +169,7 @@ class BlobStore:
         self._retention = retention
         self._max_blob_bytes = max_blob_bytes
         self._gc_grace_s = gc_grace_s
-        self._failpoints = dict(failpoints or {})
-        validate_failpoints(self._failpoints)
+        self._failpoints = failpoints_lib.Failpoints(failpoints, prefix="store.")
         self._clock = clock
         self._lock = threading.Lock()
         # More blobs garbage collection keeps (the merge ledgers' retained contributions, ledger.py).
@@ -400,12 +359,7 @@ class BlobStore:
         return self._manifests / run_id / f"{step:020d}.json"
 
     def _failpoint(self, name: str) -> None:
-        action = self._failpoints.get(name)
-        if action == "crash":
-            _LOG.error("failpoint %s: exiting with %d", name, CRASH_EXIT_CODE)
-            os._exit(CRASH_EXIT_CODE)
-        if action == "enospc":
-            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (failpoint {name})")
+        self._failpoints.hit(name)
 
     def _rename_into_place(self, tmp: pathlib.Path, target: pathlib.Path) -> None:
         self._failpoint("store.after_tmp_write")

@@ -7,6 +7,7 @@ the background. Exit status: 0 done, 3 could not join, 4 fenced off by a newer l
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -54,6 +55,24 @@ def core_hash(values: np.ndarray) -> str:
 ClientFactory = Callable[[client_lib.ClientConfig], client_lib.SyncClient]
 
 
+@dataclasses.dataclass
+class _Life:
+    """What one life of the learner trains with, once joined and loaded."""
+
+    cfg: config_lib.LearnerConfig
+    unit: distributed_lib.LearnerUnit
+    sync_client: client_lib.SyncClient  # the client this process built (failpoints live on it)
+    client: client_lib.SyncClient  # the one the loop talks to (the unit's wrapper in a multi-host unit)
+    loop: loop_lib.LearnerLoop
+    sampler: corpus.BatchSampler
+    shard: int
+    incarnation: int
+    sync_mode: str
+    snapshots: snapshot_lib.Snapshotter | None
+    stop: threading.Event
+    liveness: liveness_lib.LoopLiveness
+
+
 def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_lib.SyncClient) -> int:
     if cfg.compilation_cache_dir:
         train_lib.enable_compilation_cache(cfg.compilation_cache_dir)
@@ -66,32 +85,15 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
     incarnation = unit.agree_int(cfg.incarnation or time.time_ns())  # one identity per unit
     # Liveness from here on: the start, the join and every inner step are progress (see config).
     liveness = liveness_lib.LoopLiveness(cfg.liveness_timeout_s)
-    if cfg.health_bind:
-        try:
-            health_server = liveness_lib.HealthServer(cfg.health_bind, liveness)
-        except OSError as exc:
-            _LOG.error(f"{exc}: another learner on this host? give each its own --health-bind "
-                       "(127.0.0.1:0 picks a free port; empty disables it)")
-            return 2
-        _LOG.info(f"health on {health_server.address} (NOT_SERVING after {cfg.liveness_timeout_s:g} s "
-                  "without an inner step)")
+    # Held for the whole life: a gRPC server nobody references is stopped when it is collected.
+    health_server = _serve_health(cfg, liveness) if cfg.health_bind else None
+    if cfg.health_bind and health_server is None:
+        return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     # In a multi-host unit only process 0 talks to the syncer; the wrapper keeps the others in step.
-    sync_client = client_factory(
-        client_lib.ClientConfig(
-            target=cfg.syncer, learner_id=cfg.learner_id, incarnation=incarnation, region=cfg.region,
-            tokens_per_step=0, call_timeout_s=cfg.call_timeout_s, retry_bound_s=cfg.retry_bound_s,
-            progress_interval_s=cfg.progress_interval_s, security=cfg.client_security(),
-            failpoints=cfg.failpoints, history_file=cfg.history_file, initial_values=_initial_fragments,
-            encode=_upload_encoder(cfg),
-            on_budget_reached=stop.set,  # the run's token budget is spent: finish as on SIGTERM
-            # Ids without a shard number (--learner-id auto) take the shard the syncer assigns.
-            num_data_shards=cfg.num_shards, data_shard=cfg.pinned_shard_index,
-            fallback_data_shard=cfg.resolved_shard_index,
-        )
-    )
+    sync_client = client_factory(_client_config(cfg, incarnation, stop))
     client = unit.wrap_client(sync_client, stop)
     collector = learner_metrics.LearnerCollector(cfg.learner_id, cfg.region, client)
     if cfg.metrics_bind:
@@ -99,6 +101,77 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
         registry.register(collector)
         metrics_server = metrics_lib.serve(cfg.metrics_bind, registry)
         _LOG.info(f"metrics on http://{metrics_server.address}/metrics")
+    joined = _join(cfg, client, liveness)
+    if isinstance(joined, int):
+        return joined
+    run_config, model, sync_mode = joined
+    split = _load_data(cfg, client, model)
+    if split is None:
+        return 2
+    shard = client.data_shard  # pinned, or assigned by the syncer at the join (same on every process of a unit)
+    _LOG.info(f"data {split.source}: {split.shard_summary(shard)} (this learner's); {split.heldout_summary()}")
+    sampler = corpus.BatchSampler(split.shards[shard], cfg.batch_size, model.seq_len,
+                                  seed=int(np.random.SeedSequence([cfg.seed, shard, incarnation]).generate_state(1)[0]))
+    loop = _make_loop(cfg, unit, client, run_config, model, sampler, incarnation, sync_mode, stop)
+    collector.loop = loop
+    snapshots = _resume(cfg, loop, run_config, sampler, shard, sync_mode)  # None: --state-dir off
+    schedule_step = _continue_schedule(cfg, loop, client.schedule_start_step)
+    loop.apply_updates()
+    _LOG.info(
+        f"learner {cfg.learner_id} training",
+        extra={"fields": {"incarnation": incarnation, "shard": shard, "data": split.source, "syncer": cfg.syncer,
+                          "fragments": loop.plan.num_fragments, "H": loop.plan.sync_period_steps,
+                          "inner_optimizer": "model" if hasattr(model, "inner_optimizer") else "adamw",
+                          "version": build_info.version(), "commit": build_info.commit(),
+                          "resumed_from_step": loop.stats.resumed_from_step, "schedule_step": schedule_step,
+                          **unit.describe()}},
+    )
+    life = _Life(cfg, unit, sync_client, client, loop, sampler, shard, incarnation, sync_mode, snapshots, stop,
+                 liveness)
+    started = time.monotonic()
+    if not _train(life):
+        return 4
+    summary = _finish(life, started)
+    _LOG.info("done", extra={"fields": summary})
+    if cfg.summary_file:
+        with open(cfg.summary_file, "w") as f:
+            json.dump(summary, f)
+    return 0
+
+
+def _serve_health(cfg: config_lib.LearnerConfig,
+                  liveness: liveness_lib.LoopLiveness) -> liveness_lib.HealthServer | None:
+    """The liveness health endpoint on --health-bind; None (logged) when its port is taken. The
+    caller keeps the server referenced for as long as it must answer."""
+    try:
+        health_server = liveness_lib.HealthServer(cfg.health_bind, liveness)
+    except OSError as exc:
+        _LOG.error(f"{exc}: another learner on this host? give each its own --health-bind "
+                   "(127.0.0.1:0 picks a free port; empty disables it)")
+        return None
+    _LOG.info(f"health on {health_server.address} (NOT_SERVING after {cfg.liveness_timeout_s:g} s "
+              "without an inner step)")
+    return health_server
+
+
+def _client_config(cfg: config_lib.LearnerConfig, incarnation: int, stop: threading.Event) -> client_lib.ClientConfig:
+    """The sync client's configuration for this life."""
+    return client_lib.ClientConfig(
+        target=cfg.syncer, learner_id=cfg.learner_id, incarnation=incarnation, region=cfg.region,
+        tokens_per_step=0, call_timeout_s=cfg.call_timeout_s, retry_bound_s=cfg.retry_bound_s,
+        progress_interval_s=cfg.progress_interval_s, security=cfg.client_security(),
+        failpoints=cfg.failpoints, history_file=cfg.history_file, initial_values=_initial_fragments,
+        encode=_upload_encoder(cfg),
+        on_budget_reached=stop.set,  # the run's token budget is spent: finish as on SIGTERM
+        # Ids without a shard number (--learner-id auto) take the shard the syncer assigns.
+        num_data_shards=cfg.num_shards, data_shard=cfg.pinned_shard_index,
+        fallback_data_shard=cfg.resolved_shard_index,
+    )
+
+
+def _join(cfg: config_lib.LearnerConfig, client, liveness: liveness_lib.LoopLiveness):
+    """Joins the syncer and builds its model: (run config, model, sync mode), or the exit status
+    (3 could not join, 4 fenced off or another model, 2 a baseline mode in a multi-process unit)."""
     try:
         run_config = client.start(cfg.join_timeout_s)
     except client_lib.FencedError as exc:
@@ -120,18 +193,27 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
         _LOG.error(f"sync mode {sync_mode!r} (a baseline) is not supported by multi-process learner units")
         client.close(leave=False)
         return 2
-    plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
+    return run_config, model, sync_mode
+
+
+def _load_data(cfg: config_lib.LearnerConfig, client, model: models.Model) -> corpus.CorpusSplit | None:
+    """The run's data, checked against the model's vocabulary; None (logged, client closed) if unusable."""
     try:
         split = data_sources.load(cfg.data_spec())  # warnings (a truncating size cap, binary files) are logged
         data_sources.check_vocabulary(split, model.vocab_size)
     except (ValueError, OSError) as exc:
         _LOG.error(f"data {cfg.data_spec().describe()}: {exc}")
         client.close(leave=True)
-        return 2
-    shard = client.data_shard  # pinned, or assigned by the syncer at the join (same on every process of a unit)
-    _LOG.info(f"data {split.source}: {split.shard_summary(shard)} (this learner's); {split.heldout_summary()}")
-    sampler = corpus.BatchSampler(split.shards[shard], cfg.batch_size, model.seq_len,
-                                  seed=int(np.random.SeedSequence([cfg.seed, shard, incarnation]).generate_state(1)[0]))
+        return None
+    return split
+
+
+def _make_loop(cfg: config_lib.LearnerConfig, unit: distributed_lib.LearnerUnit, client, run_config,
+               model: models.Model, sampler: corpus.BatchSampler, incarnation: int, sync_mode: str,
+               stop: threading.Event) -> loop_lib.LearnerLoop:
+    """The inner loop over the model's train step, from zeroed parameters the global fragments
+    overwrite before the first step."""
+    plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
     # A model may choose its own inner optimizer, any optax chain (ddiloco.models, docs/models.md).
     # The LR schedule goes on from the steps the syncer counted for this learner's earlier lives.
     inner = cfg.inner_optimizer(schedule_offset=client.schedule_start_step)
@@ -145,36 +227,27 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
     delay = None
     if cfg.step_delay_s:
         delay = lambda: cfg.step_delay_s * (1.0 + cfg.step_jitter * rng.uniform(-1.0, 1.0))  # noqa: E731
-    loop = loop_lib.LearnerLoop(
+    return loop_lib.LearnerLoop(
         plan=plan, params=params, train_step=train_lib.TrainStep(model, optimizer, unit.mesh), sampler=sampler, client=client,
         learner_id=cfg.learner_id, incarnation=incarnation, mixing_alpha=run_config.mixing_alpha, step_delay_s=delay,
         sync_mode=sync_mode, should_stop=stop.is_set, on_arrival=run_config.on_arrival,
         round_trigger=run_config.round_trigger or "schedule",
     )
-    collector.loop = loop
-    snapshots = _resume(cfg, loop, run_config, sampler, shard, sync_mode)  # None: --state-dir off
-    schedule_step = _continue_schedule(cfg, loop, client.schedule_start_step)
-    loop.apply_updates()
-    _LOG.info(
-        f"learner {cfg.learner_id} training",
-        extra={"fields": {"incarnation": incarnation, "shard": shard, "data": split.source, "syncer": cfg.syncer,
-                          "fragments": plan.num_fragments, "H": plan.sync_period_steps,
-                          "inner_optimizer": "model" if hasattr(model, "inner_optimizer") else "adamw",
-                          "version": build_info.version(), "commit": build_info.commit(),
-                          "resumed_from_step": loop.stats.resumed_from_step, "schedule_step": schedule_step,
-                          **unit.describe()}},
-    )
-    started = time.monotonic()
-    while not unit.should_stop(client, stop) and (cfg.steps == 0 or loop.stats.steps < cfg.steps):
+
+
+def _train(life: _Life) -> bool:
+    """Inner steps until --steps, a signal or the unit stops; False when fenced off (client closed)."""
+    cfg, loop, client = life.cfg, life.loop, life.client
+    while not life.unit.should_stop(client, life.stop) and (cfg.steps == 0 or loop.stats.steps < cfg.steps):
         if client.fenced:
             _LOG.error(str(client.fenced))
             client.close(leave=False)
-            return 4
-        sync_client.hit_failpoint("learner.inner_step")  # fault tests only: `stall` hangs the loop here
+            return False
+        life.sync_client.hit_failpoint("learner.inner_step")  # fault tests only: `stall` hangs the loop here
         loss = loop.step()
-        liveness.beat()
-        if snapshots is not None and snapshots.due(loop.stats.steps):
-            snapshots.write(lambda: loop.export_snapshot(snapshots.identity, sampler.position(), shard))
+        life.liveness.beat()
+        if life.snapshots is not None and life.snapshots.due(loop.stats.steps):
+            _write_snapshot(life)
         if loop.stats.steps % cfg.log_every_steps == 0:
             _LOG.info(
                 "step",
@@ -182,42 +255,48 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
                                   "step_s": round(loop.stats.step_time_ema.value or 0.0, 3),
                                   "held": {f: v for f, (_, v) in sorted(loop.held.items())}}},
             )
-    # The end of training merges everything: the last progress on every fragment goes out and the
-    # learner waits (bounded) until the global model holds it; then queued uploads drain.
+    return True
+
+
+def _write_snapshot(life: _Life) -> None:
+    life.snapshots.write(lambda: life.loop.export_snapshot(life.snapshots.identity, life.sampler.position(), life.shard))
+
+
+def _finish(life: _Life, started: float) -> dict:
+    """The end of training merges everything: the last progress on every fragment goes out and the
+    learner waits (bounded) until the global model holds it; then queued uploads drain, the client
+    leaves and the last snapshot is written. Returns the life's summary."""
+    cfg, loop, client = life.cfg, life.loop, life.client
     finish_started = time.monotonic()
     all_merged = loop.finish(timeout_s=cfg.finish_timeout_s) if not client.fenced else False
     finish_s = time.monotonic() - finish_started
     client.flush(timeout_s=min(10.0, cfg.retry_bound_s))
     client.close(leave=True)
-    if snapshots is not None:  # a restart continues the optimizer state and the data order
-        snapshots.write(lambda: loop.export_snapshot(snapshots.identity, sampler.position(), shard))
-    summary = {
-        "learner_id": cfg.learner_id, "incarnation": incarnation, "data_shard": shard, "steps": loop.stats.steps,
+    if life.snapshots is not None:  # a restart continues the optimizer state and the data order
+        _write_snapshot(life)
+    return {
+        "learner_id": cfg.learner_id, "incarnation": life.incarnation, "data_shard": life.shard,
+        "steps": loop.stats.steps,
         "tokens": loop.stats.tokens, "first_loss": loop.stats.first_loss, "last_loss_ema": loop.stats.loss_ema.value,
         "wall_s": round(time.monotonic() - started, 3), "uploads_queued": loop.stats.uploads_queued,
         "fragments_applied": loop.stats.fragments_applied, "client": vars(client.stats),
-        "sync_mode": sync_mode, "wait_s": round(loop.stats.wait_s, 3), "compute_s": round(loop.stats.compute_s, 3),
+        "sync_mode": life.sync_mode, "wait_s": round(loop.stats.wait_s, 3),
+        "compute_s": round(loop.stats.compute_s, 3),
         "barrier_resends": loop.stats.barrier_resends,
         "merged_contributions": loop.stats.merged_contributions,
         "resumed_from_step": loop.stats.resumed_from_step, "tokens_all_lives": loop.tokens_before + loop.stats.tokens,
-        "snapshots": snapshots.summary() if snapshots is not None else None,
+        "snapshots": life.snapshots.summary() if life.snapshots is not None else None,
         "unmerged_contributions": loop.stats.unmerged_contributions,
         "finish": {"all_merged": all_merged, "wait_s": round(finish_s, 3)},
         # Why training stopped: the run's token budget (the syncer said so), or a signal / --steps.
         "budget_reached": client.budget_reached,
-        "tokens_per_step": sampler.tokens_per_batch, "params_sha256": distributed_lib.params_sha256(loop.params),
+        "tokens_per_step": life.sampler.tokens_per_batch, "params_sha256": distributed_lib.params_sha256(loop.params),
         # The global values this learner holds, per fragment: compare with the syncer's published_sha256.
         "held": {str(f): {"version": v, "sha256": core_hash(loop.global_copy[f])}
                  for f, (_, v) in sorted(loop.held.items())},
         "held_instances": {str(f): inst for f, (inst, _) in sorted(loop.held.items())},  # the syncer lives
-        **unit.describe(),
+        **life.unit.describe(),
     }
-    _LOG.info("done", extra={"fields": summary})
-    if cfg.summary_file:
-        with open(cfg.summary_file, "w") as f:
-            json.dump(summary, f)
-    return 0
-
 
 
 def _resume(cfg: config_lib.LearnerConfig, loop: loop_lib.LearnerLoop, run_config, sampler, shard: int,

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -186,19 +187,71 @@ def _dp_stepper_factory(cfg: config_lib.SyncerConfig):
     return lambda frag: outer_lib.OuterStepper(optimizer, tensors=[(t.name, tuple(t.shape)) for t in frag.tensors])
 
 
+class _Security(NamedTuple):
+    """The syncer's transport security, read once at the start."""
+
+    server: security_lib.ServerSecurity
+    credentials: object  # the server's gRPC credentials (None: plaintext)
+    authenticator: object
+    store: security_lib.ClientSecurity  # towards the checkpoint store
+
+    @classmethod
+    def load(cls, cfg: config_lib.SyncerConfig) -> _Security:
+        """Reads every certificate and token file now. Raises ValueError on an unreadable one."""
+        server = cfg.server_security()
+        credentials = server.credentials()
+        authenticator = server.authenticator()
+        store = cfg.checkpoint_security()
+        store.token()
+        return cls(server, credentials, authenticator, store)
+
+
 async def serve(cfg: config_lib.SyncerConfig) -> int:
     # Transport security first: unreadable certificates or token files stop the start (status 2).
     try:
-        server_security = cfg.server_security()
-        server_credentials = server_security.credentials()
-        authenticator = server_security.authenticator()
-        store_security = cfg.checkpoint_security()
-        store_security.token()
+        security = _Security.load(cfg)
     except ValueError as exc:
         _LOG.error(f"security configuration: {exc}")
         return 2
     model = models.get_model(cfg.model, cfg.model_overrides)
-    fingerprint = models.model_fingerprint(model)
+    plan = _plan_fragments(cfg, model)
+    client = _checkpoint_client(cfg, security.store) if cfg.checkpoint_target else None
+    core = _make_core(cfg, model, plan)
+    registry = metrics_lib.new_registry("syncer")
+    metrics = syncer_metrics.SyncerMetrics(core, registry)
+    checkpointer, leadership = _checkpointing_and_leadership(cfg, core, client, metrics, registry)
+    if client is not None and not leadership.coordinated:  # with election: once elected (_lead)
+        refused = await _restore_at_start(cfg, core, client, metrics)
+        if refused is not None:
+            return refused
+    # Captured before serving, so the ready file shows exactly what was restored.
+    # With election a syncer's life (for the history) starts when it leads, once restored (_lead).
+    history = None if leadership.coordinated else history_lib.attach(core, cfg.history_file)
+    if cfg.merge_ledger:  # one hash-chained record per merge (ddiloco audit)
+        core.influence.ledger = influence_lib.MergeLedger(cfg.merge_ledger, max_bytes=cfg.merge_ledger_max_bytes)
+    store_ledger = await _start_store_ledger(cfg, core, client, leadership)
+    if history is not None:  # fault tests: what the invariant checkers read
+        checkpointer.on_commit = history.checkpoint_committed
+    initial_state = _initial_state(core)
+    servicer, handle = await _start_serving(cfg, core, security, registry, leadership)
+    _announce(cfg, model, plan, core, security, handle, registry, initial_state)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    leading = None
+    if leadership.coordinated:
+        leading = loop.create_task(_lead(cfg, leadership, handle, core, client, servicer, checkpointer,
+                                         metrics, stop))
+    await stop.wait()
+    if leading is not None and not leadership.leading():
+        return await _stop_not_leading(handle, servicer, leadership, leading, cfg.grace_s)
+    await _shut_down(cfg, handle, servicer, core, checkpointer, store_ledger, leadership, client, history)
+    return 0
+
+
+def _plan_fragments(cfg: config_lib.SyncerConfig, model: models.Model) -> fragments_lib.FragmentPlan:
+    """The model's fragment plan; a baseline sync mode is said in the log, with its quorum."""
     plan = fragments_lib.plan_fragments(model.tensor_specs(), cfg.num_fragments, cfg.sync_period_steps,
                                         staggered=cfg.sync_mode == "decoupled")
     if cfg.sync_mode != "decoupled":
@@ -208,14 +261,20 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         if cfg.min_quorum == 1:
             _LOG.warning(f"sync mode {cfg.sync_mode} with --min-quorum 1: merges will not wait for every learner; "
                          "set --min-quorum to the number of learners for the synchronous baseline")
+    return plan
+
+
+def _make_core(cfg: config_lib.SyncerConfig, model: models.Model,
+               plan: fragments_lib.FragmentPlan) -> core_lib.SyncerCore:
+    """The core over the model's initial parameters (seeded by --seed), before any restore."""
+    fingerprint = models.model_fingerprint(model)
     params = {k: np.asarray(v, dtype=np.float32) for k, v in model.init(jax.random.PRNGKey(cfg.seed)).items()}
     initial = {f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments}
     run_config = core_lib.make_run_config(
         cfg=cfg, plan=plan, model_name=model.name, model_config_json=json.dumps(dict(model.config), sort_keys=True),
         fingerprint=fingerprint,
     )
-    client = _checkpoint_client(cfg, store_security) if cfg.checkpoint_target else None
-    core = core_lib.SyncerCore(
+    return core_lib.SyncerCore(
         run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
         liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
@@ -225,8 +284,13 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         round_trigger=cfg.round_trigger, outer_step_fraction=cfg.outer_step_fraction,
         token_budget=cfg.token_budget,
     )
-    registry = metrics_lib.new_registry("syncer")
-    metrics = syncer_metrics.SyncerMetrics(core, registry)
+
+
+def _checkpointing_and_leadership(cfg: config_lib.SyncerConfig, core: core_lib.SyncerCore, client,
+                                  metrics: syncer_metrics.SyncerMetrics,
+                                  registry) -> tuple[_Checkpointer, leadership_lib.Leadership]:
+    """The background checkpointer hooked to the core's merges, writing only while this syncer
+    leads (always, without --coord-etcd); fault tests' failpoints."""
     checkpointer = _Checkpointer(core, client, cfg, metrics)
     core.on_merge = checkpointer.on_merge
     if cfg.failpoints:  # fault tests only
@@ -237,31 +301,40 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     checkpointer.may_write = leadership.leading
     if leadership.coordinated:
         checkpointer.epoch = lambda: leadership.epoch
-    if client is not None and not leadership.coordinated:  # with election: once elected (_lead)
-        restore_started = time.monotonic()
-        try:
-            state = await _restore(client, cfg)
-        except (retry_lib.RetriesExhausted, replicas_lib.QuorumError) as exc:
-            _LOG.error(f"checkpoint store unreachable, refusing to start a fresh run over it: {exc}")
-            return 3
-        if state is not None:
-            core.restore(state)
-            metrics.restore_seconds.set(time.monotonic() - restore_started)
-        if isinstance(client, replicas_lib.ReplicatedCheckpointClient):
-            client.start_repair([cfg.run_id], interval_s=cfg.checkpoint_repair_interval_s)
-    # Captured before serving, so the ready file shows exactly what was restored.
-    # With election a syncer's life (for the history) starts when it leads, once restored (_lead).
-    history = None if leadership.coordinated else history_lib.attach(core, cfg.history_file)
-    if cfg.merge_ledger:  # one hash-chained record per merge (ddiloco audit)
-        core.influence.ledger = influence_lib.MergeLedger(cfg.merge_ledger, max_bytes=cfg.merge_ledger_max_bytes)
-    store_ledger = await _start_store_ledger(cfg, core, client, leadership)
-    if history is not None:  # fault tests: what the invariant checkers read
-        checkpointer.on_commit = history.checkpoint_committed
+    return checkpointer, leadership
+
+
+async def _restore_at_start(cfg: config_lib.SyncerConfig, core: core_lib.SyncerCore, client,
+                            metrics: syncer_metrics.SyncerMetrics) -> int | None:
+    """Restores the store's latest checkpoint, if any, and starts repairing replicas. Returns
+    the exit status 3 when the store cannot be reached (never a fresh run over it), else None."""
+    restore_started = time.monotonic()
+    try:
+        state = await _restore(client, cfg)
+    except (retry_lib.RetriesExhausted, replicas_lib.QuorumError) as exc:
+        _LOG.error(f"checkpoint store unreachable, refusing to start a fresh run over it: {exc}")
+        return 3
+    if state is not None:
+        core.restore(state)
+        metrics.restore_seconds.set(time.monotonic() - restore_started)
+    if isinstance(client, replicas_lib.ReplicatedCheckpointClient):
+        client.start_repair([cfg.run_id], interval_s=cfg.checkpoint_repair_interval_s)
+    return None
+
+
+def _initial_state(core: core_lib.SyncerCore) -> dict:
+    """What the ready file says was restored: outer steps and each fragment's version and hash."""
     digests = {fid: core.fragment_digest(fid) for fid in core.versions()}
-    initial_state = {
+    return {
         "restored": core.restored_from_checkpoint, "outer_steps": core.outer_steps,
         "fragments": {fid: {"version": version, "sha256": params} for fid, (version, _, params) in digests.items()},
     }
+
+
+async def _start_serving(cfg: config_lib.SyncerConfig, core: core_lib.SyncerCore, security: _Security, registry,
+                         leadership: leadership_lib.Leadership,
+                         ) -> tuple[servicer_lib.SyncerServicer, server_lib.ServerHandle]:
+    """The servicer behind metrics, authentication and the leader gate, serving on --bind."""
     servicer = servicer_lib.SyncerServicer(
         core, max_concurrent_uploads=cfg.max_concurrent_uploads, upload_idle_timeout_s=cfg.upload_idle_timeout_s,
         max_concurrent_uploads_per_learner=cfg.max_concurrent_uploads_per_learner,
@@ -270,21 +343,28 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         fragment_watch_cap=servicer_lib.StreamCap(cfg.max_fragment_watchers, cfg.max_fragment_watchers_per_identity,
                                                   "--max-fragment-watchers"),
     )
-    auth = security_lib.AuthInterceptor(authenticator, security_lib.SYNCER_POLICY,
+    auth = security_lib.AuthInterceptor(security.authenticator, security_lib.SYNCER_POLICY,
                                         on_reject=servicer.record_interceptor_refusal)
     handle = await server_lib.start_server(
         cfg.bind,
         [syncer_pb2.DESCRIPTOR.services_by_name["Syncer"].full_name],
         [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)],
         interceptors=[rpc_interceptors.MetricsInterceptor(registry), auth, leadership_lib.LeaderGate(leadership)],
-        credentials=server_credentials,
+        credentials=security.credentials,
         health_bind=cfg.health_bind,
     )
+    return servicer, handle
+
+
+def _announce(cfg: config_lib.SyncerConfig, model: models.Model, plan: fragments_lib.FragmentPlan,
+              core: core_lib.SyncerCore, security: _Security, handle: server_lib.ServerHandle, registry,
+              initial_state: dict) -> None:
+    """Logs the serving line, starts the metrics endpoint and writes the ready file."""
     _LOG.info(
         f"syncer serving on {handle.address}",
         extra={"fields": {"run": cfg.run_id, "model": model.name, "fragments": plan.num_fragments,
                           "params": sum(f.numel for f in plan.fragments), "restored": core.restored_from_checkpoint,
-                          "outer_step": core.outer_steps, "transport": "mtls" if server_security.tls else "plaintext",
+                          "outer_step": core.outer_steps, "transport": "mtls" if security.server.tls else "plaintext",
                           "tokens": bool(cfg.auth_tokens_file), "health": handle.health_address or handle.address,
                           "version": build_info.version(), "commit": build_info.commit()}},
     )
@@ -297,17 +377,14 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
         server_lib.write_ready_file(
             cfg.ready_file, address=handle.address, service="syncer", instance=core.instance, **initial_state
         )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    leading = None
-    if leadership.coordinated:
-        leading = loop.create_task(_lead(cfg, leadership, handle, core, client, servicer, checkpointer,
-                                         metrics, stop))
-    await stop.wait()
-    if leading is not None and not leadership.leading():
-        return await _stop_not_leading(handle, servicer, leadership, leading, cfg.grace_s)
+
+
+async def _shut_down(cfg: config_lib.SyncerConfig, handle: server_lib.ServerHandle,
+                     servicer: servicer_lib.SyncerServicer, core: core_lib.SyncerCore, checkpointer: _Checkpointer,
+                     store_ledger: ledger_sink_lib.StoreLedger | None, leadership: leadership_lib.Leadership, client,
+                     history) -> None:
+    """A leader's (or lone syncer's) shutdown: drain RPCs, settle merges, write the final
+    checkpoint and the last ledger records, then give up the lease."""
     _LOG.info("shutting down: draining RPCs and writing a final checkpoint")
     await handle.health.enter_graceful_shutdown()
     # RPCs first (in-flight uploads finish), then merges, then the final checkpoint: no merge may
@@ -326,7 +403,6 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     if history is not None:
         history.shutdown()
     _exit_if_teardown_hangs(0, _TEARDOWN_LIMIT_S)
-    return 0
 
 
 _TEARDOWN_LIMIT_S = 5.0

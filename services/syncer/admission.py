@@ -40,6 +40,8 @@ _LOG = logging.getLogger("ddiloco.syncer")
 # Bounded influence: a learner may step this many times faster than the other learners' median step
 # time (a unit with more devices), and contribute at most this much beyond what its measured rate allows.
 STEP_RATE_FACTOR = 4.0
+# Clips of what a contribution claims (the others, "norm", bound what it is).
+CLAIMS = ("steps", "step_rate", "batch")
 RATE_WINDOW_S = 5.0  # a learner's observed rate counts once its contributions span this long
 JUDGE_POLL_S = 0.02  # how often a contribution waiting for direction references looks again
 NORM_STRIKE_RATIO = 2.0
@@ -130,6 +132,7 @@ class Admission:
         # (learner, incarnation) -> [clock(), local_step] of its first accepted contribution, then of
         # its latest: each life's step rate as the syncer observes it (STEP_RATE_FACTOR).
         self._progress: dict[tuple[str, int], list[float]] = {}
+        self._unchecked: set[tuple[str, int]] = set()  # (learner, fragment): batch not checkable (cap_weight)
 
     # -------------------------------------------------------------------------------- header
 
@@ -266,6 +269,13 @@ class Admission:
             self._clip(clips, "step_rate")
             steps = allowed
         return steps
+
+    def claims_unverified(self, learner_id: str, fragment_id: int) -> bool:
+        """Whether the contribution being admitted had its claimed steps or batch clipped, or its
+        batch could not be checked (no other learners' history yet): the merge's share cap then
+        applies to it in a merge of any size (MergeAccumulator.add)."""
+        key = (learner_id, fragment_id)
+        return key in self._unchecked or any(what in CLAIMS for what in self._clips.get(key, ()))
 
     def _clip(self, clips: list[str], what: str) -> None:
         clips.append(what)
@@ -427,7 +437,7 @@ class Admission:
         bound but far above the others' per-step norm is scaled down to clip_factor x it. Not a
         strike: it bounds what an update inside the (loose) reject bound can do to the merge."""
         total = float(np.sqrt(np.sum(np.square(norms))))
-        scale = slot.norms.clip_scale(header.learner_id, total, steps)
+        scale = slot.norms.clip_scale(header.learner_id, total, steps, slot.version)
         if scale >= 1.0:
             return values, norms
         self._clip(self._clips.setdefault((header.learner_id, header.fragment_id), []), "norm")
@@ -471,6 +481,11 @@ class Admission:
     def cap_weight(self, slot: slots_lib.FragmentSlot, learner_id: str, steps: int, weight: float) -> float:
         """The merge weight, at most the norm history's cap for this learner."""
         cap = slot.norms.weight_cap(learner_id, steps)
+        key = (learner_id, slot.fragment.fragment_id)
+        if math.isinf(cap):
+            self._unchecked.add(key)
+        else:
+            self._unchecked.discard(key)
         if weight > cap:
             self._uploads["capped_weight"] += 1
             self._clip(self._clips.setdefault((learner_id, slot.fragment.fragment_id), []), "batch")
@@ -497,8 +512,10 @@ class Admission:
         against, the learner's direction agreement, its idempotency key and the counts."""
         total_norm = float(np.sqrt(np.sum(np.square(norms))))
         # As sent (before any clipping), against the reference before this one joins it.
-        ratio = slot.norms.norm_ratio(header.learner_id, float(np.sqrt(np.sum(np.square(decoded.norms)))), steps)
-        slot.norms.add(header.learner_id, norms, steps, weight)
+        reference = slot.norms.clip_reference(header.learner_id, slot.version, steps)
+        ratio = slot.norms.norm_ratio(header.learner_id, float(np.sqrt(np.sum(np.square(decoded.norms)))), steps,
+                                      slot.version)
+        slot.norms.add(header.learner_id, norms, steps, weight, slot.version)
         if header.local_step:
             progress = self._progress.setdefault((member.learner_id, member.incarnation),
                                                  [self._clock(), header.local_step, self._clock(), header.local_step])
@@ -512,6 +529,8 @@ class Admission:
                 "claimed_tokens": header.tokens, "steps": steps, "claimed_weight": round(claimed, 9),
                 "weight": weight, "norm": round(total_norm, 9),
                 "norm_ratio": None if ratio is None else round(ratio, 6), "heading": decoded.heading,
+                # The clip's reference: the others' median norm per step and steps (None: no clip).
+                "norm_reference": None if reference is None else [round(reference[0], 9), reference[1]],
                 "clipped": self._clips.pop((header.learner_id, header.fragment_id), [])})
         self._directions.add(header.learner_id, header.fragment_id, decoded.heading, slot.version)
         if decoded.agreement is not None:

@@ -435,11 +435,14 @@ _HELPS = {
     "direction_min_cosine": "threshold of --direction-check (measured: honest learners' recent means >= -0.07, "
                             "sign-flipped <= -0.61)",
     "max_merge_share": "no contribution may have more than this share of a merge's total weight (the heaviest "
-                       "is lowered to it); in [0.5, 1], 1: no cap",
+                       "is lowered to it) in merges of 3 or more contributions, nor in any merge one whose claimed "
+                       "steps or batch were clipped or could not be checked yet; in [0.5, 1], 1: no cap",
     "max_batch_ratio": "a claimed batch (tokens per step, which sets the merge weight) above this x the other "
                        "learners' median is clipped to it; 0: --norm-bound-factor",
-    "norm_clip_factor": "median-of-norms clipping: a contribution's per-step norm above this x the other "
-                        "learners' median is scaled down to it (accepted, no strike); 0: off",
+    "norm_clip_factor": "median-of-norms clipping: a contribution's norm above this x the other learners' median "
+                        "per step over their contributions of the last 2 versions with steps within 2x of its own "
+                        "(times its steps, or sqrt(steps x their median steps) below that) is scaled down to it "
+                        "(accepted, no strike); 0: off",
     "merge_ledger": "append one hash-chained JSON record per merge here (contributors, claims, weights, shares, "
                     "norms, cosines, refusals); `ddiloco audit --ledger` reads it; empty: off",
     "merge_ledger_max_bytes": "rotate the merge ledger to <file>.1 beyond this size",

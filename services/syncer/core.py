@@ -389,7 +389,8 @@ class SyncerCore:
             rnd = self.rounds.round_for(slot)
             await self.rounds.fold(slot, rnd, header.fragment_id, delta, norms, weight, ticket.base_params,
                                    header.learner_id, steps, decoded=decoded.values,
-                                   contribution_sha256=contribution_sha256)
+                                   contribution_sha256=contribution_sha256,
+                                   claims_unverified=self.admission.claims_unverified(header.learner_id, header.fragment_id))
             self.admission.accepted(slot, member, header, decoded, norms, steps, weight)
             self.rounds.add(rnd, header, weight)
             self._emit("upload_accepted", header)
@@ -426,6 +427,10 @@ class SyncerCore:
     def open_due_rounds(self) -> list[int]:
         """Opens the rounds the schedule says are due; returns their fragment ids."""
         return self.rounds.open_due()
+
+    def note_hold(self, header: syncer_pb2.UploadHeader, hold_s: float) -> None:
+        """The back-pressure hint an accepted upload's response carries (Membership.note_hold)."""
+        self.membership.note_hold(header.learner_id, header.incarnation, header.fragment_id, hold_s)
 
     def round_call(self, fragment_id: int, learner_id: str) -> syncer_pb2.RoundCall | None:
         """The call to send this learner for the fragment's open round, if it has not contributed."""
@@ -529,6 +534,7 @@ class SyncerCore:
             direction_judgments=dict(self.direction_judgments),
             tokens_processed=self.tokens_processed(),
             token_budget=self.token_budget,
+            influence=self.influence.summary(),
         )
 
     async def snapshot(self) -> state_lib.SyncerSnapshot:

@@ -1,7 +1,9 @@
 """Who influenced each merge, and by how much: the syncer's influence record and merge ledger.
 
 Owns `Influence` (per-identity counts the metrics read: weight shares, clipped claims, refused
-contributions, capped shares; the refusals waiting for their fragment's next merge) and
+contributions, capped shares; each identity's part in the last RECENT_MERGES merges, which the
+training state shows as `TrainingState.influence`; the refusals waiting for their fragment's next
+merge) and
 `MergeLedger` (the append-only, hash-chained JSONL file of `--merge-ledger`: one record per
 merge). Admission notes what it clipped or refused here; the merging part hands every merge over.
 Must not: decide anything about a contribution (admission.py and ddiloco.algo.robust do).
@@ -21,11 +23,15 @@ each sink with its own chain.
 Accountability (issue 24): each record also names the syncer's leader `epoch`, the new values'
 `params_sha256`, the syncer's `outer_step` after the merge (a checkpoint's step), the checkpoint
 step this syncer life restored (`restored_step`, None for a fresh start) and the merge's inputs
-(`merge_inputs`: rules, share cap, norm clip, outer step fraction, delta scale and optimizer); each contributor
-its `contribution_sha256` (sha256 of the decoded contribution's float32 bytes) and its fold-in
+(`merge_inputs`: rules, share cap, norm clip, outer step fraction, delta scale and optimizer); each
+contributor its `contribution_sha256` (sha256 of the decoded contribution's float32 bytes) and its fold-in
 (`fold`: `index`, its position in the order contributions were added to the merge; `summed`, its
 position in the order the accumulator summed them, held-back ones last; its weight as added, before
-the share cap; per-tensor norms if given; steps). With retention on, `fold.blob` is the digest of
+the share cap; per-tensor norms if given; steps; `claims_unverified`, whether admission clipped its
+claimed steps or batch or had no other learners' history to check them against, which subjects it
+to the share cap in a merge of any size). The merge
+inputs include `share_cap_min_count` (the cap applies in merges of that many or more) and
+`step_scaling` (how the in-merge norm clip compares contributions of different step counts). With retention on, `fold.blob` is the digest of
 the values folded in (re-anchored and clipped) stored as a blob, and the record's `blobs` lists
 them: `ddiloco audit replay` re-runs the merge from them in the recorded order, bit for bit.
 """
@@ -44,12 +50,14 @@ import numpy as np
 
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import robust as robust_lib
+from ddiloco.v1 import syncer_pb2
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
 FORMAT = "ddiloco.ledger/1"
 GENESIS = "0" * 64  # `prev` of a ledger's first record
 _REFUSALS_KEPT = 64  # refusals remembered per fragment between two merges (the ledger is bounded)
+RECENT_MERGES = 64  # merges (all fragments) TrainingState.influence is taken over
 
 
 def line_sha256(line: bytes) -> str:
@@ -63,14 +71,14 @@ def values_sha256(values: np.ndarray) -> str:
 
 
 def fold_record(learner: str, weight: float, norms: np.ndarray | None, steps: int, contribution_sha256: str,
-                decoded: np.ndarray, folded: np.ndarray, *, retain: bool) -> dict:
+                decoded: np.ndarray, folded: np.ndarray, *, retain: bool, claims_unverified: bool = False) -> dict:
     """What the ledger keeps of one fold-in (MergeAccumulator.add's inputs, in the order of the
     adds), in exactly the form replay passes back. `contribution_sha256`: values_sha256(decoded),
     taken before the fragment's lock. With `retain` a copy of the values folded in (and their
     hash when they differ from the decoded ones): call it in a worker thread."""
     out = {"learner": learner, "weight": float(weight), "steps": max(1, int(steps)),
            "norms": None if norms is None else [float(n) for n in np.asarray(norms, np.float64)],
-           "contribution_sha256": contribution_sha256}
+           "contribution_sha256": contribution_sha256, "claims_unverified": bool(claims_unverified)}
     if retain:
         out["data"] = np.ascontiguousarray(folded, dtype="<f4").tobytes()
         out["blob"] = contribution_sha256 if folded is decoded else hashlib.sha256(out["data"]).hexdigest()
@@ -139,6 +147,8 @@ class Influence:
         self.max_share: dict[str, float] = {}  # learner -> the largest share it ever had (this syncer's life)
         self._refusals: dict[int, collections.deque] = collections.defaultdict(
             lambda: collections.deque(maxlen=_REFUSALS_KEPT))
+        # Per recent merge: {learner: (share, share capped, clipped in any way)}.
+        self._recent: collections.deque = collections.deque(maxlen=RECENT_MERGES)
 
     def note_refused(self, learner_id: str, fragment_id: int, reason: str, exc: BaseException | None = None) -> None:
         """A contribution was refused (admission or its checks); the fragment's next record names it.
@@ -207,6 +217,9 @@ class Influence:
             "merged_norm": _rounded(record.outer_grad_norm), "total_weight": _rounded(total, 9),
             "contributors": contributors, "refused": list(self._refusals.pop(record.fragment_id, ())),
         }
+        self._recent.append({c["learner"]: (c["share"] or 0.0, "share" in c["clipped"],
+                                               any(what != "share" for what in c["clipped"]))
+                             for c in contributors})
         blobs = self._accountability(rnd, out, params_sha256, outer_step)
         if outer_state_sha256:  # replay compares it: see ddiloco.algo.fragments.state_sha256
             out["outer_state_sha256"] = outer_state_sha256
@@ -235,13 +248,25 @@ class Influence:
                 continue
             c["contribution_sha256"] = f["contribution_sha256"]
             c["fold"] = {"index": index, "summed": summed.get(c["learner"]), "weight": f["weight"],
-                         "norms": f["norms"], "steps": f["steps"]}
+                         "norms": f["norms"], "steps": f["steps"], "claims_unverified": f["claims_unverified"]}
             if "blob" in f:
                 c["fold"]["blob"] = f["blob"]
                 blobs[f["blob"]] = f.pop("data")
         if blobs:
             out["blobs"] = sorted(blobs)
         return blobs
+
+    def summary(self) -> list[syncer_pb2.LearnerInfluence]:
+        """Each identity's part in the recent merges (TrainingState.influence), by learner id."""
+        parts: dict[str, list[tuple[float, bool, bool]]] = collections.defaultdict(list)
+        for merge in self._recent:
+            for learner, part in merge.items():
+                parts[learner].append(part)
+        return [syncer_pb2.LearnerInfluence(
+            learner_id=learner, merges=len(p), mean_share=sum(s for s, _, _ in p) / len(p),
+            max_share=max(s for s, _, _ in p), share_capped=sum(c for _, c, _ in p),
+            clipped=sum(c for _, _, c in p), window_merges=len(self._recent))
+            for learner, p in sorted(parts.items())]
 
     def merged_direction(self, fragment_id: int, merged: merge_lib.ScaledResult | None) -> np.ndarray | None:
         """The merged update's unit vector over the direction check's sample (None when it is off).

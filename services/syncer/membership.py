@@ -96,6 +96,8 @@ class Member:
     # clock() of this life's join or of its last report with a higher local step (schedule_stalled).
     progressed_at_s: float = -math.inf
     tokens_prev_lives: int = 0  # tokens processed by this learner's earlier incarnations
+    # fragment -> clock() until which a back-pressure hint asked this life to hold its next upload.
+    holds_until_s: dict = dataclasses.field(default_factory=dict)
     # Inner steps of its earlier incarnations (each one's last reported local_step): a new life
     # continues its LR schedule from there (JoinResponse.schedule_start_step).
     steps_prev_lives: int = 0
@@ -319,6 +321,19 @@ class Membership:
         now = self._clock()
         return {m.learner_id for m in self.members.values()
                 if self._live(m, now) and not m.finished and now >= m.quarantined_until_s}
+
+    def note_hold(self, learner_id: str, incarnation: int, fragment_id: int, hold_s: float) -> None:
+        """A back-pressure hint asked this learner life to hold its next upload of the fragment for
+        `hold_s` (UploadFragmentResponse.next_upload_after_s): see `holding`."""
+        member = self.members.get(learner_id)
+        if member is not None and member.incarnation == incarnation:
+            member.holds_until_s[fragment_id] = self._clock() + hold_s
+
+    def holding(self, fragment_id: int) -> set[str]:
+        """Learners the syncer asked to hold their next upload of the fragment until after now: its
+        rounds do not wait for them (a held learner answers no call; its work goes in a later round)."""
+        now = self._clock()
+        return {lid for lid, m in self.members.items() if m.holds_until_s.get(fragment_id, -math.inf) > now}
 
     def schedule_stalled(self, stall_s: float) -> bool:
         """Whether no expected learner has advanced its local step for `stall_s` (True when none is

@@ -103,9 +103,11 @@ class Rounds:
         opens (calls its learners, may merge) only when the schedule says; until then early
         contributions (a learner's final work, an answer that came after its round closed) wait."""
         policy = slot.norms.policy  # bounded influence: the share cap goes with the norm bound
+        # Every input the merge's result depends on goes to the ledger (replay passes them back).
         inputs = {"rule": self.config.merge_rule, "embedding_rule": self.config.embedding_merge_rule,
                   "max_share": policy.max_share if policy.enabled else 1.0,
-                  "max_norm_ratio": policy.clip_factor if policy.enabled else 0.0}
+                  "max_norm_ratio": policy.clip_factor if policy.enabled else 0.0,
+                  "share_cap_min_count": policy.share_min_contributors, "step_scaling": policy.step_scaling}
         slot.round = slots_lib.Round(
             accumulator=merge_lib.MergeAccumulator(slot.fragment, **inputs),
             opened_at_s=self._clock(),
@@ -124,23 +126,27 @@ class Rounds:
 
     async def fold(self, slot: slots_lib.FragmentSlot, rnd: slots_lib.Round, fragment_id: int, delta: np.ndarray,
                    norms: np.ndarray, weight: float, base: np.ndarray, learner_id: str = "", steps: int = 1,
-                   decoded: np.ndarray | None = None, contribution_sha256: str = "") -> None:
+                   decoded: np.ndarray | None = None, contribution_sha256: str = "",
+                   claims_unverified: bool = False) -> None:
         """Adds a contribution to the round in a worker thread, re-anchored at the current global
         fragment (paper App. D.2); learners hold the published values, so the correction is in
         that space. Call under the slot's lock. With a ledger, the fold-in's inputs are recorded
         in the order of the adds (`decoded`: the contribution as decoded, before clipping, whose
-        hash is `contribution_sha256`)."""
+        hash is `contribution_sha256`). `claims_unverified`: admission clipped its claimed steps or
+        batch, or could not check them (the share cap applies to it in any merge)."""
         audit = self.influence.audit_mode if self.influence is not None else ""
 
         def fold() -> None:
             corrected = reanchor_lib.reanchor(delta, base, slot.published)
             # Not stale: the norms gathered while decoding are this delta's, no second pass over it.
             folded_norms = norms if corrected is delta else None
-            rnd.accumulator.add(corrected, weight, norms=folded_norms, key=learner_id, steps=steps)
+            rnd.accumulator.add(corrected, weight, norms=folded_norms, key=learner_id, steps=steps,
+                                claims_unverified=claims_unverified)
             if audit:  # after add: a refused contribution leaves no trace in the order
                 rnd.folds.append(influence_lib.fold_record(
                     learner_id, weight, folded_norms, steps, contribution_sha256 or influence_lib.values_sha256(delta),
-                    delta if decoded is None else decoded, corrected, retain=audit == "retain"))
+                    delta if decoded is None else decoded, corrected, retain=audit == "retain",
+                    claims_unverified=claims_unverified))
 
         try:
             await asyncio.to_thread(fold)
@@ -261,13 +267,16 @@ class Rounds:
             rnd = slot.round
             if rnd is None or not rnd.open or slot.merging or slot.lock.locked():
                 continue
+            # A learner asked to hold its uploads of this fragment (back-pressure) answers no call
+            # meanwhile: waiting the grace window for it only delayed everyone else's work (issue 20).
+            waited_for = expected - self._membership.holding(slot.fragment.fragment_id)
             decision = grace_lib.decide_merge(
                 now,
                 grace_lib.RoundView(
                     opened_at_s=rnd.opened_at_s,
                     contributors=len(rnd.learners),
                     quorum_reached_at_s=rnd.quorum_reached_at_s,
-                    expected_contributors=max(len(expected | rnd.learners), 1),
+                    expected_contributors=max(len(waited_for | rnd.learners), 1),
                     quorum_reachable=self._membership.quorum_reachable(self.config.min_quorum, rnd.learners),
                 ),
                 min_quorum=self.config.min_quorum,
@@ -357,7 +366,7 @@ class Rounds:
         stepper = self._steppers[slot.fragment.fragment_id]
         # The delta stays factored (sums x per-tensor scales) until the step writes it out.
         share = self._merge_share(rnd)
-        merged = (await asyncio.to_thread(rnd.accumulator.scaled_result)).scaled(share.delta_scale)
+        merged = outer_lib.scale_delta(await asyncio.to_thread(rnd.accumulator.scaled_result), share.delta_scale)
         if rnd.merge_inputs is not None:
             rnd.merge_inputs.update(fraction=share.fraction, delta_scale=share.delta_scale)
         # Δ is kept factored (the round's sums are not written again): one stream less.

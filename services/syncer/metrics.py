@@ -150,115 +150,144 @@ class _StateCollector:
 
         state, influence = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=5.0)
         yield from _influence_families(influence)
-        # Counters read from the core's state include what was restored from the checkpoint (outer
-        # steps, tokens, bytes, quarantines): a restarted syncer starts them at the restored amount,
-        # as a prometheus_client Counter inc'd by it at start would. rate() stays right across a
-        # restart, except one that lost merges made since the last checkpoint: the counter then goes
-        # down, Prometheus takes that for a reset, and rate() sees one spike of the restored amount.
-        yield CounterMetricFamily("ddiloco_syncer_outer_steps", "Merges since the run began (restored included)",
-                                  value=state.outer_steps)
-        yield GaugeMetricFamily("ddiloco_syncer_min_quorum", "Contributions a merge needs (K, --min-quorum)",
-                                value=state.config.min_quorum)
-        versions = GaugeMetricFamily("ddiloco_syncer_fragment_version", "Global version of each fragment",
-                                     labels=["fragment"])
-        pending = GaugeMetricFamily("ddiloco_syncer_fragment_pending_contributions",
-                                    "Contributions in each fragment's open round", labels=["fragment"])
-        for f in state.fragments:
-            versions.add_metric([str(f.fragment_id)], f.version)
-            pending.add_metric([str(f.fragment_id)], f.pending_contributions)
-        yield versions
-        yield pending
-        yield CounterMetricFamily("ddiloco_syncer_tokens_merged", "Tokens of all merged contributions",
-                                  value=state.tokens_merged)
-        yield CounterMetricFamily(
-            "ddiloco_syncer_tokens_processed",
-            "Tokens processed by every life of every learner of the run (restored across syncer restarts)",
-            value=state.tokens_processed)
-        # Every RPC's bytes; fragment transfers by the codec each used: ddiloco_syncer_fragment_wire_bytes.
-        wire = CounterMetricFamily("ddiloco_wire_bytes", "Serialized gRPC payload bytes at the syncer (restored included)",
-                                   labels=["direction"])
-        wire.add_metric(["in"], state.bytes_in)
-        wire.add_metric(["out"], state.bytes_out)
-        yield wire
-        uploads = CounterMetricFamily("ddiloco_syncer_uploads", "Uploads by result (accepted, duplicate, rejected_<reason>)",
-                                      labels=["result"])
-        for result in sorted(KNOWN_UPLOAD_RESULTS | set(state.uploads)):
-            uploads.add_metric([result], state.uploads.get(result, 0))
-        yield uploads
-        # Security, kept apart from the upload results above: refused callers and quarantines.
-        # TLS handshake failures never reach the process (grpc-core drops the connection before
-        # any call exists) and so are not counted here; see docs/security.md.
-        auth = CounterMetricFamily(
-            "ddiloco_syncer_auth_failures",
-            "Calls refused as UNAUTHENTICATED or PERMISSION_DENIED after a completed TLS handshake, by reason "
-            f"({', '.join(security_lib.AUTH_FAILURE_REASONS)})",
-            labels=["reason"])
-        for reason in sorted(set(security_lib.AUTH_FAILURE_REASONS) | set(state.auth_failures)):
-            auth.add_metric([reason], state.auth_failures.get(reason, 0))
-        yield auth
-        yield CounterMetricFamily("ddiloco_syncer_quarantines",
-                                  "Learners quarantined since this syncer started (restored quarantines included)",
-                                  value=state.quarantines)
-        judgments = CounterMetricFamily(
-            "ddiloco_syncer_direction_judgments",
-            "Contributions that had fewer than two others to compare with at the direction check: waited "
-            "(others arrived within --direction-judge-wait-s) or unjudged (went on without a comparison)",
-            labels=["how"])
-        for how, count in sorted(state.direction_judgments.items()):
-            judgments.add_metric([how], count)
-        yield judgments
-        yield GaugeMetricFamily("ddiloco_syncer_learners_quarantined", "Learners whose uploads are refused right now",
-                                value=sum(1 for m in state.members if m.quarantined))
-        # The adaptive grace window and the smoothed times it is derived from, one metric each.
-        for name, doc, value in (
-                ("ddiloco_syncer_current_grace_window_seconds", "Current adaptive grace window (gamma x slack)",
-                 state.grace_window_s),
-                ("ddiloco_syncer_smoothed_step_time_seconds",
-                 "Mean of the live learners' smoothed inner step times", state.step_time_s),
-                ("ddiloco_syncer_smoothed_quorum_time_seconds", "Smoothed time from a round's opening to quorum",
-                 state.quorum_time_s),
-                ("ddiloco_syncer_smoothed_sync_time_seconds",
-                 "Smoothed time from a merge's start until every learner has the new version",
-                 state.sync_time_s)):
-            yield GaugeMetricFamily(name, doc, value=value)
-        members = GaugeMetricFamily("ddiloco_learners", "Learners by status", labels=["status"])
-        counts = {name: 0 for name in _STATUS.values()}
-        # The same names as the learners' own metrics (services/learner/metrics.py), as last reported
-        # to the syncer: counters of the learner's current life (a new life starts from 0, a reset).
-        steps = CounterMetricFamily("ddiloco_learner_inner_steps", "Inner steps reported by each learner (this life)",
-                                    labels=["learner", "region"])
-        tokens = CounterMetricFamily("ddiloco_learner_tokens", "Tokens processed by each learner (this life)",
-                                     labels=["learner", "region"])
-        loss = GaugeMetricFamily("ddiloco_learner_inner_loss", "Smoothed inner training loss (nats/token)",
+        yield from _progress_families(state)
+        yield from _traffic_families(state)
+        yield from _security_families(state)
+        yield from _timing_families(state)
+        yield from _learner_families(state)
+        yield from _outcome_families(state)
+
+
+def _progress_families(state: syncer_pb2.TrainingState):
+    """Outer steps, the quorum, fragment versions and open rounds, tokens merged and processed."""
+    # Counters read from the core's state include what was restored from the checkpoint (outer
+    # steps, tokens, bytes, quarantines): a restarted syncer starts them at the restored amount,
+    # as a prometheus_client Counter inc'd by it at start would. rate() stays right across a
+    # restart, except one that lost merges made since the last checkpoint: the counter then goes
+    # down, Prometheus takes that for a reset, and rate() sees one spike of the restored amount.
+    yield CounterMetricFamily("ddiloco_syncer_outer_steps", "Merges since the run began (restored included)",
+                              value=state.outer_steps)
+    yield GaugeMetricFamily("ddiloco_syncer_min_quorum", "Contributions a merge needs (K, --min-quorum)",
+                            value=state.config.min_quorum)
+    versions = GaugeMetricFamily("ddiloco_syncer_fragment_version", "Global version of each fragment",
+                                 labels=["fragment"])
+    pending = GaugeMetricFamily("ddiloco_syncer_fragment_pending_contributions",
+                                "Contributions in each fragment's open round", labels=["fragment"])
+    for f in state.fragments:
+        versions.add_metric([str(f.fragment_id)], f.version)
+        pending.add_metric([str(f.fragment_id)], f.pending_contributions)
+    yield versions
+    yield pending
+    yield CounterMetricFamily("ddiloco_syncer_tokens_merged", "Tokens of all merged contributions",
+                              value=state.tokens_merged)
+    yield CounterMetricFamily(
+        "ddiloco_syncer_tokens_processed",
+        "Tokens processed by every life of every learner of the run (restored across syncer restarts)",
+        value=state.tokens_processed)
+
+
+def _traffic_families(state: syncer_pb2.TrainingState):
+    """Bytes in and out and uploads by result."""
+    # Every RPC's bytes; fragment transfers by the codec each used: ddiloco_syncer_fragment_wire_bytes.
+    wire = CounterMetricFamily("ddiloco_wire_bytes", "Serialized gRPC payload bytes at the syncer (restored included)",
+                               labels=["direction"])
+    wire.add_metric(["in"], state.bytes_in)
+    wire.add_metric(["out"], state.bytes_out)
+    yield wire
+    uploads = CounterMetricFamily("ddiloco_syncer_uploads", "Uploads by result (accepted, duplicate, rejected_<reason>)",
+                                  labels=["result"])
+    for result in sorted(KNOWN_UPLOAD_RESULTS | set(state.uploads)):
+        uploads.add_metric([result], state.uploads.get(result, 0))
+    yield uploads
+
+
+def _security_families(state: syncer_pb2.TrainingState):
+    """Refused callers, quarantines and the direction check's judgments."""
+    # Security, kept apart from the upload results above: refused callers and quarantines.
+    # TLS handshake failures never reach the process (grpc-core drops the connection before
+    # any call exists) and so are not counted here; see docs/security.md.
+    auth = CounterMetricFamily(
+        "ddiloco_syncer_auth_failures",
+        "Calls refused as UNAUTHENTICATED or PERMISSION_DENIED after a completed TLS handshake, by reason "
+        f"({', '.join(security_lib.AUTH_FAILURE_REASONS)})",
+        labels=["reason"])
+    for reason in sorted(set(security_lib.AUTH_FAILURE_REASONS) | set(state.auth_failures)):
+        auth.add_metric([reason], state.auth_failures.get(reason, 0))
+    yield auth
+    yield CounterMetricFamily("ddiloco_syncer_quarantines",
+                              "Learners quarantined since this syncer started (restored quarantines included)",
+                              value=state.quarantines)
+    judgments = CounterMetricFamily(
+        "ddiloco_syncer_direction_judgments",
+        "Contributions that had fewer than two others to compare with at the direction check: waited "
+        "(others arrived within --direction-judge-wait-s) or unjudged (went on without a comparison)",
+        labels=["how"])
+    for how, count in sorted(state.direction_judgments.items()):
+        judgments.add_metric([how], count)
+    yield judgments
+    yield GaugeMetricFamily("ddiloco_syncer_learners_quarantined", "Learners whose uploads are refused right now",
+                            value=sum(1 for m in state.members if m.quarantined))
+
+
+def _timing_families(state: syncer_pb2.TrainingState):
+    """The adaptive grace window and the smoothed times it is derived from."""
+    for name, doc, value in (
+            ("ddiloco_syncer_current_grace_window_seconds", "Current adaptive grace window (gamma x slack)",
+             state.grace_window_s),
+            ("ddiloco_syncer_smoothed_step_time_seconds",
+             "Mean of the live learners' smoothed inner step times", state.step_time_s),
+            ("ddiloco_syncer_smoothed_quorum_time_seconds", "Smoothed time from a round's opening to quorum",
+             state.quorum_time_s),
+            ("ddiloco_syncer_smoothed_sync_time_seconds",
+             "Smoothed time from a merge's start until every learner has the new version",
+             state.sync_time_s)):
+        yield GaugeMetricFamily(name, doc, value=value)
+
+
+def _learner_families(state: syncer_pb2.TrainingState):
+    """Learners by status and each learner's last reported steps, tokens, loss and age."""
+    members = GaugeMetricFamily("ddiloco_learners", "Learners by status", labels=["status"])
+    counts = {name: 0 for name in _STATUS.values()}
+    # The same names as the learners' own metrics (services/learner/metrics.py), as last reported
+    # to the syncer: counters of the learner's current life (a new life starts from 0, a reset).
+    steps = CounterMetricFamily("ddiloco_learner_inner_steps", "Inner steps reported by each learner (this life)",
+                                labels=["learner", "region"])
+    tokens = CounterMetricFamily("ddiloco_learner_tokens", "Tokens processed by each learner (this life)",
                                  labels=["learner", "region"])
-        last_seen = GaugeMetricFamily("ddiloco_learner_last_seen_age_seconds", "Seconds since a learner was heard from",
-                                      labels=["learner", "region"])
-        for m in state.members:
-            counts[_STATUS.get(m.status, "active")] += 1
-            labels = [m.learner_id, m.region]
-            steps.add_metric(labels, m.local_step)
-            tokens.add_metric(labels, m.tokens_total)
-            loss.add_metric(labels, m.inner_loss)
-            last_seen.add_metric(labels, max(0.0, time.time() - m.last_seen_unix_s) if m.last_seen_unix_s else 0.0)
-        for status, count in counts.items():
-            members.add_metric([status], count)
-        yield from (members, steps, tokens, loss, last_seen)
-        if state.evals:
-            yield GaugeMetricFamily("ddiloco_heldout_loss", "Held-out loss of the global parameters (nats/token)",
-                                    value=state.evals[-1].heldout_loss)
-        # Work merged: the share of the learners' work that made it into a merge. Each of the P
-        # fragments' contributions carries that fragment's tokens, so fully merged work sums to
-        # P x tokens processed. Absent until a token is processed.
-        processed, _ = status_derived.tokens_processed(state)
-        share = status_derived.work_merged(state.tokens_merged, status_derived.num_fragments(state), processed)
-        if share is not None:
-            yield GaugeMetricFamily("ddiloco_work_merged_ratio",
-                                    "Tokens merged / (fragments x tokens processed): share of the learners' work merged",
-                                    value=share)
-            yield GaugeMetricFamily("ddiloco_goodput_ratio",
-                                    "Deprecated name of ddiloco_work_merged_ratio (same value)", value=share)
-        yield GaugeMetricFamily("ddiloco_syncer_last_checkpoint_outer_step", "Outer step of the last committed checkpoint",
-                                value=state.last_checkpoint_outer_step)
+    loss = GaugeMetricFamily("ddiloco_learner_inner_loss", "Smoothed inner training loss (nats/token)",
+                             labels=["learner", "region"])
+    last_seen = GaugeMetricFamily("ddiloco_learner_last_seen_age_seconds", "Seconds since a learner was heard from",
+                                  labels=["learner", "region"])
+    for m in state.members:
+        counts[_STATUS.get(m.status, "active")] += 1
+        labels = [m.learner_id, m.region]
+        steps.add_metric(labels, m.local_step)
+        tokens.add_metric(labels, m.tokens_total)
+        loss.add_metric(labels, m.inner_loss)
+        last_seen.add_metric(labels, max(0.0, time.time() - m.last_seen_unix_s) if m.last_seen_unix_s else 0.0)
+    for status, count in counts.items():
+        members.add_metric([status], count)
+    yield from (members, steps, tokens, loss, last_seen)
+
+
+def _outcome_families(state: syncer_pb2.TrainingState):
+    """Held-out loss, the share of work merged and the last checkpoint's outer step."""
+    if state.evals:
+        yield GaugeMetricFamily("ddiloco_heldout_loss", "Held-out loss of the global parameters (nats/token)",
+                                value=state.evals[-1].heldout_loss)
+    # Work merged: the share of the learners' work that made it into a merge. Each of the P
+    # fragments' contributions carries that fragment's tokens, so fully merged work sums to
+    # P x tokens processed. Absent until a token is processed.
+    processed, _ = status_derived.tokens_processed(state)
+    share = status_derived.work_merged(state.tokens_merged, status_derived.num_fragments(state), processed)
+    if share is not None:
+        yield GaugeMetricFamily("ddiloco_work_merged_ratio",
+                                "Tokens merged / (fragments x tokens processed): share of the learners' work merged",
+                                value=share)
+        yield GaugeMetricFamily("ddiloco_goodput_ratio",
+                                "Deprecated name of ddiloco_work_merged_ratio (same value)", value=share)
+    yield GaugeMetricFamily("ddiloco_syncer_last_checkpoint_outer_step", "Outer step of the last committed checkpoint",
+                            value=state.last_checkpoint_outer_step)
 
 
 def _influence_snapshot(core) -> dict:

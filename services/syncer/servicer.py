@@ -405,6 +405,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         response.next_upload_after_s = self._gauge.next_upload_after_s(period_s)
         if response.next_upload_after_s:
             self._core.uploads["slowed"] += 1
+            self._core.note_hold(ticket.header, response.next_upload_after_s)
         return response
 
     async def WatchFragments(self, request, context):

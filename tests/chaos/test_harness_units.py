@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from ddiloco import failpoints, history
-from ddiloco.chaos import harness, invariants, schedule
+from ddiloco.chaos import invariants, schedule
 from ddiloco.chaos.schedule import FaultEvent, FaultSchedule
+from ddiloco.cli import processes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -365,7 +366,7 @@ def test_a_services_preset_port_is_free_and_outside_the_ephemeral_range():
     # A port from bind(0) is ephemeral: an outgoing connection could take it before the syncer
     # binds it. The preset port is below the kernel's ephemeral range and free when chosen.
     low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports = {harness._free_port() for _ in range(20)}
+    ports = {processes.preset_port() for _ in range(20)}
     assert all(1024 <= p < low for p in ports), sorted(ports)
     assert len(ports) > 1  # random, not a fixed port
     with socket.socket() as s:

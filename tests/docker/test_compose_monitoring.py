@@ -182,16 +182,29 @@ def graph_url(address: str, expr: str, range_input: str = "1m") -> str:
 
 def _scenario(project: dc.ComposeProject, prometheus: Prometheus, queries: list[tuple[str, str]],
               tmp_path: pathlib.Path) -> None:
-    # ---- build (the ddiloco image and Prometheus's, offline) and start --------------------------
+    _build_and_start(project)
+    t0 = time.monotonic()
+    _wait_merging(prometheus, t0)
+    _wait_learners_healthy(project, t0)
+    _kill_and_rejoin(project, prometheus, t0)
+    _wait_targets_up(prometheus, t0)
+    _wait_rules_loaded(prometheus, t0)
+    _wait_dashboard_queries(prometheus, queries, t0)
+    _graph_page(prometheus, tmp_path)
+
+
+def _build_and_start(project: dc.ComposeProject) -> None:
+    """Builds the ddiloco image and Prometheus's (offline) and starts the stack."""
     t = time.monotonic()
     project.compose(*PROFILES, "build", "checkpoint", "prometheus", timeout=900)
     build_s = time.monotonic() - t
     t = time.monotonic()
     project.compose(*PROFILES, "up", "--detach", *SERVICES, timeout=300)
     _record("up", build_s=build_s, up_s=time.monotonic() - t)
-    t0 = time.monotonic()
 
-    # ---- training reaches Prometheus ---------------------------------------------------------
+
+def _wait_merging(prometheus: Prometheus, t0: float) -> None:
+    """Training reaches Prometheus: 8 merges scraped."""
     def merges() -> float:
         result = prometheus.query("sum(ddiloco_syncer_merges_total)")
         return float(result[0]["value"][1]) if result else 0.0
@@ -199,7 +212,9 @@ def _scenario(project: dc.ComposeProject, prometheus: Prometheus, queries: list[
     wait_until(lambda: merges() >= 8, timeout_s=300, what="8 merges, as scraped by Prometheus")
     _record("merging", s=time.monotonic() - t0)
 
-    # ---- the learners' healthcheck: their liveness endpoint answers SERVING -----------------------
+
+def _wait_learners_healthy(project: dc.ComposeProject, t0: float) -> None:
+    """The learners' healthcheck: their liveness endpoint answers SERVING."""
     learners = [cid for service in LEARNER_SERVICES for cid in project.container_ids(service)]
     assert len(learners) == JOBS["learner"], learners
 
@@ -210,7 +225,9 @@ def _scenario(project: dc.ComposeProject, prometheus: Prometheus, queries: list[
                describe=lambda: f"health: {health()}")
     _record("learners-healthy", s=time.monotonic() - t0)
 
-    # ---- a learner dies and comes back (a new incarnation): the rejoin panel gets a point ----------
+
+def _kill_and_rejoin(project: dc.ComposeProject, prometheus: Prometheus, t0: float) -> None:
+    """A learner dies and comes back (a new incarnation): the rejoin panel gets a point."""
     project.compose("kill", "--signal", "SIGKILL", "learner-region-b", timeout=60)
     project.compose("start", "learner-region-b", timeout=120)
 
@@ -221,7 +238,9 @@ def _scenario(project: dc.ComposeProject, prometheus: Prometheus, queries: list[
     wait_until(lambda: rejoins() >= 1, timeout_s=180, what="a rejoin observed by the syncer")
     _record("rejoined", s=time.monotonic() - t0)
 
-    # ---- every target up ------------------------------------------------------------------------
+
+def _wait_targets_up(prometheus: Prometheus, t0: float) -> None:
+    """Every scrape target up."""
     def targets_summary() -> dict[str, list[tuple[str, str, str]]]:
         out: dict[str, list[tuple[str, str, str]]] = {}
         for target in prometheus.targets():
@@ -238,7 +257,9 @@ def _scenario(project: dc.ComposeProject, prometheus: Prometheus, queries: list[
                describe=lambda: json.dumps(targets_summary(), indent=1))
     _record("targets-up", s=time.monotonic() - t0, targets=sum(JOBS.values()))
 
-    # ---- our alerting rules are loaded and evaluate ------------------------------------------------
+
+def _wait_rules_loaded(prometheus: Prometheus, t0: float) -> None:
+    """Our alerting rules are loaded and evaluate."""
     expected_rules = rule_names()
     assert expected_rules, f"{RULES} defines no rule"
 
@@ -254,7 +275,9 @@ def _scenario(project: dc.ComposeProject, prometheus: Prometheus, queries: list[
                describe=lambda: json.dumps(loaded_rules(), indent=1))
     _record("rules-loaded", s=time.monotonic() - t0, rules=len(expected_rules))
 
-    # ---- every dashboard query returns data ------------------------------------------------------
+
+def _wait_dashboard_queries(prometheus: Prometheus, queries: list[tuple[str, str]], t0: float) -> None:
+    """Every dashboard query returns data."""
     def missing() -> dict[str, str]:
         out = {}
         for title, expr in queries:
@@ -275,7 +298,9 @@ def _scenario(project: dc.ComposeProject, prometheus: Prometheus, queries: list[
                    f"  {title}: {detail}" for title, detail in missing().items()))
     _record("dashboard-queries", s=time.monotonic() - t0, queries=len(queries))
 
-    # ---- Prometheus's graph page for the key series, in a real browser ------------------------------
+
+def _graph_page(prometheus: Prometheus, tmp_path: pathlib.Path) -> None:
+    """Prometheus's graph page for the key series, in a real browser (and its screenshot)."""
     assert finite_values(prometheus.query(GRAPH_EXPR)), GRAPH_EXPR
     t = time.monotonic()
     address = prometheus.base.removeprefix("http://").removesuffix("/api/v1")

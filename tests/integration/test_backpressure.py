@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from ddiloco.bench import perf
+from ddiloco.bench import perf, perf_common
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import security
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
@@ -115,7 +115,7 @@ def _job(client, fid: int, base: int, steps: int, local_step: int, numel: int) -
 
 
 def test_a_saturated_syncer_slows_a_real_learner_which_keeps_its_work(tmp_path):
-    with perf.running_syncer(tmp_path, "backpressure", perf.QUICK_MODEL, ["--liveness-timeout-s", "120"]) as syncer:
+    with perf_common.running_syncer(tmp_path, "backpressure", perf.QUICK_MODEL, ["--liveness-timeout-s", "120"]) as syncer:
         client = client_lib.SyncClient(client_lib.ClientConfig(
             target=syncer.address, learner_id="learner-0", incarnation=1, region="r", tokens_per_step=64,
             call_timeout_s=30.0, retry_bound_s=60.0, security=security.ClientSecurity(insecure=True)))

@@ -5,9 +5,7 @@ pod sees it; without TLS nothing is rendered."""
 
 from __future__ import annotations
 
-
-from tests.k8s.test_chart import container_env, first_pod_name, workloads
-
+from tests.k8s.manifests import container_env, first_pod_name, workloads
 
 TLS = ("--set", "tls.enabled=true", "--set", "tls.existingSecret=ddiloco-tls")
 

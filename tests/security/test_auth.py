@@ -64,84 +64,103 @@ def test_mutual_tls_identities_roles_and_handshake_failures(tmp_path, pki):
         frozen = h.frozen()
         me = Learner(h.address, "learner-1", sec=client_security(pki, "learner-1"))  # acts as itself: fine
         payload, info = encoded(honest_delta(h.numel(1), 1))
-
-        # A valid learner certificate (learner-0) acting as learner-1: PERMISSION_DENIED on every call.
-        impostor = Learner(h.address, "learner-1", sec=client_security(pki, "learner-0"), join=False)
-        impostor.instance = me.instance
-        assert code_of(lambda: impostor.join()) == DENIED
-        assert code_of(lambda: impostor.upload(1, 0, payload, info)) == DENIED
-        assert code_of(lambda: impostor.stub.ReportProgress(syncer_pb2.ReportProgressRequest(
-            protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-1", incarnation=1), timeout=5)) == DENIED
-        assert code_of(lambda: list(impostor.stub.WatchFragments(syncer_pb2.WatchFragmentsRequest(
-            protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-1", incarnation=1), timeout=5))) == DENIED
-        assert code_of(lambda: impostor.stub.Leave(syncer_pb2.LeaveRequest(
-            protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-1", incarnation=1), timeout=5)) == DENIED
-        # A learner may not read the training state, report evals or watch as an observer.
-        assert code_of(lambda: _state_call(impostor.stub)) == DENIED
-        assert code_of(lambda: impostor.stub.ReportEval(syncer_pb2.ReportEvalRequest(
-            protocol_version=serde.PROTOCOL_VERSION, heldout_loss=0.1), timeout=5)) == DENIED
-        assert code_of(lambda: _observe(impostor.stub)) == DENIED
-        state = h.state()
-        assert state.auth_failures["wrong_learner"] == 5 and state.auth_failures["wrong_role"] == 3
-        assert state.uploads["rejected_wrong_learner"] == 1
-        member = next(m for m in state.members if m.learner_id == "learner-0")
-        assert member.flags & core_lib.FLAG_IMPERSONATION and member.rejections["wrong_learner"] == 5
-        assert next(m for m in state.members if m.learner_id == "learner-1").flags == 0  # the victim is not flagged
-
-        # The read-only credential reads the state, and nothing else (not the model: that takes a
-        # model-reader, tests/security/test_model_reader.py); the evaluator reports.
-        reader = _syncer_stub(h.address, client_security(pki, "operator"))
-        assert _state_call(reader).state.outer_steps == 1
-        assert next(iter(reader.WatchTrainingState(syncer_pb2.WatchTrainingStateRequest(), timeout=5))).state.run_id
-        assert code_of(lambda: _observe(reader)) == DENIED
-        operator = Learner(h.address, "operator", sec=client_security(pki, "operator"), join=False)
-        operator.instance = me.instance
-        assert code_of(lambda: operator.join()) == DENIED
-        assert code_of(lambda: operator.upload(1, 0, payload, info)) == DENIED
-        assert code_of(lambda: reader.ReportEval(syncer_pb2.ReportEvalRequest(
-            protocol_version=serde.PROTOCOL_VERSION, heldout_loss=0.1), timeout=5)) == DENIED
-        evaluator = _syncer_stub(h.address, client_security(pki, "evaluator"))
-        evaluator.ReportEval(syncer_pb2.ReportEvalRequest(protocol_version=serde.PROTOCOL_VERSION, heldout_loss=2.5),
-                             timeout=5)
-        assert _state_call(evaluator).state.evals[-1].heldout_loss == 2.5
-
-        # A certificate from our CA that carries no ddiloco identity: UNAUTHENTICATED.
-        nobody = _syncer_stub(h.address, client_security(pki, "nobody"))
-        assert code_of(lambda: _state_call(nobody)) == UNAUTH
-        assert h.state().auth_failures["no_identity"] == 1
-
-        # Handshake failures: nothing reaches the service (UNAVAILABLE on the client).
-        for name, sec in {
-            "no client certificate": client_security(pki, None),
-            "another CA": client_security(pki, "rogue"),
-            "expired": client_security(pki, "expired"),
-            "plaintext": security.ClientSecurity(insecure=True),
-        }.items():
-            stub = _syncer_stub(h.address, sec)
-            assert code_of(lambda s=stub: s.Join(syncer_pb2.JoinRequest(
-                protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-0", incarnation=9), timeout=3)) \
-                == grpc.StatusCode.UNAVAILABLE, name
-        # A client that does not trust the server's CA refuses it too.
-        shutil.copy(pki / "rogue.pem", tmp_path / "wrong-ca.pem")
-        distrust = security.ClientSecurity(tls_ca=str(tmp_path / "wrong-ca.pem"), tls_cert=str(pki / "learner-0.pem"),
-                                           tls_key=str(pki / "learner-0.key"))
-        assert code_of(lambda: _state_call(_syncer_stub(h.address, distrust), 3)) == grpc.StatusCode.UNAVAILABLE
-        # learner-0's life is still incarnation 1 (the handshake-failed Join with 9 never arrived).
-        assert next(m for m in h.state().members if m.learner_id == "learner-0").incarnation == 1
-
-        # Health: on the main port only with a certificate; on the health port for anyone.
-        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(h.handle.health_address))
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
-        assert health.Check(health_pb2.HealthCheckRequest(service="ddiloco.v1.Syncer"), timeout=5).status \
-            == health_pb2.HealthCheckResponse.SERVING
-        plain_health = health_pb2_grpc.HealthStub(grpc.insecure_channel(h.address))
-        assert code_of(lambda: plain_health.Check(health_pb2.HealthCheckRequest(), timeout=3)) \
-            == grpc.StatusCode.UNAVAILABLE
+        impostor = _assert_impersonation_denied(h, pki, me, payload, info)
+        operator = _assert_reader_and_evaluator_roles(h, pki, me, payload, info)
+        _assert_no_identity_is_unauthenticated(h, pki)
+        _assert_handshake_failures(h, pki, tmp_path)
+        _assert_health_open_on_its_port_only(h)
 
         # Nothing of the above touched the model or the checkpoints.
         assert h.frozen() == frozen and h.checkpoint() is False
         for learner in (honest, me, impostor, operator):
             learner.close()
+
+
+def _assert_impersonation_denied(h: Harness, pki, me: Learner, payload, info) -> Learner:
+    """A valid learner certificate (learner-0) acting as learner-1: PERMISSION_DENIED on every call,
+    counted, and only the impersonator flagged. Returns the impersonator's (open) learner."""
+    impostor = Learner(h.address, "learner-1", sec=client_security(pki, "learner-0"), join=False)
+    impostor.instance = me.instance
+    assert code_of(lambda: impostor.join()) == DENIED
+    assert code_of(lambda: impostor.upload(1, 0, payload, info)) == DENIED
+    assert code_of(lambda: impostor.stub.ReportProgress(syncer_pb2.ReportProgressRequest(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-1", incarnation=1), timeout=5)) == DENIED
+    assert code_of(lambda: list(impostor.stub.WatchFragments(syncer_pb2.WatchFragmentsRequest(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-1", incarnation=1), timeout=5))) == DENIED
+    assert code_of(lambda: impostor.stub.Leave(syncer_pb2.LeaveRequest(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-1", incarnation=1), timeout=5)) == DENIED
+    # A learner may not read the training state, report evals or watch as an observer.
+    assert code_of(lambda: _state_call(impostor.stub)) == DENIED
+    assert code_of(lambda: impostor.stub.ReportEval(syncer_pb2.ReportEvalRequest(
+        protocol_version=serde.PROTOCOL_VERSION, heldout_loss=0.1), timeout=5)) == DENIED
+    assert code_of(lambda: _observe(impostor.stub)) == DENIED
+    state = h.state()
+    assert state.auth_failures["wrong_learner"] == 5 and state.auth_failures["wrong_role"] == 3
+    assert state.uploads["rejected_wrong_learner"] == 1
+    member = next(m for m in state.members if m.learner_id == "learner-0")
+    assert member.flags & core_lib.FLAG_IMPERSONATION and member.rejections["wrong_learner"] == 5
+    assert next(m for m in state.members if m.learner_id == "learner-1").flags == 0  # the victim is not flagged
+    return impostor
+
+
+def _assert_reader_and_evaluator_roles(h: Harness, pki, me: Learner, payload, info) -> Learner:
+    """The operator's credential reads the state only; the evaluator reports. Returns the
+    operator's (open) learner. Not the model either: that takes a model-reader
+    (tests/security/test_model_reader.py)."""
+    reader = _syncer_stub(h.address, client_security(pki, "operator"))
+    assert _state_call(reader).state.outer_steps == 1
+    assert next(iter(reader.WatchTrainingState(syncer_pb2.WatchTrainingStateRequest(), timeout=5))).state.run_id
+    assert code_of(lambda: _observe(reader)) == DENIED
+    operator = Learner(h.address, "operator", sec=client_security(pki, "operator"), join=False)
+    operator.instance = me.instance
+    assert code_of(lambda: operator.join()) == DENIED
+    assert code_of(lambda: operator.upload(1, 0, payload, info)) == DENIED
+    assert code_of(lambda: reader.ReportEval(syncer_pb2.ReportEvalRequest(
+        protocol_version=serde.PROTOCOL_VERSION, heldout_loss=0.1), timeout=5)) == DENIED
+    evaluator = _syncer_stub(h.address, client_security(pki, "evaluator"))
+    evaluator.ReportEval(syncer_pb2.ReportEvalRequest(protocol_version=serde.PROTOCOL_VERSION, heldout_loss=2.5),
+                         timeout=5)
+    assert _state_call(evaluator).state.evals[-1].heldout_loss == 2.5
+    return operator
+
+
+def _assert_no_identity_is_unauthenticated(h: Harness, pki) -> None:
+    """A certificate from our CA that carries no ddiloco identity: UNAUTHENTICATED."""
+    nobody = _syncer_stub(h.address, client_security(pki, "nobody"))
+    assert code_of(lambda: _state_call(nobody)) == UNAUTH
+    assert h.state().auth_failures["no_identity"] == 1
+
+
+def _assert_handshake_failures(h: Harness, pki, tmp_path) -> None:
+    """Handshake failures: nothing reaches the service (UNAVAILABLE on the client)."""
+    for name, sec in {
+        "no client certificate": client_security(pki, None),
+        "another CA": client_security(pki, "rogue"),
+        "expired": client_security(pki, "expired"),
+        "plaintext": security.ClientSecurity(insecure=True),
+    }.items():
+        stub = _syncer_stub(h.address, sec)
+        assert code_of(lambda s=stub: s.Join(syncer_pb2.JoinRequest(
+            protocol_version=serde.PROTOCOL_VERSION, learner_id="learner-0", incarnation=9), timeout=3)) \
+            == grpc.StatusCode.UNAVAILABLE, name
+    # A client that does not trust the server's CA refuses it too.
+    shutil.copy(pki / "rogue.pem", tmp_path / "wrong-ca.pem")
+    distrust = security.ClientSecurity(tls_ca=str(tmp_path / "wrong-ca.pem"), tls_cert=str(pki / "learner-0.pem"),
+                                       tls_key=str(pki / "learner-0.key"))
+    assert code_of(lambda: _state_call(_syncer_stub(h.address, distrust), 3)) == grpc.StatusCode.UNAVAILABLE
+    # learner-0's life is still incarnation 1 (the handshake-failed Join with 9 never arrived).
+    assert next(m for m in h.state().members if m.learner_id == "learner-0").incarnation == 1
+
+
+def _assert_health_open_on_its_port_only(h: Harness) -> None:
+    """Health: on the main port only with a certificate; on the health port for anyone."""
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(h.handle.health_address))
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    assert health.Check(health_pb2.HealthCheckRequest(service="ddiloco.v1.Syncer"), timeout=5).status \
+        == health_pb2.HealthCheckResponse.SERVING
+    plain_health = health_pb2_grpc.HealthStub(grpc.insecure_channel(h.address))
+    assert code_of(lambda: plain_health.Check(health_pb2.HealthCheckRequest(), timeout=3)) \
+        == grpc.StatusCode.UNAVAILABLE
 
 
 def test_checkpoint_store_only_lets_the_syncer_write(tmp_path, pki):

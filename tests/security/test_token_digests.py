@@ -18,14 +18,12 @@ import os
 import pathlib
 import secrets
 import shutil
-import signal
-import subprocess
-import sys
 import time
 
 import grpc
 import pytest
 
+from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors, security
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc, syncer_pb2, syncer_pb2_grpc
@@ -157,36 +155,18 @@ _RELOAD_TIMEOUT_S = 10.0  # the table re-reads its file within a second of a cha
 def _store_process(tmp_path: pathlib.Path, tokens_file: pathlib.Path):
     """`python -m services.checkpoint --auth-tokens-file ...` on 127.0.0.1:0; yields its address.
 
-    The process is stopped by its own PID (SIGTERM, then SIGKILL) on exit.
+    Started, awaited and stopped by the launcher `ddiloco up` uses (ddiloco.cli.cluster): the ready
+    file is this process's own, and the process is stopped by its own PID (SIGTERM, then SIGKILL).
     """
-    ready, log_path = tmp_path / "store-ready.json", tmp_path / "store.log"
-    env = {**os.environ, "PYTHONPATH": str(_REPO_ROOT)}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.checkpoint", "--bind", "127.0.0.1:0", "--insecure",
-             "--root", str(tmp_path / "store"), "--auth-tokens-file", str(tokens_file), "--ready-file", str(ready)],
-            cwd=_REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
+    store = cluster_lib.ServiceProcess(
+        name="store", module="services.checkpoint", workdir=tmp_path, env={**os.environ, "PYTHONPATH": str(_REPO_ROOT)},
+        args=["--bind", "127.0.0.1:0", "--insecure", "--root", str(tmp_path / "store"),
+              "--auth-tokens-file", str(tokens_file), "--ready-file", str(tmp_path / "store.ready.json")])
+    store.start()
     try:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"checkpoint store exited {proc.returncode}:\n{log_path.read_text()}")
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                info = json.loads(ready.read_text())
-                if info["pid"] == proc.pid:
-                    break
-            assert time.monotonic() < deadline, f"no ready file after {_READY_TIMEOUT_S} s:\n{log_path.read_text()}"
-            time.sleep(0.05)
-        yield info["address"]
+        yield store.wait_ready(_READY_TIMEOUT_S)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=_EXIT_TIMEOUT_S)
+        store.stop(_EXIT_TIMEOUT_S)
 
 
 def _store_reader(address: str, tmp_path: pathlib.Path, label: str, token: str):

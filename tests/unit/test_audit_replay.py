@@ -91,6 +91,20 @@ async def _upload(core, learner_id: str, fid: int, base: int, delta: np.ndarray,
     await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=len(enc.payload))
 
 
+async def _ledgered(core) -> tuple[MemoryStore, ledger_sink.StoreLedger]:
+    """An in-memory store holding the core's initial checkpoint, and the core's ledger sink to it,
+    contributions retained."""
+    store = MemoryStore()
+    run_id = core.config.run_id
+    description = run_description_lib.describe(core.config, core.plan, {"outer_lr": 0.7, "outer_momentum": 0.9})
+    await store.checkpoint(run_id, 0, checkpointing.encode_snapshot(await core.snapshot(), description)[0])
+    sink = ledger_sink.StoreLedger(store, run_id)
+    await sink.resume()
+    sink.start()
+    core.influence.store_ledger, core.influence.retain_contributions = sink, True
+    return store, sink
+
+
 async def _seeded_run(clock, *, idle: bool = False) -> tuple[MemoryStore, str]:
     """Four merges of each of two fragments; `heavy` claims a 20x batch (held back, share capped),
     `loud` sends 10x the others' norm (held back, clipped in the merge); in the last round `b` is
@@ -99,13 +113,7 @@ async def _seeded_run(clock, *, idle: bool = False) -> tuple[MemoryStore, str]:
     knobs = {"outer_step_fraction": "work"} if idle else {}
     core = make_core(clock, min_quorum=len(LEARNERS), download_codec="int8", **knobs)
     run_id = core.config.run_id
-    store = MemoryStore()
-    description = run_description_lib.describe(core.config, core.plan, {"outer_lr": 0.7, "outer_momentum": 0.9})
-    await store.checkpoint(run_id, 0, checkpointing.encode_snapshot(await core.snapshot(), description)[0])
-    sink = ledger_sink.StoreLedger(store, run_id)
-    await sink.resume()
-    sink.start()
-    core.influence.store_ledger, core.influence.retain_contributions = sink, True
+    store, sink = await _ledgered(core)
     for lid in LEARNERS + (("idle",) if idle else ()):
         join(core, lid)
     rng = np.random.default_rng(7)
@@ -213,5 +221,70 @@ def test_a_changed_outer_state_hash_names_its_merge(clock):
         _, outcome = await audit_replay.replay(store, run_id, 0)
         assert f"fragment {target['fragment']} version {target['version']}" in outcome.mismatch, outcome
         assert "outer optimizer state" in outcome.mismatch and outcome.replayed == 3
+
+    asyncio.run(run())
+
+
+async def _pairs_run(clock) -> tuple[MemoryStore, str]:
+    """Merges of two contributions of fragment 0: `unit` with a 4x batch keeps its weight once `a`'s
+    history can check it (the share cap applies only from 3 contributions up), capped while its
+    claims are unchecked; `x` with a 20x batch has it clipped, so the cap applies to it."""
+    core = make_core(clock, min_quorum=2)
+    run_id = core.config.run_id
+    store, sink = await _ledgered(core)
+    rng = np.random.default_rng(11)
+    n = core.plan.fragments[0].numel
+    for lid in ("a", "unit", "x"):
+        join(core, lid)
+    for version in range(8):
+        other = "unit" if version < 5 else "x"
+        for lid in ("a", other):
+            await _upload(core, lid, 0, version, 0.01 * rng.normal(size=n),
+                          tokens_per_step={"a": 100, "unit": 400, "x": 2000}[lid])
+        await settle()
+        await wait_until_async(lambda v=version: core.slots[0].version == v + 1, timeout_s=30.0, what="merged")
+    assert await sink.drain(10.0)
+    await sink.close()
+    return store, run_id
+
+
+def test_the_share_caps_inputs_are_recorded_and_replayed(clock):
+    """Whether the share cap applied depends on the merge's size and on the contribution's claims:
+    both are in the record (merge_inputs.share_cap_min_count, fold.claims_unverified), replay
+    passes them back bit for bit, and a record that changes either is named at its merge."""
+    async def run() -> None:
+        store, run_id = await _pairs_run(clock)
+        records = audit_lib.verify_lines([line.encode() for line in store.lines], from_genesis=True)
+        assert len(records) == 8 and all(r["merge_inputs"]["share_cap_min_count"] == 3 for r in records)
+        heavy = [{c["learner"]: c for c in r["contributors"]}.get("unit") or
+                 {c["learner"]: c for c in r["contributors"]}["x"] for r in records]
+        capped = ["share" in c["clipped"] for c in heavy]
+        assert capped[0] and not any(capped[3:5]) and all(capped[5:]), capped
+        assert [c["fold"]["claims_unverified"] for c in heavy] == capped
+        step, outcome = await audit_replay.replay(store, run_id, 0)
+        assert (outcome.mismatch, outcome.unverifiable, outcome.replayed) == ("", [], 8)
+
+        def cap_every_merge(record: dict) -> None:
+            record["merge_inputs"]["share_cap_min_count"] = 1
+
+        store.rewrite(4, cap_every_merge)  # unit's uncapped merge, replayed as if capped
+        _, changed = await audit_replay.replay(store, run_id, 0)
+        assert f"fragment 0 version {records[4]['version']}" in changed.mismatch and changed.replayed == 4, changed
+
+    asyncio.run(run())
+
+
+def test_a_changed_claims_flag_names_its_merge(clock):
+    async def run() -> None:
+        store, run_id = await _pairs_run(clock)
+        records = audit_lib.verify_lines([line.encode() for line in store.lines], from_genesis=True)
+
+        def trusted(record: dict) -> None:
+            for c in record["contributors"]:
+                c["fold"]["claims_unverified"] = False
+
+        store.rewrite(6, trusted)  # x's clipped claim, replayed as trusted: not capped, other bits
+        _, changed = await audit_replay.replay(store, run_id, 0)
+        assert f"fragment 0 version {records[6]['version']}" in changed.mismatch and changed.replayed == 6, changed
 
     asyncio.run(run())

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from ddiloco import failpoints
 from ddiloco.rpc import errors
 from services.checkpoint import config as config_lib
 from services.checkpoint import store as store_lib
@@ -280,7 +281,7 @@ def test_enospc_on_blob_write_is_resource_exhausted_and_leaves_nothing(tmp_path)
     healthy.put_blob(b"v1")
     healthy.commit_manifest(_manifest("run", 1, {"p": b"v1"}))
 
-    full = store_lib.BlobStore(root, failpoints={"store.write": "enospc"})
+    full = store_lib.BlobStore(root, failpoints="store.write=enospc")
     writer = full.begin_blob(_sha(b"v2"), 2)
     with pytest.raises(errors.ResourceExhausted):
         writer.write(b"v2")
@@ -298,7 +299,7 @@ def test_enospc_on_manifest_commit_keeps_the_earlier_checkpoint(tmp_path, point:
     healthy.put_blob(b"v2")
     healthy.commit_manifest(_manifest("run", 1, {"p": b"v1"}))
 
-    full = store_lib.BlobStore(root, failpoints={point: "enospc"})
+    full = store_lib.BlobStore(root, failpoints=f"{point}=enospc")
     with pytest.raises(errors.ResourceExhausted):
         full.commit_manifest(_manifest("run", 2, {"p": b"v2"}))
 
@@ -307,15 +308,31 @@ def test_enospc_on_manifest_commit_keeps_the_earlier_checkpoint(tmp_path, point:
     assert b"".join(healthy.read_blob(_sha(b"v1"))) == b"v1"
 
 
-def test_parse_failpoints() -> None:
-    assert store_lib.parse_failpoints("") == {}
-    assert store_lib.parse_failpoints("store.after_tmp_write=crash, store.write=enospc") == {
-        "store.after_tmp_write": "crash",
-        "store.write": "enospc",
+def test_store_failpoints_parse_and_refuse_typos_and_other_services_points(tmp_path) -> None:
+    assert failpoints.parse("", prefix="store.") == {}
+    assert failpoints.parse("store.after_tmp_write=crash, store.write=enospc", prefix="store.") == {
+        "store.after_tmp_write": ("crash", 1),
+        "store.write": ("enospc", 1),
     }
-    for bad in ["store.nope=crash", "store.write=explode", "store.write"]:
+    for bad in ["store.nope=crash", "store.write=explode", "store.write", "store.write=stall",
+                "syncer.after_quorum=crash"]:
         with pytest.raises(ValueError):
-            store_lib.parse_failpoints(bad)
+            failpoints.parse(bad, prefix="store.")
+    with pytest.raises(ValueError):  # a store's failure mode at a syncer point
+        failpoints.parse("syncer.after_quorum=enospc", prefix="syncer.")
+    with pytest.raises(ValueError, match="unknown failpoint"):
+        store_lib.BlobStore(tmp_path, failpoints="store.nope=crash")
+
+
+def test_enospc_from_the_nth_write_on_stays_full(tmp_path) -> None:
+    # A disk that fills up stays full: the 2nd write fails and so does every later one.
+    store = store_lib.BlobStore(tmp_path / "root", failpoints="store.write=enospc@2")
+    store.put_blob(b"first")
+    for data in (b"second", b"third"):
+        with pytest.raises(errors.ResourceExhausted):
+            store.put_blob(data)
+    assert store.stat([_sha(b"first"), _sha(b"second"), _sha(b"third")]) == {_sha(b"first")}
+    assert _tmp_files(tmp_path / "root") == []
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -330,7 +347,7 @@ def test_config_flags_override_env_which_overrides_defaults(tmp_path: pathlib.Pa
     }
     cfg = config_lib.parse_config(["--keep-latest", "7", "--bind", "127.0.0.1:0"], environ)
     assert cfg.root == tmp_path and cfg.keep_latest == 7 and cfg.bind == "127.0.0.1:0"
-    assert cfg.json_logs is True and cfg.failpoints == {"store.write": "enospc"}
+    assert cfg.json_logs is True and cfg.failpoints == "store.write=enospc"
     assert cfg.chunk_size_bytes == 512 * 1024 and cfg.ready_file is None
 
 

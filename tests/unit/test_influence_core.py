@@ -58,6 +58,10 @@ def test_an_inflated_batch_is_clipped_capped_at_half_recorded_and_exported(clock
         second = {c["learner"]: c for c in records[1]["contributors"]}
         x = second["x"]
         assert "batch" in x["clipped"] and x["claimed_weight"] / x["weight"] > 1
+        # The norm clip's reference is recorded: the others' median norm per step and their steps.
+        per_step, ref_steps = x["norm_reference"]
+        assert ref_steps == 2 and x["norm_ratio"] == pytest.approx(x["norm"] / (per_step * 2), rel=1e-4)
+        assert {c["learner"]: c for c in records[0]["contributors"]}["a"]["norm_reference"] is None  # the first: no history
         assert x["share"] == pytest.approx(0.5) and x["share_uncapped"] > 0.5 and "share" in x["clipped"]
         assert all(second[lid]["share"] == pytest.approx(1 / 6, abs=1e-5) for lid in "abc"), {k: (v["share"], v["weight"], v["clipped"]) for k, v in second.items()}
         # The first round: the share cap holds as well.

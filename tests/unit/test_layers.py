@@ -121,26 +121,8 @@ GENERATED = ("ddiloco/v1/",)  # protoc output
 
 # The offenders kept for now, each with why. Keys: "path" (a module over MAX_MODULE_LINES) or
 # "path::Qualified.name" (a function over MAX_FUNCTION_LINES). A new offender fails the test below;
-# remove an entry when its file is split.
-SIZE_EXCEPTIONS = {
-    "ddiloco/bench/perf.py": "being changed by another engineer this session (issue 22 slices); split after the merge",
-    "ddiloco/bench/perf.py::_learner_run": "as ddiloco/bench/perf.py",
-    "ddiloco/bench/perf.py::_markdown": "as ddiloco/bench/perf.py",
-    "ddiloco/chaos/harness.py": "being changed by another engineer this session; split after the merge",
-    "ddiloco/wire/codec.py": "being changed by another engineer this session; split after the merge",
-    "ddiloco/wire/codec.py::_deserialize": "as ddiloco/wire/codec.py",
-    "services/syncer/__main__.py::serve": "being changed by another engineer this session; split after the merge",
-    "services/syncer/metrics.py::_StateCollector.collect": "being changed by another engineer this session",
-    "ddiloco/algo/outer.py::OuterStepper.step_scaled": "not in this session's slices (83 lines): split when next touched",
-    "ddiloco/sim/cli.py::_markdown": "not in this session's slices: the report text, split when next touched",
-    "ddiloco/sim/model.py::simulate_unit": "not in this session's slices: split when next touched",
-    "services/learner/__main__.py::run": "not in this session's slices (the learner's start-up): split when next "
-                                         "touched",
-    "tests/docker/test_compose_monitoring.py::_scenario": "not in this session's slices: one compose scenario",
-    "tests/k8s/test_chart.py": "not in this session's slices: the chart's tests, split by topic when next touched",
-    "tests/security/test_auth.py::test_mutual_tls_identities_roles_and_handshake_failures":
-        "not in this session's slices (84 lines): one end-to-end mTLS scenario",
-}
+# remove an entry when its file is split. None is kept now.
+SIZE_EXCEPTIONS: dict[str, str] = {}
 
 
 def _long_functions(node, prefix: str = ""):

@@ -48,8 +48,8 @@ def _lone_merge(stepper, params, state, delta, *, rule: str, mode: str, learners
     accumulator.add(delta, merge_lib.contribution_weight(100 * H, H), key="m", steps=H)
     share = outer_lib.merge_share(mode, [(100 * H, H)], contributors=1, expected_contributors=learners,
                                   sync_period_steps=H)
-    stepped = stepper.step_scaled(params, state, *accumulator.scaled_result().scaled(share.delta_scale),
-                                  fraction=share.fraction)
+    merged = outer_lib.scale_delta(accumulator.scaled_result(), share.delta_scale)
+    stepped = stepper.step_scaled(params, state, *merged, fraction=share.fraction)
     return stepped.params.copy(), [stepped.state[0].copy()]
 
 
@@ -118,8 +118,8 @@ def _desynchronised_run(rule: str, mode: str, *, latency_steps: int = 4, steps: 
                             merge_lib.contribution_weight(tokens, contribution_steps), steps=contribution_steps)
             share = outer_lib.merge_share(mode, [(tokens, contribution_steps)], contributors=1,
                                           expected_contributors=len(learners), sync_period_steps=H)
-            stepped = stepper.step_scaled(versions[-1], state, *accumulator.scaled_result().scaled(share.delta_scale),
-                                          fraction=share.fraction)
+            merged = outer_lib.scale_delta(accumulator.scaled_result(), share.delta_scale)
+            stepped = stepper.step_scaled(versions[-1], state, *merged, fraction=share.fraction)
             versions.append(stepped.params.copy())
             state = [stepped.state[0].copy()]
             published.append((t + latency_steps, len(versions) - 1, {index: mark}))

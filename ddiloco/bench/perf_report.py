@@ -1,0 +1,261 @@
+"""The report of `ddiloco bench perf`: the headline figures (each a value, the limit measured
+beside it, their ratio and the target it is held to) and perf.md, section by section.
+"""
+
+from __future__ import annotations
+
+from ddiloco.bench import perf_upload
+from ddiloco.bench import results as results_lib
+from ddiloco.bench.perf_micro import UPLOAD_PATH
+
+TARGETS = {
+    "codec_int4_encode": 0.25,
+    "merge": 0.30,
+    "transport": 0.70,
+    "overlap_max_share": 0.02,
+}
+
+
+def figure(name: str, value: float, unit: str, limit: float, limit_name: str, target: float | None = None,
+           higher_is_better: bool = True, **extra) -> dict:
+    """One headline row: `value` as a ratio of `limit`, marked against `target` if given."""
+    ratio = value / limit if limit > 0 else 0.0
+    out = {"name": name, "value": value, "unit": unit, "limit": limit, "limit_name": limit_name, "ratio": ratio}
+    if target is not None:
+        out["target"] = target
+        out["meets_target"] = bool(ratio >= target) if higher_is_better else bool(ratio <= target)
+    out.update(extra)
+    return out
+
+
+def headline(result: dict) -> list[dict]:
+    """The figures perf.md opens with, each against its limit and, where one is set, its target."""
+    rows = []
+    micro = result.get("micro", {}).get("sizes", {})
+    for label in ("default", "large"):
+        if label not in micro:
+            continue
+        m = micro[label]
+        where = f"{m['numel']:,} values ({label})"
+        for codec in ("int4", "int8"):
+            c = m["codec"][codec]
+            for side, key in (("host codec (learner uploads, syncer)", "numpy"), ("JAX jitted (device values)", "jax")):
+                for op in ("encode", "decode"):
+                    rows.append(figure(f"{codec} {op}, {side}, {where}", c[f"{key}_{op}"], "GB/s fp32", c["memcpy_gbps"],
+                                       "memcpy (1 core)", TARGETS["codec_int4_encode"] if (codec, op) == ("int4", "encode") else None))
+        mg = m["merge"]
+        rows.append(figure(f"merge fold-in, {where}", mg["fold_in"], "GB/s params", mg["memcpy_gbps"], "memcpy (1 core)", TARGETS["merge"]))
+        rows.append(figure(f"outer step (result + Nesterov), {where}", mg["outer_step"], "GB/s params", mg["memcpy_gbps"],
+                           "memcpy (1 core)", TARGETS["merge"]))
+    for key in ("transport", "transport_large"):
+        t = result.get(key)
+        if t:
+            rows.append(figure(f"upload through the servicer, {t['params']:,}-param model", t["servicer_bytes_per_s"] / 1e6, "MB/s wire",
+                               t["bare_bytes_per_s"] / 1e6, "bare gRPC stream", TARGETS["transport"]))
+            if t.get("servicer_concurrent_bytes_per_s"):
+                rows.append(figure(f"upload through the servicer, {t['in_flight']} in flight, {t['params']:,}-param model",
+                                   t["servicer_concurrent_bytes_per_s"] / 1e6, "MB/s wire",
+                                   t["bare_concurrent_bytes_per_s"] / 1e6, f"bare gRPC stream, {t['in_flight']} in flight",
+                                   TARGETS["transport"]))
+            if t.get("servicer_fp32_bytes_per_s"):
+                rows.append(figure(f"upload through the servicer, fp32 uploads, {t['params']:,}-param model",
+                                   t["servicer_fp32_bytes_per_s"] / 1e6, "MB/s wire", t["bare_bytes_per_s"] / 1e6,
+                                   "bare gRPC stream"))
+    for sec in result.get("upload", []):
+        for c in sec["cells"]:
+            rows.append(figure(f"upload, learner's real client through the syncer, {sec['params']:,}-param model, "
+                               f"+{c['rtt_s'] * 1e3:.0f} ms RTT", c["real_bytes_per_s"] / 1e6, "MB/s wire",
+                               c["bare_bytes_per_s"] / 1e6, "bare gRPC stream, same bytes", TARGETS["transport"]))
+    ov = result.get("overlap")
+    if ov:
+        for key in ("default", "capped"):
+            if key in ov:
+                rows.append(figure(f"learner time in communication work ({key})", ov[key]["comm_share"], "share of wall",
+                                   1.0, "wall time", TARGETS["overlap_max_share"], higher_is_better=False))
+    return rows
+
+
+def _md_intro(result: dict) -> list[str]:
+    """The title, how to read the figures, the machine's load and the headline table."""
+    md = ["# Performance: syncer, codec and transport against this machine's limits", ""]
+    md.append("Each figure is a ratio to a limit measured in the same invocation on the same working set "
+              "(see `ddiloco/bench/perf.py`). The machine is a shared 2-core VM: other processes compete for the "
+              "cores, so absolute numbers move between runs; ratios are measured interleaved, best of several repeats.")
+    load = result.get("load_average_start"), result.get("load_average_end")
+    if all(load):
+        md.append("")
+        md.append(f"Load average (1 min) on the 2 cores: {load[0][0]:.1f} at the start, {load[1][0]:.1f} at the end "
+                  "(other work was running on the machine).")
+    md.append("")
+    md.append("## Headline")
+    rows = []
+    for f in result["headline"]:
+        target = ""
+        if "target" in f:
+            sign = ">=" if f["name"].find("communication") < 0 else "<"
+            target = f"{sign} {f['target']:.0%}: {'yes' if f['meets_target'] else 'NO'}"
+        rows.append([f["name"], f"{f['value']:.3g} {f['unit']}", f"{f['limit']:.3g} ({f['limit_name']})",
+                     f"{f['ratio']:.1%}", target])
+    md.append(results_lib.markdown_table(["figure", "value", "limit", "ratio", "target"], rows))
+    return md
+
+
+def _md_micro(label: str, m: dict) -> list[str]:
+    """Codec, zstd, merge and the syncer's per-upload work at one fragment size."""
+    md = ["", f"## Codec and merge, {m['numel']:,} values ({label}), one core", ""]
+    rows = []
+    for codec, c in m["codec"].items():
+        rows.append([codec] + [f"{c[k]:.2f} ({c[k] / c['memcpy_gbps']:.0%})" for k in
+                               ("numpy_encode", "numpy_decode", "jax_encode", "jax_decode")] + [f"{c['memcpy_gbps']:.2f}"])
+    md.append(results_lib.markdown_table(
+        ["codec", "host encode GB/s", "host decode", "JAX encode", "JAX decode", "memcpy GB/s"], rows))
+    md.append("")
+    rows = [[k, f"{z['ratio']:.3f}", f"{z['compress_gbps_raw']:.2f}", f"{z['decompress_gbps_raw']:.2f}",
+             f"{z['sha256_gbps']:.2f}", "yes" if z["real_pseudo_gradients"] else "no (synthetic)"]
+            for k, z in m["zstd"].items()]
+    md.append(results_lib.markdown_table(["zstd-3 on", "ratio", "compress GB/s (raw)", "decompress GB/s (raw)",
+                                          "sha256 GB/s", "captured pseudo-gradients"], rows))
+    md.append("")
+    mg = m["merge"]
+    md.append(results_lib.markdown_table(
+        ["merge", "GB/s params", "of memcpy"],
+        [[k, f"{mg[k]:.2f}", f"{mg[k] / mg['memcpy_gbps']:.0%}"] for k in ("fold_in", "fold_in_own_norms", "outer_step", "result_only", "stepper_only")
+         if k in mg]))
+    bound = mg.get("outer_step_traffic_bound")
+    if bound:
+        md.append(f"\nThe outer step reads three vectors and writes two (the delta stays factored); a memcpy of "
+                  f"three vectors (the step's working set, {3 * m['numel'] * 4 / 2**20:.1f} MiB, six streams) in "
+                  f"the same run bounds its five streams at {bound:.2f} GB/s "
+                  f"of params, {bound / mg['memcpy_gbps']:.0%} of the one-vector memcpy above. The step runs at "
+                  f"{mg['outer_step'] / bound:.0%} of that bound.")
+    up = m.get("upload_path")
+    if up:
+        md.append("")
+        stages = [k for k in up if k not in ("memcpy", "memcpy_gbps")]
+        # The per-upload path, as the syncer runs it; other rows are its parts or once-per-version work.
+        path = [k for k in UPLOAD_PATH if k in up] or stages
+        total_s = sum(1.0 / up[k] for k in path)
+        md.append(results_lib.markdown_table(
+            ["syncer work per int4 upload", "GB/s fp32", "of memcpy", "share of the upload's CPU time"],
+            [[k, f"{up[k]:.2f}", f"{up[k] / up['memcpy_gbps']:.0%}", f"{(1.0 / up[k]) / total_s:.0%}" if k in path else "-"]
+             for k in stages]
+            + [["per upload (" + " + ".join(path) + ")", f"{1.0 / total_s:.2f}",
+                f"{(1.0 / total_s) / up['memcpy_gbps']:.0%}", "100%"]]))
+    return md
+
+
+def _md_transport(key: str, t: dict) -> list[str]:
+    """The servicer against the bare stream at one model size, and the ceiling."""
+    md = ["", "No merge runs while uploads are measured (a quorum no round reaches), so the figure is the "
+              "servicer's upload path: header checks, chunk assembly, sha256, zstd, dequantize, norm bound, "
+              "fold-in. Every int4 byte on the wire is ~7.5 bytes of float32 the syncer must process: at the "
+              "upload path's measured speed (table above, 'per upload') that caps int4 uploads "
+              "well below a bare stream on the same cores; fp32 uploads show the transport overhead itself."] \
+        if key == "transport" else []
+    md += ["", f"## Transport ({t['params']:,}-parameter model, fragments of {max(t['fragment_numels']):,} values, int4)", ""]
+    md.append(results_lib.markdown_table(
+        ["path", "MB/s wire", "ratio"],
+        [["real servicer, int4 uploads (checks, decode, norm bound, fold-in)",
+          f"{t['servicer_bytes_per_s'] / 1e6:.1f}", f"{t['ratio']:.1%}"],
+         ["real servicer, fp32 uploads (same work per value, 7.5x the bytes)",
+          f"{t.get('servicer_fp32_bytes_per_s', 0) / 1e6:.1f}", f"{t.get('ratio_fp32', 0):.1%}"],
+         ["bare gRPC bytes stream", f"{t['bare_bytes_per_s'] / 1e6:.1f}", "100%"]]
+        + ([[f"real servicer, int4 uploads, {t['in_flight']} in flight (one per fragment, as a learner sends them)",
+             f"{t['servicer_concurrent_bytes_per_s'] / 1e6:.1f}", f"{t['ratio_concurrent']:.1%}"],
+            [f"bare gRPC bytes stream, {t['in_flight']} in flight", f"{t['bare_concurrent_bytes_per_s'] / 1e6:.1f}",
+             "100%"]] if t.get("servicer_concurrent_bytes_per_s") else [])))
+    md.append(f"\nUploads accepted/refused: {t['servicer_run'].get('accepted')}/{t['servicer_run'].get('refused')}; "
+              f"syncer peak RSS {t['syncer_peak_rss_bytes'] / 2**20:.0f} MiB.")
+    if t.get("work_s_per_upload"):
+        md.append(
+            f"\nCeiling, measured in the same run: one upload of the largest fragment is "
+            f"{t['upload_bytes'] / 1e6:.2f} MB on the wire, {t['bare_s_per_upload'] * 1e3:.2f} ms on the bare "
+            f"stream; the syncer's own work on it (decode with norms and cosine, then fold-in, one thread, "
+            f"this process) takes {t['work_s_per_upload'] * 1e3:.2f} ms, and the real servicer "
+            f"{t['servicer_s_per_upload'] * 1e3:.2f} ms per upload. A servicer that added nothing but that "
+            f"work to a bare stream would reach {t['ceiling_serial']:.1%} of it doing the work after the "
+            f"transfer and {t['ceiling_overlapped']:.1%} overlapping the two perfectly; the measured "
+            f"{t['ratio']:.1%} is {t['ratio'] / t['ceiling_serial']:.0%} of the serial ceiling.")
+    return md
+
+
+def _md_overlap(ov: dict) -> list[str]:
+    """The learner's communication share in each run, and the bandwidth the configuration needs."""
+    md = ["", "## Learner overlap", "", ov["definition"], ""]
+    rows = []
+    for key in ("null", "default", "capped"):
+        if key in ov:
+            r = ov[key]
+            rows.append([key, f"{r['step_s'] * 1e3:.0f}", f"{r['comm_share']:.2%}",
+                         ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["by_part_s"].items()),
+                         r["client"].get("uploads_accepted", 0), r["fragments_applied"],
+                         f"{r['training_thread_cpu_per_step_s'] * 1e3:.0f} / {r['other_threads_cpu_per_step_s'] * 1e3:.0f}"
+                         f" / {r['syncer_cpu_per_step_s'] * 1e3:.0f}"])
+    md.append(results_lib.markdown_table(["run", "ms/step", "comm share", "where", "uploads accepted",
+                                          "fragments applied",
+                                          "CPU ms/step: Python training thread / other learner threads (XLA compute, sync client, codec) / syncer"], rows))
+    need = ov["needed_bandwidth"]
+    md.append(f"\nThe configuration needs {need['up_bytes_per_s'] / 1e3:.0f} kB/s up and "
+              f"{need['down_bytes_per_s'] / 1e3:.0f} kB/s down at the measured step time; the capped run goes through "
+              f"a proxy limited to {ov.get('capped', {}).get('cap_bytes_per_s', 0) / 1e3:.0f} kB/s per direction. "
+              f"Step-time cost against a learner that never hears from the syncer (the faster of two such runs, "
+              f"before and after): {ov['throughput_cost']:.1%}. The training thread itself spends the 'comm share' "
+              "above on communication. The rest is CPU taken from the same 2 cores: the learner's sync client "
+              "and codec (the growth of 'other learner threads' over the null run, whose other threads are XLA's "
+              "compute), the syncer process (last figure), and the machine's other load, which changes between "
+              "runs.")
+    return md
+
+
+def _md_scale(sc: dict) -> list[str]:
+    """One row per learner count, and how to read them."""
+    md = ["", f"## Scale: one syncer, lightweight learners replaying captured fragments "
+              f"(step {sc['step_s']:.2f} s, default fragment schedule)", ""]
+    md.append(results_lib.markdown_table(
+        ["learners", "merges/s", "work merged (steps accepted/trained; uploads slowed by back-pressure)",
+         "merge latency p50/p99 s", "upload latency p50/p99 s",
+         "uploads acc/ref (offered)", "syncer RSS MiB before learners / peak"],
+        [[lv["learners"], f"{lv['merges_per_s']:.2f}",
+          f"{lv.get('accepted_steps', 0) / max(1, lv.get('offered_steps', 0)):.1%} "
+          f"({lv.get('accepted_steps', 0)}/{lv.get('offered_steps', 0)}; {lv.get('slowed', 0)} slowed)", f"{lv['merge_latency_p50_s']:.3f} / {lv['merge_latency_p99_s']:.3f}",
+          f"{lv['upload_latency_p50_s']:.3f} / {lv['upload_latency_p99_s']:.3f}",
+          f"{lv['uploads_accepted']}/{lv['uploads_refused']}"
+          + (f" ({lv['uploads_offered']})" if "uploads_offered" in lv else "")
+          + (" " + ", ".join(f"{k} {v}" for k, v in lv.get("refusals", {}).items()) if lv.get("refusals") else "")
+          + ("; " + ", ".join(f"{k[len('rejected_'):]} {v}" for k, v in sorted(lv.get("syncer_uploads", {}).items())
+                              if k.startswith("rejected_")) if lv.get("refusals") else ""),
+          f"{lv['syncer_rss_before_learners_bytes'] / 2**20:.0f} / {lv['syncer_peak_rss_bytes'] / 2**20:.0f}"]
+         for lv in sc["levels"]]))
+    md.append("\nMerge latency: round opened to merge started (quorum wait + grace used), from the syncer's merge "
+              "records; upload latency: client-side UploadFragment round trip (decode and fold-in included). "
+              "Uploads offered: what the fragment schedule asks of the replay learners in the run; refusals "
+              "by status code, then by the syncer's reason. The replay learners report progress every step "
+              "like real ones (the grace window is computed from their step time) and upload on the version "
+              "they last heard of; they share the 2 cores with the syncer. Peak RSS: the merge state is one "
+              "accumulator per fragment whatever the number of learners; per learner the syncer holds one "
+              "download chunk (at most 128 KiB, the messages of a version built once for all watchers) and "
+              "at most 3 x P decoded contributions wait for a fragment's lock; the direction check keeps "
+              "16 references per fragment; malloc arenas are capped at 2 (per-thread arenas kept ~100 MiB "
+              "of freed buffers at 64 learners) and BLAS calls run single-threaded (ddiloco.runtime).")
+    return md
+
+
+def markdown(result: dict) -> str:
+    """perf.md for `result` (as `ddiloco bench perf` writes it to perf.json)."""
+    md = _md_intro(result)
+    for label, m in result.get("micro", {}).get("sizes", {}).items():
+        md += _md_micro(label, m)
+    for key in ("transport", "transport_large"):
+        if result.get(key):
+            md += _md_transport(key, result[key])
+    if result.get("upload"):
+        md += perf_upload.markdown(result["upload"], TARGETS["transport"])
+    if result.get("overlap"):
+        md += _md_overlap(result["overlap"])
+    if result.get("scale"):
+        md += _md_scale(result["scale"])
+    notes = result.get("notes")
+    if notes:
+        md += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    md += ["", results_lib.provenance_markdown(result["provenance"])]
+    return "\n".join(md)
