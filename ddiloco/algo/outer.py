@@ -68,8 +68,9 @@ class _SGDTransformation(optax.GradientTransformation):
     hyperparameters: tuple[float, float, bool]
 
 
-# How much of a whole outer step a merge takes (merge_share): "work" (the default), "steps", "whole".
-OUTER_STEP_FRACTIONS = ("work", "steps", "whole")
+# How much of a whole outer step a merge takes (merge_share): "steps" (the syncer's default), "work"
+# (opt-in: not yet measured end to end), "whole".
+OUTER_STEP_FRACTIONS = ("steps", "work", "whole")
 
 
 class MergeShare(NamedTuple):
@@ -100,9 +101,11 @@ def merge_share(mode: str, contributions: Sequence[tuple[int, int]], *, contribu
       the step sends back amplified by η(1 + μ); with η = 0.7, μ = 0.9 and each lone merge one
       version stale its moves grow by |λ| = 1.04 per merge even when the learners do no work
       (at q = 1/2 with "work": 0.84); two rebasing learners on a noisy quadratic, half a period
-      apart with a few steps of latency, diverge (tests/unit/test_partial_merges.py). Under load a
-      quick ``bench quality`` run's held-out loss went 4.53 -> 5.29 in 12 merges this way (likely:
-      the run was not recorded merge by merge).
+      apart with a few steps of latency, diverge with "steps" and train with "work"
+      (tests/unit/test_partial_merges.py: pure loops, no syncer). Under load a quick
+      ``bench quality`` run's held-out loss went 4.53 -> 5.29 in 12 merges; this loop is the
+      suspected cause, not a shown one (the run was not recorded merge by merge), and "work" has
+      not been measured for quality or goodput in a full run.
     * ``"whole"``: every merge one whole step of Δ (the synchronous baselines).
 
     Args:

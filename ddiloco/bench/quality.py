@@ -15,7 +15,7 @@ the syncer's configuration differs:
     downloads; learners never wait.
   * ablations of decoupled (one change each): on-arrival rule (overwrite, mix), merge rule (mean),
     upload codec (fp32, int8, int2), download codec (fp32), K and the grace window with learners of
-    mixed speeds, the outer step (by inner steps only; whole), and the previous round design
+    mixed speeds, the outer step (by the learners' share too; whole), and the previous round design
     (learners' own counters open rounds).
 
 Every mode runs once per seed (`--seeds`); the report gives the mean and spread over seeds. A
@@ -101,7 +101,7 @@ class RunSpec:
 
 def decoupled_flags(cfg: BenchConfig) -> tuple[str, ...]:
     """Decoupled runs: the syncer's shipped defaults (int4 uploads, int4 error-fed delta
-    downloads, rebase, scheduled rounds, K = 1 + grace, outer steps by the work merged); --download-codec
+    downloads, rebase, scheduled rounds, K = 1 + grace, fractional outer steps); --download-codec
     overrides the download codec."""
     return ("--download-codec", cfg.download_codec) if cfg.download_codec else ()
 
@@ -114,7 +114,7 @@ def mode_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
                           note="classic: all fragments every H, K = M, equal-weight mean, fp32"),
         "decoupled": RunSpec("decoupled", "mode", "decoupled", decoupled_flags(cfg),
                              note="scheduled rounds, K = 1 + grace, rebase, int4 up, "
-                                  f"{cfg.download_codec or 'int4'} deltas down, outer steps by the work merged"),
+                                  f"{cfg.download_codec or 'int4'} deltas down, fractional outer steps"),
     }
 
 
@@ -148,8 +148,8 @@ def ablation_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
         RunSpec("upload-int2", "upload codec", "decoupled", with_flag("--upload-codec", "int2")),
         RunSpec("download-fp32", "download codec", "decoupled", with_flag("--download-codec", "fp32"),
                 note="global fragments sent whole in fp32 instead of error-fed int4 deltas"),
-        RunSpec("outer-steps", "outer step", "decoupled", with_flag("--outer-step-fraction", "steps"),
-                note="a merge's fraction of a step by its inner steps only: a partial merge steps on its whole delta"),
+        RunSpec("outer-work", "outer step", "decoupled", with_flag("--outer-step-fraction", "work"),
+                note="a partial merge takes the learners' share of a step: delta and fraction x contributors/expected"),
         RunSpec("outer-whole", "outer step", "decoupled", with_flag("--outer-step-fraction", "whole"),
                 note="every merge a whole Nesterov step, however few inner steps it holds"),
         RunSpec("rounds-by-learners", "round design", "decoupled", with_flag("--round-trigger", "upload"),

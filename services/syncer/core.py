@@ -96,8 +96,8 @@ class SyncerCore:
     # decode and fold-in at once (default: see Admission). `round_trigger`: "schedule" (decoupled
     # mode: rounds open on the syncer's schedule, ddiloco.algo.rounds) or "upload" (a round opens with
     # its first contribution; the synchronous modes, whose learners upload together, always use it).
-    # `outer_step_fraction`: "work", "steps" or "whole" (ddiloco.algo.outer.merge_share). `token_budget`: the run
-    # ends once tokens_processed() reaches it (0: never; see budget_reached).
+    # `outer_step_fraction`: "steps", "work" or "whole" (ddiloco.algo.outer.merge_share). `token_budget`: the
+    # run ends once tokens_processed() reaches it (0: never; see budget_reached).
     def __init__(
         self,
         *,
