@@ -117,10 +117,11 @@ def camel(name: str) -> str:
 def settings_schemas() -> dict[str, dict]:
     """The JSON schema of each component's `settings`, from its service's config dataclass."""
     from ddiloco.wire import codec
+    from services.syncer.config import OUTER_STEP_FRACTIONS
 
     enums = {"upload_codec": list(codec.CODECS), "download_codec": list(codec.CODECS),
              "merge_rule": ["rda", "mean"], "embedding_merge_rule": ["rda", "mean"],
-             "outer_step_fraction": ["steps", "whole"]}
+             "outer_step_fraction": list(OUTER_STEP_FRACTIONS)}
     commands = {"syncer": "syncer", "store": "checkpoint", "learners": "learner", "evaluator": "evaluate"}
     out = {}
     for component, cls in service_configs().items():

@@ -68,6 +68,79 @@ class _SGDTransformation(optax.GradientTransformation):
     hyperparameters: tuple[float, float, bool]
 
 
+# How much of a whole outer step a merge takes (merge_share): "steps" (the syncer's default), "work"
+# (opt-in: not yet measured end to end), "whole".
+OUTER_STEP_FRACTIONS = ("steps", "work", "whole")
+
+
+class MergeShare(NamedTuple):
+    """How much of a whole outer step one merge takes (``merge_share``)."""
+
+    fraction: float  # OuterStepper.step_scaled's fraction s
+    delta_scale: float  # the merged Δ is multiplied by this before the step (1: as merged)
+
+
+def merge_share(mode: str, contributions: Sequence[tuple[int, int]], *, contributors: int,
+                expected_contributors: int, sync_period_steps: int) -> MergeShare:
+    """The share of a round's work a merge holds, as the outer step takes it.
+
+    A round's work is H inner steps of every learner the round was for. ``rounds`` = the
+    contributions' token-weighted mean inner steps / H (the work of how many rounds each holds)
+    and ``q`` = contributors / expected contributors (how many of the round's learners it holds):
+
+    * ``"work"``: Δ·q stepped as the fraction rounds·q. The learners the round expected but did
+      not get count as zero pseudo-gradients with the present ones' mean weight (the weighted
+      mean then is Δ·q, and so is RDA, whose radius averages a norm of 0 for them): a merge of
+      1 of M learners moves Θ by its Δ/M with a 1/M share of a momentum push, as M lone merges
+      add up to one merge of all M. Their work is not lost (rebase keeps it; the next merge that
+      holds it counts its steps). A merge that holds every expected learner is exactly ``"steps"``.
+    * ``"steps"``: Δ stepped as the fraction rounds, whatever q. Every lone merge moves Θ by a
+      whole round's Δ with a whole momentum push, so with learners desynchronised (a loaded
+      machine, no grace window) Θ takes M full steps per round of work. That loop is unstable:
+      a stale contribution is re-anchored by the syncer's own last move (Θ_v − Θ_base), which
+      the step sends back amplified by η(1 + μ); with η = 0.7, μ = 0.9 and each lone merge one
+      version stale its moves grow by |λ| = 1.04 per merge even when the learners do no work
+      (at q = 1/2 with "work": 0.84); two rebasing learners on a noisy quadratic, half a period
+      apart with a few steps of latency, diverge with "steps" and train with "work"
+      (tests/unit/test_partial_merges.py: pure loops, no syncer). Under load a quick
+      ``bench quality`` run's held-out loss went 4.53 -> 5.29 in 12 merges; this loop is the
+      suspected cause, not a shown one (the run was not recorded merge by merge), and "work" has
+      not been measured for quality or goodput in a full run.
+    * ``"whole"``: every merge one whole step of Δ (the synchronous baselines).
+
+    Args:
+        mode: one of ``OUTER_STEP_FRACTIONS``.
+        contributions: (tokens, inner steps) of each contribution in the merge.
+        contributors: distinct learners in the merge.
+        expected_contributors: learners the round was for (live ones and those in the merge).
+        sync_period_steps: H, > 0.
+
+    Returns:
+        ``MergeShare``; (1, 1) for ``"whole"`` and for a merge without tokens.
+
+    Raises:
+        ValueError: on an unknown mode.
+    """
+    if mode not in OUTER_STEP_FRACTIONS:
+        raise ValueError(f"outer step fraction {mode!r} is not one of {OUTER_STEP_FRACTIONS}")
+    tokens = sum(t for t, _ in contributions)
+    if mode == "whole" or tokens <= 0:
+        return MergeShare(1.0, 1.0)
+    rounds = max(sum(t * s for t, s in contributions) / tokens, 1.0) / sync_period_steps
+    if mode == "steps":
+        return MergeShare(rounds, 1.0)
+    share = min(1.0, contributors / max(expected_contributors, contributors, 1))
+    return MergeShare(rounds * share, share)
+
+
+def scale_delta(merged: merge_lib.ScaledResult, factor: float) -> merge_lib.ScaledResult:
+    """Δ·factor (``MergeShare.delta_scale``), still factored (float32 scales, sum_squares kept: it is
+    per unscaled value); ``merged`` itself when factor is 1, so a full merge is bit for bit unchanged."""
+    if factor == 1.0:
+        return merged
+    return merged._replace(scales=(merged.scales * np.float32(factor)).astype(np.float32))
+
+
 def make_outer_optimizer(
     learning_rate: float = 0.7, momentum: float = 0.9, nesterov: bool = True
 ) -> optax.GradientTransformation:

@@ -14,8 +14,9 @@ the syncer's configuration differs:
     adaptive grace window, rebase on arrival, 4-bit uploads and (here) 4-bit error-fed delta
     downloads; learners never wait.
   * ablations of decoupled (one change each): on-arrival rule (overwrite, mix), merge rule (mean),
-    upload codec (fp32, int8, int2), K and the grace window with learners of mixed speeds, and the
-    previous round design (learners' own counters open rounds).
+    upload codec (fp32, int8, int2), download codec (fp32), K and the grace window with learners of
+    mixed speeds, the outer step (by the learners' share too; whole), and the previous round design
+    (learners' own counters open rounds).
 
 Every mode runs once per seed (`--seeds`); the report gives the mean and spread over seeds. A
 seed fixes the initialization and each learner's data order (learners run as their first life,
@@ -147,6 +148,8 @@ def ablation_specs(cfg: BenchConfig) -> dict[str, RunSpec]:
         RunSpec("upload-int2", "upload codec", "decoupled", with_flag("--upload-codec", "int2")),
         RunSpec("download-fp32", "download codec", "decoupled", with_flag("--download-codec", "fp32"),
                 note="global fragments sent whole in fp32 instead of error-fed int4 deltas"),
+        RunSpec("outer-work", "outer step", "decoupled", with_flag("--outer-step-fraction", "work"),
+                note="a partial merge takes the learners' share of a step: delta and fraction x contributors/expected"),
         RunSpec("outer-whole", "outer step", "decoupled", with_flag("--outer-step-fraction", "whole"),
                 note="every merge a whole Nesterov step, however few inner steps it holds"),
         RunSpec("rounds-by-learners", "round design", "decoupled", with_flag("--round-trigger", "upload"),

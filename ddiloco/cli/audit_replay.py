@@ -291,7 +291,9 @@ class Replay:
             except ValueError as exc:  # a blob of the wrong size or values: not what the syncer folded in
                 raise Mismatch(f"{what}: the retained contribution of {c['learner']} cannot be folded in: "
                                f"{exc}") from None
-        merged = accumulator.scaled_result()
+        # The merged delta as the syncer stepped on it: scaled by the learners' share (records before that
+        # field: 1).
+        merged = outer_lib.scale_delta(accumulator.scaled_result(), inputs.get("delta_scale", 1.0))
         recorded = [c["learner"] for c in sorted(record["contributors"], key=lambda c: c["fold"].get("summed") or 0)]
         if all(c["fold"].get("summed") is not None for c in record["contributors"]) and \
                 accumulator.fold_order != recorded:

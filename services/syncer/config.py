@@ -17,6 +17,10 @@ _RULES = ("rda", "mean", "equal_mean")  # ddiloco.algo.merge.RULES
 SYNC_MODES = ("decoupled", "diloco", "dp")
 
 
+# ddiloco.algo.outer.OUTER_STEP_FRACTIONS (this module stays free of jax, which that one loads).
+OUTER_STEP_FRACTIONS = ("steps", "work", "whole")
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncerConfig:
     """Everything the syncer needs; each field is a flag and a DDILOCO_SYNCER_* variable."""
@@ -64,11 +68,19 @@ class SyncerConfig:
     embedding_merge_rule: str = "mean"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    # steps: a merge is the fraction s = (token-weighted mean inner steps) / H of a Nesterov step
-    # (ddiloco.algo.outer.OuterStepper.step_scaled): a short round (the first staggered rounds,
-    # the end of training) adds no whole momentum push (bench quality: -3.8 % held-out loss at
-    # seed 0), and many rounds' work at once (learners back from a cut-off) feeds the momentum
-    # one round's rate (the chaos soak diverged without it, bench/results/rounds.md).
+    # steps (the default): a merge is the fraction s = (token-weighted mean inner steps) / H of a
+    # Nesterov step (ddiloco.algo.outer.merge_share), on the whole merged delta whatever the
+    # learners: a short round (the first staggered rounds, the end of training) adds no whole
+    # momentum push (bench quality: -3.8 % held-out loss at seed 0), and many rounds' work at once
+    # (learners back from a cut-off) feeds the momentum one round's rate (the chaos soak diverged
+    # without it, bench/results/rounds.md).
+    # work (opt-in): s x q on the delta x q, q = contributors / expected learners: learners a round
+    # expected but did not get count as zero pseudo-gradients, so lone merges of desynchronised
+    # learners add up to one step per round of work. With steps, a whole step per lone merge feeds
+    # the syncer's own moves back through re-anchored stale contributions, a loop that diverges in
+    # pure loop tests (tests/unit/test_partial_merges.py) and is suspected, not shown, in a loaded
+    # quick bench quality run. A merge of every expected learner is the same as with steps. Not
+    # yet measured for quality or goodput in full runs (bench quality's outer-work ablation).
     # whole: every merge is one step; the baselines always use it.
     outer_step_fraction: str = "steps"
     # The data-parallel baseline's optimizer (AdamW on the syncer, ddiloco.algo.inner); the
@@ -163,8 +175,8 @@ class SyncerConfig:
         for name in ("upload_codec", "download_codec"):
             if getattr(self, name) not in codec_lib.CODECS:
                 raise bad(name, f"must be one of {codec_lib.CODECS}")
-        if self.outer_step_fraction not in ("whole", "steps"):
-            raise bad("outer_step_fraction", "must be whole or steps")
+        if self.outer_step_fraction not in OUTER_STEP_FRACTIONS:
+            raise bad("outer_step_fraction", f"must be one of {OUTER_STEP_FRACTIONS}")
         for name in ("merge_rule", "embedding_merge_rule"):
             if getattr(self, name) not in _RULES:
                 raise bad(name, f"must be one of {_RULES}")
@@ -363,11 +375,12 @@ _HELPS = {
     "embedding_merge_rule": "merge of embedding tensors: mean, rda or equal_mean; diloco mode forces equal_mean",
     "outer_lr": "outer Nesterov SGD learning rate",
     "outer_momentum": "outer Nesterov SGD momentum",
-    "outer_step_fraction": "steps (default): a merge is s = (token-weighted mean inner steps) / H of an "
-                           "outer step: below 1 the momentum decays by mu^s and is carried s times (short "
-                           "rounds add no whole momentum push); above 1 (many rounds' work at once) the "
-                           "momentum takes delta/s; whole: every merge is one outer step (the diloco and dp "
-                           "baselines always)",
+    "outer_step_fraction": "steps (default): a merge is s = (token-weighted mean inner steps) / H of an outer "
+                           "step on the whole merged delta (below 1 the momentum decays by mu^s and is carried s "
+                           "times; above 1 it takes delta/s); work (opt-in, not yet measured in full runs): s x q "
+                           "on the delta x q, q = contributors / expected learners (absent learners count as zero "
+                           "pseudo-gradients: lone merges add up to one step per round); whole: every merge is "
+                           "one outer step (the diloco and dp baselines always)",
     "token_budget": "end the run once the learners processed this many tokens, all learners and lives together "
                     "(0: no budget, each learner runs its --steps); learners hear it in their progress reports, "
                     "contribute their remaining work and leave",

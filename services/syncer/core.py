@@ -71,8 +71,8 @@ make_run_config = wire_views.make_run_config
 def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int) -> None:
     if round_trigger not in ROUND_TRIGGERS:
         raise ValueError(f"round_trigger={round_trigger!r} is not one of {ROUND_TRIGGERS}")
-    if outer_step_fraction not in ("whole", "steps"):
-        raise ValueError(f"outer_step_fraction={outer_step_fraction!r} is not whole or steps")
+    if outer_step_fraction not in outer_lib.OUTER_STEP_FRACTIONS:
+        raise ValueError(f"outer_step_fraction={outer_step_fraction!r} is not one of {outer_lib.OUTER_STEP_FRACTIONS}")
     if token_budget < 0:
         raise ValueError(f"token_budget={token_budget} must be >= 0")
 
@@ -97,8 +97,8 @@ class SyncerCore:
     # decode and fold-in at once (default: see Admission). `round_trigger`: "schedule" (decoupled
     # mode: rounds open on the syncer's schedule, ddiloco.algo.rounds) or "upload" (a round opens with
     # its first contribution; the synchronous modes, whose learners upload together, always use it).
-    # `outer_step_fraction`: "whole" or "steps" (see Rounds._step_fraction). `token_budget`: the run
-    # ends once tokens_processed() reaches it (0: never; see budget_reached).
+    # `outer_step_fraction`: "steps", "work" or "whole" (ddiloco.algo.outer.merge_share). `token_budget`: the
+    # run ends once tokens_processed() reaches it (0: never; see budget_reached).
     def __init__(
         self,
         *,

@@ -23,8 +23,8 @@ each sink with its own chain.
 Accountability (issue 24): each record also names the syncer's leader `epoch`, the new values'
 `params_sha256`, the syncer's `outer_step` after the merge (a checkpoint's step), the checkpoint
 step this syncer life restored (`restored_step`, None for a fresh start) and the merge's inputs
-(`merge_inputs`: rules, share cap, norm clip, outer step fraction and optimizer); each contributor
-its `contribution_sha256` (sha256 of the decoded contribution's float32 bytes) and its fold-in
+(`merge_inputs`: rules, share cap, norm clip, outer step fraction, delta scale and optimizer); each
+contributor its `contribution_sha256` (sha256 of the decoded contribution's float32 bytes) and its fold-in
 (`fold`: `index`, its position in the order contributions were added to the merge; `summed`, its
 position in the order the accumulator summed them, held-back ones last; its weight as added, before
 the share cap; per-tensor norms if given; steps; `claims_unverified`, whether admission clipped its

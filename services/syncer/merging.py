@@ -305,17 +305,15 @@ class Rounds:
         if not self.open_due():  # a round the schedule held back while this one was open
             self._tick()  # contributions that arrived during the merge may already form a round
 
-    def _step_fraction(self, rnd: slots_lib.Round) -> float:
-        """The outer step's fraction (config outer_step_fraction): the token-weighted mean of the
-        contributions' inner steps over H (below 1: a short round; above 1: many rounds' work,
-        whose momentum share OuterStepper.step_scaled bounds); 1 with "whole"."""
-        if self._outer_step_fraction != "steps":
-            return 1.0
-        tokens = sum(c.tokens for c in rnd.contributions)
-        if tokens <= 0:
-            return 1.0
-        mean_steps = sum(c.tokens * c.steps for c in rnd.contributions) / tokens
-        return max(mean_steps, 1.0) / self.plan.sync_period_steps
+    def _merge_share(self, rnd: slots_lib.Round) -> outer_lib.MergeShare:
+        """The outer step's fraction and the merged delta's scale (config outer_step_fraction,
+        ddiloco.algo.outer.merge_share): the share of a round's work the merge holds, in inner
+        steps over H and, with "work", in learners over those the round expected."""
+        expected = self._membership.expected_learners() | rnd.learners
+        return outer_lib.merge_share(
+            self._outer_step_fraction, [(c.tokens, c.steps) for c in rnd.contributions],
+            contributors=len(rnd.learners), expected_contributors=len(expected),
+            sync_period_steps=self.plan.sync_period_steps)
 
     async def _merge_locked(self, slot: slots_lib.FragmentSlot, reason: str, grace_s: float) -> None:
         async with slot.lock:
@@ -367,13 +365,13 @@ class Rounds:
         the gradient (factored) becomes the direction agreement's reference."""
         stepper = self._steppers[slot.fragment.fragment_id]
         # The delta stays factored (sums x per-tensor scales) until the step writes it out.
-        merged = await asyncio.to_thread(rnd.accumulator.scaled_result)
-        fraction = self._step_fraction(rnd)
+        share = self._merge_share(rnd)
+        merged = outer_lib.scale_delta(await asyncio.to_thread(rnd.accumulator.scaled_result), share.delta_scale)
         if rnd.merge_inputs is not None:
-            rnd.merge_inputs["fraction"] = fraction
+            rnd.merge_inputs.update(fraction=share.fraction, delta_scale=share.delta_scale)
         # Δ is kept factored (the round's sums are not written again): one stream less.
         stepped = await asyncio.to_thread(functools.partial(
-            stepper.step_scaled, slot.params, slot.opt_state, *merged, write_grad=False, fraction=fraction))
+            stepper.step_scaled, slot.params, slot.opt_state, *merged, write_grad=False, fraction=share.fraction))
         slot.last_outer_grad = (merged, stepped.outer_grad_norm)
         return stepped
 

@@ -105,14 +105,16 @@ async def _ledgered(core) -> tuple[MemoryStore, ledger_sink.StoreLedger]:
     return store, sink
 
 
-async def _seeded_run(clock) -> tuple[MemoryStore, str]:
+async def _seeded_run(clock, *, idle: bool = False) -> tuple[MemoryStore, str]:
     """Four merges of each of two fragments; `heavy` claims a 20x batch (held back, share capped),
     `loud` sends 10x the others' norm (held back, clipped in the merge); in the last round `b` is
-    one version behind (re-anchored). Downloads are lossy (int8, error-fed)."""
-    core = make_core(clock, min_quorum=len(LEARNERS), download_codec="int8")
+    one version behind (re-anchored). Downloads are lossy (int8, error-fed). `idle`: a seventh
+    learner joins and never contributes, and merges take the learners' share ("work": Δ x 6/7)."""
+    knobs = {"outer_step_fraction": "work"} if idle else {}
+    core = make_core(clock, min_quorum=len(LEARNERS), download_codec="int8", **knobs)
     run_id = core.config.run_id
     store, sink = await _ledgered(core)
-    for lid in LEARNERS:
+    for lid in LEARNERS + (("idle",) if idle else ()):
         join(core, lid)
     rng = np.random.default_rng(7)
     for version in range(4):
@@ -166,6 +168,24 @@ def test_replay_reproduces_every_merge_bit_for_bit_in_the_recorded_order(clock):
         _, reordered = await audit_replay.replay(store, run_id, 0)
         assert f"fragment {third['fragment']} version {third['version']}" in reordered.mismatch, reordered
         assert "replayed values hash to" in reordered.mismatch and reordered.replayed == 2
+
+    asyncio.run(run())
+
+
+def test_replay_steps_on_the_delta_scaled_by_the_learners_share(clock):
+    """A learner the rounds expected never contributed: each merge stepped on its delta x 6/7 (the
+    record's delta_scale), and replay does the same; a record without that field is named."""
+    async def run() -> None:
+        store, run_id = await _seeded_run(clock, idle=True)
+        records = audit_lib.verify_lines([line.encode() for line in store.lines], from_genesis=True)
+        assert [r["merge_inputs"]["delta_scale"] for r in records] == [6 / 7] * 8
+        _, outcome = await audit_replay.replay(store, run_id, 0)
+        assert (outcome.mismatch, outcome.replayed) == ("", 8)
+
+        store.rewrite(1, lambda record: record["merge_inputs"].pop("delta_scale"))
+        _, unscaled = await audit_replay.replay(store, run_id, 0)
+        assert f"fragment {records[1]['fragment']} version {records[1]['version']}" in unscaled.mismatch, unscaled
+        assert unscaled.replayed == 1
 
     asyncio.run(run())
 

@@ -246,6 +246,30 @@ def test_a_merge_of_many_rounds_work_feeds_the_momentum_one_rounds_rate_with_ste
     np.testing.assert_allclose(steps_move / whole_move, (1 + 0.9 / 4) / (1 + 0.9), rtol=1e-4)
 
 
+def test_a_merge_of_one_of_two_expected_learners_is_half_a_round_with_work():
+    # H = 2; l1 and l2 are expected. l1's round of 2 steps merged alone holds half the round's work:
+    # "work" steps on Δ/2 as half an outer step (from zero momentum, a move of η·(Δ/2)·(1 + 0.5·μ)),
+    # "steps" on all of Δ as a whole one (η·Δ·(1 + μ)). A merge of both learners is the same in both.
+    async def merged(fraction: str, quorum: int) -> tuple[np.ndarray, np.ndarray]:
+        core = make_core(FakeClock(), outer_step_fraction=fraction, min_quorum=quorum, direction_check="off")
+        for lid in ("l1", "l2"):
+            join(core, lid)
+        n = core.plan.fragments[0].numel
+        before = core.slots[0].params.copy()
+        for lid, value in (("l1", 0.01), ("l2", 0.03))[:quorum]:
+            await upload(core, lid, 0, 0, np.full(n, value))
+        await settle()
+        assert core.slots[0].version == 1 and len(core.merges[-1].contributors) == quorum
+        return core.slots[0].params - before, core.slots[0].opt_state[0].copy()
+
+    (work_move, work_buf), (steps_move, steps_buf) = [asyncio.run(merged(f, 1)) for f in ("work", "steps")]
+    np.testing.assert_allclose(work_move / steps_move, 0.5 * (1 + 0.5 * 0.9) / (1 + 0.9), rtol=1e-4)
+    np.testing.assert_allclose(work_buf, steps_buf / 2, rtol=1e-5)
+    (work_move, work_buf), (steps_move, steps_buf) = [asyncio.run(merged(f, 2)) for f in ("work", "steps")]
+    np.testing.assert_array_equal(work_move, steps_move)
+    np.testing.assert_array_equal(work_buf, steps_buf)
+
+
 def test_an_unknown_outer_step_fraction_is_refused():
     with pytest.raises(ValueError, match="outer_step_fraction"):
         make_core(FakeClock(), outer_step_fraction="half")
