@@ -166,6 +166,7 @@ def _scenario(project: dc.ComposeProject, probes: dict[str, Probe], tmp_path: pa
     committed, outer_at_kill = before.last_checkpoint_outer_step, before.outer_steps
     t_kill = time.monotonic()
     project.compose("kill", "--signal", "SIGKILL", *REGIONS[leader], timeout=60)
+    kill_cmd_s = time.monotonic() - t_kill  # the timings below count from before this command
     kill_wall = time.time()
     new = wait_until(lambda: (s := probes[standby].state()).epoch > old_epoch and s,
                      timeout_s=FAILOVER_BOUND_S + 20, what=f"{standby} to lead")
@@ -177,6 +178,9 @@ def _scenario(project: dc.ComposeProject, probes: dict[str, Probe], tmp_path: pa
     restored = new.outer_steps - len(new.recent_merges)
     assert committed <= restored <= outer_at_kill, (committed, restored, outer_at_kill)
 
+    wait_until(lambda: probes[standby].state().recent_merges, timeout_s=60, what="a first merge by the new leader")
+    first_merge_s = time.monotonic() - t_kill
+
     def resumed():
         st = probes[standby].state()
         contributed = {c.learner_id for rec in st.recent_merges for c in rec.contributors}
@@ -186,8 +190,9 @@ def _scenario(project: dc.ComposeProject, probes: dict[str, Probe], tmp_path: pa
     resumed_s = time.monotonic() - t_kill
     _assert_versions_continue(st)
     record("2-failover", killed=",".join(REGIONS[leader]), leads_s=failover_s, epochs=f"{old_epoch}->{st.epoch}",
-           committed_before=committed, outer_at_kill=outer_at_kill, restored=restored,
-           lost_merges=outer_at_kill - restored, resumed_8_merges_both_regions_s=resumed_s)
+           kill_cmd_s=kill_cmd_s, committed_before=committed, outer_at_kill=outer_at_kill, restored=restored,
+           lost_merges=outer_at_kill - restored, first_merge_s=first_merge_s,
+           resumed_8_merges_both_regions_s=resumed_s)
 
     # ---- 3. invariants over the durable histories and the learners' step logs --------------------
     _check_histories(project, learners, tmp_path, epochs={old_epoch, st.epoch})
