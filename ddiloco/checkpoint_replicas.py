@@ -139,6 +139,7 @@ class ReplicatedCheckpointClient:
         self._repair_max_bytes = repair_max_bytes
         self._clock = clock
         self._down_until: dict[str, float] = {}
+        self._read_first = ""  # the store that served the committed manifest: reads try it first
         self._repair_task: asyncio.Task | None = None
         self._repair_now = asyncio.Event()
         self.last_repair: list[RepairReport] = []
@@ -161,8 +162,9 @@ class ReplicatedCheckpointClient:
             self._down_until[name] = self._clock() + self._down_backoff_s
 
     def _ordered(self) -> list[str]:
-        """Stores believed up first, then the others (a read still tries every store)."""
-        return sorted(self._stores, key=self._is_down)
+        """Stores believed up first, then the others (a read still tries every store); among those
+        up, the one that served the committed manifest first."""
+        return sorted(self._stores, key=lambda name: (self._is_down(name), name != self._read_first))
 
     async def _one(self, name: str, what: str, fn: Callable[[StoreClient], Awaitable[_T]],
                    timeout_s: float) -> _T:
@@ -290,18 +292,32 @@ class ReplicatedCheckpointClient:
         record = await asyncio.wait_for(pointer.latest(run_id), self._call_timeout_s)
         if record is None:
             return None
-        failures = []
-        for name in self._ordered():
-            try:
-                held = await self._one(name, f"ListManifests {run_id}", lambda c: c.list_manifests(run_id),
-                                       (timeout.total_seconds() if timeout else self._call_timeout_s))
-            except Exception as exc:
-                failures.append(f"{name}: {_describe(exc)}")
-                continue
-            for manifest in held:
-                if manifest.step == record.step:
-                    return manifest
-            failures.append(f"{name}: does not hold step {record.step}")
+        timeout_s = timeout.total_seconds() if timeout else self._call_timeout_s
+        # Every store at once; the first that holds the committed step wins, and later reads go to
+        # it first. Asked one after the other, a store whose host vanished with its region (no
+        # answer at all, not even a refusal) held a new leader's restore for a whole call timeout
+        # (10 s in the compose failover test) while its peer had the manifest.
+        tasks = {asyncio.ensure_future(self._one(name, f"ListManifests {run_id}",
+                                                 lambda c: c.list_manifests(run_id), timeout_s)): name
+                 for name in self._ordered()}
+        pending, failures = set(tasks), []
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    name = tasks[task]
+                    if task.exception() is not None:
+                        failures.append(f"{name}: {_describe(task.exception())}")
+                        continue
+                    for manifest in task.result():
+                        if manifest.step == record.step:
+                            self._read_first = name
+                            return manifest
+                    failures.append(f"{name}: does not hold step {record.step}")
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         raise QuorumError(f"run {run_id}: the commit pointer names step {record.step} (epoch {record.epoch}) "
                           f"but no store holds its manifest ({'; '.join(failures)})")
 
