@@ -259,19 +259,32 @@ class ReplicatedCheckpointClient:
         return step
 
     async def _read_quorum(self, what: str, fn: Callable[[StoreClient], Awaitable[_T]]) -> dict[str, _T]:
-        """Answers of at least read_quorum stores, polling the others for up to quorum_wait_s."""
+        """Answers of at least read_quorum stores, polling the others for up to quorum_wait_s.
+
+        Returns as soon as read_quorum stores have answered: a store whose host vanished with its
+        region (no answer at all, not even a refusal) held a new leader's restore for a whole call
+        timeout (10 s in the compose failover test) while a quorum had answered. The first store
+        to answer is read first afterwards (its blobs)."""
         deadline = self._clock() + self._quorum_wait_s
         answers: dict[str, _T] = {}
         while True:
             missing = [n for n in self._stores if n not in answers]
-            outcomes = await asyncio.gather(*(self._one(n, what, fn, self._call_timeout_s) for n in missing),
-                                            return_exceptions=True)
-            errors = {}
-            for name, outcome in zip(missing, outcomes):
-                if isinstance(outcome, BaseException):
-                    errors[name] = _describe(outcome)
-                else:
-                    answers[name] = outcome
+            tasks = {asyncio.ensure_future(self._one(n, what, fn, self._call_timeout_s)): n for n in missing}
+            pending, errors = set(tasks), {}
+            try:
+                while pending and len(answers) < self.read_quorum:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        if task.exception() is not None:
+                            errors[tasks[task]] = _describe(task.exception())
+                            continue
+                        if not answers:
+                            self._read_first = tasks[task]
+                        answers[tasks[task]] = task.result()
+            finally:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
             if len(answers) >= self.read_quorum or self._clock() >= deadline:
                 self._require(what, answers, errors, self.read_quorum)
                 return answers

@@ -210,6 +210,14 @@ def test_with_a_pointer_a_silent_store_does_not_hold_up_the_restore() -> None:
     assert manifest.step == 3 and data == b"params"
     assert time.monotonic() - started < 2.0
     assert stores["s0"].calls == 1  # asked once (the manifest), never for the blob
+    # The syncer's restore lists the manifests over a read quorum (1 of 2 under write quorum 2):
+    # the silent store must not hold that up either (it did, for the whole call timeout).
+    client = replicas.ReplicatedCheckpointClient(stores, write_quorum=2, call_timeout_s=60.0,
+                                                 blob_timeout_s=60.0, quorum_wait_s=0.0)
+    started = time.monotonic()
+    listed = asyncio.run(asyncio.wait_for(client.list_manifests("run"), 5.0))
+    assert [m.step for m in listed] == [3] and time.monotonic() - started < 2.0
+    assert asyncio.run(asyncio.wait_for(client.get_blob(digest), 5.0)) == b"params"
 
 
 def test_a_fenced_or_below_quorum_commit_does_not_move_the_pointer() -> None:
