@@ -215,13 +215,16 @@ def _copy_out(project: dc.ComposeProject, container: str, path: str, dest: pathl
 
 
 def _check_histories(project, learners: dict[str, list[str]], tmp_path: pathlib.Path, *, epochs: set[int]) -> None:
+    # Learners first: the new leader keeps running, and a syncer records an upload as accepted
+    # before it acknowledges it, so its history copied afterwards holds every upload acknowledged
+    # in the learners' copies (copied the other way round, the last few acks had no record yet).
+    learner_records = {s: _copy_out(project, ids[0], LEARNER_HISTORY, tmp_path / f"{s}.history.jsonl")
+                       for s, ids in learners.items()}
     syncer_records = []
     for service in REGIONS:
         [cid] = project.container_ids(service)
         syncer_records += _copy_out(project, cid, SYNCER_HISTORY, tmp_path / f"{service}.history.jsonl")
     syncer_records.sort(key=lambda r: r["t"])
-    learner_records = {s: _copy_out(project, ids[0], LEARNER_HISTORY, tmp_path / f"{s}.history.jsonl")
-                       for s, ids in learners.items()}
     assert syncer_records and all(learner_records.values()), "a service wrote no history"
     uploads = invariants.check_uploads(syncer_records, learner_records)
     versions = invariants.check_versions(syncer_records)
