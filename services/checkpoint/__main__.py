@@ -47,7 +47,8 @@ async def serve(cfg: config_lib.CheckpointConfig) -> int:
         gc_grace_s=cfg.gc_grace_s,
         failpoints=cfg.failpoints,
     )
-    servicer = servicer_lib.CheckpointStoreServicer(store, chunk_size_bytes=cfg.chunk_size_bytes)
+    servicer = servicer_lib.CheckpointStoreServicer(store, chunk_size_bytes=cfg.chunk_size_bytes,
+                                                    ledger_retain_merges=cfg.ledger_retain_merges)
     def add_servicer(server) -> None:
         checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(servicer, server)
 

@@ -58,6 +58,9 @@ class CheckpointConfig:
     # Unreferenced blobs younger than this survive GC, so the blobs of a checkpoint still being
     # uploaded (referenced by no manifest yet) are not collected under the writer's feet.
     gc_grace_s: float = 3600.0
+    # Merges per (run, fragment) whose retained contributions (ledger blobs) GC keeps; 0 keeps all.
+    # Older records stay in the ledger, their blobs go unless a checkpoint references them.
+    ledger_retain_merges: int = 64
     log_level: str = "INFO"
     # One JSON object per log line (for log shippers) instead of human-readable lines.
     json_logs: bool = False
@@ -100,6 +103,8 @@ class CheckpointConfig:
             )
         if self.gc_grace_s < 0:
             raise _invalid("gc_grace_s", self.gc_grace_s, "use 0 or more seconds")
+        if self.ledger_retain_merges < 0:
+            raise _invalid("ledger_retain_merges", self.ledger_retain_merges, "use 0 (keep all) or more merges")
         if self.grace_s < 0:
             raise _invalid("grace_s", self.grace_s, "use 0 or more seconds")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
@@ -145,6 +150,8 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> CheckpointC
     add("chunk_size_bytes", "bytes of blob data per streamed message", type=int)
     add("gc_grace_s", "seconds an unreferenced blob survives garbage collection (protects "
         "checkpoints still uploading)", type=float)
+    add("ledger_retain_merges", "merges per run and fragment whose retained contributions (merge ledger blobs) "
+        "garbage collection keeps; older records stay, their blobs are collected; 0: keep all", type=int)
     add("log_level", "DEBUG, INFO, WARNING or ERROR")
     # Booleans work as plain switches (`--json-logs`) and with a value (`--json-logs false`), as
     # in every service (flags.parse_dataclass).

@@ -14,7 +14,11 @@ A record's chain hash is the sha256 of its line (without the newline). Fields th
   epoch   the writing syncer's leader epoch (absent: 0); never older than the head's, so a deposed
           leader cannot extend the chain after a newer one did
   blobs   content digests of blobs the record references (retained contributions): they must be
-          held already, and garbage collection keeps them while the ledger lives
+          held already; garbage collection keeps those of the last `retain_merges` records of each
+          (run, fragment) (0: of every record), so older ones are collected unless a checkpoint
+          manifest or a kept record names them too. The records themselves stay (they are small);
+          `ddiloco audit replay` reports a merge whose blobs were collected as not retained
+  fragment  which fragment the record merged (groups records for the retention above)
 A line identical to one of the last `_RECENT` lines is a retry whose response was lost: a no-op.
 Each append is one write(2) of whole lines, then fsync; a torn last line (a crash mid-write) is
 cut off when the ledger is opened, so the file always holds whole records.
@@ -43,6 +47,9 @@ _LOG = logging.getLogger(__name__)
 GENESIS = "0" * 64
 _RECENT = 4096  # chain hashes remembered per run for idempotent retries (older ones cannot recur)
 READ_PAGE_RECORDS = 512  # records per ReadLedger message
+# Merges per (run, fragment) whose retained blobs garbage collection keeps: one fragment of disk
+# per contribution, so without a bound the store grows with every merge of the run.
+DEFAULT_RETAIN_MERGES = 64
 
 
 def line_hash(line: bytes) -> str:
@@ -57,7 +64,8 @@ class _Run:
     head: str = GENESIS
     epoch: int = 0
     recent: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)  # hash -> index
-    blobs: set = dataclasses.field(default_factory=set)
+    retain_merges: int = 0  # 0: the blobs of every record are kept
+    blobs: dict = dataclasses.field(default_factory=dict)  # fragment -> deque of its last records' blob tuples
 
     @property
     def length(self) -> int:
@@ -71,12 +79,20 @@ class _Run:
         self.offsets.append(offset)
         self.head = digest
         self.epoch = max(self.epoch, _epoch(record))
-        self.blobs.update(_blobs(record))
+        kept = self.blobs.get(_fragment(record))
+        if kept is None:
+            kept = self.blobs[_fragment(record)] = collections.deque(maxlen=self.retain_merges or None)
+        kept.append(tuple(_blobs(record)))
 
 
 def _epoch(record: dict) -> int:
     value = record.get("epoch", 0)
     return value if isinstance(value, int) and value >= 0 else 0
+
+
+def _fragment(record: dict) -> int | str | None:
+    value = record.get("fragment")
+    return value if isinstance(value, (int, str)) else None
 
 
 def _blobs(record: dict) -> list[str]:
@@ -98,9 +114,14 @@ def _parse(run_id: str, line: str) -> tuple[bytes, dict]:
 
 class LedgerStore:
     """Every run's ledger under `root/ledger`; thread-safe. `held(digests)` says which blobs the
-    store holds (BlobStore.stat: it also marks them fresh, so GC cannot race the append)."""
+    store holds (BlobStore.stat: it also marks them fresh, so GC cannot race the append);
+    `retain_merges` bounds the records per (run, fragment) whose blobs GC keeps (0: all)."""
 
-    def __init__(self, root: str | os.PathLike, held: Callable[[Iterable[str]], set[str]]) -> None:
+    def __init__(self, root: str | os.PathLike, held: Callable[[Iterable[str]], set[str]], *,
+                 retain_merges: int = DEFAULT_RETAIN_MERGES) -> None:
+        if retain_merges < 0:
+            raise ValueError(f"retain_merges={retain_merges}: use 0 (keep all) or more")
+        self._retain_merges = retain_merges
         self._dir = pathlib.Path(root) / "ledger"
         self._dir.parent.mkdir(parents=True, exist_ok=True)
         blob_io.ensure_dir(self._dir)
@@ -121,7 +142,7 @@ class LedgerStore:
             with open(path, "r+b") as f:
                 f.truncate(end)
                 os.fsync(f.fileno())
-        run = _Run(path=path, offsets=array.array("Q"), size_bytes=end)
+        run = _Run(path=path, offsets=array.array("Q"), size_bytes=end, retain_merges=self._retain_merges)
         offset = 0
         for line in data[:end].split(b"\n")[:-1]:
             try:
@@ -137,7 +158,7 @@ class LedgerStore:
         run = self._runs.get(store_lib.validate_run_id(run_id))
         if run is None:
             run = self._runs[run_id] = _Run(path=self._dir / f"{run_id}.jsonl", offsets=array.array("Q"),
-                                            size_bytes=0)
+                                            size_bytes=0, retain_merges=self._retain_merges)
         return run
 
     def append(self, run_id: str, lines: list[str]) -> tuple[int, str, int]:
@@ -229,6 +250,8 @@ class LedgerStore:
         return [(from_index + i, line.decode()) for i, line in enumerate(lines)]
 
     def referenced_blobs(self) -> set[str]:
-        """Every blob any ledger references (garbage collection keeps them)."""
+        """The blobs the last `retain_merges` records of each (run, fragment) reference (garbage
+        collection keeps them; it keeps what checkpoint manifests reference anyway)."""
         with self._lock:
-            return set().union(*(run.blobs for run in self._runs.values()))
+            return {digest for run in self._runs.values() for kept in run.blobs.values()
+                    for blobs in kept for digest in blobs}

@@ -56,13 +56,15 @@ async def _abort(
 
 class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
     """Serves one `BlobStore` and its merge ledgers (`ledger`: by default the ones under the
-    store's root); `chunk_size_bytes` sizes the GetBlob data messages."""
+    store's root, keeping the blobs of the last `ledger_retain_merges` records per (run, fragment));
+    `chunk_size_bytes` sizes the GetBlob data messages."""
 
     def __init__(self, store: store_lib.BlobStore, *, chunk_size_bytes: int,
-                 ledger: ledger_lib.LedgerStore | None = None) -> None:
+                 ledger: ledger_lib.LedgerStore | None = None,
+                 ledger_retain_merges: int = ledger_lib.DEFAULT_RETAIN_MERGES) -> None:
         self._store = store
         self._chunk_size_bytes = chunk_size_bytes
-        self._ledger = ledger or ledger_lib.LedgerStore(store.root, store.stat)
+        self._ledger = ledger or ledger_lib.LedgerStore(store.root, store.stat, retain_merges=ledger_retain_merges)
         store.extra_references = self._ledger.referenced_blobs  # retained contributions outlive GC
 
     async def PutBlob(self, request_iterator, context):
