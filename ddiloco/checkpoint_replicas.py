@@ -46,7 +46,9 @@ class QuorumError(Exception):
 
 
 class BlobUnavailable(Exception):
-    """No store could serve a verified copy of a blob."""
+    """No store could serve a verified copy of a blob (`not_found`: every store answered NOT_FOUND)."""
+
+    not_found = False
 
 
 class StoreClient(Protocol):
@@ -228,7 +230,9 @@ class ReplicatedCheckpointClient:
                 return await self._one(name, f"GetBlob {digest[:12]}", lambda c: c.get_blob(digest), timeout_s)
             except Exception as exc:
                 failures.append(f"{name}: {_describe(exc)}")
-        raise BlobUnavailable(f"blob {digest}: no store served a verified copy ({'; '.join(failures)})")
+        error = BlobUnavailable(f"blob {digest}: no store served a verified copy ({'; '.join(failures)})")
+        error.not_found = bool(failures) and all(": NOT_FOUND: " in f for f in failures)  # every store lacks it
+        raise error
 
     async def commit_manifest(
         self,

@@ -21,8 +21,10 @@ names the checkpoint (`restored_step`), which the replay loads again when the st
 Merges before the starting checkpoint are skipped; a merge that cannot be replayed (no retained
 contributions, a gap in the versions, a restart from a checkpoint no longer retained) is counted
 as unverifiable and ends that fragment's replay.
+A merge whose blobs the store no longer holds (NOT_FOUND: the store's retention,
+`--ledger-retain-merges`, collected them) is unverifiable too: its blobs were not retained.
 Exit status: 0 every replayed hash matches; 1 a mismatch, or a retained contribution that is
-missing or corrupt (the first one is printed with its merge); 2 a broken ledger chain, no ledger
+unreadable or corrupt (the first one is printed with its merge); 2 a broken ledger chain, no ledger
 or no checkpoint to start from.
 Must not: write to the store (it reads as a `reader` or `model-reader`: GetBlob needs the latter).
 """
@@ -57,6 +59,16 @@ _CALL_TIMEOUT = datetime.timedelta(seconds=30)
 
 class Mismatch(Exception):
     """A replayed merge that does not reproduce what the ledger says was published."""
+
+
+class _Pruned(Exception):
+    """A merge's retained blob the store no longer holds (its retention collected it)."""
+
+
+def _not_found(exc: BaseException) -> bool:
+    """The store answered NOT_FOUND (replicated stores: every one did; BlobUnavailable.not_found)."""
+    code = getattr(exc, "code", None)
+    return getattr(code(), "name", "") == "NOT_FOUND" if callable(code) else bool(getattr(exc, "not_found", False))
 
 
 # ------------------------------------------------------------------------------ the store
@@ -233,7 +245,12 @@ class Replay:
             outcome.unverifiable.append(f"{what}: {why}")
             frag.params = None
             return
-        params, opt_state = await self._merge(record, frag, what)
+        try:
+            params, opt_state = await self._merge(record, frag, what)
+        except _Pruned as pruned:  # a blob the store's retention collected: not a mismatch
+            outcome.unverifiable.append(f"{what}: {pruned.args[0]}")
+            frag.params = None
+            return
         digest = fragments_lib.fragment_sha256(params)
         expected = record.get("params_sha256")
         if digest != expected:
@@ -281,6 +298,9 @@ class Replay:
             try:
                 data = await self._client.get_blob(fold["blob"])
             except Exception as exc:
+                if _not_found(exc):
+                    raise _Pruned(f"its blobs were not retained (blob {fold['blob'][:16]}... of {c['learner']} "
+                                  "was pruned by the store's retention, --ledger-retain-merges)") from None
                 raise Mismatch(f"{what}: the retained contribution of {c['learner']} (blob {fold['blob'][:16]}...) "
                                f"cannot be read intact: {exc}") from None
             values = np.frombuffer(data, dtype="<f4").astype(np.float32)

@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 
+import grpc
 import numpy as np
 
 from ddiloco import checkpoint_client
@@ -286,5 +287,36 @@ def test_a_changed_claims_flag_names_its_merge(clock):
         store.rewrite(6, trusted)  # x's clipped claim, replayed as trusted: not capped, other bits
         _, changed = await audit_replay.replay(store, run_id, 0)
         assert f"fragment 0 version {records[6]['version']}" in changed.mismatch and changed.replayed == 6, changed
+
+    asyncio.run(run())
+
+
+def test_a_merge_whose_blob_the_store_pruned_is_unverifiable_not_a_mismatch(clock):
+    """The store's retention (--ledger-retain-merges) collects old merges' blobs: GetBlob answers
+    NOT_FOUND, and replay says the merge's blobs were not retained instead of failing."""
+
+    class NotFound(Exception):
+        def code(self):
+            return grpc.StatusCode.NOT_FOUND
+
+    async def run() -> None:
+        store, run_id = await _seeded_run(clock)
+        records = audit_lib.verify_lines([line.encode() for line in store.lines], from_genesis=True)
+        digest = records[0]["contributors"][0]["fold"]["blob"]
+        del store.blobs[digest]
+        held = store.get_blob
+
+        async def get_blob(d: str) -> bytes:
+            if d not in store.blobs:
+                raise NotFound(f"blob {d} not found")
+            return await held(d)
+
+        store.get_blob = get_blob
+        _, outcome = await audit_replay.replay(store, run_id, 0)
+        assert outcome.mismatch == ""
+        pruned = [u for u in outcome.unverifiable if "pruned by the store's retention" in u]
+        assert len(pruned) == 1 and f"fragment {records[0]['fragment']} version 1" in pruned[0]
+        assert "its blobs were not retained" in pruned[0]
+        assert outcome.replayed > 0  # the other fragment still replays
 
     asyncio.run(run())
