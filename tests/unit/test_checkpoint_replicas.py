@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import time
 
+import grpc
 import pytest
 
 from ddiloco import checkpoint_replicas as replicas
@@ -312,3 +313,35 @@ def test_a_store_that_refuses_a_commit_is_repaired_at_once() -> None:
             await client.close()
 
     asyncio.run(asyncio.wait_for(go(), 10))
+
+
+class _NotFound(Exception):
+    """What a store answers for a blob it does not hold (grpc.aio.AioRpcError's code and details)."""
+
+    def code(self):
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self) -> str:
+        return "no such blob"
+
+
+class PrunedStore(FakeStore):
+    """A store whose garbage collection removed blobs: GetBlob answers NOT_FOUND."""
+
+    async def get_blob(self, digest: str) -> bytes:
+        if digest not in self.blobs and not self.down:
+            raise _NotFound()
+        return await super().get_blob(digest)
+
+
+def test_a_blob_every_store_lacks_is_not_found_one_store_down_is_not() -> None:
+    """`ddiloco audit replay` tells a pruned blob (every store: NOT_FOUND) from an outage."""
+    stores = {"s0": PrunedStore(), "s1": PrunedStore()}
+    client = replicas.ReplicatedCheckpointClient(stores, quorum_wait_s=0.0)
+    with pytest.raises(replicas.BlobUnavailable) as pruned:
+        asyncio.run(client.get_blob("ab" * 32))
+    assert pruned.value.not_found
+    stores["s1"].down = True
+    with pytest.raises(replicas.BlobUnavailable) as unknown:
+        asyncio.run(client.get_blob("ab" * 32))
+    assert not unknown.value.not_found
