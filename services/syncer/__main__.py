@@ -230,6 +230,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     if cfg.merge_ledger:  # one hash-chained record per merge (ddiloco audit)
         core.influence.ledger = influence_lib.MergeLedger(cfg.merge_ledger, max_bytes=cfg.merge_ledger_max_bytes)
     store_ledger = await _start_store_ledger(cfg, core, client, leadership)
+    if store_ledger is not None:
+        metrics.watch_ledger(store_ledger)
     if history is not None:  # fault tests: what the invariant checkers read
         checkpointer.on_commit = history.checkpoint_committed
     initial_state = _initial_state(core)

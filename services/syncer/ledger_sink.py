@@ -83,14 +83,22 @@ class StoreLedger:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task | None = None
+        # Counters since this syncer started (services/syncer/metrics.py exports them).
         self.acknowledged = 0
+        self.record_bytes = 0  # bytes of the records the store acknowledged from an append of ours
         self.dropped = 0
         self.blobs_dropped = 0
+        self.blob_bytes_dropped = 0
         self.failures = 0
 
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the retained contributions still queued (bounded by `max_pending_bytes`)."""
+        return self._pending_bytes
 
     async def resume(self) -> None:
         """Reads the store's head (under the call deadline); queued records it already holds are
@@ -119,6 +127,7 @@ class StoreLedger:
         if blobs and self._pending_bytes + size > self._max_pending_bytes:
             # The record still names each contribution's hash; only the bytes for replay are lost.
             self.blobs_dropped += len(blobs)
+            self.blob_bytes_dropped += size
             for c in record.get("contributors", ()):
                 if "blob" in (c.get("fold") or {}):
                     c["fold"]["blob_dropped"] = c["fold"].pop("blob")
@@ -189,6 +198,7 @@ class StoreLedger:
             "AppendLedger", lambda: self._client.append_ledger(self.run_id, lines), self._call_timeout_s)
         for _ in batch:
             self._pop()
+        self.record_bytes += sum(len(line) for line in lines)  # json.dumps escapes to ASCII: chars are bytes
         self._head, self.length = head, length
 
     async def drain(self, timeout_s: float) -> bool:

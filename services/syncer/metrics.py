@@ -1,7 +1,8 @@
 """The syncer's Prometheus metrics.
 
-Two sources: a collector that reads SyncerCore's state at scrape time (versions, members,
-counters; nothing to keep in sync), and an observer that records per-event distributions
+Two sources: collectors that read SyncerCore's state at scrape time (versions, members,
+counters; nothing to keep in sync) and, when one is configured, the checkpoint store's merge
+ledger sink (services/syncer/ledger_sink.py), and an observer that records per-event distributions
 (quorum size, grace used vs window, staleness, compression ratio, rejoin times) and the bytes of
 each fragment transfer by the codec it used, as they happen.
 
@@ -43,6 +44,7 @@ class SyncerMetrics:
 
     def __init__(self, core, registry: prometheus_client.CollectorRegistry) -> None:
         self._core = core
+        self._registry = registry
         buckets = metrics_lib.SECONDS_BUCKETS
         self.merges = prometheus_client.Counter(
             "ddiloco_syncer_merges", "Merges (outer steps) by fragment", ["fragment"], registry=registry)
@@ -100,6 +102,10 @@ class SyncerMetrics:
         registry.register(_StateCollector(core, asyncio.get_running_loop()))
         core.observers.append(self)
 
+    def watch_ledger(self, ledger) -> None:
+        """Exports the counters of `ledger` (a ledger_sink.StoreLedger); called once it is configured."""
+        self._registry.register(_LedgerCollector(ledger, asyncio.get_running_loop()))
+
     # Observer interface (called by SyncerCore on its event loop).
     def merged(self, record: syncer_pb2.MergeRecord) -> None:
         self.merges.labels(fragment=str(record.fragment_id)).inc()
@@ -156,6 +162,44 @@ class _StateCollector:
         yield from _timing_families(state)
         yield from _learner_families(state)
         yield from _outcome_families(state)
+
+
+class _LedgerCollector:
+    """Reads the merge ledger sink's counters at scrape time, on the event loop that ships the
+    records (as _StateCollector reads the core), bounded by a timeout."""
+
+    def __init__(self, ledger, loop: asyncio.AbstractEventLoop) -> None:
+        self._ledger = ledger
+        self._loop = loop
+
+    def collect(self):
+        async def snapshot():
+            s = self._ledger
+            return (s.acknowledged, s.record_bytes, s.dropped, s.blobs_dropped, s.blob_bytes_dropped, s.failures,
+                    s.pending, s.pending_bytes)
+
+        (records, record_bytes, dropped, blobs_dropped, blob_bytes_dropped, failures, pending,
+         pending_bytes) = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=5.0)
+        yield CounterMetricFamily("ddiloco_syncer_ledger_records",
+                                  "Merge records the checkpoint store's ledger acknowledged", value=records)
+        yield CounterMetricFamily("ddiloco_syncer_ledger_record_bytes",
+                                  "Bytes of the merge records appended to the checkpoint store's ledger",
+                                  value=record_bytes)
+        yield CounterMetricFamily("ddiloco_syncer_ledger_records_dropped",
+                                  "Merge records dropped unsent: the ledger queue was full", value=dropped)
+        yield CounterMetricFamily(
+            "ddiloco_syncer_ledger_blobs_dropped",
+            "Retained contributions not kept for replay (only their hashes recorded): past the queue's byte bound",
+            value=blobs_dropped)
+        yield CounterMetricFamily("ddiloco_syncer_ledger_blob_bytes_dropped",
+                                  "Bytes of the retained contributions not kept for replay", value=blob_bytes_dropped)
+        yield CounterMetricFamily(
+            "ddiloco_syncer_ledger_write_failures",
+            "Ledger shipping attempts that failed after their retries (the records stay queued)", value=failures)
+        yield GaugeMetricFamily("ddiloco_syncer_ledger_pending_records",
+                                "Merge records queued for the checkpoint store's ledger", value=pending)
+        yield GaugeMetricFamily("ddiloco_syncer_ledger_pending_blob_bytes",
+                                "Bytes of the retained contributions queued with them", value=pending_bytes)
 
 
 def _progress_families(state: syncer_pb2.TrainingState):
