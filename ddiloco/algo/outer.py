@@ -68,9 +68,9 @@ class _SGDTransformation(optax.GradientTransformation):
     hyperparameters: tuple[float, float, bool]
 
 
-# How much of a whole outer step a merge takes (merge_share): "steps" (the syncer's default), "work"
-# (opt-in: not yet measured end to end), "whole".
-OUTER_STEP_FRACTIONS = ("steps", "work", "whole")
+# How much of a whole outer step a merge takes (merge_share): "work" (the syncer's default), "steps"
+# (the default until the `ddiloco up` divergence in docs/internals.md), "whole".
+OUTER_STEP_FRACTIONS = ("work", "steps", "whole")
 
 
 class MergeShare(NamedTuple):

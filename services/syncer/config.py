@@ -68,21 +68,22 @@ class SyncerConfig:
     embedding_merge_rule: str = "mean"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    # steps (the default): a merge is the fraction s = (token-weighted mean inner steps) / H of a
-    # Nesterov step (ddiloco.algo.outer.merge_share), on the whole merged delta whatever the
-    # learners: a short round (the first staggered rounds, the end of training) adds no whole
-    # momentum push (bench quality: -3.8 % held-out loss at seed 0), and many rounds' work at once
-    # (learners back from a cut-off) feeds the momentum one round's rate (the chaos soak diverged
-    # without it, bench/results/rounds.md).
-    # work (opt-in): s x q on the delta x q, q = contributors / expected learners: learners a round
-    # expected but did not get count as zero pseudo-gradients, so lone merges of desynchronised
-    # learners add up to one step per round of work. With steps, a whole step per lone merge feeds
-    # the syncer's own moves back through re-anchored stale contributions, a loop that diverges in
-    # pure loop tests (tests/unit/test_partial_merges.py) and is suspected, not shown, in a loaded
-    # quick bench quality run. A merge of every expected learner is the same as with steps. Not
-    # yet measured for quality or goodput in full runs (bench quality's outer-work ablation).
+    # work (the default): a merge is the fraction s x q of a Nesterov step on the merged delta x q
+    # (ddiloco.algo.outer.merge_share), s = (token-weighted mean inner steps) / H and q =
+    # contributors / expected learners: learners a round expected but did not get count as zero
+    # pseudo-gradients, so lone merges of desynchronised learners add up to one step per round of
+    # work. A merge of every expected learner is the same as with steps.
+    # steps: s of a step on the whole delta whatever the learners (a short round adds no whole
+    # momentum push; many rounds' work at once feeds the momentum one round's rate). Each lone
+    # merge then takes a whole round's step, and a stale contribution re-anchored by the syncer's
+    # own last move sends that move back amplified: the loop diverges in pure loop tests
+    # (tests/unit/test_partial_merges.py), and `ddiloco up` with 2 unpaced learners on a loaded
+    # machine failed to lower its held-out loss by 0.5 in 3 of 10 runs (0 of 4 with work;
+    # docs/internals.md). steps was the default of the goodput (c2b77ea) and quality (811d19a)
+    # invocations in bench/results; work is not yet measured there (bench quality's outer-steps
+    # ablation runs the other).
     # whole: every merge is one step; the baselines always use it.
-    outer_step_fraction: str = "steps"
+    outer_step_fraction: str = "work"
     # The data-parallel baseline's optimizer (AdamW on the syncer, ddiloco.algo.inner); the
     # defaults are the learners' inner defaults.
     dp_learning_rate: float = 2e-3
@@ -375,12 +376,12 @@ _HELPS = {
     "embedding_merge_rule": "merge of embedding tensors: mean, rda or equal_mean; diloco mode forces equal_mean",
     "outer_lr": "outer Nesterov SGD learning rate",
     "outer_momentum": "outer Nesterov SGD momentum",
-    "outer_step_fraction": "steps (default): a merge is s = (token-weighted mean inner steps) / H of an outer "
-                           "step on the whole merged delta (below 1 the momentum decays by mu^s and is carried s "
-                           "times; above 1 it takes delta/s); work (opt-in, not yet measured in full runs): s x q "
-                           "on the delta x q, q = contributors / expected learners (absent learners count as zero "
-                           "pseudo-gradients: lone merges add up to one step per round); whole: every merge is "
-                           "one outer step (the diloco and dp baselines always)",
+    "outer_step_fraction": "work (default): a merge is s x q of an outer step on the merged delta x q, s = "
+                           "(token-weighted mean inner steps) / H, q = contributors / expected learners (absent "
+                           "learners count as zero pseudo-gradients: lone merges add up to one step per round; "
+                           "below 1 the momentum decays by mu^s and is carried s times, above 1 it takes delta/s); "
+                           "steps: s of a step on the whole merged delta, whatever the learners; whole: every merge "
+                           "is one outer step (the diloco and dp baselines always)",
     "token_budget": "end the run once the learners processed this many tokens, all learners and lives together "
                     "(0: no budget, each learner runs its --steps); learners hear it in their progress reports, "
                     "contribute their remaining work and leave",

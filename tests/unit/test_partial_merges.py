@@ -1,11 +1,11 @@
 """Partial merges and the outer step (ddiloco.algo.outer.merge_share), pure: merge, re-anchoring,
 rebase and Nesterov steps on flat vectors, no syncer.
 
-With "steps" (the syncer's default) a merge that holds 1 of M expected learners moves the global
-fragment by a whole round's delta with a whole momentum push: with learners out of step (a loaded
+With "steps" (the syncer's default until 2026-11-26) a merge that holds 1 of M expected learners
+moves the global fragment by a whole round's delta with a whole momentum push: with learners out of step (a loaded
 machine, no grace window) the syncer takes M full steps per round of work and feeds its own moves
 back through the re-anchoring of stale contributions, a loop that diverges in these loops. "work"
-(opt-in) counts the absent learners as zero pseudo-gradients. These are pure loops; neither mode's
+(now the default) counts the absent learners as zero pseudo-gradients. These are pure loops; neither mode's
 effect on a full run's quality or goodput is shown here.
 """
 
