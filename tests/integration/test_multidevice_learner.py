@@ -146,6 +146,8 @@ def test_big_and_small_units_merge_in_proportion_to_tokens(cluster):
         assert influence[learner_id].share_capped <= 3 * len(state.fragments) + influence[learner_id].clipped, influence
     assert influence["learner-0"].max_share > 0.5 and capped < both, (influence, capped, both)
     # Nothing was refused or capped as hostile (default norm bound, weight cap, direction check); the
-    # median-of-norms clip (--norm-clip-factor 4) leaves all but a few contributions whole.
-    others = {k: v for k, v in state.uploads.items() if k not in ("accepted", "duplicate", "clipped_norm") and v}
+    # median-of-norms clip (--norm-clip-factor 4) leaves all but a few contributions whole. "slowed"
+    # counts accepted uploads answered with a back-pressure hint (a loaded machine), not a refusal.
+    others = {k: v for k, v in state.uploads.items()
+              if k not in ("accepted", "duplicate", "clipped_norm", "slowed") and v}
     assert not others and state.uploads.get("clipped_norm", 0) <= 0.05 * state.uploads["accepted"], state.uploads
