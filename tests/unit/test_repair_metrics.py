@@ -11,6 +11,8 @@ import asyncio
 import prometheus_client
 
 from ddiloco import checkpoint_replicas as replicas
+from services.syncer import __main__ as syncer_main
+from services.syncer import config as config_lib
 from services.syncer import metrics as syncer_metrics
 from tests.fakes import make_core
 from tests.unit.test_checkpoint_replicas import FakeStore
@@ -78,5 +80,30 @@ def test_the_repair_counters_are_exported_and_move(clock):
         finally:
             await client.close()
         assert (await _scrape(registry))["passes_failed_total"] >= 1
+
+    asyncio.run(run())
+
+
+def test_the_syncer_repairs_and_exports_only_with_two_or_more_stores(clock):
+    """services/syncer/__main__._start_repair, called at start without election and by the elected
+    leader with it (before, an elected leader never started background repair)."""
+    async def run():
+        cfg = config_lib.SyncerConfig(insecure=True, checkpoint_repair_interval_s=0.01)
+        for names, repairs in ((("s0",), False), (("s0", "s1"), True)):
+            registry = prometheus_client.CollectorRegistry()
+            metrics = syncer_metrics.SyncerMetrics(make_core(clock), registry)
+            client = replicas.ReplicatedCheckpointClient({n: FakeStore() for n in names}, write_quorum=1)
+            syncer_main._start_repair(cfg, client, metrics)
+            try:
+                if repairs:
+                    await wait_until_async(lambda c=client: c.repair_totals.passes >= 1, timeout_s=10.0,
+                                           what="a background repair pass")
+                    assert (await _scrape(registry))["passes_total"] >= 1
+                else:
+                    await asyncio.sleep(0.05)
+                    assert client.repair_totals.passes == 0
+                    assert (await _scrape(registry))["passes_total"] is None
+            finally:
+                await client.close()
 
     asyncio.run(run())
