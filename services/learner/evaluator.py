@@ -97,6 +97,8 @@ class GlobalModelWatcher:
                 _LOG.info(f"watch stream ended ({exc}); reconnecting to {self._link.current or 'the next syncer'}")
                 if exc.retry_now:
                     continue
+            except Exception as exc:  # noqa: BLE001 - a bad message: reconnect with a pause, as before
+                _LOG.info(f"watch stream ended ({exc.__class__.__name__}); reconnecting")
             await asyncio.sleep(pause_s)
 
 
