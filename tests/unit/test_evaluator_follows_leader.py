@@ -134,12 +134,14 @@ async def _no_leader() -> None:
     try:
         started = time.monotonic()
         try:
-            await link.call("ReportEval", syncer_pb2.ReportEvalRequest(), deadline_s=started + 0.5)
+            await link.call("ReportEval", syncer_pb2.ReportEvalRequest(), deadline_s=started + 1.0)
         except TimeoutError as exc:
-            assert "ReportEval" in str(exc) and "UNAVAILABLE" in str(exc)
+            # The last attempt's own timeout is cut to what is left, so under load it may end as
+            # DEADLINE_EXCEEDED rather than the standby's UNAVAILABLE.
+            assert "ReportEval" in str(exc) and fake.address in str(exc)
         else:
             raise AssertionError("a standby with no leader answered ReportEval")
-        assert time.monotonic() - started < 5.0  # the caller's deadline bounds the retries
+        assert time.monotonic() - started < 6.0  # the caller's deadline bounds the retries
     finally:
         await link.close()
         await server.stop(None)
