@@ -97,6 +97,31 @@ class RepairReport:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass
+class RepairTotals:
+    """Every repair pass of one client, summed (the syncer exports these as metrics)."""
+
+    passes: int = 0  # passes that reported (a store's errors included)
+    passes_failed: int = 0  # background passes that raised before reporting
+    last_pass_unix_s: float = 0.0  # when the last pass ended (0: none yet)
+    last_pass_duration_s: float = 0.0
+    blobs_copied: dict[str, int] = dataclasses.field(default_factory=dict)  # per store
+    bytes_copied: dict[str, int] = dataclasses.field(default_factory=dict)
+    manifests_restored: dict[str, int] = dataclasses.field(default_factory=dict)
+    failures: dict[str, int] = dataclasses.field(default_factory=dict)  # passes that left a store with errors
+    incomplete: dict[str, int] = dataclasses.field(default_factory=dict)  # passes that left a store behind
+
+    def add(self, reports: Sequence[RepairReport], duration_s: float) -> None:
+        self.passes += 1
+        self.last_pass_unix_s = time.time()
+        self.last_pass_duration_s = duration_s
+        for r in reports:
+            for counts, value in ((self.blobs_copied, r.blobs_copied), (self.bytes_copied, r.bytes_copied),
+                                  (self.manifests_restored, len(r.manifests_restored)),
+                                  (self.failures, int(bool(r.errors))), (self.incomplete, int(not r.complete))):
+                counts[r.store] = counts.get(r.store, 0) + value
+
+
 def default_write_quorum(num_stores: int) -> int:
     """2 when there are 2 or more stores (a checkpoint survives losing any one), else 1."""
     return 2 if num_stores >= 2 else 1
@@ -145,6 +170,7 @@ class ReplicatedCheckpointClient:
         self._repair_task: asyncio.Task | None = None
         self._repair_now = asyncio.Event()
         self.last_repair: list[RepairReport] = []
+        self.repair_totals = RepairTotals()
 
     @property
     def store_names(self) -> list[str]:
@@ -399,6 +425,7 @@ class ReplicatedCheckpointClient:
         answer is reported, not fatal. Probes every store, so a store back up is used again.
         """
         runs = list(run_ids)
+        started_s = self._clock()
         held: dict[str, dict[str, list[Manifest]]] = {run: {} for run in runs}
         unreachable: dict[str, str] = {}
         for run in runs:
@@ -416,6 +443,7 @@ class ReplicatedCheckpointClient:
                 await self._repair_store(name, runs, held, report, max_bytes)
             reports.append(report)
         self.last_repair = reports
+        self.repair_totals.add(reports, self._clock() - started_s)
         return reports
 
     async def _repair_store(self, name: str, runs: Sequence[str], held: Mapping[str, Mapping[str, list[Manifest]]],
@@ -470,6 +498,7 @@ class ReplicatedCheckpointClient:
                         if report.blobs_copied or report.manifests_restored or report.errors:
                             _LOG.info("checkpoint repair: %s", report.summary())
                 except Exception as exc:  # never let one failed pass end the loop
+                    self.repair_totals.passes_failed += 1
                     _LOG.warning("checkpoint repair pass failed: %r", exc)
 
         self._repair_task = asyncio.get_running_loop().create_task(loop(), name="checkpoint-repair")

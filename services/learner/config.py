@@ -328,7 +328,7 @@ _HELP = {
     "interval_s": "seconds between evaluations",
     "once": "evaluate once, print a JSON line and exit",
     "eval_batches": "held-out batches per evaluation",
-    "timeout_s": "bound on waiting for the syncer and the global parameters",
+    "timeout_s": "bound on waiting for the syncer and the global parameters, and on each report (every syncer tried)",
 }
 
 

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+import grpc
 import jax
 import numpy as np
 
@@ -23,11 +24,12 @@ from ddiloco import logs, models
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.data import corpus
 from ddiloco.data import sources as data_sources
-from ddiloco.rpc import channel as channel_lib
+from ddiloco.learner import targets as targets_lib
 from ddiloco.rpc import security as security_lib
-from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 from . import config as config_lib
+from . import leader_link
 from . import train as train_lib
 
 _LOG = logging.getLogger("ddiloco.evaluator")
@@ -38,10 +40,10 @@ class DataError(ValueError):
 
 
 class GlobalModelWatcher:
-    """Keeps the newest version of every global fragment, from a WatchFragments stream."""
+    """Keeps the newest version of every global fragment, from WatchFragments streams on the leader."""
 
-    def __init__(self, stub: syncer_pb2_grpc.SyncerStub, num_fragments: int) -> None:
-        self._stub = stub
+    def __init__(self, link: leader_link.LeaderLink, num_fragments: int) -> None:
+        self._link = link
         self.values: dict[int, np.ndarray] = {}
         self.versions: dict[int, int] = {}
         self.instance = ""
@@ -49,12 +51,23 @@ class GlobalModelWatcher:
         self.complete = asyncio.Event()
 
     async def run(self, stream_timeout_s: float) -> None:
-        """Consumes one watch stream until it ends or reaches its deadline."""
+        """Consumes one watch stream until it ends or reaches its deadline; after a failure the next
+        stream goes to the syncer the failure points at (leader_link)."""
+        generation = await self._link.ensure()
         held = serde.versions_to_proto(self.versions)
-        call = self._stub.WatchFragments(
-            syncer_pb2.WatchFragmentsRequest(protocol_version=serde.PROTOCOL_VERSION, syncer_instance=self.instance, held=held),
-            timeout=stream_timeout_s,
-        )
+        try:
+            call = self._link.stub.WatchFragments(
+                syncer_pb2.WatchFragmentsRequest(protocol_version=serde.PROTOCOL_VERSION, syncer_instance=self.instance,
+                                                 held=held),
+                timeout=stream_timeout_s,
+            )
+            await self._consume(call, generation)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                retry_now = await self._link.failed(exc, generation)
+                raise StreamEnded(exc.code().name, retry_now) from None
+
+    async def _consume(self, call, generation: int) -> None:
         header, assembler = None, None
         async for msg in call:
             if msg.WhichOneof("kind") == "header":
@@ -63,25 +76,66 @@ class GlobalModelWatcher:
                 continue
             assembler.add(msg.chunk)
             if assembler.done:
+                if not self._link.check_epoch(header.epoch):  # a deposed leader's version: find the new one
+                    cause = targets_lib.NotLeader(f"fragment {header.fragment_id} of epoch {header.epoch}, older "
+                                                  f"than {self._link.epoch}")
+                    raise StreamEnded(str(cause), await self._link.failed(cause, generation))
+                self._link.joined()
                 self.values[header.fragment_id] = serde.decode_payload(header.payload, assembler.payload())
                 self.versions[header.fragment_id] = header.version
                 self.instance = header.syncer_instance
                 if len(self.values) == self._num:
                     self.complete.set()
 
+    async def keep_watching(self, stop: asyncio.Event, *, stream_timeout_s: float = 600.0,
+                            pause_s: float = 1.0) -> None:
+        """Watch streams one after the other until `stop`, pausing after a failure not redirected."""
+        while not stop.is_set():
+            try:
+                await self.run(stream_timeout_s=stream_timeout_s)
+            except StreamEnded as exc:
+                _LOG.info(f"watch stream ended ({exc}); reconnecting to {self._link.current or 'the next syncer'}")
+                if exc.retry_now:
+                    continue
+            except Exception as exc:  # noqa: BLE001 - a bad message: reconnect with a pause, as before
+                _LOG.info(f"watch stream ended ({exc.__class__.__name__}); reconnecting")
+            await asyncio.sleep(pause_s)
+
+
+class StreamEnded(Exception):
+    """A watch stream failed; `retry_now` when the next one may start at once (a named leader)."""
+
+    def __init__(self, message: str, retry_now: bool) -> None:
+        super().__init__(message)
+        self.retry_now = retry_now
+
+
+async def fetch_state(link: leader_link.LeaderLink, deadline_s: float) -> syncer_pb2.TrainingState:
+    """The leader's training state, or TimeoutError once `deadline_s` (time.monotonic()) passed."""
+    return (await link.call("GetTrainingState", syncer_pb2.GetTrainingStateRequest(), deadline_s=deadline_s)).state
+
+
+async def report(link: leader_link.LeaderLink, cfg: config_lib.EvaluatorConfig, versions: dict[int, int],
+                 loss: float, heldout_tokens: int) -> dict:
+    """Reports one evaluation to the leader (within cfg.timeout_s over every syncer tried); the result."""
+    deadline_s = time.monotonic() + cfg.timeout_s
+    st = await fetch_state(link, deadline_s)
+    await link.call("ReportEval", syncer_pb2.ReportEvalRequest(
+        protocol_version=serde.PROTOCOL_VERSION, evaluator_id=cfg.evaluator_id,
+        evaluated=serde.versions_to_proto(versions), heldout_loss=float(loss),
+        tokens_merged=st.tokens_merged, heldout_tokens=heldout_tokens,
+    ), deadline_s=deadline_s)
+    return {"heldout_loss": float(loss), "versions": versions, "tokens_merged": st.tokens_merged}
+
 
 async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) -> dict | None:
-    channel = channel_lib.aio_channel(cfg.syncer, cfg.client_security())
-    stub = syncer_pb2_grpc.SyncerStub(channel)
+    link = leader_link.LeaderLink(cfg.syncer, cfg.client_security(), call_timeout_s=cfg.call_timeout_s)
     deadline = time.monotonic() + cfg.timeout_s
-    state = None
-    while state is None:
-        try:
-            state = (await stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(), timeout=cfg.call_timeout_s)).state
-        except Exception as exc:  # noqa: BLE001 - keep trying until the bound
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"syncer {cfg.syncer} unreachable for {cfg.timeout_s:.0f} s: {exc}") from None
-            await asyncio.sleep(0.5)
+    try:
+        state = await fetch_state(link, deadline)
+    except TimeoutError as exc:
+        await link.close()
+        raise TimeoutError(f"syncer {cfg.syncer} unreachable for {cfg.timeout_s:.0f} s: {exc}") from None
     run_config = state.config
     model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
@@ -90,22 +144,13 @@ async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) ->
         data_sources.check_vocabulary(split, model.vocab_size)
         batches = corpus.heldout_batches(split.heldout, cfg.batch_size, model.seq_len, cfg.eval_batches)
     except (ValueError, OSError) as exc:
-        await channel.close()
+        await link.close()
         raise DataError(f"data {cfg.data_spec().describe()}: {exc}") from None
     _LOG.info(f"data {split.source}: {split.heldout_summary()}")
     eval_fn = train_lib.make_eval_fn(model)
     template = model.init(jax.random.PRNGKey(0))
-    watcher = GlobalModelWatcher(stub, plan.num_fragments)
-
-    async def keep_watching() -> None:
-        while not stop.is_set():
-            try:
-                await watcher.run(stream_timeout_s=600.0)
-            except Exception as exc:  # noqa: BLE001 - reconnect with a pause
-                _LOG.info(f"watch stream ended ({exc.__class__.__name__}); reconnecting")
-            await asyncio.sleep(1.0)
-
-    watch_task = asyncio.create_task(keep_watching())
+    watcher = GlobalModelWatcher(link, plan.num_fragments)
+    watch_task = asyncio.create_task(watcher.keep_watching(stop))
     result = None
     try:
         await asyncio.wait_for(watcher.complete.wait(), timeout=max(1.0, deadline - time.monotonic()))
@@ -118,17 +163,7 @@ async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) ->
             if missing:
                 raise ValueError(f"global parameters lack tensors {sorted(missing)}")
             loss = await asyncio.to_thread(eval_fn, params, batches)
-            st = (await stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(), timeout=cfg.call_timeout_s)).state
-            await stub.ReportEval(
-                syncer_pb2.ReportEvalRequest(
-                    protocol_version=serde.PROTOCOL_VERSION, evaluator_id=cfg.evaluator_id,
-                    evaluated=serde.versions_to_proto(versions), heldout_loss=float(loss),
-                    tokens_merged=st.tokens_merged,
-                    heldout_tokens=cfg.eval_batches * cfg.batch_size * model.seq_len,
-                ),
-                timeout=cfg.call_timeout_s,
-            )
-            result = {"heldout_loss": float(loss), "versions": versions, "tokens_merged": st.tokens_merged}
+            result = await report(link, cfg, versions, float(loss), cfg.eval_batches * cfg.batch_size * model.seq_len)
             _LOG.info("evaluated", extra={"fields": {"heldout_loss": round(float(loss), 4), "outer_steps": sum(versions.values())}})
             if cfg.once:
                 return result
@@ -139,7 +174,7 @@ async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) ->
                 pass
     finally:
         watch_task.cancel()
-        await channel.close()
+        await link.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -319,9 +319,15 @@ async def _restore_at_start(cfg: config_lib.SyncerConfig, core: core_lib.SyncerC
     if state is not None:
         core.restore(state)
         metrics.restore_seconds.set(time.monotonic() - restore_started)
-    if isinstance(client, replicas_lib.ReplicatedCheckpointClient):
-        client.start_repair([cfg.run_id], interval_s=cfg.checkpoint_repair_interval_s)
+    _start_repair(cfg, client, metrics)
     return None
+
+
+def _start_repair(cfg: config_lib.SyncerConfig, client, metrics: syncer_metrics.SyncerMetrics) -> None:
+    """Replicated stores: background repair passes and their metrics (by the leader only, with election)."""
+    if isinstance(client, replicas_lib.ReplicatedCheckpointClient) and len(client.store_names) > 1:
+        client.start_repair([cfg.run_id], interval_s=cfg.checkpoint_repair_interval_s)
+        metrics.watch_repair(client)
 
 
 def _initial_state(core: core_lib.SyncerCore) -> dict:
@@ -463,6 +469,7 @@ async def _lead(cfg, leadership, handle, core, client, servicer, checkpointer, m
             checkpointer.on_commit = leadership.history.checkpoint_committed
         servicer.epoch = leadership.election.epoch
         servicer.leader_address = address
+        _start_repair(cfg, client, metrics)
         checkpointer.on_written = lambda step: leadership.commit(pointer, cfg.run_id, step)
         await handle.health.set(syncer_service, health_pb2.HealthCheckResponse.SERVING)
         _LOG.info("elected: serving learners", extra={"fields": {

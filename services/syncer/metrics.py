@@ -2,7 +2,8 @@
 
 Two sources: collectors that read SyncerCore's state at scrape time (versions, members,
 counters; nothing to keep in sync) and, when one is configured, the checkpoint store's merge
-ledger sink (services/syncer/ledger_sink.py), and an observer that records per-event distributions
+ledger sink (services/syncer/ledger_sink.py) and the replicated stores' repair passes
+(ddiloco.checkpoint_replicas.RepairTotals), and an observer that records per-event distributions
 (quorum size, grace used vs window, staleness, compression ratio, rejoin times) and the bytes of
 each fragment transfer by the codec it used, as they happen.
 
@@ -100,11 +101,20 @@ class SyncerMetrics:
             for limit in ("total", "per_identity"):
                 self.watch_refusals.labels(rpc=rpc, limit=limit)  # exported at 0 from the start
         registry.register(_StateCollector(core, asyncio.get_running_loop()))
+        self._repair_watched = False
         core.observers.append(self)
 
     def watch_ledger(self, ledger) -> None:
         """Exports the counters of `ledger` (a ledger_sink.StoreLedger); called once it is configured."""
         self._registry.register(_LedgerCollector(ledger, asyncio.get_running_loop()))
+
+    def watch_repair(self, client) -> None:
+        """Exports the repair passes of `client` (a ReplicatedCheckpointClient); called once, when
+        it starts repairing (again: ignored)."""
+        if self._repair_watched:
+            return
+        self._repair_watched = True
+        self._registry.register(_RepairCollector(client, asyncio.get_running_loop()))
 
     # Observer interface (called by SyncerCore on its event loop).
     def merged(self, record: syncer_pb2.MergeRecord) -> None:
@@ -200,6 +210,46 @@ class _LedgerCollector:
                                 "Merge records queued for the checkpoint store's ledger", value=pending)
         yield GaugeMetricFamily("ddiloco_syncer_ledger_pending_blob_bytes",
                                 "Bytes of the retained contributions queued with them", value=pending_bytes)
+
+
+class _RepairCollector:
+    """Reads the replicated stores' repair totals at scrape time, on the event loop that repairs."""
+
+    _PER_STORE = (
+        ("blobs_copied", "Blobs a repair pass copied to this store from its peers"),
+        ("bytes_copied", "Bytes of the blobs a repair pass copied to this store"),
+        ("manifests_restored", "Checkpoint manifests a repair pass restored on this store"),
+        ("failures", "Repair passes that left this store with an error (unreachable, a failed copy)"),
+        ("incomplete", "Repair passes that left this store behind (an error, or the pass's byte bound)"),
+    )
+
+    def __init__(self, client, loop: asyncio.AbstractEventLoop) -> None:
+        self._client = client
+        self._loop = loop
+
+    def collect(self):
+        async def snapshot():
+            t = self._client.repair_totals
+            per_store = {name: {store: getattr(t, name).get(store, 0) for store in self._client.store_names}
+                         for name, _ in self._PER_STORE}
+            return t.passes, t.passes_failed, t.last_pass_unix_s, t.last_pass_duration_s, per_store
+
+        passes, failed, last_unix_s, last_duration_s, per_store = asyncio.run_coroutine_threadsafe(
+            snapshot(), self._loop).result(timeout=5.0)
+        yield CounterMetricFamily("ddiloco_syncer_checkpoint_repair_passes",
+                                  "Repair passes over the replicated checkpoint stores that reported", value=passes)
+        yield CounterMetricFamily("ddiloco_syncer_checkpoint_repair_passes_failed",
+                                  "Repair passes that raised before reporting (retried at the next interval)",
+                                  value=failed)
+        yield GaugeMetricFamily("ddiloco_syncer_checkpoint_repair_last_pass_timestamp_seconds",
+                                "Unix time the last repair pass ended (0: none yet)", value=last_unix_s)
+        yield GaugeMetricFamily("ddiloco_syncer_checkpoint_repair_last_pass_duration_seconds",
+                                "Seconds the last repair pass took", value=last_duration_s)
+        for name, doc in self._PER_STORE:
+            family = CounterMetricFamily(f"ddiloco_syncer_checkpoint_repair_{name}", doc, labels=["store"])
+            for store, value in per_store[name].items():
+                family.add_metric([store], value)
+            yield family
 
 
 def _progress_families(state: syncer_pb2.TrainingState):

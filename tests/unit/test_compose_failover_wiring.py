@@ -87,6 +87,12 @@ def test_every_learner_is_given_both_syncers_and_reaches_them() -> None:
         assert all(_reach(name, t.split(":")[0]) for t in targets), name
 
 
+def test_the_evaluator_is_given_both_syncers_and_reaches_them() -> None:
+    targets = _merged("evaluator")["environment"]["DDILOCO_EVAL_SYNCER"].split(",")
+    assert targets == ["syncer:50051", "syncer-b:50051"], targets
+    assert all(_reach("evaluator", t.split(":")[0]) for t in targets)
+
+
 def test_every_network_and_volume_used_is_declared() -> None:
     networks = set(BASE["networks"]) | set(OVERRIDE["networks"])
     volumes = set(BASE["volumes"]) | set(OVERRIDE["volumes"])
