@@ -5,6 +5,7 @@ Symmetric names (`x_to_proto` / `x_from_proto`); no grpc import, no I/O.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
 
@@ -176,18 +177,8 @@ def decode_payload(info: common_pb2.PayloadInfo, payload: bytes, *,
         compression, checksum_kind = wire_format_from_proto(info)
     except ValueError as exc:
         raise codec_lib.CodecError(str(exc)) from None
-    return codec_lib.decode(
-        payload,
-        codec=codec_from_proto(info.codec),
-        numel=int(info.numel),
-        raw_size_bytes=int(info.raw_size_bytes),
-        checksum=bytes(info.checksum),
-        block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
-        on_chunk=on_chunk,
-        executor=executor,
-        compression=compression,
-        checksum_kind=checksum_kind,
-    )
+    described = _described(info, codec_from_proto(info.codec), compression, checksum_kind)
+    return decode_described(described, payload, on_chunk=on_chunk, executor=executor)
 
 
 def apply_delta(held: np.ndarray, step: np.ndarray) -> np.ndarray:
@@ -199,15 +190,89 @@ def apply_delta(held: np.ndarray, step: np.ndarray) -> np.ndarray:
 def payload_stream(info: common_pb2.PayloadInfo, *, on_chunk: codec_lib.ChunkVisitor | None = None,
                    decode_on_arrival: bool = True):
     """A stream.PayloadStream for the payload `info` describes (CodecError when it cannot be one)."""
-    from ddiloco.wire import stream as stream_lib
-
     try:
         compression, checksum_kind = wire_format_from_proto(info)
         codec = codec_from_proto(info.codec)
     except ValueError as exc:
         raise codec_lib.CodecError(str(exc)) from None
-    return stream_lib.PayloadStream(
-        codec=codec, numel=int(info.numel), raw_size_bytes=int(info.raw_size_bytes),
+    return described_payload_stream(_described(info, codec, compression, checksum_kind), on_chunk=on_chunk,
+                                    decode_on_arrival=decode_on_arrival)
+
+
+@dataclasses.dataclass(frozen=True)
+class PayloadDescription:
+    """A PayloadInfo in plain values, enum values as names, for code that must not read protobuf
+    (the syncer's admission). Enum values this build does not know stay visible: their name is ""
+    and `codec_error` / `format_error` hold the error the *_from_proto conversion raised, so that a
+    receiver refuses them in its own order, with the same message."""
+
+    codec: str  # one of codec.CODECS, or "" (codec_error)
+    numel: int
+    block_size: int  # 0: unset (codec.DEFAULT_BLOCK_SIZE applies)
+    raw_size_bytes: int
+    payload_size_bytes: int
+    checksum: bytes
+    compression: str  # "zstd" or "none", or "" (format_error)
+    checksum_kind: str  # "sha256" or "xxh3_128", or "" (format_error)
+    codec_error: str = ""
+    format_error: str = ""
+
+
+def _described(info: common_pb2.PayloadInfo, codec: str, compression: str, checksum_kind: str, *,
+               codec_error: str = "", format_error: str = "") -> PayloadDescription:
+    return PayloadDescription(
+        codec=codec, numel=int(info.numel), block_size=int(info.block_size), raw_size_bytes=int(info.raw_size_bytes),
         payload_size_bytes=int(info.payload_size_bytes), checksum=bytes(info.checksum), compression=compression,
-        checksum_kind=checksum_kind, block_size=int(info.block_size or codec_lib.DEFAULT_BLOCK_SIZE),
-        on_chunk=on_chunk, decode_on_arrival=decode_on_arrival)
+        checksum_kind=checksum_kind, codec_error=codec_error, format_error=format_error)
+
+
+def payload_description_from_proto(info: common_pb2.PayloadInfo) -> PayloadDescription:
+    """The plain form of `info`; never raises (unknown enum values: see PayloadDescription)."""
+    codec = compression = checksum_kind = codec_error = format_error = ""
+    try:
+        codec = codec_from_proto(info.codec)
+    except ValueError as exc:
+        codec_error = str(exc)
+    try:
+        compression, checksum_kind = wire_format_from_proto(info)
+    except ValueError as exc:
+        format_error = str(exc)
+    return _described(info, codec, compression, checksum_kind, codec_error=codec_error, format_error=format_error)
+
+
+def _check_described(described: PayloadDescription) -> None:
+    """CodecError for a description with unknown enum values, the wire format's error first."""
+    if described.format_error or described.codec_error:
+        raise codec_lib.CodecError(described.format_error or described.codec_error)
+
+
+def decode_described(described: PayloadDescription, payload: bytes, *,
+                     on_chunk: codec_lib.ChunkVisitor | None = None, executor: Executor | None = None) -> np.ndarray:
+    """decode_payload for a PayloadDescription (CodecError, too, for its unknown enum values)."""
+    _check_described(described)
+    return codec_lib.decode(
+        payload,
+        codec=described.codec,
+        numel=described.numel,
+        raw_size_bytes=described.raw_size_bytes,
+        checksum=described.checksum,
+        block_size=described.block_size or codec_lib.DEFAULT_BLOCK_SIZE,
+        on_chunk=on_chunk,
+        executor=executor,
+        compression=described.compression,
+        checksum_kind=described.checksum_kind,
+    )
+
+
+def described_payload_stream(described: PayloadDescription, *, on_chunk: codec_lib.ChunkVisitor | None = None,
+                             decode_on_arrival: bool = True):
+    """payload_stream for a PayloadDescription (CodecError when it cannot be one)."""
+    from ddiloco.wire import stream as stream_lib
+
+    _check_described(described)
+    return stream_lib.PayloadStream(
+        codec=described.codec, numel=described.numel, raw_size_bytes=described.raw_size_bytes,
+        payload_size_bytes=described.payload_size_bytes, checksum=described.checksum,
+        compression=described.compression, checksum_kind=described.checksum_kind,
+        block_size=described.block_size or codec_lib.DEFAULT_BLOCK_SIZE, on_chunk=on_chunk,
+        decode_on_arrival=decode_on_arrival)

@@ -27,7 +27,6 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import robust as robust_lib
 from ddiloco.rpc import errors
-from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from ddiloco.wire import stream as stream_lib
@@ -49,10 +48,28 @@ BOOTSTRAP_STRIKE_RATIO = 10.0  # the same, against the bootstrap bound (no other
 
 
 @dataclasses.dataclass(frozen=True)
+class UploadHeader:
+    """An UploadFragment header as admission reads it (wire_views.upload_header builds it from the
+    message; field meanings as in protos/ddiloco/v1/syncer.proto's UploadHeader)."""
+
+    protocol_version: int
+    learner_id: str
+    incarnation: int
+    fragment_id: int
+    base_version: int
+    syncer_instance: str
+    steps: int
+    tokens: int
+    payload: serde.PayloadDescription
+    local_step: int
+    final: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class UploadTicket:
     """What a validated upload header allows the servicer to read."""
 
-    header: syncer_pb2.UploadHeader
+    header: UploadHeader
     codec: str
     duplicate: bool  # already accepted: acknowledge without applying
     # The published values of the base version, pinned when the header was admitted: merges that
@@ -136,7 +153,7 @@ class Admission:
 
     # -------------------------------------------------------------------------------- header
 
-    def validate(self, header: syncer_pb2.UploadHeader, *, pinned_base: np.ndarray | None = None) -> UploadTicket:
+    def validate(self, header: UploadHeader, *, pinned_base: np.ndarray | None = None) -> UploadTicket:
         """All checks that need no payload, cheapest first. Raises ServiceError (counted).
 
         The staleness bound applies at admission: with `pinned_base` (the values an earlier check
@@ -149,7 +166,7 @@ class Admission:
                 self.influence.note_refused(header.learner_id, header.fragment_id, exc.reason, exc)
             raise
 
-    def _validate(self, header: syncer_pb2.UploadHeader, pinned_base: np.ndarray | None) -> UploadTicket:
+    def _validate(self, header: UploadHeader, pinned_base: np.ndarray | None) -> UploadTicket:
         member = self._sender(header)
         if header.fragment_id >= len(self._slots):
             raise errors.InvalidArgument(
@@ -176,7 +193,7 @@ class Admission:
         base = slot.history[header.base_version] if pinned_base is None else pinned_base
         return UploadTicket(header=header, codec=codec, duplicate=False, base_params=base)
 
-    def _sender(self, header: syncer_pb2.UploadHeader) -> membership_lib.Member:
+    def _sender(self, header: UploadHeader) -> membership_lib.Member:
         """The sending life, if it speaks the protocol, is current, not quarantined, and based its
         contribution on this syncer instance."""
         membership_lib.check_protocol(header.protocol_version)
@@ -197,7 +214,7 @@ class Admission:
         return member
 
     @staticmethod
-    def _already_accepted(member: membership_lib.Member, header: syncer_pb2.UploadHeader) -> bool:
+    def _already_accepted(member: membership_lib.Member, header: UploadHeader) -> bool:
         """True for a retry of an accepted upload; ALREADY_EXISTS for another payload under its key."""
         # The mark is part of the key: a learner whose accepted contribution was never merged (a
         # dropped round) sends its progress again on the same base version.
@@ -213,13 +230,12 @@ class Admission:
         )
 
     @staticmethod
-    def _payload_codec(header: syncer_pb2.UploadHeader, numel: int) -> str:
+    def _payload_codec(header: UploadHeader, numel: int) -> str:
         """The payload's codec, once its declared sizes and checksum fit the fragment."""
         info = header.payload
-        try:
-            codec = serde.codec_from_proto(info.codec)
-        except ValueError as exc:
-            raise errors.InvalidArgument(str(exc), reason="codec") from None
+        if info.codec_error:
+            raise errors.InvalidArgument(info.codec_error, reason="codec")
+        codec = info.codec
         if info.numel != numel:
             raise errors.InvalidArgument(
                 f"fragment {header.fragment_id} has {numel} values, header says {info.numel}",
@@ -241,17 +257,16 @@ class Admission:
                 f"{codec_lib.max_payload_size_bytes(expected_raw)}]",
                 reason="size",
             )
-        try:
-            _, checksum_kind = serde.wire_format_from_proto(info)
-        except ValueError as exc:
-            raise errors.InvalidArgument(str(exc), reason="codec") from None
+        if info.format_error:
+            raise errors.InvalidArgument(info.format_error, reason="codec")
+        checksum_kind = info.checksum_kind
         if len(info.checksum) != codec_lib.CHECKSUM_BYTES[checksum_kind]:
             raise errors.InvalidArgument(
                 f"checksum must be a {codec_lib.CHECKSUM_BYTES[checksum_kind]}-byte {checksum_kind} digest",
                 reason="checksum")
         return codec
 
-    def credited_steps(self, member: membership_lib.Member, header: syncer_pb2.UploadHeader) -> int:
+    def credited_steps(self, member: membership_lib.Member, header: UploadHeader) -> int:
         """The steps a contribution is credited with (merge weight, norm bound): at most the local
         steps since this life's last merged contribution of the fragment (UploadHeader.local_step
         minus the receipt mark), which the syncer knows. A claim beyond it would inflate the weight
@@ -282,7 +297,7 @@ class Admission:
         if self.influence is not None:
             self.influence.note_clipped(what)
 
-    def _steps_allowed(self, member: membership_lib.Member, header: syncer_pb2.UploadHeader) -> int | None:
+    def _steps_allowed(self, member: membership_lib.Member, header: UploadHeader) -> int | None:
         """The steps the contribution may be credited with by the step rate the syncer observed: its
         mark (UploadHeader.local_step) at most the mark of this life's first accepted contribution
         plus STEP_RATE_FACTOR x the other learners' median observed rate since then, plus one sync
@@ -301,7 +316,7 @@ class Admission:
 
     # ------------------------------------------------------------------------------- payload
 
-    async def open_payload(self, header: syncer_pb2.UploadHeader) -> IncomingPayload:
+    async def open_payload(self, header: UploadHeader) -> IncomingPayload:
         """The payload of a validated header, to be fed chunk by chunk as it arrives. Decoded on
         arrival when a decoding permit is free now (taken without waiting: the transfer never
         stalls for one); otherwise only hashed, and decoded under a permit once complete
@@ -310,9 +325,9 @@ class Admission:
         slot = self._slots[header.fragment_id]
         last, last_norm = slot.last_outer_grad or (None, None)
         stats = robust_lib.DecodedStats(slot.fragment, last, last_norm)
-        permit = not self.decoding.locked() and header.payload.compression == common_pb2.COMPRESSION_NONE
+        permit = not self.decoding.locked() and header.payload.compression == "none"
         try:
-            stream = serde.payload_stream(header.payload, on_chunk=stats.update, decode_on_arrival=permit)
+            stream = serde.described_payload_stream(header.payload, on_chunk=stats.update, decode_on_arrival=permit)
         except codec_lib.CodecError as exc:
             raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=_codec_reason(exc)) from None
         if permit:
@@ -332,7 +347,7 @@ class Admission:
             return contextlib.nullcontext()
         return self.decoding
 
-    async def decode(self, header: syncer_pb2.UploadHeader, payload: bytes | IncomingPayload) -> Decoded:
+    async def decode(self, header: UploadHeader, payload: bytes | IncomingPayload) -> Decoded:
         """The decoded contribution: finished in place when the payload was decoded on arrival,
         else decoded in a worker thread; INVALID_ARGUMENT when it does not decode."""
         if isinstance(payload, IncomingPayload):
@@ -345,7 +360,7 @@ class Admission:
             # Norms and the dot with the last merge are gathered while each decoded piece is in
             # cache (one pass, not three), and the decode itself is shared with a second thread.
             stats = robust_lib.DecodedStats(slot.fragment, last, last_norm)
-            values = serde.decode_payload(info, payload, on_chunk=stats.update, executor=self._decode_helper)
+            values = serde.decode_described(info, payload, on_chunk=stats.update, executor=self._decode_helper)
             norms = stats.tensor_norms(values)
             return Decoded(values, norms, stats.cosine(values, norms),
                            self._directions.direction(header.fragment_id, values))
@@ -355,7 +370,7 @@ class Admission:
         except codec_lib.CodecError as exc:
             raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=_codec_reason(exc)) from None
 
-    async def _finish(self, header: syncer_pb2.UploadHeader, incoming: IncomingPayload) -> Decoded:
+    async def _finish(self, header: UploadHeader, incoming: IncomingPayload) -> Decoded:
         """Checks and finishes a streamed payload: in the event loop when it was decoded on arrival
         (a digest comparison, the tail and the norms: no thread hand-off), else in a worker thread."""
 
@@ -370,7 +385,7 @@ class Admission:
         except codec_lib.CodecError as exc:
             raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=_codec_reason(exc)) from None
 
-    async def await_direction_references(self, header: syncer_pb2.UploadHeader, heading: np.ndarray | None,
+    async def await_direction_references(self, header: UploadHeader, heading: np.ndarray | None,
                                          wait_budget_s: float | None) -> None:
         """Holds a contribution that has too few others to be compared with (robust.DirectionPolicy
         .judge_wait_s) while other learners who could send them are live; proposes it as a
@@ -402,7 +417,7 @@ class Admission:
     # ------------------------------------------------------------- under the fragment's lock
 
     async def bound_norm(self, slot: slots_lib.FragmentSlot, member: membership_lib.Member,
-                         header: syncer_pb2.UploadHeader, steps: int,
+                         header: UploadHeader, steps: int,
                          decoded: Decoded) -> tuple[np.ndarray, np.ndarray]:
         """The contribution within the norm bound: as decoded, or clipped (counted, a strike when
         gross) with the "clip" action; INVALID_ARGUMENT beyond it with "reject". Returns the
@@ -431,7 +446,7 @@ class Admission:
         values = await asyncio.to_thread(robust_lib.scale_tensors, decoded.values, slot.fragment, verdict.scales)
         return await self._clip_norm(slot, header, steps, values, norms * verdict.scales)
 
-    async def _clip_norm(self, slot: slots_lib.FragmentSlot, header: syncer_pb2.UploadHeader, steps: int,
+    async def _clip_norm(self, slot: slots_lib.FragmentSlot, header: UploadHeader, steps: int,
                          values: np.ndarray, norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Median-of-norms clipping (robust.NormHistory.clip_scale): a contribution within the
         bound but far above the others' per-step norm is scaled down to clip_factor x it. Not a
@@ -454,7 +469,7 @@ class Admission:
             slot.params_norm = (digest, norm)
         return slot.params_norm[1]
 
-    def _norm_violation(self, slot: slots_lib.FragmentSlot, header: syncer_pb2.UploadHeader, norms: np.ndarray,
+    def _norm_violation(self, slot: slots_lib.FragmentSlot, header: UploadHeader, norms: np.ndarray,
                         verdict: robust_lib.Verdict) -> tuple[str, bool]:
         """What to say about a contribution beyond the norm bound, and whether it is gross (a strike)."""
         basis = (f"{self._norm_bound.factor:g} x other learners' median" if verdict.basis == "others"
@@ -492,7 +507,7 @@ class Admission:
             return cap
         return weight
 
-    def judge_direction(self, header: syncer_pb2.UploadHeader, heading: np.ndarray | None, version: int) -> None:
+    def judge_direction(self, header: UploadHeader, heading: np.ndarray | None, version: int) -> None:
         """INVALID_ARGUMENT for a contribution pointing away from the other learners' (direction check)."""
         turned = self._directions.judge(header.learner_id, header.fragment_id, heading, version)
         if turned.cosine is not None:
@@ -506,7 +521,7 @@ class Admission:
                 f"mean {turned.score:+.3f}, both < {self._direction.min_cosine:+g}): a sign-flipped update?",
                 reason="direction")
 
-    def accepted(self, slot: slots_lib.FragmentSlot, member: membership_lib.Member, header: syncer_pb2.UploadHeader,
+    def accepted(self, slot: slots_lib.FragmentSlot, member: membership_lib.Member, header: UploadHeader,
                  decoded: Decoded, norms: np.ndarray, steps: int, weight: float) -> None:
         """Records a contribution folded into its round: the references later ones are checked
         against, the learner's direction agreement, its idempotency key and the counts."""
@@ -537,6 +552,6 @@ class Admission:
             member.direction_sum += decoded.agreement
             member.direction_count += 1
         member.remember_accepted((header.fragment_id, header.base_version, header.local_step),
-                                 bytes(header.payload.checksum))
+                                 header.payload.checksum)
         member.uploads_accepted += 1
         self._uploads["accepted"] += 1

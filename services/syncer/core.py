@@ -348,10 +348,10 @@ class SyncerCore:
         s = self.slots[fragment_id]
         return s.version, s.published_sha256, s.params_sha256
 
-    def validate_upload_header(self, header: syncer_pb2.UploadHeader, *,
-                               pinned_base: np.ndarray | None = None) -> admission_lib.UploadTicket:
-        """All checks that need no payload (Admission.validate). Raises ServiceError (counted)."""
-        return self.admission.validate(header, pinned_base=pinned_base)
+    def validate_upload_header(self, header: syncer_pb2.UploadHeader) -> admission_lib.UploadTicket:
+        """All checks that need no payload (Admission.validate), on the header's plain form (the
+        ticket carries it). Raises ServiceError (counted)."""
+        return self.admission.validate(wire_views.upload_header(header))
 
     async def accept_upload(self, ticket: admission_lib.UploadTicket, payload: bytes, wire_bytes: int, *,
                             wait_budget_s: float | None = None) -> syncer_pb2.UploadFragmentResponse:
@@ -384,7 +384,7 @@ class SyncerCore:
         async with slot.lock:
             # Re-check under the lock: the round may have moved while decoding (the base version's
             # values stay pinned: it was within the staleness bound when the header arrived).
-            ticket = self.validate_upload_header(header, pinned_base=ticket.base_params)
+            ticket = self.admission.validate(header, pinned_base=ticket.base_params)
             if ticket.duplicate:
                 return self._duplicate(slot, weight)
             delta, norms = await self.admission.bound_norm(slot, member, header, steps, decoded)
@@ -432,7 +432,7 @@ class SyncerCore:
         """Opens the rounds the schedule says are due; returns their fragment ids."""
         return self.rounds.open_due()
 
-    def note_hold(self, header: syncer_pb2.UploadHeader, hold_s: float) -> None:
+    def note_hold(self, header: admission_lib.UploadHeader, hold_s: float) -> None:
         """The back-pressure hint an accepted upload's response carries (Membership.note_hold)."""
         self.membership.note_hold(header.learner_id, header.incarnation, header.fragment_id, hold_s)
 

@@ -24,7 +24,6 @@ from ddiloco import metrics as metrics_lib
 from ddiloco import training_state as status_derived
 from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2
-from ddiloco.wire import serde
 from . import core as core_lib
 
 # Upload results exported at 0 before their first occurrence (a series that appears only with its
@@ -131,10 +130,11 @@ class SyncerMetrics:
         for c in record.contributors:
             self.staleness.observe(max(0, record.version - c.base_version - 1))
 
-    def upload_accepted(self, header: syncer_pb2.UploadHeader) -> None:
+    def upload_accepted(self, header) -> None:
+        """An accepted upload's compression ratio; `header` is admission.UploadHeader (plain values)."""
         info = header.payload
         if info.payload_size_bytes:
-            self.compression.labels(codec=serde.codec_from_proto(info.codec)).observe(
+            self.compression.labels(codec=info.codec).observe(
                 info.numel * 4 / info.payload_size_bytes)
 
     def rejoined(self, learner_id: str, gap_s: float) -> None:

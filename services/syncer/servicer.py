@@ -357,7 +357,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         self._in_flight[header.learner_id] = self._in_flight.get(header.learner_id, 0) + 1
         scope.counted = True
         ticket = self._core.validate_upload_header(header)
-        scope.incoming = incoming = None if ticket.duplicate else await self._core.admission.open_payload(header)
+        scope.incoming = incoming = None if ticket.duplicate else await self._core.admission.open_payload(ticket.header)
         # Acknowledge the header (the learner sends past its pipeline window only after it). Every
         # refusal so far reached a learner that was not writing: it sent at most its window, which
         # _drain_window reads before the status goes out.

@@ -3,8 +3,9 @@ syncer_pb2 messages from the parts' Python values.
 
 Owns `make_run_config` (the RunConfig learners adopt), the TrainingState rows (`member_state`,
 `fragment_state`), the EvalRecord form of an `EvalSnapshot`, and the plain forms of the requests
-membership reads (`join_args`, `progress`). The parts (state, membership, slots,
-checkpointing, ...) stay free of generated code; tests/unit/test_syncer_no_protobuf.py checks that.
+membership reads (`join_args`, `progress`) and of the upload header admission reads (`upload_header`).
+The parts (state, membership, slots, checkpointing, admission, ...) stay free of generated code;
+tests/unit/test_syncer_no_protobuf.py checks that.
 Must not: hold state, take locks or mutate the core; called on the core's loop.
 """
 
@@ -15,6 +16,7 @@ import dataclasses
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
+from . import admission as admission_lib
 from . import membership as membership_lib
 from . import slots as slots_lib
 from . import state as state_lib
@@ -35,6 +37,16 @@ def progress(req: syncer_pb2.ReportProgressRequest) -> membership_lib.Progress:
         learner_id=req.learner_id, incarnation=req.incarnation, protocol_version=req.protocol_version,
         local_step=req.local_step, tokens_total=req.tokens_total, step_time_s=req.step_time_s,
         inner_loss=req.inner_loss)
+
+
+def upload_header(header: syncer_pb2.UploadHeader) -> admission_lib.UploadHeader:
+    """The UploadFragment header as admission reads it; its payload description in plain values
+    (codec, compression and checksum kind by name: serde.PayloadDescription)."""
+    return admission_lib.UploadHeader(
+        protocol_version=header.protocol_version, learner_id=header.learner_id, incarnation=header.incarnation,
+        fragment_id=header.fragment_id, base_version=header.base_version, syncer_instance=header.syncer_instance,
+        steps=header.steps, tokens=header.tokens, payload=serde.payload_description_from_proto(header.payload),
+        local_step=header.local_step, final=header.final)
 
 
 def eval_record(e: state_lib.EvalSnapshot) -> syncer_pb2.EvalRecord:
