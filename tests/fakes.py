@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -102,6 +103,14 @@ async def upload(core: core_lib.SyncerCore, learner_id: str, fid: int, base: int
     return await core.accept_upload(ticket, enc.payload, wire_bytes=len(enc.payload))
 
 
-async def settle() -> None:
-    for _ in range(20):  # let merge tasks (which hop to worker threads) finish
+async def settle(timeout_s: float = 30.0) -> None:
+    """Let merge tasks (which hop to worker threads) finish: at least 20 loop turns, then until no other
+    task is pending, for at most `timeout_s` (a merge's first call compiles JAX code, which can take
+    seconds on a loaded machine; a fixed sleep made tests flaky)."""
+    me = asyncio.current_task()
+    deadline_s = time.monotonic() + timeout_s
+    for turn in itertools.count():
         await asyncio.sleep(0.01)
+        pending = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+        if (turn >= 19 and not pending) or time.monotonic() > deadline_s:
+            return
