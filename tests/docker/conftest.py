@@ -22,6 +22,9 @@ from collections.abc import Sequence
 
 import pytest
 
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 SETUP_SCRIPT = REPO / "scripts" / "docker_env.sh"
@@ -31,6 +34,33 @@ PROJECT_LABEL = "com.docker.compose.project"
 # Timings of the end-to-end scenario, printed in the terminal summary (no -s needed).
 TIMINGS: list[dict] = []
 TIMINGS_FILE: list[pathlib.Path] = []
+
+
+class SyncerProbe:
+    """Reads a syncer's training state through its published port on 127.0.0.1 (gRPC errors propagate:
+    callers poll through tests.waits.wait_for_rpc, which counts them as "not yet")."""
+
+    def __init__(self, address: str, *, timeout_s: float = 5.0) -> None:
+        self.channel = channel_lib.sync_channel(address)
+        self.stub = syncer_pb2_grpc.SyncerStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def state(self) -> syncer_pb2.TrainingState:
+        request = syncer_pb2.GetTrainingStateRequest(recent_merges=256)
+        return self.stub.GetTrainingState(request, timeout=self.timeout_s).state
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def record_timing(label: str, step: str, *, digits: int = 1, **fields) -> None:
+    """One timed step of a container test: kept for the terminal summary (and the timings file, when
+    the test has one) and printed as it happens."""
+    entry = {"step": step, **{k: (round(v, digits) if isinstance(v, float) else v) for k, v in fields.items()}}
+    TIMINGS.append(entry)
+    if TIMINGS_FILE:
+        TIMINGS_FILE[-1].write_text(json.dumps(TIMINGS, indent=2))
+    print(f"[{label}] {step}: " + " ".join(f"{k}={v}" for k, v in entry.items() if k != "step"), flush=True)
 
 
 def report_logs(project_name: str, logs: str, tmp_path: pathlib.Path, *, last_lines: int = 80) -> None:

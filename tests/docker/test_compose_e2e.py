@@ -27,8 +27,7 @@ import time
 
 import pytest
 
-from ddiloco.rpc import channel as channel_lib
-from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.v1 import syncer_pb2
 from tests import ports, waits
 from tests.docker import conftest as dc
 
@@ -59,20 +58,6 @@ SYNCER_OVERRIDES = {"DDILOCO_SYNCER_QUARANTINE_AFTER": "0"}
 wait_until = functools.partial(waits.wait_for_rpc, interval_s=0.25)
 
 
-class Syncer:
-    """Reads the syncer's training state through its published port on 127.0.0.1."""
-
-    def __init__(self, address: str) -> None:
-        self.channel = channel_lib.sync_channel(address)
-        self.stub = syncer_pb2_grpc.SyncerStub(self.channel)
-
-    def state(self) -> syncer_pb2.TrainingState:
-        return self.stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=256), timeout=5).state
-
-    def close(self) -> None:
-        self.channel.close()
-
-
 def members(state, region: str) -> dict[str, syncer_pb2.MemberState]:
     return {m.learner_id: m for m in state.members if m.region == region}
 
@@ -85,12 +70,7 @@ def regions_of(record, region_of: dict[str, str]) -> set[str]:
     return {region_of.get(c.learner_id, "?") for c in record.contributors}
 
 
-def record(step: str, **fields) -> None:
-    entry = {"step": step, **{k: (round(v, 1) if isinstance(v, float) else v) for k, v in fields.items()}}
-    dc.TIMINGS.append(entry)
-    if dc.TIMINGS_FILE:
-        dc.TIMINGS_FILE[-1].write_text(json.dumps(dc.TIMINGS, indent=2))
-    print(f"[docker e2e] {step}: " + " ".join(f"{k}={v}" for k, v in entry.items() if k != "step"), flush=True)
+record = functools.partial(dc.record_timing, "docker e2e")
 
 
 def test_compose_regional_outage_partition_and_syncer_crash(compose_project: dc.ComposeProject, tmp_path) -> None:
@@ -117,7 +97,7 @@ def test_compose_regional_outage_partition_and_syncer_crash(compose_project: dc.
     override = tmp_path / "compose.override.yml"
     override.write_text(json.dumps({"services": {"syncer": {"environment": SYNCER_OVERRIDES}}}))
     project.overrides.append(override)
-    syncer = Syncer(f"127.0.0.1:{port}")
+    syncer = dc.SyncerProbe(f"127.0.0.1:{port}")
     try:
         _scenario(project, syncer)
     except BaseException:
@@ -133,7 +113,7 @@ def test_compose_regional_outage_partition_and_syncer_crash(compose_project: dc.
     assert leftovers == {"containers": [], "networks": [], "volumes": []}, leftovers
 
 
-def _scenario(project: dc.ComposeProject, syncer: Syncer) -> None:
+def _scenario(project: dc.ComposeProject, syncer: dc.SyncerProbe) -> None:
     # ---- 1. build, up, merges from both regions --------------------------------------------
     t = time.monotonic()
     project.compose("build", timeout=900)
@@ -203,7 +183,7 @@ def _scenario(project: dc.ComposeProject, syncer: Syncer) -> None:
     _syncer_crash(project, syncer, expected=expected, region_of=region_of)
 
 
-def _outage(project, syncer: Syncer, *, step: str, region: str, other: str, expected, region_of, cut, heal,
+def _outage(project, syncer: dc.SyncerProbe, *, step: str, region: str, other: str, expected, region_of, cut, heal,
             new_incarnation: bool, info: dict | None = None) -> None:
     """Cuts `region` off, checks detection and progress without it, heals it, checks the rejoin."""
     before = syncer.state()
@@ -284,7 +264,7 @@ def _outage(project, syncer: Syncer, *, step: str, region: str, other: str, expe
            accepted_after_silent=sum(late_accepted.values()), **(info or {}))
 
 
-def _syncer_crash(project, syncer: Syncer, *, expected, region_of) -> None:
+def _syncer_crash(project, syncer: dc.SyncerProbe, *, expected, region_of) -> None:
     [cid] = project.container_ids("syncer")
     # A checkpoint must exist to restore from (every 4 merges).
     wait_until(lambda: syncer.state().last_checkpoint_outer_step > 0, timeout_s=60, what="a committed checkpoint")

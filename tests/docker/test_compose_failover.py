@@ -27,8 +27,7 @@ import pytest
 
 from ddiloco import history as history_lib
 from ddiloco.chaos import invariants
-from ddiloco.rpc import channel as channel_lib
-from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.v1 import syncer_pb2
 from tests import ports, waits
 from tests.docker import conftest as dc
 
@@ -53,26 +52,7 @@ LEARNER_ENV = {"DDILOCO_LEARNER_HISTORY_FILE": LEARNER_HISTORY, "DDILOCO_LEARNER
 wait_until = functools.partial(waits.wait_for_rpc, interval_s=0.25)
 
 
-class Probe:
-    """GetTrainingState through a syncer's published port."""
-
-    def __init__(self, address: str) -> None:
-        self.channel = channel_lib.sync_channel(address)
-        self.stub = syncer_pb2_grpc.SyncerStub(self.channel)
-
-    def state(self) -> syncer_pb2.TrainingState:
-        return self.stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=256), timeout=3).state
-
-    def close(self) -> None:
-        self.channel.close()
-
-
-def record(step: str, **fields) -> None:
-    entry = {"step": step, **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in fields.items()}}
-    dc.TIMINGS.append(entry)
-    if dc.TIMINGS_FILE:
-        dc.TIMINGS_FILE[-1].write_text(json.dumps(dc.TIMINGS, indent=2))
-    print(f"[docker failover] {step}: " + " ".join(f"{k}={v}" for k, v in entry.items() if k != "step"), flush=True)
+record = functools.partial(dc.record_timing, "docker failover", digits=2)
 
 
 def test_losing_the_leaders_whole_region_the_standby_leads_within_10_s(compose_project: dc.ComposeProject,
@@ -104,7 +84,7 @@ def test_losing_the_leaders_whole_region_the_standby_leads_within_10_s(compose_p
         **{s: {"environment": LEARNER_ENV} for s in LEARNER_SERVICES},
     }}))
     project.overrides.extend([FAILOVER_FILE, override])
-    probes = {s: Probe(f"127.0.0.1:{p}") for s, p in published.items()}
+    probes = {s: dc.SyncerProbe(f"127.0.0.1:{p}", timeout_s=3.0) for s, p in published.items()}
     try:
         _scenario(project, probes, tmp_path)
     except BaseException:
@@ -120,7 +100,7 @@ def test_losing_the_leaders_whole_region_the_standby_leads_within_10_s(compose_p
     assert leftovers == {"containers": [], "networks": [], "volumes": []}, leftovers
 
 
-def _leader(probes: dict[str, Probe]) -> tuple[str, syncer_pb2.TrainingState, syncer_pb2.TrainingState] | None:
+def _leader(probes: dict[str, dc.SyncerProbe]) -> tuple[str, syncer_pb2.TrainingState, syncer_pb2.TrainingState] | None:
     """(leading service, its state, the standby's state) once exactly one leads and the other names it."""
     states = {s: p.state() for s, p in probes.items()}
     leading = [s for s, st in states.items() if st.epoch > 0]
@@ -133,7 +113,7 @@ def _leader(probes: dict[str, Probe]) -> tuple[str, syncer_pb2.TrainingState, sy
     return leader, states[leader], states[standby]
 
 
-def _scenario(project: dc.ComposeProject, probes: dict[str, Probe], tmp_path: pathlib.Path) -> None:
+def _scenario(project: dc.ComposeProject, probes: dict[str, dc.SyncerProbe], tmp_path: pathlib.Path) -> None:
     # ---- 1. build, up, a leader, merges from both regions, a committed checkpoint ------------
     t = time.monotonic()
     project.compose("build", "checkpoint", "etcd-a", timeout=900)

@@ -20,6 +20,7 @@ the rejoin panel has an observation. Checks, each with a bounded wait:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -168,10 +169,7 @@ def test_monitoring_profile_scrapes_every_service_and_feeds_every_dashboard_quer
     assert leftovers == {"containers": [], "networks": [], "volumes": []}, leftovers
 
 
-def _record(step: str, **fields) -> None:
-    entry = {"step": f"monitoring-{step}", **{k: (round(v, 1) if isinstance(v, float) else v) for k, v in fields.items()}}
-    dc.TIMINGS.append(entry)
-    print(f"[docker monitoring] {step}: " + " ".join(f"{k}={v}" for k, v in entry.items() if k != "step"), flush=True)
+_record = functools.partial(dc.record_timing, "docker monitoring")
 
 
 def graph_url(address: str, expr: str, range_input: str = "1m") -> str:
@@ -200,7 +198,7 @@ def _build_and_start(project: dc.ComposeProject) -> None:
     build_s = time.monotonic() - t
     t = time.monotonic()
     project.compose(*PROFILES, "up", "--detach", *SERVICES, timeout=300)
-    _record("up", build_s=build_s, up_s=time.monotonic() - t)
+    _record("monitoring-up", build_s=build_s, up_s=time.monotonic() - t)
 
 
 def _wait_merging(prometheus: Prometheus, t0: float) -> None:
@@ -210,7 +208,7 @@ def _wait_merging(prometheus: Prometheus, t0: float) -> None:
         return float(result[0]["value"][1]) if result else 0.0
 
     wait_until(lambda: merges() >= 8, timeout_s=300, what="8 merges, as scraped by Prometheus")
-    _record("merging", s=time.monotonic() - t0)
+    _record("monitoring-merging", s=time.monotonic() - t0)
 
 
 def _wait_learners_healthy(project: dc.ComposeProject, t0: float) -> None:
@@ -223,7 +221,7 @@ def _wait_learners_healthy(project: dc.ComposeProject, t0: float) -> None:
 
     wait_until(lambda: set(health().values()) == {"healthy"}, timeout_s=180, what="every learner healthy",
                describe=lambda: f"health: {health()}")
-    _record("learners-healthy", s=time.monotonic() - t0)
+    _record("monitoring-learners-healthy", s=time.monotonic() - t0)
 
 
 def _kill_and_rejoin(project: dc.ComposeProject, prometheus: Prometheus, t0: float) -> None:
@@ -236,7 +234,7 @@ def _kill_and_rejoin(project: dc.ComposeProject, prometheus: Prometheus, t0: flo
         return float(result[0]["value"][1]) if result else 0.0
 
     wait_until(lambda: rejoins() >= 1, timeout_s=180, what="a rejoin observed by the syncer")
-    _record("rejoined", s=time.monotonic() - t0)
+    _record("monitoring-rejoined", s=time.monotonic() - t0)
 
 
 def _wait_targets_up(prometheus: Prometheus, t0: float) -> None:
@@ -255,7 +253,7 @@ def _wait_targets_up(prometheus: Prometheus, t0: float) -> None:
 
     wait_until(all_up, timeout_s=180, what=f"every target up ({JOBS})",
                describe=lambda: json.dumps(targets_summary(), indent=1))
-    _record("targets-up", s=time.monotonic() - t0, targets=sum(JOBS.values()))
+    _record("monitoring-targets-up", s=time.monotonic() - t0, targets=sum(JOBS.values()))
 
 
 def _wait_rules_loaded(prometheus: Prometheus, t0: float) -> None:
@@ -273,7 +271,7 @@ def _wait_rules_loaded(prometheus: Prometheus, t0: float) -> None:
 
     wait_until(rules_ok, timeout_s=120, what=f"the {len(expected_rules)} rules of {RULES.name} loaded and evaluated",
                describe=lambda: json.dumps(loaded_rules(), indent=1))
-    _record("rules-loaded", s=time.monotonic() - t0, rules=len(expected_rules))
+    _record("monitoring-rules-loaded", s=time.monotonic() - t0, rules=len(expected_rules))
 
 
 def _wait_dashboard_queries(prometheus: Prometheus, queries: list[tuple[str, str]], t0: float) -> None:
@@ -296,7 +294,7 @@ def _wait_dashboard_queries(prometheus: Prometheus, queries: list[tuple[str, str
     wait_until(no_missing, timeout_s=300, what="data for every query of the Grafana dashboard", interval_s=5.0,
                describe=lambda: "queries without a finite value:\n" + "\n".join(
                    f"  {title}: {detail}" for title, detail in missing().items()))
-    _record("dashboard-queries", s=time.monotonic() - t0, queries=len(queries))
+    _record("monitoring-dashboard-queries", s=time.monotonic() - t0, queries=len(queries))
 
 
 def _graph_page(prometheus: Prometheus, tmp_path: pathlib.Path) -> None:
@@ -312,4 +310,4 @@ def _graph_page(prometheus: Prometheus, tmp_path: pathlib.Path) -> None:
     shot = browser.screenshot(url, tmp_path / "prometheus-graph.png", width=1400, height=860)
     if os.environ.get("DDILOCO_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(shot, SCREENSHOT)
-    _record("screenshot", s=time.monotonic() - t, bytes=shot.stat().st_size)
+    _record("monitoring-screenshot", s=time.monotonic() - t, bytes=shot.stat().st_size)
