@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from ddiloco import build_info
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import outer as outer_lib
@@ -160,7 +159,7 @@ class SyncerCore:
             directions=self.directions, direction_policy=self.direction, norm_bound=self.norm_bound,
             uploads=self.uploads, max_decoding=max_decoding, clock=clock)
         self.rounds = merging_lib.Rounds(
-            run_config=run_config, plan=plan, slots=self.slots, steppers=steppers,
+            settings=wire_views.round_settings(run_config), plan=plan, slots=self.slots, steppers=steppers,
             scheduled=round_trigger == "schedule" and run_config.sync_mode in ("", "decoupled"),
             outer_step_fraction=outer_step_fraction, merge_history=merge_history, grace_gamma=grace_gamma,
             max_grace_s=max_grace_s, uploads=self.uploads, clock=clock, wall_clock=wall_clock,
@@ -436,7 +435,7 @@ class SyncerCore:
         """The back-pressure hint an accepted upload's response carries (Membership.note_hold)."""
         self.membership.note_hold(header.learner_id, header.incarnation, header.fragment_id, hold_s)
 
-    def round_call(self, fragment_id: int, learner_id: str) -> syncer_pb2.RoundCall | None:
+    def round_call(self, fragment_id: int, learner_id: str) -> merging_lib.RoundCall | None:
         """The call to send this learner for the fragment's open round, if it has not contributed."""
         return self.rounds.round_call(fragment_id, learner_id)
 
@@ -450,7 +449,7 @@ class SyncerCore:
         """A watch stream sent `version` to a learner (the grace window's sync time)."""
         self.rounds.broadcast_sent(learner_id, fragment_id, version)
 
-    def pending_contributions(self) -> list[tuple[int, syncer_pb2.Contribution]]:
+    def pending_contributions(self) -> list[tuple[int, merging_lib.Contribution]]:
         """(fragment id, contribution) of every round not merged yet."""
         return self.rounds.pending_contributions()
 
@@ -506,40 +505,8 @@ class SyncerCore:
     # ---------------------------------------------------------------------------------- state
 
     def training_state(self, recent_merges: int) -> syncer_pb2.TrainingState:
-        now = self._clock()
-        members = [wire_views.member_state(m, now_s=now, liveness_timeout_s=self.liveness_timeout_s)
-                   for m in sorted(self.members.values(), key=lambda m: m.learner_id)]
-        merges = list(self.merges)[-recent_merges:] if recent_merges else []
-        return syncer_pb2.TrainingState(
-            run_id=self.config.run_id,
-            syncer_instance=self.instance,
-            build_version=build_info.version(), build_commit=build_info.commit(),
-            started_at_unix_s=self.started_at_unix_s,
-            now_unix_s=self._wall(),
-            outer_steps=self.outer_steps,
-            fragments=[wire_views.fragment_state(s) for s in self.slots],
-            members=members,
-            recent_merges=merges,
-            tokens_merged=self.tokens_merged,
-            bytes_in=self.membership.bytes_in,
-            bytes_out=self.membership.bytes_out,
-            evals=[wire_views.eval_record(e) for e in self.evals],
-            last_checkpoint_outer_step=self.last_checkpoint_outer_step,
-            last_checkpoint_unix_s=self.last_checkpoint_unix_s,
-            restored_from_checkpoint=self.restored_from_checkpoint,
-            config=self.config,
-            uploads=dict(self.uploads),
-            grace_window_s=self.grace_window_s(),
-            step_time_s=self.step_time_s(),
-            quorum_time_s=self.rounds.quorum_time.value or 0.0,
-            sync_time_s=self.rounds.sync_time.value or 0.0,
-            auth_failures=dict(self.membership.auth_failures),
-            quarantines=self.membership.quarantines,
-            direction_judgments=dict(self.direction_judgments),
-            tokens_processed=self.tokens_processed(),
-            token_budget=self.token_budget,
-            influence=self.influence.summary(),
-        )
+        """The TrainingState now, with the last `recent_merges` merges (wire_views.training_state)."""
+        return wire_views.training_state(self, recent_merges)
 
     async def snapshot(self) -> state_lib.SyncerSnapshot:
         """A consistent copy of everything a restart needs (each fragment copied under its lock)."""
