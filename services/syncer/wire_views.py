@@ -26,6 +26,10 @@ from . import merging as merging_lib
 from . import slots as slots_lib
 from . import state as state_lib
 
+# membership.member_status's names as MemberState.status.
+_MEMBER_STATUS = {"active": syncer_pb2.MemberState.STATUS_ACTIVE, "silent": syncer_pb2.MemberState.STATUS_SILENT,
+                  "left": syncer_pb2.MemberState.STATUS_LEFT}
+
 
 def join_args(req: syncer_pb2.JoinRequest) -> membership_lib.JoinArgs:
     """The JoinRequest as membership reads it."""
@@ -62,12 +66,7 @@ def eval_record(e: state_lib.EvalSnapshot) -> syncer_pb2.EvalRecord:
 def member_state(m: membership_lib.Member, *, now_s: float, liveness_timeout_s: float) -> syncer_pb2.MemberState:
     """One member's row of the TrainingState."""
     status = syncer_pb2.MemberState
-    if m.left:
-        st = status.STATUS_LEFT
-    elif now_s - m.last_seen_s <= liveness_timeout_s:
-        st = status.STATUS_ACTIVE
-    else:
-        st = status.STATUS_SILENT
+    st = _MEMBER_STATUS[membership_lib.member_status(m, now_s=now_s, liveness_timeout_s=liveness_timeout_s)]
     quarantined = now_s < m.quarantined_until_s
     return status(
         learner_id=m.learner_id, incarnation=m.incarnation, region=m.region, status=st,
