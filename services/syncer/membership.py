@@ -179,6 +179,7 @@ class Progress(NamedTuple):
     tokens_total: int = 0
     step_time_s: float = 0.0
     inner_loss: float = 0.0
+    finished: bool = False  # the learner's last report: it trains no more
 
 
 class Membership:

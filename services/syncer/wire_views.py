@@ -45,7 +45,58 @@ def progress(req: syncer_pb2.ReportProgressRequest) -> membership_lib.Progress:
     return membership_lib.Progress(
         learner_id=req.learner_id, incarnation=req.incarnation, protocol_version=req.protocol_version,
         local_step=req.local_step, tokens_total=req.tokens_total, step_time_s=req.step_time_s,
-        inner_loss=req.inner_loss)
+        inner_loss=req.inner_loss, finished=req.finished)
+
+
+def leave_args(req: syncer_pb2.LeaveRequest) -> dict:
+    """The LeaveRequest as Membership.leave's keyword arguments."""
+    return {"learner_id": req.learner_id, "incarnation": req.incarnation, "protocol_version": req.protocol_version}
+
+
+def eval_report(req: syncer_pb2.ReportEvalRequest) -> state_lib.EvalReport:
+    """The ReportEvalRequest as the core reads it."""
+    return state_lib.EvalReport(protocol_version=req.protocol_version, evaluator_id=req.evaluator_id,
+                                heldout_loss=req.heldout_loss, tokens_merged=req.tokens_merged,
+                                outer_steps=sum(v.version for v in req.evaluated))
+
+
+def run_settings(run_config: syncer_pb2.RunConfig) -> state_lib.RunSettings:
+    """What the core reads of the RunConfig."""
+    return state_lib.RunSettings(
+        run_id=run_config.run_id, model_name=run_config.model_name, model_fingerprint=run_config.model_fingerprint,
+        sync_mode=run_config.sync_mode, download_codec=serde.codec_from_proto(run_config.download_codec),
+        upload_block_size=run_config.upload_block_size, zstd_level=run_config.zstd_level)
+
+
+def join_response(core, member: membership_lib.Member, *, assign_data_shard: bool) -> syncer_pb2.JoinResponse:
+    """A joined learner's answer: the run's config, the versions and digests, its data shard."""
+    return syncer_pb2.JoinResponse(
+        config=core.config,
+        fragment_versions=serde.versions_to_proto(core.versions()),
+        syncer_instance=core.instance,
+        published_sha256={s.fragment.fragment_id: s.published_sha256 for s in core.slots},
+        data_shard=max(member.data_shard, 0),
+        data_shard_assigned=member.data_shard_assigned and assign_data_shard,
+        schedule_start_step=member.steps_prev_lives,
+    )
+
+
+def progress_response(versions: dict[int, int], *, budget_reached: bool) -> syncer_pb2.ReportProgressResponse:
+    """The answer to a progress report: the current versions, and whether the token budget is spent."""
+    return syncer_pb2.ReportProgressResponse(fragment_versions=serde.versions_to_proto(versions),
+                                             budget_reached=budget_reached)
+
+
+def upload_response(*, duplicate: bool, current_version: int, weight: float) -> syncer_pb2.UploadFragmentResponse:
+    """The answer to an accepted (or duplicate) upload."""
+    result = syncer_pb2.UploadFragmentResponse
+    return result(result=result.RESULT_DUPLICATE if duplicate else result.RESULT_ACCEPTED,
+                  current_version=current_version, weight=weight)
+
+
+def merge_receipt(fragment_id: int, version: int, merged_through_step: int) -> syncer_pb2.MergeReceipt:
+    """A learner life's MergeReceipt for a version of a fragment."""
+    return syncer_pb2.MergeReceipt(fragment_id=fragment_id, version=version, merged_through_step=merged_through_step)
 
 
 def upload_header(header: syncer_pb2.UploadHeader) -> admission_lib.UploadHeader:
