@@ -4,9 +4,10 @@ Owns the wiring of the parts and the path of an upload through them: `membership
 fencing, liveness, quarantine; membership.py), `admission` (header checks, decoding, norm bound,
 direction check; admission.py), `rounds` (merge rounds, grace window and timers, the outer step;
 merging.py), `publisher` / `watchers` / `observers` (what leaves the core; publishing.py), the
-per-fragment slots (slots.py), the eval log, and the typed snapshot and TrainingState it
-assembles from state.py's pieces. The parts tell the core about changes through callbacks; only
-the core calls across parts.
+per-fragment slots (slots.py), the eval log, and the typed snapshot it assembles from state.py's
+pieces. The parts tell the core about changes through callbacks; only the core calls across parts.
+No protobuf here either: the request messages the servicer passes in are read through their plain
+forms, and the responses and the TrainingState are built, by services/syncer/wire_views.py.
 
 Concurrency: everything runs on one asyncio loop. Heavy numpy work (decode, fold-in, outer
 step, encode) runs in worker threads while the fragment's asyncio.Lock is held, so one fragment
@@ -27,16 +28,13 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from ddiloco import build_info
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import outer as outer_lib
 from ddiloco.algo import robust as robust_lib
 from ddiloco.algo import rounds as rounds_lib
 from ddiloco.rpc import errors
-from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
-from ddiloco.wire import serde
 from . import admission as admission_lib
 from . import influence as influence_lib
 from . import membership as membership_lib
@@ -102,7 +100,7 @@ class SyncerCore:
     def __init__(
         self,
         *,
-        run_config: syncer_pb2.RunConfig,
+        run_config,  # the RunConfig learners adopt (make_run_config): held for the responses, read as RunSettings
         plan: fragments_lib.FragmentPlan,
         initial_params: Mapping[int, np.ndarray],
         outer_lr: float,
@@ -128,6 +126,7 @@ class SyncerCore:
         _check_knobs(round_trigger, outer_step_fraction, token_budget)
         self.token_budget = token_budget
         self.config = run_config
+        settings = wire_views.run_settings(run_config)
         self.plan = plan
         self.instance = uuid.uuid4().hex
         self._clock = clock
@@ -145,13 +144,13 @@ class SyncerCore:
         self.slots = [slots_lib.FragmentSlot.initial(frag, initial_params[frag.fragment_id],
                                                      steppers[frag.fragment_id], self.norm_bound)
                       for frag in plan.fragments]
-        self.publisher = publishing_lib.Publisher(download_codec=serde.codec_from_proto(run_config.download_codec),
-                                                  block_size=run_config.upload_block_size,
-                                                  zstd_level=run_config.zstd_level)
+        self.publisher = publishing_lib.Publisher(download_codec=settings.download_codec,
+                                                  block_size=settings.upload_block_size,
+                                                  zstd_level=settings.zstd_level)
         self.evals: collections.deque[state_lib.EvalSnapshot] = collections.deque(maxlen=_EVAL_HISTORY)
         self.uploads: collections.Counter = collections.Counter()  # shared by the parts: never rebound
         self.membership = membership_lib.Membership(
-            model_fingerprint=run_config.model_fingerprint, model_name=run_config.model_name,
+            model_fingerprint=settings.model_fingerprint, model_name=settings.model_name,
             clock=clock, wall_clock=wall_clock, liveness_timeout_s=liveness_timeout_s,
             quarantine_after=quarantine_after, quarantine_window_s=quarantine_window_s, quarantine_s=quarantine_s,
             uploads=self.uploads, emit=self._emit, on_change=self._notify, on_quarantine=self._after_quarantine)
@@ -160,14 +159,14 @@ class SyncerCore:
             directions=self.directions, direction_policy=self.direction, norm_bound=self.norm_bound,
             uploads=self.uploads, max_decoding=max_decoding, clock=clock)
         self.rounds = merging_lib.Rounds(
-            run_config=run_config, plan=plan, slots=self.slots, steppers=steppers,
-            scheduled=round_trigger == "schedule" and run_config.sync_mode in ("", "decoupled"),
+            settings=wire_views.round_settings(run_config), plan=plan, slots=self.slots, steppers=steppers,
+            scheduled=round_trigger == "schedule" and settings.sync_mode in ("", "decoupled"),
             outer_step_fraction=outer_step_fraction, merge_history=merge_history, grace_gamma=grace_gamma,
             max_grace_s=max_grace_s, uploads=self.uploads, clock=clock, wall_clock=wall_clock,
             membership=self.membership, publisher=self.publisher, tick=lambda: self.tick(), notify=self._notify,
             emit=self._emit, failpoint=lambda name: self.failpoint(name), merged=self._merged)
         # Who influenced each merge (services/syncer/influence.py); __main__ gives it the ledger.
-        self.influence = influence_lib.Influence(run_id=run_config.run_id, instance=self.instance,
+        self.influence = influence_lib.Influence(run_id=settings.run_id, instance=self.instance,
                                                  directions=self.directions)
         self.admission.influence = self.rounds.influence = self.influence
         # For the ledger's replayable records: the outer optimizer, when it is the shared Nesterov SGD.
@@ -247,20 +246,14 @@ class SyncerCore:
     def check_protocol(self, version: int) -> None:
         membership_lib.check_protocol(version)
 
-    def join(self, req: syncer_pb2.JoinRequest) -> syncer_pb2.JoinResponse:
-        """Registers a learner; a higher incarnation replaces (fences off) the previous life."""
-        member, replaced = self.membership.join(wire_views.join_args(req))
+    def join(self, req):
+        """Registers a learner; a higher incarnation replaces (fences off) the previous life.
+        `req`: a JoinRequest, read and answered (JoinResponse) through wire_views."""
+        args = wire_views.join_args(req)
+        member, replaced = self.membership.join(args)
         if replaced is not None:
             self.schedule.forget((replaced.learner_id, replaced.incarnation))
-        return syncer_pb2.JoinResponse(
-            config=self.config,
-            fragment_versions=serde.versions_to_proto(self.versions()),
-            syncer_instance=self.instance,
-            published_sha256={s.fragment.fragment_id: s.published_sha256 for s in self.slots},
-            data_shard=max(member.data_shard, 0),
-            data_shard_assigned=member.data_shard_assigned and req.assign_data_shard,
-            schedule_start_step=member.steps_prev_lives,
-        )
+        return wire_views.join_response(self, member, assign_data_shard=args.assign_data_shard)
 
     def require_member(self, learner_id: str, incarnation: int) -> membership_lib.Member:
         """The registered member for this exact life, or FAILED_PRECONDITION."""
@@ -269,27 +262,27 @@ class SyncerCore:
     def is_current(self, learner_id: str, incarnation: int) -> bool:
         return self.membership.is_current(learner_id, incarnation)
 
-    def report_progress(self, req: syncer_pb2.ReportProgressRequest, wire_bytes: int) -> syncer_pb2.ReportProgressResponse:
+    def report_progress(self, req, wire_bytes: int):
+        """`req`: a ReportProgressRequest, read and answered (ReportProgressResponse) through wire_views."""
         progress = wire_views.progress(req)
         member = self.membership.seen(progress)
-        if req.finished and not member.finished:
+        if progress.finished and not member.finished:
             member.finished = True
             self.tick()  # rounds that waited for it may be complete (tick also opens the last rounds)
-        elif req.finished and self.rounds.open_if_nobody_trains():
+        elif progress.finished and self.rounds.open_if_nobody_trains():
             # A finished learner keeps reporting while it waits: the last training learner may have
             # gone silent (a crash) since, and only a report or a timer brings the syncer here.
             self.tick()
         self.membership.note_step_stats(member, progress, wire_bytes)
         if self.scheduled and not member.finished:
-            self.schedule.observe((member.learner_id, member.incarnation), req.local_step,
+            self.schedule.observe((member.learner_id, member.incarnation), progress.local_step,
                                   len(self.expected_learners()))
             self.open_due_rounds()
-        return syncer_pb2.ReportProgressResponse(fragment_versions=serde.versions_to_proto(self.versions()),
-                                                 budget_reached=self.budget_reached())
+        return wire_views.progress_response(self.versions(), budget_reached=self.budget_reached())
 
-    def leave(self, req: syncer_pb2.LeaveRequest) -> None:
-        member = self.membership.leave(learner_id=req.learner_id, incarnation=req.incarnation,
-                                       protocol_version=req.protocol_version)
+    def leave(self, req) -> None:
+        """`req`: a LeaveRequest (read through wire_views)."""
+        member = self.membership.leave(**wire_views.leave_args(req))
         self.schedule.forget((member.learner_id, member.incarnation))
         self.rounds.open_if_nobody_trains()
         self._notify()
@@ -348,15 +341,15 @@ class SyncerCore:
         s = self.slots[fragment_id]
         return s.version, s.published_sha256, s.params_sha256
 
-    def validate_upload_header(self, header: syncer_pb2.UploadHeader) -> admission_lib.UploadTicket:
-        """All checks that need no payload (Admission.validate), on the header's plain form (the
-        ticket carries it). Raises ServiceError (counted)."""
+    def validate_upload_header(self, header) -> admission_lib.UploadTicket:
+        """All checks that need no payload (Admission.validate), on the UploadHeader's plain form
+        (wire_views.upload_header; the ticket carries it). Raises ServiceError (counted)."""
         return self.admission.validate(wire_views.upload_header(header))
 
     async def accept_upload(self, ticket: admission_lib.UploadTicket, payload: bytes, wire_bytes: int, *,
-                            wait_budget_s: float | None = None) -> syncer_pb2.UploadFragmentResponse:
+                            wait_budget_s: float | None = None):
         """Decodes, bounds, corrects to the current version and folds one contribution into its
-        round. Raises ServiceError (counted, on the learner too). `wait_budget_s` bounds how long
+        round; answers with an UploadFragmentResponse (wire_views.upload_response). Raises ServiceError (counted, on the learner too). `wait_budget_s` bounds how long
         the contribution may wait for others to be judged against (the caller's deadline)."""
         try:
             async with self.admission.decode_permit(payload):  # a payload decoded on arrival holds its own
@@ -369,7 +362,7 @@ class SyncerCore:
             self.directions.withdraw(ticket.header.learner_id, ticket.header.fragment_id)
 
     async def _accept_upload(self, ticket: admission_lib.UploadTicket, payload: bytes, wire_bytes: int,
-                             wait_budget_s: float | None = None) -> syncer_pb2.UploadFragmentResponse:
+                             wait_budget_s: float | None = None):
         header = ticket.header
         member = self.require_member(header.learner_id, header.incarnation)
         self.count_bytes(member, inbound=wire_bytes, codec=ticket.codec)
@@ -404,15 +397,11 @@ class SyncerCore:
             version_at_accept = slot.version
         self.rounds.open_if_nobody_trains()
         self.tick()
-        return syncer_pb2.UploadFragmentResponse(
-            result=syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED, current_version=version_at_accept, weight=weight
-        )
+        return wire_views.upload_response(duplicate=False, current_version=version_at_accept, weight=weight)
 
-    def _duplicate(self, slot: slots_lib.FragmentSlot, weight: float) -> syncer_pb2.UploadFragmentResponse:
+    def _duplicate(self, slot: slots_lib.FragmentSlot, weight: float):
         self.uploads["duplicate"] += 1
-        return syncer_pb2.UploadFragmentResponse(
-            result=syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE, current_version=slot.version, weight=weight
-        )
+        return wire_views.upload_response(duplicate=True, current_version=slot.version, weight=weight)
 
     # ---------------------------------------------------------------------------------- rounds
 
@@ -436,21 +425,21 @@ class SyncerCore:
         """The back-pressure hint an accepted upload's response carries (Membership.note_hold)."""
         self.membership.note_hold(header.learner_id, header.incarnation, header.fragment_id, hold_s)
 
-    def round_call(self, fragment_id: int, learner_id: str) -> syncer_pb2.RoundCall | None:
+    def round_call(self, fragment_id: int, learner_id: str) -> merging_lib.RoundCall | None:
         """The call to send this learner for the fragment's open round, if it has not contributed."""
         return self.rounds.round_call(fragment_id, learner_id)
 
-    def receipt(self, learner_id: str, incarnation: int, fragment_id: int, version: int) -> syncer_pb2.MergeReceipt:
+    def receipt(self, learner_id: str, incarnation: int, fragment_id: int, version: int):
         """This learner life's MergeReceipt for a version of a fragment."""
         member = self.members.get(learner_id)
         mark = member.mark_at(fragment_id, version) if member is not None and member.incarnation == incarnation else 0
-        return syncer_pb2.MergeReceipt(fragment_id=fragment_id, version=version, merged_through_step=mark)
+        return wire_views.merge_receipt(fragment_id, version, mark)
 
     def broadcast_sent(self, learner_id: str, fragment_id: int, version: int) -> None:
         """A watch stream sent `version` to a learner (the grace window's sync time)."""
         self.rounds.broadcast_sent(learner_id, fragment_id, version)
 
-    def pending_contributions(self) -> list[tuple[int, syncer_pb2.Contribution]]:
+    def pending_contributions(self) -> list[tuple[int, merging_lib.Contribution]]:
         """(fragment id, contribution) of every round not merged yet."""
         return self.rounds.pending_contributions()
 
@@ -488,58 +477,23 @@ class SyncerCore:
 
     # ---------------------------------------------------------------------------------- evals
 
-    def report_eval(self, req: syncer_pb2.ReportEvalRequest) -> None:
-        self.check_protocol(req.protocol_version)
-        if not math.isfinite(req.heldout_loss):
+    def report_eval(self, req) -> None:
+        """`req`: a ReportEvalRequest (read through wire_views)."""
+        report = wire_views.eval_report(req)
+        self.check_protocol(report.protocol_version)
+        if not math.isfinite(report.heldout_loss):
             raise errors.InvalidArgument("heldout_loss must be finite", reason="eval")
-        self.evals.append(
-            state_lib.EvalSnapshot(
-                at_unix_s=self._wall(),
-                heldout_loss=req.heldout_loss,
-                tokens_merged=req.tokens_merged,
-                outer_steps=sum(v.version for v in req.evaluated),
-            )
-        )
-        _LOG.info("held-out loss", extra={"fields": {"loss": round(req.heldout_loss, 4), "evaluator": req.evaluator_id}})
+        self.evals.append(state_lib.EvalSnapshot(at_unix_s=self._wall(), heldout_loss=report.heldout_loss,
+                                                 tokens_merged=report.tokens_merged, outer_steps=report.outer_steps))
+        _LOG.info("held-out loss",
+                  extra={"fields": {"loss": round(report.heldout_loss, 4), "evaluator": report.evaluator_id}})
         self._notify()
 
     # ---------------------------------------------------------------------------------- state
 
-    def training_state(self, recent_merges: int) -> syncer_pb2.TrainingState:
-        now = self._clock()
-        members = [wire_views.member_state(m, now_s=now, liveness_timeout_s=self.liveness_timeout_s)
-                   for m in sorted(self.members.values(), key=lambda m: m.learner_id)]
-        merges = list(self.merges)[-recent_merges:] if recent_merges else []
-        return syncer_pb2.TrainingState(
-            run_id=self.config.run_id,
-            syncer_instance=self.instance,
-            build_version=build_info.version(), build_commit=build_info.commit(),
-            started_at_unix_s=self.started_at_unix_s,
-            now_unix_s=self._wall(),
-            outer_steps=self.outer_steps,
-            fragments=[wire_views.fragment_state(s) for s in self.slots],
-            members=members,
-            recent_merges=merges,
-            tokens_merged=self.tokens_merged,
-            bytes_in=self.membership.bytes_in,
-            bytes_out=self.membership.bytes_out,
-            evals=[wire_views.eval_record(e) for e in self.evals],
-            last_checkpoint_outer_step=self.last_checkpoint_outer_step,
-            last_checkpoint_unix_s=self.last_checkpoint_unix_s,
-            restored_from_checkpoint=self.restored_from_checkpoint,
-            config=self.config,
-            uploads=dict(self.uploads),
-            grace_window_s=self.grace_window_s(),
-            step_time_s=self.step_time_s(),
-            quorum_time_s=self.rounds.quorum_time.value or 0.0,
-            sync_time_s=self.rounds.sync_time.value or 0.0,
-            auth_failures=dict(self.membership.auth_failures),
-            quarantines=self.membership.quarantines,
-            direction_judgments=dict(self.direction_judgments),
-            tokens_processed=self.tokens_processed(),
-            token_budget=self.token_budget,
-            influence=self.influence.summary(),
-        )
+    def training_state(self, recent_merges: int):
+        """The TrainingState now, with the last `recent_merges` merges (wire_views.training_state)."""
+        return wire_views.training_state(self, recent_merges)
 
     async def snapshot(self) -> state_lib.SyncerSnapshot:
         """A consistent copy of everything a restart needs (each fragment copied under its lock)."""

@@ -22,7 +22,7 @@ class SyncerHistory:
     def started(self) -> None:
         core = self._core
         self._write("start", restored=core.restored_from_checkpoint, outer_steps=core.outer_steps,
-                    min_quorum=core.config.min_quorum, liveness_timeout_s=core.liveness_timeout_s,
+                    min_quorum=core.rounds.settings.min_quorum, liveness_timeout_s=core.liveness_timeout_s,
                     max_grace_s=core.max_grace_s,
                     fragments={str(fid): list(core.fragment_digest(fid)) for fid in core.versions()})
 

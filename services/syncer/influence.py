@@ -1,9 +1,9 @@
 """Who influenced each merge, and by how much: the syncer's influence record and merge ledger.
 
 Owns `Influence` (per-identity counts the metrics read: weight shares, clipped claims, refused
-contributions, capped shares; each identity's part in the last RECENT_MERGES merges, which the
-training state shows as `TrainingState.influence`; the refusals waiting for their fragment's next
-merge) and
+contributions, capped shares; each identity's part in the last RECENT_MERGES merges as plain
+`LearnerInfluence` rows, which services/syncer/wire_views.py turns into `TrainingState.influence`;
+the refusals waiting for their fragment's next merge) and
 `MergeLedger` (the append-only, hash-chained JSONL file of `--merge-ledger`: one record per
 merge). Admission notes what it clipped or refused here; the merging part hands every merge over.
 Must not: decide anything about a contribution (admission.py and ddiloco.algo.robust do).
@@ -39,6 +39,7 @@ them: `ddiloco audit replay` re-runs the merge from them in the recorded order, 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
@@ -50,7 +51,6 @@ import numpy as np
 
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import robust as robust_lib
-from ddiloco.v1 import syncer_pb2
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
@@ -58,6 +58,20 @@ FORMAT = "ddiloco.ledger/1"
 GENESIS = "0" * 64  # `prev` of a ledger's first record
 _REFUSALS_KEPT = 64  # refusals remembered per fragment between two merges (the ledger is bounded)
 RECENT_MERGES = 64  # merges (all fragments) TrainingState.influence is taken over
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerInfluence:
+    """One identity's part in the recent merges (`Influence.summary`; wire_views.learner_influence
+    builds the TrainingState.influence row)."""
+
+    learner_id: str
+    merges: int  # recent merges it contributed to
+    mean_share: float
+    max_share: float
+    share_capped: int  # of those merges, how many capped its share
+    clipped: int  # ... and how many clipped it in any other way
+    window_merges: int  # the merges (all fragments) the window holds
 
 
 def line_sha256(line: bytes) -> str:
@@ -256,13 +270,13 @@ class Influence:
             out["blobs"] = sorted(blobs)
         return blobs
 
-    def summary(self) -> list[syncer_pb2.LearnerInfluence]:
+    def summary(self) -> list[LearnerInfluence]:
         """Each identity's part in the recent merges (TrainingState.influence), by learner id."""
         parts: dict[str, list[tuple[float, bool, bool]]] = collections.defaultdict(list)
         for merge in self._recent:
             for learner, part in merge.items():
                 parts[learner].append(part)
-        return [syncer_pb2.LearnerInfluence(
+        return [LearnerInfluence(
             learner_id=learner, merges=len(p), mean_share=sum(s for s, _, _ in p) / len(p),
             max_share=max(s for s, _, _ in p), share_capped=sum(c for _, c, _ in p),
             clipped=sum(c for _, _, c in p), window_merges=len(self._recent))

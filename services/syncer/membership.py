@@ -147,6 +147,14 @@ class Member:
         self.steps_prev_lives = previous.steps_prev_lives + previous.local_step
 
 
+def member_status(m: Member, *, now_s: float, liveness_timeout_s: float) -> str:
+    """"left", "active" (heard from within the liveness timeout) or "silent": MemberState.status
+    by name (wire_views.member_state; the metrics count learners by it)."""
+    if m.left:
+        return "left"
+    return "active" if now_s - m.last_seen_s <= liveness_timeout_s else "silent"
+
+
 class JoinArgs(NamedTuple):
     """A JoinRequest's fields that membership reads."""
 
@@ -171,6 +179,7 @@ class Progress(NamedTuple):
     tokens_total: int = 0
     step_time_s: float = 0.0
     inner_loss: float = 0.0
+    finished: bool = False  # the learner's last report: it trains no more
 
 
 class Membership:

@@ -5,7 +5,8 @@ schedule, ddiloco.algo.rounds, or the first contribution opens it), folding admi
 contributions in (re-anchored, ddiloco.algo.reanchor), the merge decision (quorum plus the adaptive
 grace window, ddiloco.algo.grace: its measurements, the decision, the timers), and the merge: the
 outer step in a worker thread under the fragment's lock, the new version, the contributors'
-receipt marks and the merge log.
+receipt marks and the merge log; and the plain records of its rounds (`Contribution`,
+`MergeRecord`, `RoundCall`), whose messages services/syncer/wire_views.py builds.
 Must not: admit or refuse contributions (services/syncer/admission.py) or encode (it asks the
 publisher). It re-evaluates rounds through the core's `tick` hook, so that the core stays the one
 entry point.
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,7 +31,6 @@ from ddiloco.algo import outer as outer_lib
 from ddiloco.algo import reanchor as reanchor_lib
 from ddiloco.algo import rounds as rounds_lib
 from ddiloco.rpc import errors
-from ddiloco.v1 import syncer_pb2
 from . import influence as influence_lib
 from . import membership as membership_lib
 from . import publishing as publishing_lib
@@ -41,10 +43,61 @@ _LOG = logging.getLogger("ddiloco.syncer")
 _MIN_STALL_S = 2.0
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundSettings:
+    """What the rounds read of the run's configuration (wire_views.round_settings takes it from
+    the RunConfig learners adopt)."""
+
+    merge_rule: str
+    embedding_merge_rule: str
+    overlap_steps: int  # tau: the grace window's overlap
+    min_quorum: int  # K
+    max_staleness_versions: int
+
+
+@dataclasses.dataclass
+class Contribution:
+    """One folded-in contribution of a round, as its merge's record lists it (wire_views.contribution
+    builds the wire form). `weight` is lowered to what the share cap left it, at the merge."""
+
+    learner_id: str
+    incarnation: int
+    base_version: int
+    steps: int
+    tokens: int
+    weight: float
+    local_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeRecord:
+    """One merge, as the training state's recent merges show it (wire_views.merge_record)."""
+
+    fragment_id: int
+    version: int
+    merged_at_unix_s: float
+    contributors: tuple[Contribution, ...]
+    quorum_wait_s: float
+    grace_window_s: float
+    grace_used_s: float
+    reason: str
+    outer_grad_norm: float
+    expected_contributors: int
+    round: int
+
+
+class RoundCall(NamedTuple):
+    """The call a watch stream sends a learner for a fragment's open round (wire_views.round_call)."""
+
+    fragment_id: int
+    round: int
+    version: int
+
+
 class Rounds:
     """Every fragment's merge round and the outer step. See the module docstring."""
 
-    def __init__(self, *, run_config: syncer_pb2.RunConfig, plan: fragments_lib.FragmentPlan,
+    def __init__(self, *, settings: RoundSettings, plan: fragments_lib.FragmentPlan,
                  slots: list[slots_lib.FragmentSlot], steppers: list[outer_lib.OuterStepper], scheduled: bool,
                  outer_step_fraction: str, merge_history: int, grace_gamma: float, max_grace_s: float,
                  uploads: collections.Counter, clock: Callable[[], float], wall_clock: Callable[[], float],
@@ -54,7 +107,7 @@ class Rounds:
         """`uploads` is the core's upload counter (dropped rounds are counted there); `tick`
         re-evaluates every round (the core's, so that an override there applies);
         `merged` runs after each merge (the checkpointer's hook); `failpoint` is the core's."""
-        self.config = run_config
+        self.settings = settings
         self.influence = None  # services.syncer.influence.Influence, set by the core (who influenced each merge)
         # The outer optimizer's hyperparameters for the ledger (None: not Nesterov SGD; set by the core).
         self.outer: dict | None = None
@@ -87,7 +140,7 @@ class Rounds:
             step_time_s=step_time_s,
             quorum_time_s=self.quorum_time.value or 0.0,
             sync_time_s=self.sync_time.value or 0.0,
-            tau_steps=self.config.overlap_steps,
+            tau_steps=self.settings.overlap_steps,
             gamma=self._grace_gamma,
         )
         return min(window, self.max_grace_s)
@@ -104,7 +157,7 @@ class Rounds:
         contributions (a learner's final work, an answer that came after its round closed) wait."""
         policy = slot.norms.policy  # bounded influence: the share cap goes with the norm bound
         # Every input the merge's result depends on goes to the ledger (replay passes them back).
-        inputs = {"rule": self.config.merge_rule, "embedding_rule": self.config.embedding_merge_rule,
+        inputs = {"rule": self.settings.merge_rule, "embedding_rule": self.settings.embedding_merge_rule,
                   "max_share": policy.max_share if policy.enabled else 1.0,
                   "max_norm_ratio": policy.clip_factor if policy.enabled else 0.0,
                   "share_cap_min_count": policy.share_min_contributors, "step_scaling": policy.step_scaling}
@@ -153,17 +206,17 @@ class Rounds:
         except ValueError as exc:
             raise errors.InvalidArgument(f"fragment {fragment_id}: {exc}", reason="nonfinite") from None
 
-    def add(self, rnd: slots_lib.Round, header: syncer_pb2.UploadHeader, weight: float) -> None:
-        """Records a folded-in contribution in its round."""
+    def add(self, rnd: slots_lib.Round, header, weight: float) -> None:
+        """Records a folded-in contribution in its round (`header`: admission.UploadHeader)."""
         rnd.learners.add(header.learner_id)
         rnd.contributions.append(
-            syncer_pb2.Contribution(
+            Contribution(
                 learner_id=header.learner_id,
                 incarnation=header.incarnation,
                 base_version=header.base_version,
                 steps=header.steps,
                 tokens=header.tokens,
-                weight=weight,
+                weight=float(weight),
                 local_step=header.local_step,
             )
         )
@@ -171,7 +224,7 @@ class Rounds:
     def note_quorum(self, rnd: slots_lib.Round) -> None:
         """Marks when an open round first holds K contributions; ξ_quorum is measured from the
         round's opening (the syncer's call), as the paper means it."""
-        if rnd.open and rnd.quorum_reached_at_s is None and len(rnd.contributions) >= self.config.min_quorum:
+        if rnd.open and rnd.quorum_reached_at_s is None and len(rnd.contributions) >= self.settings.min_quorum:
             rnd.quorum_reached_at_s = self._clock()
             self.quorum_time.update(rnd.quorum_reached_at_s - rnd.opened_at_s)
 
@@ -238,13 +291,13 @@ class Rounds:
             self._tick()
         return due
 
-    def round_call(self, fragment_id: int, learner_id: str) -> syncer_pb2.RoundCall | None:
+    def round_call(self, fragment_id: int, learner_id: str) -> RoundCall | None:
         """The call to send this learner for the fragment's open round, if it has not contributed."""
         slot = self.slots[fragment_id]
         rnd = slot.round
         if rnd is None or not rnd.open or learner_id in rnd.learners:
             return None
-        return syncer_pb2.RoundCall(fragment_id=fragment_id, round=rnd.number, version=slot.version)
+        return RoundCall(fragment_id=fragment_id, round=rnd.number, version=slot.version)
 
     def broadcast_sent(self, learner_id: str, fragment_id: int, version: int) -> None:
         """A watch stream sent `version` to a learner: once every learner the merge was broadcast
@@ -277,9 +330,9 @@ class Rounds:
                     contributors=len(rnd.learners),
                     quorum_reached_at_s=rnd.quorum_reached_at_s,
                     expected_contributors=max(len(waited_for | rnd.learners), 1),
-                    quorum_reachable=self._membership.quorum_reachable(self.config.min_quorum, rnd.learners),
+                    quorum_reachable=self._membership.quorum_reachable(self.settings.min_quorum, rnd.learners),
                 ),
-                min_quorum=self.config.min_quorum,
+                min_quorum=self.settings.min_quorum,
                 grace_s=grace_s,
             )
             if decision.merge:
@@ -332,7 +385,7 @@ class Rounds:
                 self._uploads["dropped_nonfinite_round"] += 1
                 return
             published = await self._publisher.next_published(slot, stepped.params)
-            slot.advance(stepped.params, stepped.state, published, self.config.max_staleness_versions + 1)
+            slot.advance(stepped.params, stepped.state, published, self.settings.max_staleness_versions + 1)
             self.outer_steps += 1
             self.tokens_merged += sum(c.tokens for c in rnd.contributions)
             self._credit_contributors(slot.fragment.fragment_id, slot.version, rnd)
@@ -383,7 +436,7 @@ class Rounds:
             return
         for c in rnd.contributions:
             if c.learner_id == capped[0]:
-                c.weight = capped[2]
+                c.weight = float(capped[2])
 
     def _credit_contributors(self, fragment_id: int, version: int, rnd: slots_lib.Round) -> None:
         """What each contributor's MergeReceipt will say (only the life that sent it is credited)."""
@@ -393,18 +446,19 @@ class Rounds:
                 member.record_merged(fragment_id, version, c.local_step, c.tokens)
 
     def _merge_record(self, slot: slots_lib.FragmentSlot, rnd: slots_lib.Round, reason: str, grace_s: float,
-                      started: float, expected: set[str], outer_grad_norm: float) -> syncer_pb2.MergeRecord:
+                      started: float, expected: set[str], outer_grad_norm: float) -> MergeRecord:
         quorum_at = rnd.quorum_reached_at_s if rnd.quorum_reached_at_s is not None else started
-        return syncer_pb2.MergeRecord(
+        return MergeRecord(
             fragment_id=slot.fragment.fragment_id,
             version=slot.version,
-            merged_at_unix_s=self._wall(),
-            contributors=rnd.contributions,
-            quorum_wait_s=quorum_at - rnd.opened_at_s,
-            grace_window_s=grace_s,
-            grace_used_s=max(0.0, started - quorum_at),
+            merged_at_unix_s=float(self._wall()),
+            # Copies, as the message's repeated field took: the record never changes after the merge.
+            contributors=tuple(dataclasses.replace(c) for c in rnd.contributions),
+            quorum_wait_s=float(quorum_at - rnd.opened_at_s),
+            grace_window_s=float(grace_s),
+            grace_used_s=float(max(0.0, started - quorum_at)),
             reason=reason,
-            outer_grad_norm=outer_grad_norm,
+            outer_grad_norm=float(outer_grad_norm),
             expected_contributors=len(expected | rnd.learners),
             round=rnd.number,
         )
@@ -434,6 +488,6 @@ class Rounds:
         """Whether a merge is scheduled or running on some fragment."""
         return any(slot.merging for slot in self.slots)
 
-    def pending_contributions(self) -> list[tuple[int, syncer_pb2.Contribution]]:
+    def pending_contributions(self) -> list[tuple[int, Contribution]]:
         """(fragment id, contribution) of every round not merged yet."""
         return [(s.fragment.fragment_id, c) for s in self.slots if s.round is not None for c in s.round.contributions]

@@ -15,6 +15,7 @@ its former, deprecated name (the paper's goodput is a share of wall time, not of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import prometheus_client
@@ -23,8 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ddiloco import metrics as metrics_lib
 from ddiloco import training_state as status_derived
 from ddiloco.rpc import security as security_lib
-from ddiloco.v1 import syncer_pb2
 from . import core as core_lib
+from . import membership as membership_lib
 
 # Upload results exported at 0 before their first occurrence (a series that appears only with its
 # first increment is invisible to rate() until then): the common outcomes and every refusal that
@@ -32,11 +33,71 @@ from . import core as core_lib
 KNOWN_UPLOAD_RESULTS = frozenset({"accepted", "duplicate", "rejected_quarantined"}
                                  | {f"rejected_{reason}" for reason in core_lib.STRIKE_REASONS})
 
-_STATUS = {
-    syncer_pb2.MemberState.STATUS_ACTIVE: "active",
-    syncer_pb2.MemberState.STATUS_SILENT: "silent",
-    syncer_pb2.MemberState.STATUS_LEFT: "left",
-}
+_STATUSES = ("active", "silent", "left")  # membership.member_status
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerRow:
+    """One learner as a scrape reads it (the TrainingState's MemberState, in plain values)."""
+
+    learner_id: str
+    region: str
+    status: str  # membership.member_status
+    quarantined: bool
+    local_step: int
+    tokens_total: int
+    inner_loss: float
+    last_seen_unix_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ScrapeState:
+    """What a scrape reads of the core, copied on its loop (`scrape_state`); the same values as
+    the TrainingState's fields of these names (services/syncer/wire_views.training_state)."""
+
+    outer_steps: int
+    min_quorum: int
+    num_fragments: int
+    fragments: tuple[tuple[int, int, int], ...]  # (fragment id, version, pending contributions)
+    tokens_merged: int
+    tokens_processed: int
+    bytes_in: int
+    bytes_out: int
+    uploads: dict
+    auth_failures: dict
+    quarantines: int
+    direction_judgments: dict
+    members: tuple[LearnerRow, ...]  # by learner id
+    grace_window_s: float
+    step_time_s: float
+    quorum_time_s: float
+    sync_time_s: float
+    heldout_loss: float | None  # the last evaluation's (None: none yet)
+    last_checkpoint_outer_step: int
+
+
+def scrape_state(core) -> ScrapeState:
+    """The core's state for a scrape; call on the core's loop."""
+    now = core._clock()
+    members = tuple(
+        LearnerRow(learner_id=m.learner_id, region=m.region, quarantined=now < m.quarantined_until_s,
+                   status=membership_lib.member_status(m, now_s=now, liveness_timeout_s=core.liveness_timeout_s),
+                   local_step=m.local_step, tokens_total=m.tokens_total, inner_loss=m.inner_loss,
+                   last_seen_unix_s=m.last_seen_unix_s)
+        for m in sorted(core.members.values(), key=lambda m: m.learner_id))
+    return ScrapeState(
+        outer_steps=core.outer_steps, min_quorum=core.rounds.settings.min_quorum,
+        num_fragments=core.plan.num_fragments or len(core.slots) or 1,
+        fragments=tuple((s.fragment.fragment_id, s.version, len(s.round.contributions) if s.round else 0)
+                        for s in core.slots),
+        tokens_merged=core.tokens_merged, tokens_processed=core.tokens_processed(),
+        bytes_in=core.membership.bytes_in, bytes_out=core.membership.bytes_out, uploads=dict(core.uploads),
+        auth_failures=dict(core.membership.auth_failures), quarantines=core.membership.quarantines,
+        direction_judgments=dict(core.direction_judgments), members=members,
+        grace_window_s=core.grace_window_s(), step_time_s=core.step_time_s(),
+        quorum_time_s=core.rounds.quorum_time.value or 0.0, sync_time_s=core.rounds.sync_time.value or 0.0,
+        heldout_loss=core.evals[-1].heldout_loss if core.evals else None,
+        last_checkpoint_outer_step=core.last_checkpoint_outer_step)
 
 
 class SyncerMetrics:
@@ -116,7 +177,8 @@ class SyncerMetrics:
         self._registry.register(_RepairCollector(client, asyncio.get_running_loop()))
 
     # Observer interface (called by SyncerCore on its event loop).
-    def merged(self, record: syncer_pb2.MergeRecord) -> None:
+    def merged(self, record) -> None:
+        """`record`: merging.MergeRecord."""
         self.merges.labels(fragment=str(record.fragment_id)).inc()
         self.quorum_size.observe(len(record.contributors))
         fragment = str(record.fragment_id)
@@ -162,7 +224,7 @@ class _StateCollector:
 
     def collect(self):
         async def snapshot():
-            return self._core.training_state(0), _influence_snapshot(self._core)
+            return scrape_state(self._core), _influence_snapshot(self._core)
 
         state, influence = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=5.0)
         yield from _influence_families(influence)
@@ -252,7 +314,7 @@ class _RepairCollector:
             yield family
 
 
-def _progress_families(state: syncer_pb2.TrainingState):
+def _progress_families(state: ScrapeState):
     """Outer steps, the quorum, fragment versions and open rounds, tokens merged and processed."""
     # Counters read from the core's state include what was restored from the checkpoint (outer
     # steps, tokens, bytes, quarantines): a restarted syncer starts them at the restored amount,
@@ -262,14 +324,14 @@ def _progress_families(state: syncer_pb2.TrainingState):
     yield CounterMetricFamily("ddiloco_syncer_outer_steps", "Merges since the run began (restored included)",
                               value=state.outer_steps)
     yield GaugeMetricFamily("ddiloco_syncer_min_quorum", "Contributions a merge needs (K, --min-quorum)",
-                            value=state.config.min_quorum)
+                            value=state.min_quorum)
     versions = GaugeMetricFamily("ddiloco_syncer_fragment_version", "Global version of each fragment",
                                  labels=["fragment"])
     pending = GaugeMetricFamily("ddiloco_syncer_fragment_pending_contributions",
                                 "Contributions in each fragment's open round", labels=["fragment"])
-    for f in state.fragments:
-        versions.add_metric([str(f.fragment_id)], f.version)
-        pending.add_metric([str(f.fragment_id)], f.pending_contributions)
+    for fragment_id, version, pending_contributions in state.fragments:
+        versions.add_metric([str(fragment_id)], version)
+        pending.add_metric([str(fragment_id)], pending_contributions)
     yield versions
     yield pending
     yield CounterMetricFamily("ddiloco_syncer_tokens_merged", "Tokens of all merged contributions",
@@ -280,7 +342,7 @@ def _progress_families(state: syncer_pb2.TrainingState):
         value=state.tokens_processed)
 
 
-def _traffic_families(state: syncer_pb2.TrainingState):
+def _traffic_families(state: ScrapeState):
     """Bytes in and out and uploads by result."""
     # Every RPC's bytes; fragment transfers by the codec each used: ddiloco_syncer_fragment_wire_bytes.
     wire = CounterMetricFamily("ddiloco_wire_bytes", "Serialized gRPC payload bytes at the syncer (restored included)",
@@ -295,7 +357,7 @@ def _traffic_families(state: syncer_pb2.TrainingState):
     yield uploads
 
 
-def _security_families(state: syncer_pb2.TrainingState):
+def _security_families(state: ScrapeState):
     """Refused callers, quarantines and the direction check's judgments."""
     # Security, kept apart from the upload results above: refused callers and quarantines.
     # TLS handshake failures never reach the process (grpc-core drops the connection before
@@ -323,7 +385,7 @@ def _security_families(state: syncer_pb2.TrainingState):
                             value=sum(1 for m in state.members if m.quarantined))
 
 
-def _timing_families(state: syncer_pb2.TrainingState):
+def _timing_families(state: ScrapeState):
     """The adaptive grace window and the smoothed times it is derived from."""
     for name, doc, value in (
             ("ddiloco_syncer_current_grace_window_seconds", "Current adaptive grace window (gamma x slack)",
@@ -338,10 +400,10 @@ def _timing_families(state: syncer_pb2.TrainingState):
         yield GaugeMetricFamily(name, doc, value=value)
 
 
-def _learner_families(state: syncer_pb2.TrainingState):
+def _learner_families(state: ScrapeState):
     """Learners by status and each learner's last reported steps, tokens, loss and age."""
     members = GaugeMetricFamily("ddiloco_learners", "Learners by status", labels=["status"])
-    counts = {name: 0 for name in _STATUS.values()}
+    counts = {name: 0 for name in _STATUSES}
     # The same names as the learners' own metrics (services/learner/metrics.py), as last reported
     # to the syncer: counters of the learner's current life (a new life starts from 0, a reset).
     steps = CounterMetricFamily("ddiloco_learner_inner_steps", "Inner steps reported by each learner (this life)",
@@ -353,7 +415,7 @@ def _learner_families(state: syncer_pb2.TrainingState):
     last_seen = GaugeMetricFamily("ddiloco_learner_last_seen_age_seconds", "Seconds since a learner was heard from",
                                   labels=["learner", "region"])
     for m in state.members:
-        counts[_STATUS.get(m.status, "active")] += 1
+        counts[m.status] += 1
         labels = [m.learner_id, m.region]
         steps.add_metric(labels, m.local_step)
         tokens.add_metric(labels, m.tokens_total)
@@ -364,16 +426,16 @@ def _learner_families(state: syncer_pb2.TrainingState):
     yield from (members, steps, tokens, loss, last_seen)
 
 
-def _outcome_families(state: syncer_pb2.TrainingState):
+def _outcome_families(state: ScrapeState):
     """Held-out loss, the share of work merged and the last checkpoint's outer step."""
-    if state.evals:
+    if state.heldout_loss is not None:
         yield GaugeMetricFamily("ddiloco_heldout_loss", "Held-out loss of the global parameters (nats/token)",
-                                value=state.evals[-1].heldout_loss)
+                                value=state.heldout_loss)
     # Work merged: the share of the learners' work that made it into a merge. Each of the P
     # fragments' contributions carries that fragment's tokens, so fully merged work sums to
     # P x tokens processed. Absent until a token is processed.
     processed, _ = status_derived.tokens_processed(state)
-    share = status_derived.work_merged(state.tokens_merged, status_derived.num_fragments(state), processed)
+    share = status_derived.work_merged(state.tokens_merged, state.num_fragments, processed)
     if share is not None:
         yield GaugeMetricFamily("ddiloco_work_merged_ratio",
                                 "Tokens merged / (fragments x tokens processed): share of the learners' work merged",

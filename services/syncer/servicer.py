@@ -34,6 +34,7 @@ from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
 from . import backpressure
 from . import core as core_lib
+from . import wire_views
 
 _LOG = logging.getLogger("ddiloco.syncer")
 _DEADLINE_MARGIN_S = 2.0  # left of an upload's deadline for the fold-in and the response
@@ -439,7 +440,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                     call = core.round_call(slot.fragment.fragment_id, request.learner_id)
                     if call is not None and call.round > called[call.fragment_id]:
                         called[call.fragment_id] = call.round
-                        yield syncer_pb2.WatchFragmentsResponse(round_call=call)
+                        yield syncer_pb2.WatchFragmentsResponse(round_call=wire_views.round_call(call))
             for slot in core.slots:
                 fid = slot.fragment.fragment_id
                 if slot.version <= sent[fid]:

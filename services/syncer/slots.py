@@ -29,7 +29,7 @@ class Round:
     accumulator: merge_lib.MergeAccumulator
     opened_at_s: float
     quorum_reached_at_s: float | None = None
-    contributions: list = dataclasses.field(default_factory=list)  # Contribution messages (built by admission)
+    contributions: list = dataclasses.field(default_factory=list)  # merging.Contribution, in the order folded in
     learners: set = dataclasses.field(default_factory=set)
     # Opened by the schedule (its learners were called); before that, early contributions only
     # gather. The round number is the slot's count of rounds opened.

@@ -2,8 +2,10 @@
 
 Owns `SyncerSnapshot` (with `FragmentSnapshot`, `MemberSnapshot`, `EvalSnapshot`): what a checkpoint
 keeps, and its conversion to and from the checkpoint's JSON-friendly form
-(services/syncer/checkpointing.py stores that form). The protobuf views of this state (RunConfig,
-the TrainingState rows, EvalRecord) live in services/syncer/wire_views.py, next to the servicer.
+(services/syncer/checkpointing.py stores that form); and the plain forms of what the core reads of
+the RunConfig (`RunSettings`) and of a ReportEvalRequest (`EvalReport`). The protobuf views of this
+state (RunConfig, the TrainingState rows, EvalRecord) live in services/syncer/wire_views.py, next
+to the servicer, which also makes these plain forms.
 Must not: import generated protobuf code; take locks or mutate the core (SyncerCore.snapshot and
 restore call these under the fragments' locks, on the core's loop).
 """
@@ -14,6 +16,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -129,6 +132,28 @@ class MemberSnapshot:
             member.quarantined_until_s = now_s + self.quarantine_remaining_s
             member.quarantined_until_unix_s = now_unix_s + self.quarantine_remaining_s
         return member
+
+
+class RunSettings(NamedTuple):
+    """What the core reads of the RunConfig learners adopt (wire_views.run_settings)."""
+
+    run_id: str
+    model_name: str
+    model_fingerprint: str
+    sync_mode: str  # "" or "decoupled": the rounds follow the schedule (with round_trigger "schedule")
+    download_codec: str  # by name (ddiloco.wire.codec)
+    upload_block_size: int
+    zstd_level: int
+
+
+class EvalReport(NamedTuple):
+    """A ReportEvalRequest's fields the core reads (wire_views.eval_report)."""
+
+    protocol_version: int
+    evaluator_id: str
+    heldout_loss: float
+    tokens_merged: int
+    outer_steps: int  # the sum of the evaluated fragments' versions
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,13 @@
 """The protobuf views of the syncer's plain state: the one place below the servicer that builds
 syncer_pb2 messages from the parts' Python values.
 
-Owns `make_run_config` (the RunConfig learners adopt), the TrainingState rows (`member_state`,
-`fragment_state`), the EvalRecord form of an `EvalSnapshot`, and the plain forms of the requests
-membership reads (`join_args`, `progress`) and of the upload header admission reads (`upload_header`).
-The parts (state, membership, slots, checkpointing, admission, ...) stay free of generated code;
-tests/unit/test_syncer_no_protobuf.py checks that.
+Owns `make_run_config` (the RunConfig learners adopt) and the part of it the rounds read
+(`round_settings`), the TrainingState (`training_state`) and its rows (`member_state`,
+`fragment_state`, `merge_record`, `learner_influence`, `eval_record`), the RoundCall of a watch
+stream (`round_call`), and the plain forms of the requests membership reads (`join_args`,
+`progress`) and of the upload header admission reads (`upload_header`).
+The parts (state, membership, slots, checkpointing, admission, merging, influence, ...) stay free
+of generated code; tests/unit/test_syncer_no_protobuf.py checks that.
 Must not: hold state, take locks or mutate the core; called on the core's loop.
 """
 
@@ -13,13 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 
+from ddiloco import build_info
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 from . import admission as admission_lib
+from . import influence as influence_lib
 from . import membership as membership_lib
+from . import merging as merging_lib
 from . import slots as slots_lib
 from . import state as state_lib
+
+# membership.member_status's names as MemberState.status.
+_MEMBER_STATUS = {"active": syncer_pb2.MemberState.STATUS_ACTIVE, "silent": syncer_pb2.MemberState.STATUS_SILENT,
+                  "left": syncer_pb2.MemberState.STATUS_LEFT}
 
 
 def join_args(req: syncer_pb2.JoinRequest) -> membership_lib.JoinArgs:
@@ -36,7 +45,58 @@ def progress(req: syncer_pb2.ReportProgressRequest) -> membership_lib.Progress:
     return membership_lib.Progress(
         learner_id=req.learner_id, incarnation=req.incarnation, protocol_version=req.protocol_version,
         local_step=req.local_step, tokens_total=req.tokens_total, step_time_s=req.step_time_s,
-        inner_loss=req.inner_loss)
+        inner_loss=req.inner_loss, finished=req.finished)
+
+
+def leave_args(req: syncer_pb2.LeaveRequest) -> dict:
+    """The LeaveRequest as Membership.leave's keyword arguments."""
+    return {"learner_id": req.learner_id, "incarnation": req.incarnation, "protocol_version": req.protocol_version}
+
+
+def eval_report(req: syncer_pb2.ReportEvalRequest) -> state_lib.EvalReport:
+    """The ReportEvalRequest as the core reads it."""
+    return state_lib.EvalReport(protocol_version=req.protocol_version, evaluator_id=req.evaluator_id,
+                                heldout_loss=req.heldout_loss, tokens_merged=req.tokens_merged,
+                                outer_steps=sum(v.version for v in req.evaluated))
+
+
+def run_settings(run_config: syncer_pb2.RunConfig) -> state_lib.RunSettings:
+    """What the core reads of the RunConfig."""
+    return state_lib.RunSettings(
+        run_id=run_config.run_id, model_name=run_config.model_name, model_fingerprint=run_config.model_fingerprint,
+        sync_mode=run_config.sync_mode, download_codec=serde.codec_from_proto(run_config.download_codec),
+        upload_block_size=run_config.upload_block_size, zstd_level=run_config.zstd_level)
+
+
+def join_response(core, member: membership_lib.Member, *, assign_data_shard: bool) -> syncer_pb2.JoinResponse:
+    """A joined learner's answer: the run's config, the versions and digests, its data shard."""
+    return syncer_pb2.JoinResponse(
+        config=core.config,
+        fragment_versions=serde.versions_to_proto(core.versions()),
+        syncer_instance=core.instance,
+        published_sha256={s.fragment.fragment_id: s.published_sha256 for s in core.slots},
+        data_shard=max(member.data_shard, 0),
+        data_shard_assigned=member.data_shard_assigned and assign_data_shard,
+        schedule_start_step=member.steps_prev_lives,
+    )
+
+
+def progress_response(versions: dict[int, int], *, budget_reached: bool) -> syncer_pb2.ReportProgressResponse:
+    """The answer to a progress report: the current versions, and whether the token budget is spent."""
+    return syncer_pb2.ReportProgressResponse(fragment_versions=serde.versions_to_proto(versions),
+                                             budget_reached=budget_reached)
+
+
+def upload_response(*, duplicate: bool, current_version: int, weight: float) -> syncer_pb2.UploadFragmentResponse:
+    """The answer to an accepted (or duplicate) upload."""
+    result = syncer_pb2.UploadFragmentResponse
+    return result(result=result.RESULT_DUPLICATE if duplicate else result.RESULT_ACCEPTED,
+                  current_version=current_version, weight=weight)
+
+
+def merge_receipt(fragment_id: int, version: int, merged_through_step: int) -> syncer_pb2.MergeReceipt:
+    """A learner life's MergeReceipt for a version of a fragment."""
+    return syncer_pb2.MergeReceipt(fragment_id=fragment_id, version=version, merged_through_step=merged_through_step)
 
 
 def upload_header(header: syncer_pb2.UploadHeader) -> admission_lib.UploadHeader:
@@ -57,12 +117,7 @@ def eval_record(e: state_lib.EvalSnapshot) -> syncer_pb2.EvalRecord:
 def member_state(m: membership_lib.Member, *, now_s: float, liveness_timeout_s: float) -> syncer_pb2.MemberState:
     """One member's row of the TrainingState."""
     status = syncer_pb2.MemberState
-    if m.left:
-        st = status.STATUS_LEFT
-    elif now_s - m.last_seen_s <= liveness_timeout_s:
-        st = status.STATUS_ACTIVE
-    else:
-        st = status.STATUS_SILENT
+    st = _MEMBER_STATUS[membership_lib.member_status(m, now_s=now_s, liveness_timeout_s=liveness_timeout_s)]
     quarantined = now_s < m.quarantined_until_s
     return status(
         learner_id=m.learner_id, incarnation=m.incarnation, region=m.region, status=st,
@@ -116,4 +171,75 @@ def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, m
         protocol_version=serde.PROTOCOL_VERSION,
         sync_mode=cfg.sync_mode,
         init_seed=cfg.seed,
+    )
+
+
+def round_settings(run_config: syncer_pb2.RunConfig) -> merging_lib.RoundSettings:
+    """What the rounds read of the RunConfig."""
+    return merging_lib.RoundSettings(
+        merge_rule=run_config.merge_rule, embedding_merge_rule=run_config.embedding_merge_rule,
+        overlap_steps=run_config.overlap_steps, min_quorum=run_config.min_quorum,
+        max_staleness_versions=run_config.max_staleness_versions)
+
+
+def round_call(call: merging_lib.RoundCall) -> syncer_pb2.RoundCall:
+    """The call a watch stream sends a learner for a fragment's open round."""
+    return syncer_pb2.RoundCall(fragment_id=call.fragment_id, round=call.round, version=call.version)
+
+
+def contribution(c: merging_lib.Contribution) -> syncer_pb2.Contribution:
+    """One contributor of a merge's record."""
+    return syncer_pb2.Contribution(**dataclasses.asdict(c))
+
+
+def merge_record(r: merging_lib.MergeRecord) -> syncer_pb2.MergeRecord:
+    """One merge of the TrainingState's recent merges."""
+    return syncer_pb2.MergeRecord(
+        fragment_id=r.fragment_id, version=r.version, merged_at_unix_s=r.merged_at_unix_s,
+        contributors=[contribution(c) for c in r.contributors], quorum_wait_s=r.quorum_wait_s,
+        grace_window_s=r.grace_window_s, grace_used_s=r.grace_used_s, reason=r.reason,
+        outer_grad_norm=r.outer_grad_norm, expected_contributors=r.expected_contributors, round=r.round)
+
+
+def learner_influence(i: influence_lib.LearnerInfluence) -> syncer_pb2.LearnerInfluence:
+    """One identity's row of TrainingState.influence."""
+    return syncer_pb2.LearnerInfluence(**dataclasses.asdict(i))
+
+
+def training_state(core, recent_merges: int) -> syncer_pb2.TrainingState:
+    """The TrainingState of a SyncerCore now, with its last `recent_merges` merges (0: none).
+    Call on the core's loop."""
+    now = core._clock()
+    members = [member_state(m, now_s=now, liveness_timeout_s=core.liveness_timeout_s)
+               for m in sorted(core.members.values(), key=lambda m: m.learner_id)]
+    merges = list(core.merges)[-recent_merges:] if recent_merges else []
+    return syncer_pb2.TrainingState(
+        run_id=core.config.run_id,
+        syncer_instance=core.instance,
+        build_version=build_info.version(), build_commit=build_info.commit(),
+        started_at_unix_s=core.started_at_unix_s,
+        now_unix_s=core._wall(),
+        outer_steps=core.outer_steps,
+        fragments=[fragment_state(s) for s in core.slots],
+        members=members,
+        recent_merges=[merge_record(r) for r in merges],
+        tokens_merged=core.tokens_merged,
+        bytes_in=core.membership.bytes_in,
+        bytes_out=core.membership.bytes_out,
+        evals=[eval_record(e) for e in core.evals],
+        last_checkpoint_outer_step=core.last_checkpoint_outer_step,
+        last_checkpoint_unix_s=core.last_checkpoint_unix_s,
+        restored_from_checkpoint=core.restored_from_checkpoint,
+        config=core.config,
+        uploads=dict(core.uploads),
+        grace_window_s=core.grace_window_s(),
+        step_time_s=core.step_time_s(),
+        quorum_time_s=core.rounds.quorum_time.value or 0.0,
+        sync_time_s=core.rounds.sync_time.value or 0.0,
+        auth_failures=dict(core.membership.auth_failures),
+        quarantines=core.membership.quarantines,
+        direction_judgments=dict(core.direction_judgments),
+        tokens_processed=core.tokens_processed(),
+        token_budget=core.token_budget,
+        influence=[learner_influence(i) for i in core.influence.summary()],
     )

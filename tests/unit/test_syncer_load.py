@@ -119,7 +119,7 @@ def test_watchers_asking_at_once_share_one_encode():
 def test_decoded_contributions_waiting_at_once_are_bounded(monkeypatch):
     decoding, most, release = [0], [0], threading.Event()
     lock = threading.Lock()
-    real_decode = serde.decode_payload
+    real_decode = serde.decode_described
 
     def slow_decode(info, payload, **kwargs):
         with lock:
@@ -132,7 +132,8 @@ def test_decoded_contributions_waiting_at_once_are_bounded(monkeypatch):
             with lock:
                 decoding[0] -= 1
 
-    monkeypatch.setattr(core_lib.serde, "decode_payload", slow_decode)
+    # What admission decodes a header's plain payload description with (services/syncer/admission.py).
+    monkeypatch.setattr(serde, "decode_described", slow_decode)
 
     async def run():
         core = make_core(FakeClock(), min_quorum=10, grace_gamma=0.0, max_decoding=2)
