@@ -1,5 +1,7 @@
 """A SyncerCore to drive without gRPC: the fake clock the tests advance, the core factory, and the
-learner-side calls (join, progress, upload) that feed it.
+learner-side calls (join, progress, upload) that feed it; and, for the learner loop's tests, a
+sync client without a syncer (`RecordingSyncClient`) and a sampler for train steps that ignore
+their batch (`NullSampler`).
 
 `make_core` is the one place that turns a test's knobs into a SyncerCore; each test module passes
 the knobs its scenario depends on, over the defaults below (those of the unit tests).
@@ -16,6 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ddiloco.algo import fragments as fragments_lib
+from ddiloco.learner import ports
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
@@ -114,3 +117,28 @@ async def settle(timeout_s: float = 30.0) -> None:
         pending = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
         if (turn >= 19 and not pending) or time.monotonic() > deadline_s:
             return
+
+
+class RecordingSyncClient(ports.NullSyncClient):
+    """A learner loop's sync client without a syncer: delivers the global fragments a test puts in
+    `inbox` and records every upload the loop submits (in `uploads`)."""
+
+    def __init__(self) -> None:
+        self.inbox: list = []
+        self.uploads: list = []
+
+    def take_updates(self):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def submit_upload(self, job) -> None:
+        self.uploads.append(job)
+
+
+class NullSampler:
+    """A sampler for fake train steps that ignore their batch: 64 tokens a batch, no data."""
+
+    tokens_per_batch = 64
+
+    def next(self):
+        return None
