@@ -40,6 +40,15 @@ def _window_end(fault: harness.InjectedFault) -> float:
     return fault.healed_at
 
 
+def _assert_marked_silent(result: harness.Result, fault: harness.InjectedFault, learner: str, *,
+                          slack_s: float) -> None:
+    """The syncer marked `learner` silent while `fault` lasted, within the liveness timeout (+ `slack_s`
+    of polling)."""
+    silent = [t for t, members in result.member_samples if fault.at <= t <= fault.healed_at
+              and members.get(learner) == "SILENT"]
+    assert silent and silent[0] - fault.at <= result.scenario.liveness_timeout_s + slack_s, silent[:1]
+
+
 def _throughput(result: harness.Result, learner: str, start: float, end: float) -> tuple[float, float]:
     """Bytes per second through a learner's proxy (up, down) over the samples inside [start, end]."""
     inside = [s for s in result.proxy_samples[learner] if start <= s[0] <= end]
@@ -102,9 +111,7 @@ def test_row03_hung_learner_sigstop_merges_go_ahead_then_it_resumes(run_scenario
     assert len(during) >= 3 and all(n <= 1 for n in with_it.values()), (with_it, len(during))
     assert any("learner-2" not in _contributors(m) for m in during), during
     # The syncer stopped waiting for it: marked silent within the liveness timeout (+ polling).
-    silent = [t for t, members in result.member_samples if stop.at <= t <= stop.healed_at
-              and members.get("learner-2") == "SILENT"]
-    assert silent and silent[0] - stop.at <= result.scenario.liveness_timeout_s + 2.0, silent[:1]
+    _assert_marked_silent(result, stop, "learner-2", slack_s=2.0)
     assert stop.recovery_s is not None and stop.recovery_s < 30, stop
 
 
@@ -204,9 +211,7 @@ def test_row10_partition_one_learner_quorum_continues_and_it_resyncs(run_scenari
     cut = _fault(result, "blackhole", "learner-0")
     during = result.merges_between(cut.at + 1.0, _window_end(cut))
     assert len(during) >= 3 and all("learner-0" not in _contributors(m) for m in during), during
-    silent = [t for t, members in result.member_samples if cut.at <= t <= cut.healed_at
-              and members.get("learner-0") == "SILENT"]
-    assert silent and silent[0] - cut.at <= result.scenario.liveness_timeout_s + 2.5, silent[:1]
+    _assert_marked_silent(result, cut, "learner-0", slack_s=2.5)
     assert cut.recovery_s is not None and cut.recovery_s < 40, cut
 
 
