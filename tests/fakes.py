@@ -1,7 +1,8 @@
 """A SyncerCore to drive without gRPC: the fake clock the tests advance, the core factory, and the
 learner-side calls (join, progress, upload) that feed it; and, for the learner loop's tests, a
 sync client without a syncer (`RecordingSyncClient`) and a sampler for train steps that ignore
-their batch (`NullSampler`).
+their batch (`NullSampler`); for the codec tests, the serialization inside an encoded payload
+(`serialized`).
 
 `make_core` is the one place that turns a test's knobs into a SyncerCore; each test module passes
 the knobs its scenario depends on, over the defaults below (those of the unit tests).
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import zstandard
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.learner import ports
@@ -142,3 +144,11 @@ class NullSampler:
 
     def next(self):
         return None
+
+
+def serialized(encoded) -> bytes:
+    """The codec serialization inside a payload: zstd-decompressed, or as it is when the encoder
+    judged that zstd would not pay (compression "none", e.g. int4 and tiny vectors)."""
+    if encoded.compression == "none":
+        return encoded.payload
+    return zstandard.ZstdDecompressor().decompress(encoded.payload)
