@@ -1,5 +1,5 @@
 """A SyncerCore to drive without gRPC: the fake clock the tests advance, the core factory, and the
-learner-side calls (join, progress, upload) that feed it; and, for the learner loop's tests, a
+learner-side calls (join, join_all, progress, upload) that feed it; and, for the learner loop's tests, a
 sync client without a syncer (`RecordingSyncClient`) and a sampler for train steps that ignore
 their batch (`NullSampler`); for the codec tests, the serialization inside an encoded payload
 (`serialized`).
@@ -87,6 +87,11 @@ def make_core(clock: Callable[[], float] | None = None, *, config: config_lib.Sy
 def join(core: core_lib.SyncerCore, learner_id: str, incarnation: int = 1) -> syncer_pb2.JoinResponse:
     return core.join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id,
                                             incarnation=incarnation))
+
+
+def join_all(core: core_lib.SyncerCore, learner_ids: Sequence[str], incarnation: int = 1) -> None:
+    for learner_id in learner_ids:
+        join(core, learner_id, incarnation)
 
 
 def progress(core: core_lib.SyncerCore, learner_id: str, step_time_s: float, incarnation: int = 1) -> None:
