@@ -31,6 +31,13 @@ def _fault(result: harness.Result, kind: str, target: str | None = None, schedul
     return found[0]
 
 
+def _failpoint_crash(result: harness.Result, target: str) -> harness.InjectedFault:
+    """The crash of `target` that a failpoint (not the schedule) caused."""
+    crash = _fault(result, "crash", target, scheduled=False)
+    assert "failpoint" in crash.detail, crash
+    return crash
+
+
 def _contributors(merge: dict) -> set[str]:
     return {c[0] for c in merge["contributors"]}
 
@@ -87,8 +94,7 @@ def test_row01_learner_sigkill_quorum_continues_and_restart_rejoins(run_scenario
 def test_row02_learner_crash_mid_upload_is_never_applied(run_scenario):
     result = run_scenario("server-failpoints")
     assert_invariants(result)
-    crash = _fault(result, "crash", "learner-1", scheduled=False)
-    assert "failpoint" in crash.detail, crash
+    crash = _failpoint_crash(result, "learner-1")
     assert crash.recovery_s is not None, crash
     # The dead life's last upload was cut after a chunk: the syncer accepted nothing of it after
     # the crash, and every contribution it merged has a complete, recorded acceptance (I1).
@@ -118,8 +124,7 @@ def test_row03_hung_learner_sigstop_merges_go_ahead_then_it_resumes(run_scenario
 def test_row04_syncer_crash_between_quorum_and_apply_restores_checkpoint(run_scenario):
     result = run_scenario("server-failpoints")
     assert_invariants(result)
-    crash = _fault(result, "crash", "syncer", scheduled=False)
-    assert "failpoint" in crash.detail, crash
+    crash = _failpoint_crash(result, "syncer")
     first, *later = [r["instance"] for r in result.syncer_history if r["event"] == "start"]
     assert len(later) == 1, later
     # The failpoint fired on the FAULT_AT_MERGE-th merge to start, after its quorum and before its outer step.
@@ -165,8 +170,7 @@ def test_row05_syncer_sigterm_rolling_restart_loses_nothing(run_scenario):
 def test_row06_store_crash_during_checkpoint_write_keeps_checkpoints_loadable(run_scenario):
     result = run_scenario("server-failpoints")
     assert_invariants(result)
-    crash = _fault(result, "crash", "checkpoint", scheduled=False)
-    assert "failpoint" in crash.detail, crash
+    crash = _failpoint_crash(result, "checkpoint")
     kill = _fault(result, "kill", "checkpoint")
     i4 = result.check("I4").figures
     assert i4["checkpoints"] >= 10 and i4["loadable"] == i4["checkpoints"], i4
