@@ -4,7 +4,8 @@ Owns: the record's JSON format (``FORMAT``): the run configuration learners adop
 name, complete configuration and fingerprint, the syncer's training hyperparameters, and the
 fragment plan with every tensor's name, shape, dtype and offset in its fragment's flat vector;
 building it (``describe``), reading it back (``RunDescription.from_json``) and turning a
-checkpoint's fragment vectors into the model's own named tensors (``RunDescription.tensors``).
+checkpoint's fragment vectors into the model's own named tensors (``RunDescription.tensors``); and
+parsing a model configuration given as JSON (``model_config_from_json``, also for `ddiloco up`).
 Must not: do I/O, or need the model's code: with this record alone a reader can name and shape
 every tensor (that is what `ddiloco export` relies on).
 """
@@ -165,6 +166,18 @@ def _fragment_from_json(f: Mapping[str, Any]) -> FragmentLayout:
     return FragmentLayout(fragment_id=int(f["fragment_id"]), numel=int(f["numel"]), tensors=tensors)
 
 
+def model_config_from_json(text: str, source: str) -> dict[str, Any]:
+    """A model configuration given as JSON text (empty: ``{}``); ValueError, naming ``source``
+    (the flag or field it came from), unless it is a JSON object."""
+    try:
+        config = json.loads(text or "{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source} is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{source} must be a JSON object")
+    return config
+
+
 def describe(run_config: syncer_pb2.RunConfig, plan: fragments_lib.FragmentPlan,
              training: Mapping[str, Any] | None = None) -> RunDescription:
     """The record of a run, from the RunConfig its learners adopt and its fragment plan.
@@ -177,12 +190,7 @@ def describe(run_config: syncer_pb2.RunConfig, plan: fragments_lib.FragmentPlan,
     Raises:
         ValueError: if ``model_config_json`` is not a JSON object.
     """
-    try:
-        model_config = json.loads(run_config.model_config_json or "{}")
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"RunConfig.model_config_json is not JSON: {exc}") from None
-    if not isinstance(model_config, dict):
-        raise ValueError("RunConfig.model_config_json must be a JSON object")
+    model_config = model_config_from_json(run_config.model_config_json, "RunConfig.model_config_json")
     fields = json_format.MessageToDict(run_config, preserving_proto_field_name=True,
                                        always_print_fields_with_no_presence=True)
     fragments = []

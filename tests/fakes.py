@@ -1,5 +1,8 @@
 """A SyncerCore to drive without gRPC: the fake clock the tests advance, the core factory, and the
-learner-side calls (join, progress, upload) that feed it.
+learner-side calls (join, join_all, progress, upload) that feed it; and, for the learner loop's tests, a
+sync client without a syncer (`RecordingSyncClient`) and a sampler for train steps that ignore
+their batch (`NullSampler`); for the codec tests, the serialization inside an encoded payload
+(`serialized`).
 
 `make_core` is the one place that turns a test's knobs into a SyncerCore; each test module passes
 the knobs its scenario depends on, over the defaults below (those of the unit tests).
@@ -14,8 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import zstandard
 
 from ddiloco.algo import fragments as fragments_lib
+from ddiloco.learner import ports
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
@@ -84,6 +89,11 @@ def join(core: core_lib.SyncerCore, learner_id: str, incarnation: int = 1) -> sy
                                             incarnation=incarnation))
 
 
+def join_all(core: core_lib.SyncerCore, learner_ids: Sequence[str], incarnation: int = 1) -> None:
+    for learner_id in learner_ids:
+        join(core, learner_id, incarnation)
+
+
 def progress(core: core_lib.SyncerCore, learner_id: str, step_time_s: float, incarnation: int = 1) -> None:
     core.report_progress(syncer_pb2.ReportProgressRequest(
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, local_step=1,
@@ -114,3 +124,36 @@ async def settle(timeout_s: float = 30.0) -> None:
         pending = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
         if (turn >= 19 and not pending) or time.monotonic() > deadline_s:
             return
+
+
+class RecordingSyncClient(ports.NullSyncClient):
+    """A learner loop's sync client without a syncer: delivers the global fragments a test puts in
+    `inbox` and records every upload the loop submits (in `uploads`)."""
+
+    def __init__(self) -> None:
+        self.inbox: list = []
+        self.uploads: list = []
+
+    def take_updates(self):
+        out, self.inbox = self.inbox, []
+        return out
+
+    def submit_upload(self, job) -> None:
+        self.uploads.append(job)
+
+
+class NullSampler:
+    """A sampler for fake train steps that ignore their batch: 64 tokens a batch, no data."""
+
+    tokens_per_batch = 64
+
+    def next(self):
+        return None
+
+
+def serialized(encoded) -> bytes:
+    """The codec serialization inside a payload: zstd-decompressed, or as it is when the encoder
+    judged that zstd would not pay (compression "none", e.g. int4 and tiny vectors)."""
+    if encoded.compression == "none":
+        return encoded.payload
+    return zstandard.ZstdDecompressor().decompress(encoded.payload)

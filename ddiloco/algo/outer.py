@@ -272,13 +272,7 @@ class OuterStepper:
             ValueError: on mismatched sizes or dtypes, or a state that does not have the
                 structure ``init`` gives for this fragment size.
         """
-        params = _check_vector("params_flat", params_flat)
-        grad = _check_vector("outer_grad_flat", outer_grad_flat)
-        if grad.shape != params.shape:
-            raise ValueError(
-                f"outer_grad_flat has {grad.size} values but params_flat has {params.size}: "
-                "both must cover the same fragment"
-            )
+        params, grad = _check_fragment_pair("outer_grad_flat", outer_grad_flat, params_flat)
         leaves = self._check_state(params.size, state)
         whole = np.array([0, grad.size], np.int64)
         result = self._step_checked(params, leaves, grad, whole, np.ones(1, np.float32))
@@ -336,13 +330,7 @@ class OuterStepper:
             ValueError: on mismatched sizes or dtypes, bad bounds, or a state that does not
                 have the structure ``init`` gives for this fragment size.
         """
-        params = _check_vector("params_flat", params_flat)
-        values = _check_vector("values", values)
-        if values.shape != params.shape:
-            raise ValueError(
-                f"values has {values.size} values but params_flat has {params.size}: "
-                "both must cover the same fragment"
-            )
+        params, values = _check_fragment_pair("values", values, params_flat)
         bounds, scales = _check_segments(values.size, bounds, scales)
         grad_sq = None if sum_squares is None else _squared_norm(sum_squares, scales)
         if not (fraction > 0.0 and math.isfinite(fraction)):
@@ -485,3 +473,14 @@ def _check_vector(field: str, value: np.ndarray) -> np.ndarray:
     if array.ndim != 1 or array.dtype != np.float32:
         raise ValueError(f"{field} is {array.dtype}{list(array.shape)}: pass a 1-D float32 vector")
     return array
+
+
+def _check_fragment_pair(field: str, value: np.ndarray, params_flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(params_flat, value) as checked vectors of the same fragment: both 1-D float32, same size."""
+    params = _check_vector("params_flat", params_flat)
+    array = _check_vector(field, value)
+    if array.shape != params.shape:
+        raise ValueError(
+            f"{field} has {array.size} values but params_flat has {params.size}: both must cover the same fragment"
+        )
+    return params, array

@@ -118,6 +118,17 @@ def rolled_back_merges(lives: Sequence[SyncerLife]) -> set[tuple[str, int, int]]
     return out
 
 
+def _fate(key: tuple, life: SyncerLife | None, merged_in: Mapping[tuple, list[tuple]], rolled: set[tuple],
+          pending: set[tuple]) -> str:
+    """Where an accepted upload ended (I1's classes): applied, or rolled_back when its first merge
+    is in `rolled`; else lost_on_syncer_crash, pending, or lost (a violation)."""
+    if key in merged_in:
+        return "rolled_back" if merged_in[key][0] in rolled else "applied"
+    if life is not None and life.crashed:
+        return "lost_on_syncer_crash"
+    return "pending" if key in pending else "lost"
+
+
 def check_uploads(syncer_records: Sequence[dict], learner_records: Mapping[str, Sequence[dict]]) -> Check:
     """I1: every acknowledged upload in exactly one merge (with the classification above)."""
     check = Check("I1 acked uploads applied exactly once")
@@ -152,35 +163,25 @@ def check_uploads(syncer_records: Sequence[dict], learner_records: Mapping[str, 
                 acked.add(_key(rec["instance"], rec["learner"], rec["incarnation"], rec["fragment"], rec["base_version"]))
     counts = collections.Counter()
     for key in sorted(acked):
-        life = by_instance.get(key[0])
         if key not in accepted:
             counts["lost"] += 1
             check.fail(f"upload {key} was acknowledged but the syncer has no record of accepting it")
-        elif key in merged_in:
-            counts["rolled_back" if merged_in[key][0] in rolled else "applied"] += 1
-        elif life is not None and life.crashed:
-            counts["lost_on_syncer_crash"] += 1
-        elif key in pending:
-            counts["pending"] += 1
-        else:
-            counts["lost"] += 1
+            continue
+        fate = _fate(key, by_instance.get(key[0]), merged_in, rolled, pending)
+        counts[fate] += 1
+        if fate == "lost":
             check.fail(f"upload {key} was acknowledged, the syncer life ended gracefully, and it is in no merge "
                        "and not pending")
     # Accepted by the syncer but never acknowledged to the learner (it died or the link broke
-    # before the response): the same rules, reported separately.
+    # before the response): the same rules, reported separately (a merge counts as applied here,
+    # rolled back or not).
     unacked = collections.Counter()
     for key in accepted:
         if key in acked:
             continue
-        life = by_instance[key[0]]
-        if key in merged_in:
-            unacked["applied"] += 1
-        elif life.crashed:
-            unacked["lost_on_syncer_crash"] += 1
-        elif key in pending:
-            unacked["pending"] += 1
-        else:
-            unacked["lost"] += 1
+        fate = _fate(key, by_instance[key[0]], merged_in, set(), pending)
+        unacked[fate] += 1
+        if fate == "lost":
             check.fail(f"upload {key} was accepted by a syncer life that ended gracefully but is in no merge "
                        "and not pending")
     check.figures = {

@@ -73,19 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, (_, help_text) in _TOOLS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
-    if args.command == "up":
-        return up.run(args)
-    if args.command == "dashboard":
-        return dashboard.run(args)
-    if args.command == "report":
-        return report.run(args)
-    if args.command == "record":
-        return record.run(args)
-    if args.command == "certs":
-        return certs.run(args)
-    if args.command == "store":
-        return store.run(args)
-    return status.run(args)
+    commands = {"up": up, "dashboard": dashboard, "report": report, "record": record, "certs": certs, "store": store}
+    return commands.get(args.command, status).run(args)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,13 @@ def make_plots(run_dir: pathlib.Path, out_dir: pathlib.Path | None = None) -> li
     times = [r["t"] - t0 for r in records]
     written = []
 
-    def save(fig, name: str) -> None:
+    def save(fig, ax, name: str, *, xlabel: str, ylabel: str, title: str, legend: dict | None = None) -> None:
+        """Labels the plot, adds a legend (``legend``: its keyword arguments; None: none) and writes it."""
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if legend is not None:
+            ax.legend(**legend)
         path = out_dir / name
         fig.tight_layout()
         fig.savefig(path, dpi=110)
@@ -149,32 +155,23 @@ def make_plots(run_dir: pathlib.Path, out_dir: pathlib.Path | None = None) -> li
     if evals:
         ax.plot([float(e.get("tokens_merged", 0)) for e in evals], [e["heldout_loss"] for e in evals], "k-o", ms=3,
                 lw=2, label="global model, held-out (tokens merged)")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title("Loss against tokens")
-    ax.legend(fontsize=7)
-    save(fig, "loss.png")
+    save(fig, ax, "loss.png", xlabel="tokens", ylabel="loss (nats/token)", title="Loss against tokens",
+         legend={"fontsize": 7})
 
     # 2. Bytes on the wire.
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(times, [r["bytes_in"] / 2**20 for r in records], label="in (uploads)")
     ax.plot(times, [r["bytes_out"] / 2**20 for r in records], label="out (global fragments)")
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("MiB (cumulative)")
-    ax.set_title("Bytes on the wire at the syncer")
-    ax.legend()
-    save(fig, "bytes.png")
+    save(fig, ax, "bytes.png", xlabel="seconds", ylabel="MiB (cumulative)", title="Bytes on the wire at the syncer",
+         legend={})
 
     # 3. Fragment versions over time.
     fig, ax = plt.subplots(figsize=(7, 4))
     for fid in range(len(records[-1]["versions"])):
         ax.step(times, [r["versions"][fid] if fid < len(r["versions"]) else 0 for r in records], where="post",
                 label=f"fragment {fid}")
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("version")
-    ax.set_title("Global fragment versions")
-    ax.legend(fontsize=7)
-    save(fig, "versions.png")
+    save(fig, ax, "versions.png", xlabel="seconds", ylabel="version", title="Global fragment versions",
+         legend={"fontsize": 7})
 
     # 4. Work merged: the share of the learners' work merged into the global model (not the paper's
     # goodput, a share of wall time). Each of the P fragments' contributions carries that
@@ -185,10 +182,8 @@ def make_plots(run_dir: pathlib.Path, out_dir: pathlib.Path | None = None) -> li
     share = [float("nan") if v is None else 100 * v for v in share_series]
     ax.plot(times, share)
     ax.set_ylim(0, max([105.0, *(v + 5 for v in share if v == v)]))
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("tokens merged / (P x tokens processed), %")
-    ax.set_title("Work merged")
-    save(fig, "work_merged.png")
+    save(fig, ax, "work_merged.png", xlabel="seconds", ylabel="tokens merged / (P x tokens processed), %",
+         title="Work merged")
 
     index = out_dir / "index.md"
     index.write_text(f"# ddiloco run {run_dir.name}\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in written) + "\n\n"

@@ -28,6 +28,7 @@ from ddiloco.cli import cluster as cluster_lib
 from ddiloco.cli import render
 from ddiloco.cli import report as report_lib
 from ddiloco import models
+from ddiloco import run_description
 from ddiloco import training_state as status_derived
 from ddiloco.data import corpus
 from ddiloco.data import sources as data_sources
@@ -122,12 +123,7 @@ def _prepare_data(console: Console, args: argparse.Namespace) -> tuple[list[str]
 def _model_config(args: argparse.Namespace, vocab_size: int) -> str:
     """The syncer's --model-config: for the built-in transformer the preset, the vocabulary the
     data needs (256: bytes, the preset's) and the user's overrides; for a plugin, the user's."""
-    try:
-        overrides = json.loads(args.model_config or "{}")
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--model-config is not JSON: {exc}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError("--model-config must be a JSON object")
+    overrides = run_description.model_config_from_json(args.model_config, "--model-config")
     if args.model != "transformer":
         return json.dumps(overrides)
     return json.dumps({"preset": args.preset, **({"vocab_size": vocab_size} if vocab_size != 256 else {}), **overrides})

@@ -341,14 +341,10 @@ class SyncClient(uploads_lib.Uploader):
                     group.create_task(self._watch())
                     group.create_task(self._report_progress())
                     group.create_task(self._upload_loop())
-            except FencedError as exc:
-                self.fenced = exc
-                self._joined.set()
-                _LOG.error(str(exc))
-                return
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - any session failure leads to a re-join
+                # A fence ends the client, raised by _join itself or from inside the session's group.
                 cause = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
                 if isinstance(cause, FencedError):
                     self.fenced = cause

@@ -15,36 +15,31 @@ def _with_token(details, token: str):
                                       details.credentials, details.wait_for_ready)
 
 
-class _TokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+class _WithToken:
+    """Adds the bearer token to a call's metadata. grpc.aio files an interceptor under the first
+    RPC kind it implements, so each kind gets a subclass below, all with this one method."""
+
     def __init__(self, token: str) -> None:
         self._token = token
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(_with_token(client_call_details, self._token), request)
+    async def _intercept(self, continuation, client_call_details, request_or_iterator):
+        return await continuation(_with_token(client_call_details, self._token), request_or_iterator)
 
 
-class _TokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_with_token(client_call_details, self._token), request)
+class _TokenUnaryUnary(_WithToken, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _WithToken._intercept
 
 
-class _TokenStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_token(client_call_details, self._token), request_iterator)
+class _TokenUnaryStream(_WithToken, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _WithToken._intercept
 
 
-class _TokenStreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, token: str) -> None:
-        self._token = token
+class _TokenStreamUnary(_WithToken, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _WithToken._intercept
 
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_token(client_call_details, self._token), request_iterator)
+
+class _TokenStreamStream(_WithToken, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _WithToken._intercept
 
 
 def aio_token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:

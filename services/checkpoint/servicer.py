@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
-from typing import Any, NoReturn
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -22,6 +22,7 @@ from . import store as store_lib
 
 _LOG = logging.getLogger(__name__)
 _P = "[CheckpointStore.{}]"
+T = TypeVar("T")
 
 
 def _manifest_from_proto(m: checkpoint_pb2.Manifest) -> dict[str, Any]:
@@ -52,6 +53,14 @@ async def _abort(
     _LOG.warning("%s %s: %s", _P.format(rpc), exc.code.name, exc)
     await context.abort(exc.code, str(exc))
     raise AssertionError("unreachable: context.abort raises")
+
+
+async def _in_thread(context: grpc.aio.ServicerContext, rpc: str, call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)` in a worker thread; a ServiceError it raises aborts `rpc` with its code."""
+    try:
+        return await asyncio.to_thread(call, *args)
+    except errors.ServiceError as exc:
+        await _abort(context, rpc, exc)
 
 
 class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
@@ -113,10 +122,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
     async def GetBlob(
         self, request, context
     ) -> AsyncIterator[checkpoint_pb2.GetBlobResponse]:
-        try:
-            reader = await asyncio.to_thread(self._store.open_blob, request.digest)
-        except errors.ServiceError as exc:
-            await _abort(context, "GetBlob", exc)
+        reader = await _in_thread(context, "GetBlob", self._store.open_blob, request.digest)
         try:
             yield checkpoint_pb2.GetBlobResponse(
                 header=checkpoint_pb2.BlobHeader(digest=reader.digest, size_bytes=reader.size_bytes)
@@ -133,21 +139,15 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
             await asyncio.to_thread(reader.close)
 
     async def StatBlobs(self, request, context):
-        try:
-            present = await asyncio.to_thread(self._store.stat, request.digests)
-        except errors.ServiceError as exc:
-            await _abort(context, "StatBlobs", exc)
+        present = await _in_thread(context, "StatBlobs", self._store.stat, request.digests)
         return checkpoint_pb2.StatBlobsResponse(
             present=[d for d in request.digests if d in present]
         )
 
     async def CommitManifest(self, request, context):
-        try:
-            step, pruned = await asyncio.to_thread(
-                self._store.commit_manifest, _manifest_from_proto(request.manifest)
-            )
-        except errors.ServiceError as exc:
-            await _abort(context, "CommitManifest", exc)
+        step, pruned = await _in_thread(
+            context, "CommitManifest", self._store.commit_manifest, _manifest_from_proto(request.manifest)
+        )
         _LOG.info(
             "%s run=%s step=%d blobs=%d pruned=%d",
             _P.format("CommitManifest"), request.manifest.run_id, step,
@@ -156,10 +156,7 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
         return checkpoint_pb2.CommitManifestResponse(step=step, pruned=pruned)
 
     async def GetLatestManifest(self, request, context):
-        try:
-            latest = await asyncio.to_thread(self._store.latest_manifest, request.run_id)
-        except errors.ServiceError as exc:
-            await _abort(context, "GetLatestManifest", exc)
+        latest = await _in_thread(context, "GetLatestManifest", self._store.latest_manifest, request.run_id)
         if latest is None:
             return checkpoint_pb2.GetLatestManifestResponse(found=False)
         return checkpoint_pb2.GetLatestManifestResponse(
@@ -167,21 +164,15 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
         )
 
     async def ListManifests(self, request, context):
-        try:
-            manifests = await asyncio.to_thread(self._store.list_manifests, request.run_id)
-        except errors.ServiceError as exc:
-            await _abort(context, "ListManifests", exc)
+        manifests = await _in_thread(context, "ListManifests", self._store.list_manifests, request.run_id)
         return checkpoint_pb2.ListManifestsResponse(
             manifests=[_manifest_to_proto(m) for m in manifests]
         )
 
     async def RestoreManifest(self, request, context):
-        try:
-            restored, retained = await asyncio.to_thread(
-                self._store.restore_manifest, _manifest_from_proto(request.manifest)
-            )
-        except errors.ServiceError as exc:
-            await _abort(context, "RestoreManifest", exc)
+        restored, retained = await _in_thread(
+            context, "RestoreManifest", self._store.restore_manifest, _manifest_from_proto(request.manifest)
+        )
         _LOG.info(
             "%s run=%s step=%d restored=%s retained=%s",
             _P.format("RestoreManifest"), request.manifest.run_id, request.manifest.step,
@@ -190,22 +181,16 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
         return checkpoint_pb2.RestoreManifestResponse(restored=restored, retained=retained)
 
     async def AppendLedger(self, request, context):
-        try:
-            length, head, appended = await asyncio.to_thread(
-                self._ledger.append, request.run_id, list(request.lines)
-            )
-        except errors.ServiceError as exc:
-            await _abort(context, "AppendLedger", exc)
+        length, head, appended = await _in_thread(
+            context, "AppendLedger", self._ledger.append, request.run_id, list(request.lines)
+        )
         _LOG.debug("%s run=%s appended=%d length=%d", _P.format("AppendLedger"), request.run_id, appended, length)
         return checkpoint_pb2.AppendLedgerResponse(length=length, head=head, appended=appended)
 
     async def ReadLedger(self, request, context) -> AsyncIterator[checkpoint_pb2.ReadLedgerResponse]:
         index = request.from_index
         while True:
-            try:
-                page = await asyncio.to_thread(self._ledger.read, request.run_id, index)
-            except errors.ServiceError as exc:
-                await _abort(context, "ReadLedger", exc)
+            page = await _in_thread(context, "ReadLedger", self._ledger.read, request.run_id, index)
             if not page:
                 return
             yield checkpoint_pb2.ReadLedgerResponse(
@@ -214,8 +199,5 @@ class CheckpointStoreServicer(checkpoint_pb2_grpc.CheckpointStoreServicer):
             index = page[-1][0] + 1
 
     async def GetLedgerHead(self, request, context):
-        try:
-            length, head = await asyncio.to_thread(self._ledger.head, request.run_id)
-        except errors.ServiceError as exc:
-            await _abort(context, "GetLedgerHead", exc)
+        length, head = await _in_thread(context, "GetLedgerHead", self._ledger.head, request.run_id)
         return checkpoint_pb2.GetLedgerHeadResponse(length=length, head=head)

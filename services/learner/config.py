@@ -24,8 +24,35 @@ UPLOAD_ENCODERS = ("host", "jax")
 _NUMBERED_ID = re.compile(r"(?:^|[^0-9A-Za-z])([0-9]{1,9})\Z")
 
 
+class _ClientFlags:
+    """What a learner and the evaluator build alike from their transport-security and data flags.
+
+    The fields themselves are declared on each config (each dataclass's fields are its flags);
+    the data flags must be the same on every learner and the evaluator.
+    """
+
+    def client_security(self) -> security.ClientSecurity:
+        """ValueError unless TLS (a CA, optionally a cert/key pair) or plaintext was asked for."""
+        return security.ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                                       tls_server_name=self.tls_server_name, insecure=self.insecure,
+                                       auth_token_file=self.auth_token_file)
+
+    def data_spec(self) -> data_sources.DataSpec:
+        """The data flags; ValueError on a bad combination."""
+        return data_sources.DataSpec(data_dir=self.data_dir, data_source=self.data_source, heldout_dir=self.heldout_dir,
+                                     token_dtype=self.token_dtype, max_bytes=self.max_corpus_bytes,
+                                     heldout_fraction=self.heldout_fraction, num_shards=self.num_shards)
+
+    def _check_data_spec(self) -> None:
+        """ValueError, named after the config, on a bad combination of data flags."""
+        try:
+            self.data_spec()
+        except ValueError as exc:
+            raise ValueError(f"{type(self).__name__}: {exc}") from None
+
+
 @dataclasses.dataclass(frozen=True)
-class LearnerConfig:
+class LearnerConfig(_ClientFlags):
     """Each field is a flag and a DDILOCO_LEARNER_* environment variable."""
 
     syncer: str = "127.0.0.1:50051"  # syncer host:port
@@ -108,18 +135,6 @@ class LearnerConfig:
     snapshot_every_steps: int = 100
     snapshot_interval_s: float = 60.0
 
-    def client_security(self) -> security.ClientSecurity:
-        """ValueError unless TLS (a CA, optionally a cert/key pair) or plaintext was asked for."""
-        return security.ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
-                                       tls_server_name=self.tls_server_name, insecure=self.insecure,
-                                       auth_token_file=self.auth_token_file)
-
-    def data_spec(self) -> data_sources.DataSpec:
-        """The data flags; ValueError on a bad combination."""
-        return data_sources.DataSpec(data_dir=self.data_dir, data_source=self.data_source, heldout_dir=self.heldout_dir,
-                                     token_dtype=self.token_dtype, max_bytes=self.max_corpus_bytes,
-                                     heldout_fraction=self.heldout_fraction, num_shards=self.num_shards)
-
     def inner_optimizer(self, schedule_offset: int = 0) -> InnerOptConfig:
         """The inner AdamW's hyperparameters, with the LR decay resolved against --steps.
 
@@ -150,10 +165,7 @@ class LearnerConfig:
             raise ValueError("LearnerConfig.learner_id must not be empty")
         if self.snapshot_every_steps < 0 or self.snapshot_interval_s < 0:
             raise ValueError("LearnerConfig.snapshot_every_steps and snapshot_interval_s must be >= 0")
-        try:
-            self.data_spec()
-        except ValueError as exc:
-            raise ValueError(f"LearnerConfig: {exc}") from None
+        self._check_data_spec()
         if self.lr_decay_steps < -1:
             raise ValueError(f"LearnerConfig.lr_decay_steps={self.lr_decay_steps}: -1 (over --steps), 0 (none) or N")
         self.inner_optimizer()  # a decay shorter than the warmup, or a bad fraction, fails at start
@@ -204,7 +216,7 @@ class LearnerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluatorConfig:
+class EvaluatorConfig(_ClientFlags):
     """Each field is a flag and a DDILOCO_EVAL_* environment variable."""
 
     syncer: str = "127.0.0.1:50051"
@@ -232,22 +244,8 @@ class EvaluatorConfig:
     log_level: str = "INFO"
     json_logs: bool = False
 
-    def client_security(self) -> security.ClientSecurity:
-        return security.ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
-                                       tls_server_name=self.tls_server_name, insecure=self.insecure,
-                                       auth_token_file=self.auth_token_file)
-
-    def data_spec(self) -> data_sources.DataSpec:
-        """The data flags (the learners' must be the same); ValueError on a bad combination."""
-        return data_sources.DataSpec(data_dir=self.data_dir, data_source=self.data_source, heldout_dir=self.heldout_dir,
-                                     token_dtype=self.token_dtype, max_bytes=self.max_corpus_bytes,
-                                     heldout_fraction=self.heldout_fraction, num_shards=self.num_shards)
-
     def __post_init__(self) -> None:
-        try:
-            self.data_spec()
-        except ValueError as exc:
-            raise ValueError(f"EvaluatorConfig: {exc}") from None
+        self._check_data_spec()
 
 
 _HELP = {

@@ -31,6 +31,13 @@ def _fault(result: harness.Result, kind: str, target: str | None = None, schedul
     return found[0]
 
 
+def _failpoint_crash(result: harness.Result, target: str) -> harness.InjectedFault:
+    """The crash of `target` that a failpoint (not the schedule) caused."""
+    crash = _fault(result, "crash", target, scheduled=False)
+    assert "failpoint" in crash.detail, crash
+    return crash
+
+
 def _contributors(merge: dict) -> set[str]:
     return {c[0] for c in merge["contributors"]}
 
@@ -38,6 +45,15 @@ def _contributors(merge: dict) -> set[str]:
 def _window_end(fault: harness.InjectedFault) -> float:
     assert fault.healed_at is not None, fault
     return fault.healed_at
+
+
+def _assert_marked_silent(result: harness.Result, fault: harness.InjectedFault, learner: str, *,
+                          slack_s: float) -> None:
+    """The syncer marked `learner` silent while `fault` lasted, within the liveness timeout (+ `slack_s`
+    of polling)."""
+    silent = [t for t, members in result.member_samples if fault.at <= t <= fault.healed_at
+              and members.get(learner) == "SILENT"]
+    assert silent and silent[0] - fault.at <= result.scenario.liveness_timeout_s + slack_s, silent[:1]
 
 
 def _throughput(result: harness.Result, learner: str, start: float, end: float) -> tuple[float, float]:
@@ -78,8 +94,7 @@ def test_row01_learner_sigkill_quorum_continues_and_restart_rejoins(run_scenario
 def test_row02_learner_crash_mid_upload_is_never_applied(run_scenario):
     result = run_scenario("server-failpoints")
     assert_invariants(result)
-    crash = _fault(result, "crash", "learner-1", scheduled=False)
-    assert "failpoint" in crash.detail, crash
+    crash = _failpoint_crash(result, "learner-1")
     assert crash.recovery_s is not None, crash
     # The dead life's last upload was cut after a chunk: the syncer accepted nothing of it after
     # the crash, and every contribution it merged has a complete, recorded acceptance (I1).
@@ -102,17 +117,14 @@ def test_row03_hung_learner_sigstop_merges_go_ahead_then_it_resumes(run_scenario
     assert len(during) >= 3 and all(n <= 1 for n in with_it.values()), (with_it, len(during))
     assert any("learner-2" not in _contributors(m) for m in during), during
     # The syncer stopped waiting for it: marked silent within the liveness timeout (+ polling).
-    silent = [t for t, members in result.member_samples if stop.at <= t <= stop.healed_at
-              and members.get("learner-2") == "SILENT"]
-    assert silent and silent[0] - stop.at <= result.scenario.liveness_timeout_s + 2.0, silent[:1]
+    _assert_marked_silent(result, stop, "learner-2", slack_s=2.0)
     assert stop.recovery_s is not None and stop.recovery_s < 30, stop
 
 
 def test_row04_syncer_crash_between_quorum_and_apply_restores_checkpoint(run_scenario):
     result = run_scenario("server-failpoints")
     assert_invariants(result)
-    crash = _fault(result, "crash", "syncer", scheduled=False)
-    assert "failpoint" in crash.detail, crash
+    crash = _failpoint_crash(result, "syncer")
     first, *later = [r["instance"] for r in result.syncer_history if r["event"] == "start"]
     assert len(later) == 1, later
     # The failpoint fired on the FAULT_AT_MERGE-th merge to start, after its quorum and before its outer step.
@@ -158,8 +170,7 @@ def test_row05_syncer_sigterm_rolling_restart_loses_nothing(run_scenario):
 def test_row06_store_crash_during_checkpoint_write_keeps_checkpoints_loadable(run_scenario):
     result = run_scenario("server-failpoints")
     assert_invariants(result)
-    crash = _fault(result, "crash", "checkpoint", scheduled=False)
-    assert "failpoint" in crash.detail, crash
+    crash = _failpoint_crash(result, "checkpoint")
     kill = _fault(result, "kill", "checkpoint")
     i4 = result.check("I4").figures
     assert i4["checkpoints"] >= 10 and i4["loadable"] == i4["checkpoints"], i4
@@ -204,9 +215,7 @@ def test_row10_partition_one_learner_quorum_continues_and_it_resyncs(run_scenari
     cut = _fault(result, "blackhole", "learner-0")
     during = result.merges_between(cut.at + 1.0, _window_end(cut))
     assert len(during) >= 3 and all("learner-0" not in _contributors(m) for m in during), during
-    silent = [t for t, members in result.member_samples if cut.at <= t <= cut.healed_at
-              and members.get("learner-0") == "SILENT"]
-    assert silent and silent[0] - cut.at <= result.scenario.liveness_timeout_s + 2.5, silent[:1]
+    _assert_marked_silent(result, cut, "learner-0", slack_s=2.5)
     assert cut.recovery_s is not None and cut.recovery_s < 40, cut
 
 

@@ -170,6 +170,26 @@ def test_i1_counts_uploads_dropped_or_rolled_back_by_a_syncer_crash_without_fail
     assert check.figures["rolled_back"] == 2 and check.figures["lost_on_syncer_crash"] == 1
 
 
+def test_i1_classifies_accepted_but_unacknowledged_uploads_by_the_same_rules():
+    # l2's uploads were accepted but their acknowledgements never arrived: one merged in a merge that
+    # B then rolled back (counted as applied: only acknowledged uploads are called rolled back), one
+    # in the open round when A crashed, one pending at B's graceful shutdown, one in nothing (lost).
+    syncer = [
+        _start("A", 0, {0: 0}),
+        _acc("A", 1, "l0", 0, 0), _acc("A", 1, "l2", 0, 0),
+        _merged("A", 2, 0, 1, [("l0", 0), ("l2", 0)]),
+        _acc("A", 3, "l2", 0, 1),
+        _start("B", 10, {0: 0}),
+        _acc("B", 11, "l2", 0, 0, inc=2), _acc("B", 11, "l2", 0, 0, inc=3),
+        {"event": "shutdown", "t": 12, "instance": "B", "pending": [[0, "l2", 2, 0]]},
+    ]
+    check = invariants.check_uploads(syncer, {"l0": [_ack("A", "l0", 0, 0)]})
+    assert check.figures["rolled_back"] == 1 and check.figures["applied"] == 0
+    assert check.figures["accepted_unacked"] == {"applied": 1, "lost_on_syncer_crash": 1, "pending": 1, "lost": 1}
+    assert not check.ok and check.violations == [
+        "upload ('B', 'l2', 3, 0, 0) was accepted by a syncer life that ended gracefully but is in no merge and not pending"]
+
+
 def _failed(inst, learner, frag, base, code=None):
     rec = {"event": "failed", "t": 0, "learner": learner, "incarnation": 1, "instance": inst, "fragment": frag,
            "base_version": base, "sent_at": 0}

@@ -26,7 +26,7 @@ from ddiloco.wire import serde
 from ddiloco.learner import client as client_lib
 from services.syncer import checkpointing
 from services.syncer import core as core_lib
-from tests.fakes import FakeClock, join, settle
+from tests.fakes import FakeClock, join, join_all, settle
 from tests.security.conftest import Harness, Learner, code_of, encoded, honest_delta
 from tests.security.conftest import hostile_core as make_core
 
@@ -75,8 +75,7 @@ def test_norm_bound_rejects_a_huge_update_from_the_first_round():
 def test_norm_bound_is_relative_to_other_learners_per_tensor():
     async def run():
         core = make_core(FakeClock())
-        for lid in ("h1", "h2", "h3", "x"):
-            join(core, lid)
+        join_all(core, ("h1", "h2", "h3", "x"))
         await rounds_of_honest_history(core, learners=("h1", "h2", "h3", "x"))
         n = core.plan.fragments[1].numel
         await rounds_of_honest_history(core, learners=("h1", "h2", "h3", "x"), fid=1)
@@ -115,8 +114,7 @@ def test_norm_bound_is_relative_to_other_learners_per_tensor():
 def test_an_honest_learner_contributing_many_steps_at_once_passes_but_claimed_steps_are_capped():
     async def run():
         core = make_core(FakeClock())
-        for lid in ("h1", "h2", "h3", "x"):
-            join(core, lid)
+        join_all(core, ("h1", "h2", "h3", "x"))
         await rounds_of_honest_history(core)  # 2 steps per contribution
         n = core.plan.fragments[0].numel
         # A learner whose fragment waited for a new version: 16 steps, a norm ~8x the others'.
@@ -134,8 +132,7 @@ def test_an_honest_learner_contributing_many_steps_at_once_passes_but_claimed_st
 def test_clip_mode_scales_the_update_down_to_the_bound():
     async def run():
         core = make_core(FakeClock(), action="clip", min_quorum=2)
-        for lid in ("h1", "h2", "h3", "x"):
-            join(core, lid)
+        join_all(core, ("h1", "h2", "h3", "x"))
         core._quarantine_after = 0  # this test looks at clipping alone
         n = core.plan.fragments[0].numel
         for r in range(2):
@@ -158,8 +155,7 @@ def test_clip_mode_scales_the_update_down_to_the_bound():
 def test_inflated_token_counts_are_capped():
     async def run():
         core = make_core(FakeClock())
-        for lid in ("h1", "h2", "h3", "x"):
-            join(core, lid)
+        join_all(core, ("h1", "h2", "h3", "x"))
         await rounds_of_honest_history(core)
         response = await upload(core, "x", 0, honest_delta(core.plan.fragments[0].numel, 3), tokens=10**9)
         # The claimed batch is capped at --max-batch-ratio (4) x the others' median tokens per step
@@ -180,8 +176,7 @@ def test_quarantine_after_repeated_rejections_is_visible_and_sticky():
     async def run():
         clock = FakeClock()
         core = make_core(clock, quarantine_s=600.0, min_quorum=1)
-        for lid in ("h1", "x"):
-            join(core, lid)
+        join_all(core, ("h1", "x"))
         n = core.plan.fragments[0].numel
         for i in range(3):
             with pytest.raises(errors.InvalidArgument):
@@ -222,8 +217,7 @@ def test_a_round_waiting_only_for_a_learner_that_gets_quarantined_merges_at_once
     async def run():
         core = make_core(FakeClock(), min_quorum=1)
         core.grace_window_s = lambda: 5.0  # as measured on a run with slack (none measured here)
-        for lid in ("h1", "h2", "x"):
-            join(core, lid)
+        join_all(core, ("h1", "h2", "x"))
         n = core.plan.fragments[0].numel
         await upload(core, "h1", 0, honest_delta(n, 1))
         await upload(core, "h2", 0, honest_delta(n, 2))

@@ -5,12 +5,13 @@ the chain checks on append, reading back, blobs kept alive, and the syncer's shi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import hashlib
 import json
 import pathlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
@@ -40,21 +41,28 @@ class Env:
     client: checkpoint_client.CheckpointClient
 
 
+@contextlib.asynccontextmanager
+async def _served_store(root: pathlib.Path, *, gc_grace_s: float = 3600.0,
+                        retry_timeout_s: float = 5.0) -> AsyncIterator[Env]:
+    """A checkpoint store under `root`, served on 127.0.0.1:0 in this loop, and a client of it."""
+    store = store_lib.BlobStore(root, gc_grace_s=gc_grace_s)
+    servicer = servicer_lib.CheckpointStoreServicer(store, chunk_size_bytes=64 * 1024)
+    handle = await server_lib.start_server(
+        "127.0.0.1:0", [SERVICE_NAME],
+        [lambda s: checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(servicer, s)])
+    channel = channel_lib.aio_channel(handle.address)
+    try:
+        yield Env(store.root, store, checkpoint_client.CheckpointClient(
+            channel, timeout=datetime.timedelta(seconds=5), retry_timeout=datetime.timedelta(seconds=retry_timeout_s)))
+    finally:
+        await channel.close()
+        await handle.server.stop(None)
+
+
 def _serve(tmp_path: pathlib.Path, body: Callable[[Env], Awaitable[None]], *, gc_grace_s: float = 3600.0) -> None:
     async def main() -> None:
-        store = store_lib.BlobStore(tmp_path / "root", gc_grace_s=gc_grace_s)
-        servicer = servicer_lib.CheckpointStoreServicer(store, chunk_size_bytes=64 * 1024)
-        handle = await server_lib.start_server(
-            "127.0.0.1:0", [SERVICE_NAME],
-            [lambda s: checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(servicer, s)])
-        channel = channel_lib.aio_channel(handle.address)
-        try:
-            client = checkpoint_client.CheckpointClient(
-                channel, timeout=datetime.timedelta(seconds=5), retry_timeout=datetime.timedelta(seconds=5))
-            await asyncio.wait_for(body(Env(store.root, store, client)), 40.0)
-        finally:
-            await channel.close()
-            await handle.server.stop(None)
+        async with _served_store(tmp_path / "root", gc_grace_s=gc_grace_s) as env:
+            await asyncio.wait_for(body(env), 40.0)
 
     asyncio.run(main())
 
@@ -250,15 +258,8 @@ def test_replicas_each_get_every_record_and_one_that_missed_some_catches_up(tmp_
     from ddiloco import checkpoint_replicas as replicas_lib
 
     async def body(env: Env) -> None:
-        other_store = store_lib.BlobStore(tmp_path / "other")
-        servicer = servicer_lib.CheckpointStoreServicer(other_store, chunk_size_bytes=64 * 1024)
-        handle = await server_lib.start_server(
-            "127.0.0.1:0", [SERVICE_NAME],
-            [lambda s: checkpoint_pb2_grpc.add_CheckpointStoreServicer_to_server(servicer, s)])
-        channel = channel_lib.aio_channel(handle.address)
-        try:
-            other = _Switchable(checkpoint_client.CheckpointClient(
-                channel, timeout=datetime.timedelta(seconds=5), retry_timeout=datetime.timedelta(seconds=1)))
+        async with _served_store(tmp_path / "other", retry_timeout_s=1.0) as other_env:
+            other = _Switchable(other_env.client)
             client = replicas_lib.ReplicatedCheckpointClient({"a": env.client, "b": other}, write_quorum=1,
                                                              down_backoff_s=0.0, quorum_wait_s=2.0)
             sink = sink_lib.StoreLedger(client, RUN, call_timeout_s=5.0)
@@ -279,8 +280,5 @@ def test_replicas_each_get_every_record_and_one_that_missed_some_catches_up(tmp_
             assert await other._client.read_ledger(RUN) == await env.client.read_ledger(RUN)
             assert len(await env.client.read_ledger(RUN)) == 3
             assert await other._client.get_blob(digest) == data
-        finally:
-            await channel.close()
-            await handle.server.stop(None)
 
     _serve(tmp_path, body)

@@ -17,17 +17,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from ddiloco.wire import codec as codec_lib
+from tests import fakes
 
 _LOSSY = ("bf16", "int8", "int4", "int2")
 _BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
-
-
-def _serialized(encoded) -> bytes:
-    """The codec serialization inside a payload: zstd-decompressed, or as it is when the encoder
-    judged that zstd would not pay (compression "none", e.g. int4 and tiny vectors)."""
-    if encoded.compression == "none":
-        return encoded.payload
-    return zstandard.ZstdDecompressor().decompress(encoded.payload)
 
 
 
@@ -129,7 +122,7 @@ def test_int8_raw_layout():
     values = np.array([127.0, -64.0, 0.0, 0.0], dtype=np.float32)
 
     encoded = codec_lib.encode(values, "int8", block_size=2)
-    raw = _serialized(encoded)
+    raw = fakes.serialized(encoded)
 
     assert raw == struct.pack("<2f", 1.0, 0.0) + bytes([127, 0xC0, 0, 0])
     np.testing.assert_array_equal(_decode(encoded), values)
@@ -139,7 +132,7 @@ def test_int4_packs_two_levels_per_byte_low_nibble_first():
     values = np.array([7.0, -7.0, 3.0], dtype=np.float32)
 
     encoded = codec_lib.encode(values, "int4")
-    raw = _serialized(encoded)
+    raw = fakes.serialized(encoded)
 
     # levels 7, -7, 3 stored +8 -> nibbles 15, 1, 11, and the odd length padded with 8.
     assert raw == struct.pack("<f", 1.0) + bytes([0x1F, 0x8B])
@@ -152,7 +145,7 @@ def test_int2_packs_four_levels_per_byte_lowest_bits_first():
     values = np.array([3.0, -3.0, -1.0, 1.0, 0.4, -0.6, 2.0], dtype=np.float32)
 
     encoded = codec_lib.encode(values, "int2")
-    raw = _serialized(encoded)
+    raw = fakes.serialized(encoded)
 
     first = 3 | 0 << 2 | 1 << 4 | 2 << 6
     second = 2 | 1 << 2 | 3 << 4 | 2 << 6  # the tail is padded with the code of 0.0
@@ -208,7 +201,7 @@ def test_a_block_of_zeros_has_scale_zero(codec):
     values = np.concatenate([np.zeros(4), np.ones(4)]).astype(np.float32)
 
     encoded = codec_lib.encode(values, codec, block_size=4)
-    raw = _serialized(encoded)
+    raw = fakes.serialized(encoded)
 
     zero_scale, ones_scale = struct.unpack_from("<2f", raw)
     assert zero_scale == 0.0
@@ -390,7 +383,7 @@ def test_undecodable_payloads_are_corrupt(payload):
 @pytest.mark.parametrize("bad_scale", [np.nan, np.inf, -1.0])
 def test_invalid_scales_in_a_crafted_payload_are_rejected(codec, bad_scale):
     encoded = codec_lib.encode(np.ones(300, np.float32), codec)
-    raw = bytearray(_serialized(encoded))
+    raw = bytearray(fakes.serialized(encoded))
     struct.pack_into("<f", raw, 4, bad_scale)  # the second block's scale
     payload, checksum = _frame(bytes(raw))
 
@@ -401,7 +394,7 @@ def test_invalid_scales_in_a_crafted_payload_are_rejected(codec, bad_scale):
 @pytest.mark.parametrize("codec", codec_lib.QUANTIZED_CODECS)
 def test_a_scale_that_overflows_on_decoding_is_rejected(codec):
     encoded = codec_lib.encode(np.ones(10, np.float32), codec)
-    raw = bytearray(_serialized(encoded))
+    raw = bytearray(fakes.serialized(encoded))
     struct.pack_into("<f", raw, 0, 3e38)  # level 127 (or 7) times 3e38 is inf in float32
     payload, checksum = _frame(bytes(raw))
 
@@ -412,7 +405,7 @@ def test_a_scale_that_overflows_on_decoding_is_rejected(codec):
 @pytest.mark.parametrize(("codec", "level_byte"), [("int8", 0x80), ("int4", 0x10)])
 def test_levels_outside_the_codec_range_are_corrupt(codec, level_byte):
     encoded = codec_lib.encode(np.ones(2, np.float32), codec)
-    raw = bytearray(_serialized(encoded))
+    raw = bytearray(fakes.serialized(encoded))
     raw[4] = level_byte  # int8: -128; int4: low nibble 0, i.e. level -8
     payload, checksum = _frame(bytes(raw))
 

@@ -14,17 +14,10 @@ from hypothesis.extra import numpy as hnp
 
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import jax_codec
+from tests import fakes
 
 _TINY = float(np.finfo(np.float32).tiny)
 _F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _serialized(encoded) -> bytes:
-    """The codec serialization inside a payload: zstd-decompressed, or as it is when the encoder
-    judged that zstd would not pay (compression "none", e.g. int4 and tiny vectors)."""
-    if encoded.compression == "none":
-        return encoded.payload
-    return zstandard.ZstdDecompressor().decompress(encoded.payload)
 
 
 
@@ -101,7 +94,7 @@ def test_non_finite_values_are_refused_alike(codec, bad):
 @pytest.mark.parametrize(("codec", "level_byte"), [("int8", 0x80), ("int4", 0x10)])
 def test_invalid_levels_are_refused_alike(codec, level_byte):
     enc = codec_lib.encode(np.ones(2, np.float32), codec)
-    raw = bytearray(_serialized(enc))
+    raw = bytearray(fakes.serialized(enc))
     raw[4] = level_byte
     payload = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(raw))
 
@@ -115,7 +108,7 @@ def test_int2_extreme_blocks_stay_within_the_bound():
     enc = jax_codec.encode(values, "int2", block_size=8)
     decoded = codec_lib.decode(enc.payload, codec="int2", numel=6, raw_size_bytes=enc.raw_size_bytes,
                                checksum=enc.checksum, block_size=8)
-    raw = _serialized(enc)
+    raw = fakes.serialized(enc)
     assert struct.unpack_from("<f", raw)[0] == 2.0**126  # the capped scale
     assert np.isfinite(decoded).all()
     assert np.abs(decoded.astype(np.float64) - values).max() <= codec_lib.max_abs_error_bound("int2", _F32_MAX)

@@ -20,8 +20,8 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.learner import client as client_lib
 from ddiloco.learner import loop as loop_lib
 from ddiloco.v1 import syncer_pb2
-from tests.fakes import join, settle
-from tests.unit.test_learner_resend import _Sampler, _Step
+from tests.fakes import NullSampler, join, settle
+from tests.unit.test_learner_resend import _Step
 from tests.unit.test_rounds import contribute, make_scheduled_core, report
 
 _INSTANCE = "inst"
@@ -64,7 +64,7 @@ def _setup():
     specs = [fragments_lib.TensorSpec("a", (4, 4)), fragments_lib.TensorSpec("b", (8,))]
     plan = fragments_lib.plan_fragments(specs, 2, 2)
     params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
-    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
+    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=NullSampler(), client=client,
                                 learner_id="l", incarnation=1, on_arrival="rebase", sync_mode="decoupled")
     for frag in plan.fragments:
         _deliver(client, frag.fragment_id, 0, fragments_lib.flatten_fragment(params, frag))

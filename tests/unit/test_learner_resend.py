@@ -15,7 +15,7 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.learner import client as client_lib
 from ddiloco.learner import loop as loop_lib
-from ddiloco.learner import ports
+from tests import fakes
 
 
 class _Step:
@@ -37,25 +37,13 @@ class _Step:
         return np.asarray(value, dtype=np.float32)
 
 
-class _Sampler:
-    tokens_per_batch = 64
-
-    def next(self):
-        return None
-
-
-class _Client(ports.NullSyncClient):
+class _Client(fakes.RecordingSyncClient):
     """Records uploads; the test decides which the syncer refused."""
 
     def __init__(self) -> None:
-        self.inbox: list = []
-        self.uploads: list[client_lib.UploadJob] = []
+        super().__init__()
         self.refused: set = set()
         self.outcomes: list = []
-
-    def take_updates(self):
-        out, self.inbox = self.inbox, []
-        return out
 
     def take_refused(self):
         out, self.refused = self.refused, set()
@@ -65,19 +53,13 @@ class _Client(ports.NullSyncClient):
         out, self.outcomes = self.outcomes, []
         return out
 
-    def submit_upload(self, job) -> None:
-        self.uploads.append(job)
-
-    def set_progress(self, request) -> None:
-        pass
-
 
 def _make_loop(client, *, version: int, instance: str, **loop_args):
     """A two-fragment loop on the numpy fakes, holding every fragment at `version` of `instance`."""
     specs = [fragments_lib.TensorSpec("a", (4, 4)), fragments_lib.TensorSpec("b", (8,))]
     plan = fragments_lib.plan_fragments(specs, 2, 2)
     params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
-    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
+    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=fakes.NullSampler(), client=client,
                                 learner_id="l", incarnation=1, on_arrival="rebase", sync_mode="decoupled",
                                 **loop_args)
     client.inbox = [client_lib.GlobalFragment(f.fragment_id, version, instance,
@@ -244,7 +226,7 @@ def test_a_barrier_whose_base_was_superseded_during_the_step_ends():
     plan = fragments_lib.plan_fragments(specs, 1, 1)
     params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
     client = _BarrierClient({0: 1})
-    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
+    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=fakes.NullSampler(), client=client,
                                 learner_id="l", incarnation=1, sync_mode="diloco")
     client.inbox = [client_lib.GlobalFragment(0, 0, "inst", fragments_lib.flatten_fragment(params, plan.fragments[0]))]
     loop.apply_updates()
@@ -263,7 +245,7 @@ def test_a_barrier_waits_while_its_base_is_the_newest_version():
     params = {s.name: np.zeros(s.shape, np.float32) for s in specs}
     client = _BarrierClient({0: 0})
     stop = threading.Event()
-    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
+    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=fakes.NullSampler(), client=client,
                                 learner_id="l", incarnation=1, sync_mode="diloco", should_stop=stop.is_set)
     client.inbox = [client_lib.GlobalFragment(0, 0, "inst", fragments_lib.flatten_fragment(params, plan.fragments[0]))]
     loop.apply_updates()

@@ -22,8 +22,8 @@ from ddiloco.data import corpus
 from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.learner import client as client_lib
 from ddiloco.learner import loop as loop_lib
-from ddiloco.learner import ports
 from ddiloco.learner import snapshot as snapshot_lib
+from tests import fakes
 
 _OPT = optax.adamw(1e-2)
 _IDENTITY = snapshot_lib.RunIdentity(run_id="run-a", model_fingerprint="f" * 64, plan_digest="d" * 64,
@@ -50,26 +50,6 @@ class _Step:
         return np.asarray(value, np.float32)
 
 
-class _Sampler:
-    tokens_per_batch = 64
-
-    def next(self):
-        return None
-
-
-class _Client(ports.NullSyncClient):
-    def __init__(self) -> None:
-        self.inbox: list = []
-        self.uploads: list = []
-
-    def take_updates(self):
-        out, self.inbox = self.inbox, []
-        return out
-
-    def submit_upload(self, job) -> None:
-        self.uploads.append(job)
-
-
 def _plan():
     specs = [fragments_lib.TensorSpec("a", (4, 4)), fragments_lib.TensorSpec("b", (8,))]
     return fragments_lib.plan_fragments(specs, 2, 2), specs
@@ -79,8 +59,8 @@ def _loop(version: int = 0, instance: str = "life-1", values=None):
     """A two-fragment loop (upload trigger: fragments due every step) holding `version` of every fragment."""
     plan, specs = _plan()
     params = {s.name: np.full(s.shape, 0.5, np.float32) for s in specs}
-    client = _Client()
-    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=_Sampler(), client=client,
+    client = fakes.RecordingSyncClient()
+    loop = loop_lib.LearnerLoop(plan=plan, params=params, train_step=_Step(), sampler=fakes.NullSampler(), client=client,
                                 learner_id="learner-0", incarnation=1, on_arrival="rebase", round_trigger="upload")
     return loop, client, plan
 

@@ -90,3 +90,28 @@ def test_snapshot_records_carry_the_incarnation_and_the_report_draws_them(tmp_pa
     assert "tokens processed (every life of every learner): 1,800" in index
     assert f"{100 * 3600 / (P * 1800):.1f} %" in index
     assert "| a | 2 | 2 | 13 | 1,300 |" in index and "| b | 1 | 1 | 5 | 500 |" in index
+
+
+def test_every_plot_is_labelled_and_the_multi_line_ones_have_a_legend(tmp_path, monkeypatch):
+    from ddiloco import extras
+
+    plt = extras.pyplot()
+    closed = []
+    real_close = plt.close
+
+    def close(fig):  # read the figure's labels before it goes
+        ax = fig.axes[0]
+        closed.append((ax.get_title(), ax.get_xlabel(), ax.get_ylabel(), ax.get_legend() is not None))
+        real_close(fig)
+
+    monkeypatch.setattr(plt, "close", close)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "state.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _restart_records(with_inc=True)))
+    report.make_plots(run_dir)
+    assert closed == [
+        ("Loss against tokens", "tokens", "loss (nats/token)", True),
+        ("Bytes on the wire at the syncer", "seconds", "MiB (cumulative)", True),
+        ("Global fragment versions", "seconds", "version", True),
+        ("Work merged", "seconds", "tokens merged / (P x tokens processed), %", False),
+    ]

@@ -123,6 +123,13 @@ def report(core, learner_id: str, step: int, *, step_time_s: float = 1.0, finish
         step_time_s=step_time_s, finished=finished), wire_bytes=0)
 
 
+def join_all(core, learner_ids, *, step: int = 0) -> None:
+    """Each learner joins and reports `step`."""
+    for lid in learner_ids:
+        join(core, lid)
+        report(core, lid, step)
+
+
 async def contribute(core, learner_id: str, fid: int, *, mark: int, value: float = 0.01, final: bool = False):
     n = core.plan.fragments[fid].numel
     enc = codec_lib.encode(np.full(n, value, np.float32), "fp32")
@@ -137,9 +144,7 @@ async def contribute(core, learner_id: str, fid: int, *, mark: int, value: float
 def test_rounds_open_on_the_syncers_schedule_and_merge_every_called_learner(clock):
     async def run():
         core = make_scheduled_core(clock)
-        for lid in ("a", "b", "c"):
-            join(core, lid)
-            report(core, lid, 0)
+        join_all(core, ("a", "b", "c"))
         await contribute(core, "a", 0, mark=1)  # early: no round open, it waits for the schedule
         core.tick()
         await settle()
@@ -174,9 +179,7 @@ def test_rounds_open_on_the_syncers_schedule_and_merge_every_called_learner(cloc
 def test_quorum_time_runs_from_the_call_and_the_grace_window_closes_a_round_without_a_straggler(clock):
     async def run():
         core = make_scheduled_core(clock, grace_gamma=0.5)
-        for lid in ("a", "b"):
-            join(core, lid)
-            report(core, lid, 0)
+        join_all(core, ("a", "b"))
         for lid in ("a", "b"):
             report(core, lid, 2)
         clock.now_s += 0.25  # a answers a quarter step after the call
@@ -202,9 +205,7 @@ def test_quorum_time_runs_from_the_call_and_the_grace_window_closes_a_round_with
 def test_final_contributions_join_the_next_scheduled_round_until_nobody_trains(clock):
     async def run():
         core = make_scheduled_core(clock)
-        for lid in ("a", "b"):
-            join(core, lid)
-            report(core, lid, 0)
+        join_all(core, ("a", "b"))
         await contribute(core, "a", 0, mark=1, final=True)  # a is done; b still trains
         await settle()
         # No round of its own (that would add an outer step per learner at the end): a's last work
@@ -229,9 +230,7 @@ def test_final_contributions_join_the_next_scheduled_round_until_nobody_trains(c
 def test_a_quorum_that_can_no_longer_form_does_not_hold_the_last_learners_work(clock):
     async def run():
         core = make_scheduled_core(clock, min_quorum=2)
-        for lid in ("a", "b"):
-            join(core, lid)
-            report(core, lid, 0)
+        join_all(core, ("a", "b"))
         await contribute(core, "a", 0, mark=1, final=True)  # a is done, with nothing left on fragment 1
         await settle()
         report(core, "b", 4)  # both rounds open; fragment 0's holds a's last work
@@ -255,9 +254,7 @@ def test_a_quorum_that_can_no_longer_form_does_not_hold_the_last_learners_work(c
 def test_last_work_waits_for_no_learner_that_stopped_stepping(clock):
     async def run():
         core = make_scheduled_core(clock)
-        for lid in ("a", "b", "c"):
-            join(core, lid)
-            report(core, lid, 1)
+        join_all(core, ("a", "b", "c"), step=1)
         # c is killed here (it stays expected until the liveness timeout, 30 s); a and b finish.
         await contribute(core, "a", 0, mark=1, final=True)
         await contribute(core, "b", 0, mark=1, final=True)
@@ -305,9 +302,7 @@ def test_below_quorum_rounds_still_wait_while_the_quorum_can_form(clock):
 def test_learners_that_ended_before_a_syncer_restart_do_not_keep_a_quorum_reachable(clock):
     async def run():
         core = make_scheduled_core(clock, min_quorum=2)
-        for lid in ("a", "b", "c"):
-            join(core, lid)
-            report(core, lid, 0)
+        join_all(core, ("a", "b", "c"))
         report(core, "a", 3, finished=True)
         core.leave(syncer_pb2.LeaveRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id="b", incarnation=1))
         restored = make_scheduled_core(clock, min_quorum=2)

@@ -81,6 +81,27 @@ def test_tensors_refuses_a_vector_of_the_wrong_size():
         description.tensors(vectors)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{", "RunConfig.model_config_json is not JSON: "),
+    ("[1]", "RunConfig.model_config_json must be a JSON object"),
+])
+def test_describe_refuses_a_model_config_that_is_not_a_json_object(text, message):
+    _, plan, _, run_config = _tiny_run()
+    run_config.model_config_json = text
+    with pytest.raises(ValueError, match=message):
+        rd.describe(run_config, plan)
+
+
+def test_model_config_from_json_names_its_source():
+    # `ddiloco up --model-config` and RunConfig.model_config_json are parsed by this one function.
+    assert rd.model_config_from_json("", "--model-config") == {}
+    assert rd.model_config_from_json('{"preset": "tiny"}', "--model-config") == {"preset": "tiny"}
+    with pytest.raises(ValueError, match="^--model-config is not JSON: "):
+        rd.model_config_from_json("{", "--model-config")
+    with pytest.raises(ValueError, match="^--model-config must be a JSON object$"):
+        rd.model_config_from_json('"tiny"', "--model-config")
+
+
 async def _snapshot(run_config, plan, model):
     params = {k: np.asarray(v) for k, v in model.init(jax.random.PRNGKey(0)).items()}
     core = core_lib.SyncerCore(

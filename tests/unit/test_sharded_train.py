@@ -18,8 +18,6 @@ import sys
 import numpy as np
 import pytest
 
-from ddiloco.learner import ports
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 8
 BATCH = 8
@@ -111,24 +109,6 @@ def scenario_train_step() -> dict:
     return {"max_abs_diff": diffs, "moved": moved}
 
 
-class _FakeClient(ports.NullSyncClient):
-    """Delivers scripted global fragments and records uploads (no network)."""
-
-    def __init__(self) -> None:
-        self.inbox: list = []
-        self.uploads: list = []
-
-    def take_updates(self):
-        out, self.inbox = self.inbox, []
-        return out
-
-    def submit_upload(self, job) -> None:
-        self.uploads.append(job)
-
-    def set_progress(self, request) -> None:
-        pass
-
-
 def scenario_loop() -> dict:
     """The learner loop over a mesh: same uploads and params as on 1 device; a fragment's extraction
     brings only that fragment to the host; fold-ins keep the step's shardings."""
@@ -137,6 +117,7 @@ def scenario_loop() -> dict:
     from ddiloco.learner import client as client_lib
     from ddiloco.learner import loop as loop_lib
     from services.learner.train import TrainStep
+    from tests import fakes
 
     model, optimizer, init, tokens = _setup()
     plan = fragments_lib.plan_fragments(model.tensor_specs(), 4, 4)
@@ -156,7 +137,7 @@ def scenario_loop() -> dict:
                 return host
 
             step.to_host = counting_to_host
-            client = _FakeClient()
+            client = fakes.RecordingSyncClient()  # scripted global fragments, uploads recorded
             globals_ = {f.fragment_id: fragments_lib.flatten_fragment(init, f) for f in plan.fragments}
             client.inbox = [client_lib.GlobalFragment(fid, 1, "inst", v) for fid, v in globals_.items()]
             zeros = {k: np.zeros_like(v) for k, v in init.items()}
