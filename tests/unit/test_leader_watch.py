@@ -101,11 +101,15 @@ def test_a_healthy_leader_keeps_the_other_syncers_out_of_it():
     async def scenario():
         leader, leader_at, leader_health = await _syncer(SERVING)
         standby, standby_at, standby_health = await _syncer(NOT_SERVING)
-        watch = watch_lib.LeaderWatch([standby_at, leader_at], interval_s=0.1, timeout_s=1.0)
+        # (a generous deadline: the checks must succeed even on a loaded test machine)
+        watch = watch_lib.LeaderWatch([standby_at, leader_at], interval_s=0.1, timeout_s=5.0)
         channel = channel_lib.aio_channel(leader_at)
         task = asyncio.ensure_future(watch.watch(channel, leader_at))
         try:
-            await asyncio.sleep(1.0)
+            for _ in range(200):  # until the leader was checked 3 times (at most 20 s)
+                if leader_health.checks >= 3:
+                    break
+                await asyncio.sleep(0.1)
             assert not task.done()
         finally:
             task.cancel()
