@@ -81,8 +81,9 @@ class LeaderWatch:
 
     async def watch(self, channel: grpc.aio.Channel, current: str) -> None:
         """Checks `current` (over the session's `channel`) until another syncer leads while it is
-        silent: then raises LeaderMoved. Returns at once when the list names no other syncer."""
-        others = [t for t in self.targets if t != current]
+        silent: then raises LeaderMoved. Returns at once when --syncer is one address: a DNS name or
+        a load balancer may well lead back to the same syncer, and a move would only cancel calls."""
+        others = [t for t in self.targets if t != current] if len(self.targets) > 1 else []
         if not others:
             return
         suspect = False  # the last check of `current` failed

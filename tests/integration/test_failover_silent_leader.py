@@ -23,7 +23,7 @@ from tests.integration.conftest import SyncerProbe, wait_until
 from tests import etcd as etcd_helper
 from tests.integration.test_failover import _logged_at, _start_learner, _start_syncer, _state_of, _wait_leader
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 FOLLOW_BOUND_S = 4.0  # election -> first accepted contribution at the new leader, every learner
 OLD_WAIT_S = 60.0  # how long the test waits for it at most (the old behaviour took 10-40 s)

@@ -128,6 +128,8 @@ def test_one_address_has_nobody_else_to_follow():
         channel = channel_lib.aio_channel("syncers.example:50051")
         try:
             await asyncio.wait_for(watch.watch(channel, "syncers.example:50051"), 1)  # returns at once
+            # ... also once a standby behind that name named the leader's own address
+            await asyncio.wait_for(watch.watch(channel, "10.1.2.3:50051"), 1)
         finally:
             await channel.close()
 
