@@ -1,8 +1,9 @@
 """Noticing, within about a second, that another syncer of the list took over from a silent leader.
 
 A leader whose host vanished sends no TCP reset: the learner's calls to it just hang until their
-deadlines (about 10 s for a unary call, 600 s for the watch stream), and HTTP/2 keepalive finds
-the dead connection only after 30 + 10 s. Meanwhile a standby is elected within the lease (3 s).
+deadlines (about 10 s for a unary call, retried; 600 s for the watch stream), and HTTP/2 keepalive
+finds the dead connection after 30 + 10 s at the earliest (about 60 s measured against a frozen
+syncer, docs/failover.md). Meanwhile a standby is elected within the lease (3 s).
 
 `LeaderWatch` runs beside a session (client.py) when --syncer lists several syncers. Every
 `interval_s` it asks the session's syncer, over the session's own channel, for the health of
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -59,18 +60,17 @@ class LeaderWatch:
     """See the module docstring. One per client; `watch` runs once per session, `close` at the end."""
 
     def __init__(self, targets: Sequence[str], *, interval_s: float = 1.0, timeout_s: float = 2.0,
-                 security: security_lib.ClientSecurity | None = None,
-                 channel_factory: Callable[[str], grpc.aio.Channel] | None = None) -> None:
+                 security: security_lib.ClientSecurity | None = None) -> None:
         self.targets = list(targets)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self._new_channel = channel_factory or (lambda target: channel_lib.aio_channel(target, security))
+        self._security = security
         self._channels: dict[str, grpc.aio.Channel] = {}  # the other syncers', kept across ticks and sessions
         self.checks_of_others = 0  # rounds of questions to the other syncers (tests, logs)
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         if target not in self._channels:
-            self._channels[target] = self._new_channel(target)
+            self._channels[target] = channel_lib.aio_channel(target, self._security)
         return self._channels[target]
 
     async def leader_among(self, others: Sequence[str]) -> str:
