@@ -3,6 +3,7 @@ training loop alike (`ddiloco.Learner`, docs/python-api.md).
 
   client.py, uploads.py  SyncClient: the connection to the syncer, on a background thread
   targets.py             which syncer the next session goes to (leader election)
+  leader_watch.py        leaves a silent leader once another syncer of the list leads
   ports.py               the client interface the loop uses (SyncClientLike), a null client
   loop.py                LearnerLoop: fragments, round calls, rebase on arrival, finish
   snapshot.py            the learner's durable local state (resume)

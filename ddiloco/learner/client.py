@@ -33,6 +33,7 @@ import numpy as np
 
 from ddiloco import failpoints as failpoints_lib
 from ddiloco import history as history_lib
+from ddiloco.learner import leader_watch as leader_watch_lib
 from ddiloco.learner import targets as targets_lib
 from ddiloco.learner import uploads as uploads_lib
 from ddiloco.rpc import channel as channel_lib
@@ -72,6 +73,11 @@ class ClientConfig:
     watch_stream_max_s: float = 600.0  # deadline of one watch stream; it is then resumed
     progress_interval_s: float = 0.25
     reconnect_max_backoff_s: float = 5.0
+    # With several syncers (leader election): how often the session's syncer is health-checked and
+    # the deadline of one check; the other syncers are asked who leads only while it fails
+    # (leader_watch.py), so a silent leader is left about a second after a standby took over.
+    leader_check_interval_s: float = 1.0
+    leader_check_timeout_s: float = 2.0
     # Fragments uploaded at once (one upload in flight per fragment); the syncer's default
     # --max-concurrent-uploads-per-learner is 4.
     max_concurrent_uploads: int = 4
@@ -181,6 +187,9 @@ class SyncClient(uploads_lib.Uploader):
         # Leader election (docs/failover.md): the syncers to try, the one in use, the leader a
         # standby named, and the newest leader epoch seen (versions of older epochs are ignored).
         self._targets = targets_lib.SyncerTargets(cfg.target)
+        self._leader_watch = leader_watch_lib.LeaderWatch(
+            self._targets.targets, interval_s=cfg.leader_check_interval_s, timeout_s=cfg.leader_check_timeout_s,
+            security=cfg.security)
         self.max_epoch = 0
         self._failpoints = failpoints_lib.Failpoints(cfg.failpoints, prefix="learner.")
         self._history = history_lib.HistoryWriter(cfg.history_file) if cfg.history_file else None
@@ -314,6 +323,7 @@ class SyncClient(uploads_lib.Uploader):
                 _LOG.info(f"leave not acknowledged: {exc.code().name}")
         if self._supervisor is not None:
             self._supervisor.cancel()
+        await self._leader_watch.close()
         if self._channel is not None:
             await self._channel.close()
 
@@ -341,6 +351,7 @@ class SyncClient(uploads_lib.Uploader):
                     group.create_task(self._watch())
                     group.create_task(self._report_progress())
                     group.create_task(self._upload_loop())
+                    group.create_task(self._leader_watch.watch(self._channel, self._targets.current))
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - any session failure leads to a re-join
