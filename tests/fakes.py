@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -113,17 +112,19 @@ async def upload(core: core_lib.SyncerCore, learner_id: str, fid: int, base: int
     return await core.accept_upload(ticket, enc.payload, wire_bytes=len(enc.payload))
 
 
-async def settle(timeout_s: float = 30.0) -> None:
-    """Let merge tasks (which hop to worker threads) finish: at least 20 loop turns, then until no other
-    task is pending, for at most `timeout_s` (a merge's first call compiles JAX code, which can take
-    seconds on a loaded machine; a fixed sleep made tests flaky)."""
-    me = asyncio.current_task()
-    deadline_s = time.monotonic() + timeout_s
-    for turn in itertools.count():
+async def settle() -> None:
+    for _ in range(20):  # let merge tasks (which hop to worker threads) finish
         await asyncio.sleep(0.01)
-        pending = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
-        if (turn >= 19 and not pending) or time.monotonic() > deadline_s:
-            return
+
+
+async def settle_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """settle(), then more loop turns until `predicate()` holds, for at most `timeout_s`: for a merge
+    that may run long (its first call compiles JAX code, seconds on a loaded machine). It does not
+    wait for every task: tests hold uploads or watchers pending on purpose."""
+    await settle()
+    deadline_s = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline_s:
+        await asyncio.sleep(0.01)
 
 
 class RecordingSyncClient(ports.NullSyncClient):

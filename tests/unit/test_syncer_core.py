@@ -16,7 +16,7 @@ from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 from services.syncer import checkpointing
 from services.syncer import config as config_lib
-from tests.fakes import FakeClock, join, make_core, progress, settle, upload
+from tests.fakes import FakeClock, join, make_core, progress, settle, settle_until, upload
 
 
 def test_grace_window_waits_for_stragglers_then_merges_everyone(clock):
@@ -37,7 +37,7 @@ def test_grace_window_waits_for_stragglers_then_merges_everyone(clock):
         assert core.slots[0].version == 0
         clock.now_s += 1.5  # past quorum + grace: merge without l3
         core.tick()
-        await settle()
+        await settle_until(lambda: core.slots[0].version == 1)
         assert core.slots[0].version == 1
         record = core.merges[-1]
         assert {c.learner_id for c in record.contributors} == {"l1", "l2"}

@@ -146,7 +146,7 @@ def test_decoded_contributions_waiting_at_once_are_bounded(monkeypatch):
             ticket = core.validate_upload_header(_header(core, lid, fid, 0, enc))
             uploads.append(asyncio.ensure_future(core.accept_upload(ticket, enc.payload, 0)))
         await wait_until_async(lambda: decoding[0] == 2, timeout_s=10, what="two decodes at once")
-        # The others had every chance to start decoding too (not settle(): it waits for these very uploads).
+        # The others had every chance to start decoding too (as settle() does).
         await asyncio.sleep(0.2)
         assert decoding[0] == 2
         release.set()
