@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import functools
 import logging
 import time
 
@@ -132,6 +133,9 @@ class Uploader:
         # judged against, robust.DirectionPolicy.judge_wait_s) held back this learner's other
         # fragments, which other learners' held uploads were waiting for in turn: 4 learners
         # split 2/2 over two fragments all waited the full judge window.
+        with self._lock:
+            # The previous session's task group ended every upload it started (_sent ran for each).
+            self._sending.clear()
         self._upload_wakeup.set()  # what was queued while the session was down goes out now
         loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as group:  # a broken session ends every upload
@@ -147,23 +151,28 @@ class Uploader:
                     held = [self._hold_until[fid] for fid in waiting if fid not in ready]
                     for fid in ready[:max(0, self.cfg.max_concurrent_uploads - len(self._sending))]:
                         self._sending.add(fid)
-                        group.create_task(self._send(self._uploads.pop(fid)))
+                        job = self._uploads.pop(fid)
+                        task = group.create_task(self._upload(job))
+                        task.add_done_callback(functools.partial(self._sent, job))
                 if held:  # look again when the first hold ends
                     loop.call_at(min(held), self._upload_wakeup.set)
 
-    async def _send(self, job: UploadJob) -> None:
-        try:
-            await self._upload(job)
-        except asyncio.CancelledError:
-            # The session broke mid-upload: the syncer may or may not have taken it. The same job
-            # goes again once re-joined (idempotent on its key: a duplicate if it was taken), never
-            # a new contribution carrying the same work (which would count it twice).
+    def _sent(self, job: UploadJob, task: asyncio.Task) -> None:
+        """An upload task ended. A done callback, not a `finally` in the task: a task the session's
+        group cancels before it first ran never enters its body, and its job was already off the
+        queue. That happened when an upload gave up (the job requeued, the session breaking): the
+        loop started the requeued job in the dying group, the group cancelled it unstarted, and the
+        fragment stayed in `_sending` with its job lost, so no later upload of it (the barrier's
+        resends included) ever went out again, and a round that needs every learner (dp, diloco)
+        never merged."""
+        if task.cancelled():
+            # The session broke mid-upload (or before it began): the syncer may or may not have
+            # taken it. The same job goes again once re-joined (idempotent on its key: a duplicate
+            # if it was taken), never a new contribution carrying the same work (counted twice).
             self._requeue(job)
-            raise
-        finally:
-            with self._lock:
-                self._sending.discard(job.fragment_id)
-            self._upload_wakeup.set()  # a newer upload of this fragment, or one over the limit, may wait
+        with self._lock:
+            self._sending.discard(job.fragment_id)
+        self._upload_wakeup.set()  # a newer upload of this fragment, or one over the limit, may wait
 
     async def _upload(self, job: UploadJob) -> None:
         if job.syncer_instance != self.instance:

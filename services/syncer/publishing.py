@@ -89,32 +89,35 @@ class Publisher:
 
 
 class Watchers:
-    """The change counter watch streams poll, and the condition that wakes them when it moves."""
+    """The change counter watch streams poll, and the waiters that wake when it moves.
+
+    One future per waiting watch stream, not an asyncio.Condition: Condition.wait re-acquires its
+    lock when the wait ends, and a WatchFragments call cancelled inside asyncio.wait_for around it
+    could leave `async with` releasing a lock it did not hold (CPython 3.11: "RuntimeError: Lock is
+    not acquired", a servicer error instead of the call's end). A future holds no lock: a cancelled
+    waiter just leaves. Each future belongs to the loop of its waiter, and leaves with it."""
 
     def __init__(self) -> None:
-        self._changed = asyncio.Condition()
         self.counter = 0
+        self._waiters: set[asyncio.Future] = set()
 
     def notify(self) -> None:
         self.counter += 1
-
-        async def _wake() -> None:
-            async with self._changed:
-                self._changed.notify_all()
-
-        try:
-            asyncio.get_running_loop().create_task(_wake())
-        except RuntimeError:  # no loop (unit tests of pure parts)
-            pass
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def wait_for_change(self, seen_counter: int, timeout_s: float) -> int:
         """Waits until the state changed after `seen_counter` (or timeout); returns the counter."""
-        async with self._changed:
-            if self.counter == seen_counter:
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout_s)
-                except asyncio.TimeoutError:
-                    pass
+        if self.counter == seen_counter:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.add(waiter)
+            try:
+                await asyncio.wait_for(waiter, timeout_s)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._waiters.discard(waiter)
         return self.counter
 
 
