@@ -22,7 +22,8 @@ from ddiloco.learner import client as client_lib
 from ddiloco.learner import ports
 from ddiloco.rpc import security
 from services.learner import distributed
-from tests.unit import test_learner_resend, test_sharded_train
+from tests import fakes
+from tests.unit import test_learner_resend
 
 LOOP = pathlib.Path(__file__).resolve().parents[2] / "ddiloco" / "learner" / "loop.py"
 PROTOCOL_MEMBERS = frozenset(name for name in vars(ports.SyncClientLike) if not name.startswith("_"))
@@ -83,7 +84,7 @@ def implementations():
         "test_learner_resend._Client": test_learner_resend._Client(),
         "test_learner_resend._CallClient": test_learner_resend._CallClient(),
         "test_learner_resend._BarrierClient": test_learner_resend._BarrierClient({0: 1}),
-        "test_sharded_train._FakeClient": test_sharded_train._FakeClient(),
+        "fakes.RecordingSyncClient": fakes.RecordingSyncClient(),
     }
     for client in (sync_client, hostile):
         client._loop.close()  # created by the constructor; never run

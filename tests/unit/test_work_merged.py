@@ -125,15 +125,27 @@ def test_up_summary_prints_work_merged(tmp_path):
 
 
 class _FakeCore:
-    """What SyncerMetrics reads: observers, training_state(recent_merges) and the influence counts."""
+    """What SyncerMetrics reads: observers, the influence counts and a scrape (metrics.scrape_state,
+    patched in the test to read `scrape`: the plain copy of the TrainingState this fake holds)."""
 
     def __init__(self, state: syncer_pb2.TrainingState) -> None:
         self.observers: list = []
         self.state = state
         self.influence = influence_lib.Influence(run_id="run", instance="fake")
 
-    def training_state(self, recent_merges: int) -> syncer_pb2.TrainingState:
-        return self.state
+    @property
+    def scrape(self) -> syncer_metrics.ScrapeState:
+        s = self.state
+        members = tuple(syncer_metrics.LearnerRow(
+            learner_id=m.learner_id, region=m.region, status="active", quarantined=False, local_step=m.local_step,
+            tokens_total=m.tokens_total, inner_loss=m.inner_loss, last_seen_unix_s=m.last_seen_unix_s)
+            for m in s.members)
+        return syncer_metrics.ScrapeState(
+            outer_steps=s.outer_steps, min_quorum=s.config.min_quorum, num_fragments=s.config.num_fragments,
+            fragments=tuple((f.fragment_id, f.version, 0) for f in s.fragments), tokens_merged=s.tokens_merged,
+            tokens_processed=s.tokens_processed, bytes_in=0, bytes_out=0, uploads={}, auth_failures={},
+            quarantines=0, direction_judgments={}, members=members, grace_window_s=0.0, step_time_s=0.0,
+            quorum_time_s=0.0, sync_time_s=0.0, heldout_loss=None, last_checkpoint_outer_step=0)
 
 
 @pytest.fixture
@@ -149,7 +161,8 @@ def loop():
         loop.close()
 
 
-def test_metrics_export_tokens_processed_work_merged_and_contributors(loop):
+def test_metrics_export_tokens_processed_work_merged_and_contributors(loop, monkeypatch):
+    monkeypatch.setattr(syncer_metrics, "scrape_state", lambda core: core.scrape)
     core = _FakeCore(_state())
     registry = prometheus_client.CollectorRegistry()
 
