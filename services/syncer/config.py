@@ -79,9 +79,8 @@ class SyncerConfig:
     # own last move sends that move back amplified: the loop diverges in pure loop tests
     # (tests/unit/test_partial_merges.py), and `ddiloco up` with 2 unpaced learners on a loaded
     # machine failed to lower its held-out loss by 0.5 in 3 of 10 runs (0 of 4 with work;
-    # docs/internals.md). steps was the default of the goodput (c2b77ea) and quality (811d19a)
-    # invocations in bench/results; work is not yet measured there (bench quality's outer-steps
-    # ablation runs the other).
+    # docs/internals.md). bench/results' goodput (abd07e4) and quality-work (92289c0) are measured
+    # with work; bench quality's outer-steps ablation runs steps.
     # whole: every merge is one step; the baselines always use it.
     outer_step_fraction: str = "work"
     # The data-parallel baseline's optimizer (AdamW on the syncer, ddiloco.algo.inner); the
