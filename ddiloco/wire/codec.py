@@ -11,8 +11,9 @@ public names are re-exported here.
 The raw bytes travel as one zstd frame with its content size in the header, so a receiver
 can reject a decompression bomb from the header alone, or, when zstd would not pay, as they are
 (``compression="none"``): ``encode`` compresses a sample first and sends the raw bytes when the
-sample compresses less than ``MIN_ZSTD_RATIO`` (int4 levels: ~1.19x, measured in
-bench/results/perf.md, for ~1.3 ms per default upload on each side). The checksum is sha256 (the
+sample compresses less than ``min_zstd_ratio`` (by default ``MIN_ZSTD_RATIO``: int4 levels shrink
+~1.19x, measured in bench/results/perf.md, for ~1.3 ms per default upload on each side, so uploads
+go raw; a payload encoded once and sent to every learner passes ``FANOUT_MIN_ZSTD_RATIO``). The checksum is sha256 (the
 original format, still read) or xxh3-128 (``checksum_kind="xxh3_128"``, what ``encode`` writes):
 a payload's digest only guards against corruption in transit and keys idempotent retries, it
 addresses no stored content, and xxh3 runs ~20x faster than sha256 on this machine.
@@ -59,6 +60,11 @@ CHECKSUM_BYTES = {"sha256": 32, "xxh3_128": 16}
 # encode sends raw bytes when a sample of them compresses less than this (zstd then costs CPU on
 # both sides for few WAN bytes); the sample is _ZSTD_SAMPLE_BYTES from the middle of the levels.
 MIN_ZSTD_RATIO = 1.25
+# The threshold for a payload encoded once and sent to many receivers (the syncer's published
+# versions and their error-fed deltas): its compression costs the sender once per version, not
+# once per transfer, and each receiver decompresses off the syncer (~0.3 ms per million int4
+# values), so any saving of WAN bytes beyond a few percent pays (int4 deltas: ~1.19x fewer bytes).
+FANOUT_MIN_ZSTD_RATIO = 1.05
 _ZSTD_SAMPLE_BYTES = 64 * 1024
 # ZSTD_COMPRESSBOUND adds a margin for inputs below this size (zstd.h).
 _ZSTD_SMALL_INPUT_BYTES = 128 << 10
@@ -115,6 +121,7 @@ def encode(
     zstd_level: int = 3,
     compression: str = "auto",
     checksum_kind: str = "xxh3_128",
+    min_zstd_ratio: float = MIN_ZSTD_RATIO,
 ) -> EncodedPayload:
     """Encodes a flat float32 vector.
 
@@ -125,6 +132,7 @@ def encode(
         zstd_level: zstd compression level, at most 22 (negative levels are faster).
         compression: "zstd", "none" or "auto" (see ``finish_encoding``).
         checksum_kind: "xxh3_128" or "sha256" (the original format).
+        min_zstd_ratio: with "auto", the least shrink factor for which zstd is used.
 
     Returns:
         The encoded payload.
@@ -156,7 +164,7 @@ def encode(
 
     raw = _serialize(values, codec, block_size, absmax)
     return finish_encoding(raw, codec, values.size, block_size, zstd_level, compression=compression,
-                           checksum_kind=checksum_kind)
+                           checksum_kind=checksum_kind, min_zstd_ratio=min_zstd_ratio)
 
 
 def warm_up() -> None:
@@ -175,11 +183,14 @@ def warm_up() -> None:
 
 
 def finish_encoding(raw: bytes, codec: str, numel: int, block_size: int, zstd_level: int, *,
-                    compression: str = "auto", checksum_kind: str = "xxh3_128") -> EncodedPayload:
+                    compression: str = "auto", checksum_kind: str = "xxh3_128",
+                    min_zstd_ratio: float = MIN_ZSTD_RATIO) -> EncodedPayload:
     """Compresses a codec's raw serialization and checksums it (shared with jax_codec).
 
     ``compression``: "zstd", "none", or "auto": zstd when it shrinks ``raw`` at least
-    ``MIN_ZSTD_RATIO`` times (judged on a sample of large payloads, ``_worth_compressing``)."""
+    ``min_zstd_ratio`` times (judged on a sample of large payloads, ``_worth_compressing``)."""
+    if not min_zstd_ratio >= 1.0:
+        raise CodecError(f"min_zstd_ratio={min_zstd_ratio} is invalid: must be >= 1")
     if zstd_level > zstandard.MAX_COMPRESSION_LEVEL:
         raise CodecError(
             f"zstd_level={zstd_level} is invalid: must be <= {zstandard.MAX_COMPRESSION_LEVEL}"
@@ -188,10 +199,10 @@ def finish_encoding(raw: bytes, codec: str, numel: int, block_size: int, zstd_le
     payload = None
     if compression != "none":
         small = len(raw) <= 2 * _ZSTD_SAMPLE_BYTES  # judged on the whole frame, not a sample
-        if compression == "zstd" or small or _worth_compressing(raw, zstd_level):
+        if compression == "zstd" or small or _worth_compressing(raw, zstd_level, min_zstd_ratio):
             # One compressor per call: instances are not thread-safe.
             payload = zstandard.ZstdCompressor(level=zstd_level, write_content_size=True).compress(raw)
-        if compression == "auto" and small and len(raw) < MIN_ZSTD_RATIO * len(payload):
+        if compression == "auto" and small and len(raw) < min_zstd_ratio * len(payload):
             payload = None
         # Raw bytes never start with zstd's magic number (see infer_format).
         if payload is None and bytes(raw[:4]) == _ZSTD_MAGIC:
@@ -211,14 +222,14 @@ def finish_encoding(raw: bytes, codec: str, numel: int, block_size: int, zstd_le
     )
 
 
-def _worth_compressing(raw: bytes, zstd_level: int) -> bool:
+def _worth_compressing(raw: bytes, zstd_level: int, min_ratio: float) -> bool:
     """Whether zstd at ``zstd_level`` shrinks a sample of ``raw`` (its middle
-    ``_ZSTD_SAMPLE_BYTES``, past the block scales) by at least ``MIN_ZSTD_RATIO``. Deterministic:
+    ``_ZSTD_SAMPLE_BYTES``, past the block scales) by at least ``min_ratio``. Deterministic:
     the same bytes always get the same answer."""
     start = (len(raw) - _ZSTD_SAMPLE_BYTES) // 2
     sample = bytes(memoryview(raw)[start:start + _ZSTD_SAMPLE_BYTES])
     compressed = zstandard.ZstdCompressor(level=zstd_level).compress(sample)
-    return len(sample) >= MIN_ZSTD_RATIO * len(compressed)
+    return len(sample) >= min_ratio * len(compressed)
 
 
 def payload_digest(payload, checksum_kind: str) -> bytes:

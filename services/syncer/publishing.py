@@ -39,6 +39,7 @@ class Publisher:
         encoded = codec_lib.encode(
             (new_params - published).astype(np.float32), self.download_codec,
             block_size=self._block_size, zstd_level=self._zstd_level,
+            min_zstd_ratio=codec_lib.FANOUT_MIN_ZSTD_RATIO,  # encoded once, sent to every learner
         )
         step = codec_lib.decode(
             encoded.payload, codec=encoded.codec, numel=encoded.numel, raw_size_bytes=encoded.raw_size_bytes,
@@ -75,6 +76,7 @@ class Publisher:
             if slot.encoding is None or slot.encoding[0] != version:
                 slot.encoding = (version, asyncio.ensure_future(asyncio.to_thread(
                     codec_lib.encode, slot.published, "fp32", zstd_level=self._zstd_level,
+                    min_zstd_ratio=codec_lib.FANOUT_MIN_ZSTD_RATIO,
                 )))
             pending = slot.encoding[1]
             try:
