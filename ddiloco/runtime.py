@@ -1,4 +1,5 @@
-"""Process-wide tuning of native libraries for the services: BLAS threads and malloc arenas.
+"""Process-wide tuning of native libraries for the services (BLAS threads, malloc arenas) and the
+process's age (how long a start took).
 
 Both were measured in `ddiloco bench perf`'s scale section (one syncer, 8-64 replay learners,
 2 cores):
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import pathlib
 
 import numpy as np  # noqa: F401 - loads numpy's BLAS, so that threadpoolctl can find it
 from threadpoolctl import threadpool_info, threadpool_limits
@@ -59,3 +62,17 @@ def limit_malloc_arenas(count: int) -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return mallopt(_M_ARENA_MAX, count) == 1
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, from the kernel's record (Linux /proc, 10 ms ticks): it
+    includes the interpreter's start and the imports, which no timer started in Python sees. None
+    where /proc is not there."""
+    try:
+        uptime_s = float(pathlib.Path("/proc/uptime").read_text().split()[0])
+        stat = pathlib.Path("/proc/self/stat").read_text()
+    except (OSError, ValueError, IndexError):
+        return None
+    # Field 22 (starttime, clock ticks after boot); the command name before it may hold spaces.
+    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))

@@ -25,7 +25,7 @@ import numpy as np
 
 from ddiloco import build_info
 from ddiloco import liveness as liveness_lib
-from ddiloco import logs, models
+from ddiloco import logs, models, runtime
 from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import inner as inner_lib
@@ -55,6 +55,26 @@ def core_hash(values: np.ndarray) -> str:
 ClientFactory = Callable[[client_lib.ClientConfig], client_lib.SyncClient]
 
 
+class _Startup:
+    """Where a (re)start's time goes until the first inner step: a killed learner's capacity is
+    lost for exactly this long after its restart, so it is logged once and kept in the summary."""
+
+    def __init__(self) -> None:
+        self._last_s = time.monotonic()
+        # The interpreter's start and the imports, which ran before any timer here.
+        self.phases_s: dict[str, float | None] = {"process_and_imports": runtime.process_age_s()}
+
+    def mark(self, phase: str) -> None:
+        now_s = time.monotonic()
+        self.phases_s[phase] = now_s - self._last_s
+        self._last_s = now_s
+
+    def report(self) -> dict[str, float | None]:
+        phases = {k: round(v, 3) if v is not None else None for k, v in self.phases_s.items()}
+        total = sum(v for v in self.phases_s.values() if v is not None)
+        return {"total_s": round(total, 3), **phases}
+
+
 @dataclasses.dataclass
 class _Life:
     """What one life of the learner trains with, once joined and loaded."""
@@ -71,9 +91,11 @@ class _Life:
     snapshots: snapshot_lib.Snapshotter | None
     stop: threading.Event
     liveness: liveness_lib.LoopLiveness
+    startup: _Startup
 
 
 def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_lib.SyncClient) -> int:
+    startup = _Startup()
     if cfg.compilation_cache_dir:
         train_lib.enable_compilation_cache(cfg.compilation_cache_dir)
     # The unit's devices and mesh (and jax.distributed for a multi-host unit), before any JAX use.
@@ -89,6 +111,7 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
     health_server = _serve_health(cfg, liveness) if cfg.health_bind else None
     if cfg.health_bind and health_server is None:
         return 2
+    startup.mark("devices_and_health")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -105,9 +128,11 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
     if isinstance(joined, int):
         return joined
     run_config, model, sync_mode = joined
+    startup.mark("join")
     split = _load_data(cfg, client, model)
     if split is None:
         return 2
+    startup.mark("data")
     shard = client.data_shard  # pinned, or assigned by the syncer at the join (same on every process of a unit)
     _LOG.info(f"data {split.source}: {split.shard_summary(shard)} (this learner's); {split.heldout_summary()}")
     sampler = corpus.BatchSampler(split.shards[shard], cfg.batch_size, model.seq_len,
@@ -126,8 +151,9 @@ def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_li
                           "resumed_from_step": loop.stats.resumed_from_step, "schedule_step": schedule_step,
                           **unit.describe()}},
     )
+    startup.mark("build_and_resume")
     life = _Life(cfg, unit, sync_client, client, loop, sampler, shard, incarnation, sync_mode, snapshots, stop,
-                 liveness)
+                 liveness, startup)
     started = time.monotonic()
     if not _train(life):
         return 4
@@ -246,6 +272,9 @@ def _train(life: _Life) -> bool:
         life.sync_client.hit_failpoint("learner.inner_step")  # fault tests only: `stall` hangs the loop here
         loss = loop.step()
         life.liveness.beat()
+        if loop.stats.steps == 1 + loop.stats.resumed_from_step:
+            life.startup.mark("first_step")  # compiled (or loaded from the compilation cache) and run
+            _LOG.info("first inner step", extra={"fields": {"startup": life.startup.report()}})
         if life.snapshots is not None and life.snapshots.due(loop.stats.steps):
             _write_snapshot(life)
         if loop.stats.steps % cfg.log_every_steps == 0:
@@ -288,6 +317,7 @@ def _finish(life: _Life, started: float) -> dict:
         "snapshots": life.snapshots.summary() if life.snapshots is not None else None,
         "unmerged_contributions": loop.stats.unmerged_contributions,
         "finish": {"all_merged": all_merged, "wait_s": round(finish_s, 3)},
+        "startup": life.startup.report(),  # this life's start, up to its first inner step
         # Why training stopped: the run's token budget (the syncer said so), or a signal / --steps.
         "budget_reached": client.budget_reached,
         "tokens_per_step": life.sampler.tokens_per_batch, "params_sha256": distributed_lib.params_sha256(loop.params),

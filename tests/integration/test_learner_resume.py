@@ -101,6 +101,13 @@ def test_a_killed_learner_resumes_its_optimizer_state_and_data_position_without_
         assert int(resumed.group(1)) == snap.step == summary["resumed_from_step"]
         assert resumed.group(2) == snapshot_lib.leaves_sha256(snap.opt_leaves)  # the restored leaves, hashed
         assert summary["steps"] == snap.step + MORE_STEPS and summary["finish"]["all_merged"], summary["finish"]
+        # Where the restart's time went, up to its first inner step (this life's, after the resume).
+        startup = summary["startup"]
+        phases = ("process_and_imports", "devices_and_health", "join", "data", "build_and_resume", "first_step")
+        assert list(startup) == ["total_s", *phases] and all(startup[p] >= 0 for p in phases), startup
+        assert startup["process_and_imports"] > 0.1  # an interpreter that imported JAX
+        assert startup["total_s"] == pytest.approx(sum(startup[p] for p in phases), abs=0.01)
+        assert svc.log_path.read_text().count("first inner step") == 1, svc.log_tail()
         # The data sequence continued from the snapshot's position: exactly MORE_STEPS batches later.
         final = store.load()
         position = snap.sampler

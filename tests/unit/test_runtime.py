@@ -1,6 +1,10 @@
-"""ddiloco.runtime: the syncer's process-wide BLAS thread count and malloc arena cap."""
+"""ddiloco.runtime: the syncer's process-wide BLAS thread count and malloc arena cap, a process's age."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -27,3 +31,13 @@ def test_arguments_are_checked_and_the_arena_cap_reports_whether_it_applied():
     with pytest.raises(ValueError):
         runtime.limit_malloc_arenas(0)
     assert isinstance(runtime.limit_malloc_arenas(8), bool)  # 8 arenas: what glibc allows on one core anyway
+
+
+def test_the_process_age_counts_from_the_process_start_not_from_an_import():
+    # A child that sleeps before it imports the module: a timer started at import would miss that.
+    code = "import time; time.sleep(0.6); from ddiloco import runtime; print(runtime.process_age_s())"
+    started_s = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    elapsed_s = time.monotonic() - started_s
+    age_s = float(out.stdout)
+    assert 0.6 <= age_s <= elapsed_s + 0.02  # /proc counts in 10 ms ticks
