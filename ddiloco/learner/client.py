@@ -428,6 +428,9 @@ class SyncClient(uploads_lib.Uploader):
                                    else self.cfg.fallback_data_shard)
             if not self._joined.is_set():  # re-joins (a restarted syncer) do not move the schedule
                 self.schedule_start_step = response.schedule_start_step
+        if response.budget_reached:
+            self._budget_reached("the run's token budget was reached before this life joined: finishing "
+                                 "without an inner step")
         if self.cfg.initial_values is not None and not self._seed_checked:
             self._seed_checked = True  # once per life: a model-sized copy is not kept for re-joins
             await self._seed_from_initial_values(response)
@@ -540,6 +543,15 @@ class SyncClient(uploads_lib.Uploader):
             self._history.write("version", instance=header.syncer_instance, fragment=fid, version=header.version,
                                 epoch=header.epoch)
 
+    def _budget_reached(self, why: str) -> None:
+        """The syncer said the run's token budget is spent: stop stepping (once)."""
+        if self.budget_reached:
+            return
+        self.budget_reached = True
+        _LOG.info(why)
+        if self.cfg.on_budget_reached is not None:
+            self.cfg.on_budget_reached()
+
     async def _report_progress(self) -> None:
         while True:
             with self._lock:
@@ -549,11 +561,8 @@ class SyncClient(uploads_lib.Uploader):
                     response = await self._stub.ReportProgress(request, timeout=self.cfg.call_timeout_s)
                     self.stats.bytes_sent += request.ByteSize()
                     self._progress_sent = request
-                    if response.budget_reached and not self.budget_reached:
-                        self.budget_reached = True
-                        _LOG.info("the run's token budget is reached: finishing")
-                        if self.cfg.on_budget_reached is not None:
-                            self.cfg.on_budget_reached()
+                    if response.budget_reached:
+                        self._budget_reached("the run's token budget is reached: finishing")
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         raise uploads_lib.SessionBroken(f"progress refused: {exc.details()}") from None

@@ -244,6 +244,7 @@ class JoinResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     UPLOAD_PIPELINE_BYTES_FIELD_NUMBER: _builtins.int
     SCHEDULE_START_STEP_FIELD_NUMBER: _builtins.int
+    BUDGET_REACHED_FIELD_NUMBER: _builtins.int
     syncer_instance: _builtins.str
     """Identifies this life of the syncer; versions are only meaningful within it."""
     upload_header_ack: _builtins.bool
@@ -273,6 +274,10 @@ class JoinResponse(_message.Message):
     reported local_step, kept across syncer restarts by the checkpoint): a new life starts its
     inner LR schedule there instead of warming up again. 0 for a first life (and older syncers).
     """
+    budget_reached: _builtins.bool
+    """The run's token budget was already reached when this learner joined (as in
+    ReportProgressResponse): a life that starts after the end takes no inner step, it leaves.
+    """
     @_builtins.property
     def config(self) -> Global___RunConfig: ...
     @_builtins.property
@@ -296,10 +301,11 @@ class JoinResponse(_message.Message):
         epoch: _builtins.int = ...,
         upload_pipeline_bytes: _builtins.int = ...,
         schedule_start_step: _builtins.int = ...,
+        budget_reached: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "epoch", b"epoch", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "schedule_start_step", b"schedule_start_step", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack", "upload_pipeline_bytes", b"upload_pipeline_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_reached", b"budget_reached", "config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "epoch", b"epoch", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "schedule_start_step", b"schedule_start_step", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack", "upload_pipeline_bytes", b"upload_pipeline_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

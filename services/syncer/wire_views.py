@@ -69,7 +69,8 @@ def run_settings(run_config: syncer_pb2.RunConfig) -> state_lib.RunSettings:
 
 
 def join_response(core, member: membership_lib.Member, *, assign_data_shard: bool) -> syncer_pb2.JoinResponse:
-    """A joined learner's answer: the run's config, the versions and digests, its data shard."""
+    """A joined learner's answer: the run's config, the versions and digests, its data shard, and
+    whether the run's token budget is already spent."""
     return syncer_pb2.JoinResponse(
         config=core.config,
         fragment_versions=serde.versions_to_proto(core.versions()),
@@ -78,6 +79,7 @@ def join_response(core, member: membership_lib.Member, *, assign_data_shard: boo
         data_shard=max(member.data_shard, 0),
         data_shard_assigned=member.data_shard_assigned and assign_data_shard,
         schedule_start_step=member.steps_prev_lives,
+        budget_reached=core.budget_reached(),
     )
 
 

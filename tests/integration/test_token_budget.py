@@ -4,7 +4,8 @@ Three learners with no step limit of their own, one of them 3x slower: the run e
 them together processed the budget. Each learner hears it in a progress answer, contributes its
 remaining work and leaves; the slow learner does not hold the end back (the fast ones ran more
 steps), the overshoot is at most what the fleet processes between two progress reports, and every
-token processed is in the global model.
+token processed is in the global model. A learner life that starts after the end (a restart that
+comes back late) hears it at its join and leaves without an inner step.
 """
 
 from __future__ import annotations
@@ -50,3 +51,16 @@ def test_the_run_ends_at_the_fleets_token_budget_and_every_token_is_merged(clust
     # Everything processed reached the global model (each learner's final contributions).
     assert all(s["finish"]["all_merged"] for s in summaries), [s["finish"] for s in summaries]
     assert state.tokens_merged == len(state.fragments) * state.tokens_processed
+
+    # A life that starts once the budget is spent: told at the join, it takes no step and leaves.
+    late = cluster.start_learner(3, region="region-b", extra=[*unbounded, *LEARNER_PACE])
+    assert late.wait(120) == 0, late.log_tail()
+    log = late.log_path.read_text()
+    assert "reached before this life joined" in log and "first inner step" not in log, late.log_tail()
+    late_summary = json.loads((cluster.workdir / "learner-3.summary.json").read_text())
+    assert late_summary["steps"] == 0 and late_summary["tokens"] == 0 and late_summary["budget_reached"]
+    probe = SyncerProbe(syncer.address)
+    try:
+        assert probe.state().tokens_processed == state.tokens_processed  # nothing past the end
+    finally:
+        probe.close()
