@@ -249,7 +249,11 @@ class LearnerLoop:
             jobs = [job for job in (self._queue_upload(fid, grads) for fid in due) if job is not None]
         compute_s = time.monotonic() - started
         self.stats.compute_s += compute_s
-        self.stats.step_time_ema.update(compute_s)
+        if self.stats.steps > self.stats.resumed_from_step + 1:
+            # A life's first step compiles its program (or loads it from the cache): seconds, up to
+            # a minute when many learners start on few cores. In the smoothed step time it would
+            # stretch the syncer's schedule, grace window and back-pressure holds for tens of steps.
+            self.stats.step_time_ema.update(compute_s)
         self._client.set_progress(self.progress_request())
         if jobs and self._barrier:
             self._wait_for_merges(jobs, arrivals)

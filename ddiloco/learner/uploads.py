@@ -283,8 +283,9 @@ class Uploader:
         duplicate = response.result == syncer_pb2.UploadFragmentResponse.RESULT_DUPLICATE
         if response.next_upload_after_s > 0:  # back-pressure: the syncer is saturated
             hold_s = self._hold_s(response.next_upload_after_s)
-            with self._lock:  # take_calls reads it from the training thread
-                self._hold_until[job.fragment_id] = asyncio.get_running_loop().time() + hold_s
+            if hold_s > 0:
+                with self._lock:  # take_calls reads it from the training thread
+                    self._hold_until[job.fragment_id] = asyncio.get_running_loop().time() + hold_s
             self.stats.uploads_slowed += 1
             self.stats.last_upload_hold_s = hold_s
         self._outcome(job, OUTCOME_DUPLICATE if duplicate else OUTCOME_ACCEPTED, response.current_version)
@@ -296,14 +297,17 @@ class Uploader:
 
     def _hold_s(self, hint_s: float) -> float:
         """The hold honoured for a back-pressure hint: at most _MAX_HOLD_PERIODS of the fragment's
-        periods at this learner's reported step time (when known), never over _MAX_UPLOAD_HOLD_S."""
+        periods at this learner's measured step time, never over _MAX_UPLOAD_HOLD_S; none before a
+        step time is measured (a life's first step, which compiles, is not one: LearnerLoop). A
+        hold folds periods together, and there is no period to fold yet: at a run's start, 16
+        learners compiling on 2 cores saturated the syncer, and holds of the 60 s cap silenced
+        learners for a minute, whose work a kill then lost whole (issue 20, goodput at 9a8ef93)."""
         with self._lock:
             progress = self._progress
-        bound_s = _MAX_UPLOAD_HOLD_S
         cfg = self.run_config
-        if progress is not None and cfg is not None and progress.step_time_s > 0 and cfg.sync_period_steps > 0:
-            bound_s = min(bound_s, _MAX_HOLD_PERIODS * cfg.sync_period_steps * progress.step_time_s)
-        return min(hint_s, bound_s)
+        if progress is None or cfg is None or progress.step_time_s <= 0 or cfg.sync_period_steps <= 0:
+            return 0.0
+        return min(hint_s, _MAX_UPLOAD_HOLD_S, _MAX_HOLD_PERIODS * cfg.sync_period_steps * progress.step_time_s)
 
     def _request_stream(self, messages: list):
         """The upload's messages; with the `learner.after_chunk` failpoint armed, a generator that

@@ -13,6 +13,7 @@ learners it had asked to hold.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 
@@ -79,6 +80,9 @@ def test_a_call_during_a_back_pressure_hold_waits_and_the_work_goes_out_whole_on
     loop.step()
     first = client._uploads.pop(0)  # the uploader takes it and the syncer accepts it, asking for a hold
     assert first.base_version == 0
+    progress = loop.progress_request()
+    progress.step_time_s = 1.0  # measured (a life's first step is not: it compiles)
+    client.set_progress(progress)
     _accept(client, first, hint_s=30.0)
     assert client._hold_until[0] > client._loop.time()  # the hint started a hold
     # The hold's length is capped at 8 periods of this learner's measured step time (test below);
@@ -108,11 +112,12 @@ def test_a_call_during_a_back_pressure_hold_waits_and_the_work_goes_out_whole_on
 
 def test_a_hold_is_bounded_by_the_fragments_periods_at_the_learners_step_time():
     loop, client = _setup()
-    client.set_progress(loop.progress_request())  # step time still unknown: only the 60 s cap
+    client.set_progress(loop.progress_request())  # step time still unknown: no hold at all
     job = client_lib.UploadJob(fragment_id=1, base_version=0, syncer_instance=_INSTANCE, steps=2, tokens=128,
                                delta=np.zeros(8, np.float32))
     _accept(client, job, hint_s=90.0)
-    assert client.stats.last_upload_hold_s == 60.0
+    # Before the fix: 60 s, and a learner at a run's start sent nothing on that fragment for a minute.
+    assert client.stats.last_upload_hold_s == 0.0 and client._hold_until.get(1, 0.0) == 0.0
     progress = loop.progress_request()
     progress.step_time_s = 0.25
     client.set_progress(progress)
@@ -153,3 +158,18 @@ def test_a_round_does_not_wait_for_a_learner_the_syncer_asked_to_hold_that_fragm
         assert core.membership.holding(1) == set()
 
     asyncio.run(run())
+
+
+def test_a_lifes_first_step_which_compiles_is_not_a_step_time():
+    loop, client = _setup()
+    loop.end_step(1.0, 64, started=time.monotonic() - 30.0)  # the first step: 30 s of compilation
+    assert loop.progress_request().step_time_s == 0.0  # unknown yet (before the fix: 30 s)
+    for _ in range(3):
+        loop.end_step(1.0, 64, started=time.monotonic() - 0.2)
+    assert 0.19 < loop.progress_request().step_time_s < 0.3
+    # A hint now folds at most 8 periods of H = 2 steps at ~0.2 s: ~3.2 s (before the fix: 60 s).
+    job = client_lib.UploadJob(fragment_id=1, base_version=0, syncer_instance=_INSTANCE, steps=2, tokens=128,
+                               delta=np.zeros(8, np.float32))
+    client.set_progress(loop.progress_request())
+    _accept(client, job, hint_s=90.0)
+    assert 3.0 < client.stats.last_upload_hold_s < 5.0
