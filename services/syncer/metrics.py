@@ -211,26 +211,37 @@ class SyncerMetrics:
         self.fragment_wire_bytes.labels(direction=direction, codec=codec).inc(wire_bytes)
 
 
-class _StateCollector:
-    """Reads gauges and monotonic counters from the core at scrape time.
+# Scrapes arrive on the HTTP server's thread; what they read is read on the event loop that
+# mutates it (the only thread that does), bounded: a stalled loop fails the scrape, never hangs it.
+_SCRAPE_TIMEOUT_S = 5.0
 
-    Scrapes arrive on the HTTP server's thread; the state is read on the core's event loop (the
-    only thread that mutates it), bounded by a timeout.
-    """
+
+def _read_on_loop(loop: asyncio.AbstractEventLoop, read):
+    """``read()`` run on ``loop``, from the scraping thread."""
+    async def run():
+        return read()
+
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=_SCRAPE_TIMEOUT_S)
+
+
+def _scalar_families(values: dict, table) -> list:
+    """One family per (attribute, metric name, help, family class) row of ``table``."""
+    return [family(name, doc, value=values[attr]) for attr, name, doc, family in table]
+
+
+class _StateCollector:
+    """Reads gauges and monotonic counters from the core at scrape time, on the core's loop."""
 
     def __init__(self, core, loop: asyncio.AbstractEventLoop) -> None:
         self._core = core
         self._loop = loop
 
     def collect(self):
-        async def snapshot():
-            return scrape_state(self._core), _influence_snapshot(self._core)
-
-        state, influence = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=5.0)
+        state, influence = _read_on_loop(self._loop, lambda: (scrape_state(self._core),
+                                                              _influence_snapshot(self._core)))
         yield from _influence_families(influence)
         yield from _progress_families(state)
         yield from _traffic_families(state)
-        yield from _security_families(state)
         yield from _timing_families(state)
         yield from _learner_families(state)
         yield from _outcome_families(state)
@@ -238,45 +249,51 @@ class _StateCollector:
 
 class _LedgerCollector:
     """Reads the merge ledger sink's counters at scrape time, on the event loop that ships the
-    records (as _StateCollector reads the core), bounded by a timeout."""
+    records (as _StateCollector reads the core)."""
+
+    _FAMILIES = (
+        ("acknowledged", "ddiloco_syncer_ledger_records",
+         "Merge records the checkpoint store's ledger acknowledged", CounterMetricFamily),
+        ("record_bytes", "ddiloco_syncer_ledger_record_bytes",
+         "Bytes of the merge records appended to the checkpoint store's ledger", CounterMetricFamily),
+        ("dropped", "ddiloco_syncer_ledger_records_dropped",
+         "Merge records dropped unsent: the ledger queue was full", CounterMetricFamily),
+        ("blobs_dropped", "ddiloco_syncer_ledger_blobs_dropped",
+         "Retained contributions not kept for replay (only their hashes recorded): past the queue's byte bound",
+         CounterMetricFamily),
+        ("blob_bytes_dropped", "ddiloco_syncer_ledger_blob_bytes_dropped",
+         "Bytes of the retained contributions not kept for replay", CounterMetricFamily),
+        ("failures", "ddiloco_syncer_ledger_write_failures",
+         "Ledger shipping attempts that failed after their retries (the records stay queued)", CounterMetricFamily),
+        ("pending", "ddiloco_syncer_ledger_pending_records",
+         "Merge records queued for the checkpoint store's ledger", GaugeMetricFamily),
+        ("pending_bytes", "ddiloco_syncer_ledger_pending_blob_bytes",
+         "Bytes of the retained contributions queued with them", GaugeMetricFamily),
+    )
 
     def __init__(self, ledger, loop: asyncio.AbstractEventLoop) -> None:
         self._ledger = ledger
         self._loop = loop
 
     def collect(self):
-        async def snapshot():
-            s = self._ledger
-            return (s.acknowledged, s.record_bytes, s.dropped, s.blobs_dropped, s.blob_bytes_dropped, s.failures,
-                    s.pending, s.pending_bytes)
-
-        (records, record_bytes, dropped, blobs_dropped, blob_bytes_dropped, failures, pending,
-         pending_bytes) = asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=5.0)
-        yield CounterMetricFamily("ddiloco_syncer_ledger_records",
-                                  "Merge records the checkpoint store's ledger acknowledged", value=records)
-        yield CounterMetricFamily("ddiloco_syncer_ledger_record_bytes",
-                                  "Bytes of the merge records appended to the checkpoint store's ledger",
-                                  value=record_bytes)
-        yield CounterMetricFamily("ddiloco_syncer_ledger_records_dropped",
-                                  "Merge records dropped unsent: the ledger queue was full", value=dropped)
-        yield CounterMetricFamily(
-            "ddiloco_syncer_ledger_blobs_dropped",
-            "Retained contributions not kept for replay (only their hashes recorded): past the queue's byte bound",
-            value=blobs_dropped)
-        yield CounterMetricFamily("ddiloco_syncer_ledger_blob_bytes_dropped",
-                                  "Bytes of the retained contributions not kept for replay", value=blob_bytes_dropped)
-        yield CounterMetricFamily(
-            "ddiloco_syncer_ledger_write_failures",
-            "Ledger shipping attempts that failed after their retries (the records stay queued)", value=failures)
-        yield GaugeMetricFamily("ddiloco_syncer_ledger_pending_records",
-                                "Merge records queued for the checkpoint store's ledger", value=pending)
-        yield GaugeMetricFamily("ddiloco_syncer_ledger_pending_blob_bytes",
-                                "Bytes of the retained contributions queued with them", value=pending_bytes)
+        values = _read_on_loop(self._loop, lambda: {attr: getattr(self._ledger, attr)
+                                                    for attr, *_ in self._FAMILIES})
+        yield from _scalar_families(values, self._FAMILIES)
 
 
 class _RepairCollector:
     """Reads the replicated stores' repair totals at scrape time, on the event loop that repairs."""
 
+    _FAMILIES = (
+        ("passes", "ddiloco_syncer_checkpoint_repair_passes",
+         "Repair passes over the replicated checkpoint stores that reported", CounterMetricFamily),
+        ("passes_failed", "ddiloco_syncer_checkpoint_repair_passes_failed",
+         "Repair passes that raised before reporting (retried at the next interval)", CounterMetricFamily),
+        ("last_pass_unix_s", "ddiloco_syncer_checkpoint_repair_last_pass_timestamp_seconds",
+         "Unix time the last repair pass ended (0: none yet)", GaugeMetricFamily),
+        ("last_pass_duration_s", "ddiloco_syncer_checkpoint_repair_last_pass_duration_seconds",
+         "Seconds the last repair pass took", GaugeMetricFamily),
+    )
     _PER_STORE = (
         ("blobs_copied", "Blobs a repair pass copied to this store from its peers"),
         ("bytes_copied", "Bytes of the blobs a repair pass copied to this store"),
@@ -290,23 +307,14 @@ class _RepairCollector:
         self._loop = loop
 
     def collect(self):
-        async def snapshot():
+        def snapshot():
             t = self._client.repair_totals
             per_store = {name: {store: getattr(t, name).get(store, 0) for store in self._client.store_names}
                          for name, _ in self._PER_STORE}
-            return t.passes, t.passes_failed, t.last_pass_unix_s, t.last_pass_duration_s, per_store
+            return {attr: getattr(t, attr) for attr, *_ in self._FAMILIES}, per_store
 
-        passes, failed, last_unix_s, last_duration_s, per_store = asyncio.run_coroutine_threadsafe(
-            snapshot(), self._loop).result(timeout=5.0)
-        yield CounterMetricFamily("ddiloco_syncer_checkpoint_repair_passes",
-                                  "Repair passes over the replicated checkpoint stores that reported", value=passes)
-        yield CounterMetricFamily("ddiloco_syncer_checkpoint_repair_passes_failed",
-                                  "Repair passes that raised before reporting (retried at the next interval)",
-                                  value=failed)
-        yield GaugeMetricFamily("ddiloco_syncer_checkpoint_repair_last_pass_timestamp_seconds",
-                                "Unix time the last repair pass ended (0: none yet)", value=last_unix_s)
-        yield GaugeMetricFamily("ddiloco_syncer_checkpoint_repair_last_pass_duration_seconds",
-                                "Seconds the last repair pass took", value=last_duration_s)
+        values, per_store = _read_on_loop(self._loop, snapshot)
+        yield from _scalar_families(values, self._FAMILIES)
         for name, doc in self._PER_STORE:
             family = CounterMetricFamily(f"ddiloco_syncer_checkpoint_repair_{name}", doc, labels=["store"])
             for store, value in per_store[name].items():

@@ -24,7 +24,7 @@ class ServedSyncer:
 
 
 @contextlib.asynccontextmanager
-async def serve_syncer(core: core_lib.SyncerCore, *, servicer: servicer_lib.SyncerServicer | None = None,
+async def serve_syncer(core: core_lib.SyncerCore | None, *, servicer: servicer_lib.SyncerServicer | None = None,
                        max_concurrent_uploads: int = 4, auth: bool = True,
                        interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> AsyncIterator[ServedSyncer]:
     """Serves `servicer` (by default a SyncerServicer of `core`) in plaintext on 127.0.0.1:0, with a
@@ -33,7 +33,7 @@ async def serve_syncer(core: core_lib.SyncerCore, *, servicer: servicer_lib.Sync
     auth: the syncer's AuthInterceptor (anonymous plaintext identities) after `interceptors`, as
     the syncer chains them; False serves the servicer alone.
     """
-    if servicer is None:
+    if servicer is None:  # a test's own servicer brings its core
         servicer = servicer_lib.SyncerServicer(core, max_concurrent_uploads=max_concurrent_uploads)
     chain = list(interceptors)
     if auth:

@@ -11,7 +11,6 @@ taking it. Every wait has a timeout.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import numpy as np
@@ -20,12 +19,11 @@ import pytest
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.rpc import errors
 from ddiloco.rpc import security
-from ddiloco.rpc import server as server_lib
-from ddiloco.v1 import syncer_pb2_grpc
 from ddiloco.learner import client as client_lib
 from services.syncer import config as config_lib
 from services.syncer import servicer as servicer_lib
 from tests import fakes
+from tests.service.conftest import serve_syncer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,16 +61,6 @@ class _StallingServicer(servicer_lib.SyncerServicer):
         return await super()._upload(_Replay(first, iterator), scope, context)
 
 
-@contextlib.asynccontextmanager
-async def _syncer(servicer):
-    handle = await server_lib.start_server(
-        "127.0.0.1:0", ["ddiloco.v1.Syncer"], [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)])
-    try:
-        yield handle.address
-    finally:
-        await handle.stop(grace_s=0)
-
-
 def _client(address: str, learner_id: str) -> client_lib.SyncClient:
     # The upload deadline is about call_timeout_s; a retry bound below it: "gave up after 1 attempts".
     return client_lib.SyncClient(client_lib.ClientConfig(
@@ -89,7 +77,8 @@ def test_a_dp_round_completes_after_a_given_up_upload_and_counts_it_once():
     servicer = _StallingServicer(core, max_concurrent_uploads=4)
 
     async def scenario() -> None:
-        async with _syncer(servicer) as address:
+        async with serve_syncer(None, servicer=servicer, auth=False) as served:
+            address = served.handle.address
             clients = [_client(address, f"learner-{i}") for i in range(2)]
             try:
                 for c in clients:

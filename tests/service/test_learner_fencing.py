@@ -11,7 +11,6 @@ even when its details contain "fenced" or "Join" (as a learner id may). Real ser
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import grpc
@@ -21,12 +20,11 @@ import pytest
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.rpc import errors
 from ddiloco.rpc import security
-from ddiloco.rpc import server as server_lib
-from ddiloco.v1 import syncer_pb2_grpc
 from ddiloco.learner import client as client_lib
 from services.syncer import core as core_lib
 from services.syncer import servicer as servicer_lib
 from tests import fakes
+from tests.service.conftest import serve_syncer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,16 +50,6 @@ class _RefusingServicer(servicer_lib.SyncerServicer):
         raise self.refusals.pop(0)
 
 
-@contextlib.asynccontextmanager
-async def _syncer(servicer):
-    handle = await server_lib.start_server(
-        "127.0.0.1:0", ["ddiloco.v1.Syncer"], [lambda s: syncer_pb2_grpc.add_SyncerServicer_to_server(servicer, s)])
-    try:
-        yield handle.address
-    finally:
-        await handle.stop(grace_s=0)
-
-
 def _client(address: str, incarnation: int = 1) -> client_lib.SyncClient:
     return client_lib.SyncClient(client_lib.ClientConfig(
         target=address, learner_id=LEARNER, incarnation=incarnation, region="r", tokens_per_step=0,
@@ -82,7 +70,8 @@ async def _until(condition, timeout_s: float = 20.0) -> None:
 
 
 async def _with_client(servicer, scenario, incarnation: int = 1):
-    async with _syncer(servicer) as address:
+    async with serve_syncer(None, servicer=servicer, auth=False) as served:
+        address = served.handle.address
         client = _client(address, incarnation)
         try:
             await asyncio.wait_for(asyncio.to_thread(client.start, 30.0), 40)
