@@ -151,7 +151,6 @@ def token_budget(cfg: GoodputConfig) -> int:
 
 def mode_scenario(cfg: GoodputConfig, mode: str):
     """The chaos Scenario of one mode (the syncer flags are all that differs)."""
-    from ddiloco.chaos import scenarios
     from ddiloco.chaos.harness import Scenario
 
     sync_mode = base_mode(mode)
@@ -162,11 +161,11 @@ def mode_scenario(cfg: GoodputConfig, mode: str):
     # and the default 90 s wait at its barrier would be charged to the mode as lost time.
     # Decoupled learners never wait: a restarted one finishing late is real lost time.
     finish_grace_s = 90.0 if sync_mode == "decoupled" else 5.0
-    # Decoupled runs the shipped syncer defaults. The baselines clip contributions beyond the
-    # norm bound instead of refusing them: with a quorum of every learner, one refused upload
-    # stalls the barrier for good, which would charge them a loss that is not a failure's.
-    args = (("--sync-mode", sync_mode) if sync_mode == "decoupled"
-            else (*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", sync_mode))
+    # Every mode runs the shipped syncer defaults of its sync mode: what ships is what is measured
+    # (issue 24). The diloco preset clips contributions beyond the norm bound instead of refusing
+    # them (with a quorum of every learner one refusal stalls the barrier for good), and dp has no
+    # norm bound (services/syncer/config.py apply_sync_mode).
+    args = ("--sync-mode", sync_mode)
     steps = cfg.steps
     if cfg.run_end == "budget":
         args = (*args, "--token-budget", str(token_budget(cfg)))

@@ -348,6 +348,8 @@ class Harness(FaultActions):
             invariants.check_learner_hashes(syncer_history, summaries),
             invariants.check_checkpoints(syncer_history, checkpoints),
             invariants.check_loss(loss, self.baseline_loss, self.scenario.loss_margin),
+            invariants.check_quarantines(final_state.get("members", []),
+                                         dict(self._poller.quarantined) if self._poller else {}),
         ]
         mark_recoveries(self.faults, syncer_history)
         processed = self._poller.tokens_processed() if self._poller else 0

@@ -404,6 +404,26 @@ def check_loss(loss: float | None, baseline: float | None, margin: float) -> Che
     return check
 
 
+# MemberState.flags: quarantined at least once (protos/ddiloco/v1/syncer.proto).
+FLAG_QUARANTINED = 16
+
+
+def check_quarantines(final_members: Sequence[dict], seen: Mapping[str, float]) -> Check:
+    """I7: no learner was quarantined. Every learner of a scenario is honest (its faults are crashes,
+    hangs and links, never bad input), and the syncer runs its shipped robustness defaults, so a
+    quarantine is a false positive of the defaults (issue 24). `final_members`: the final training
+    state's members (MessageToDict: uint64 as strings); `seen`: learners the poller saw quarantined."""
+    check = Check("I7 no honest learner quarantined")
+    names = set(seen)
+    for member in final_members:
+        if member.get("quarantined") or int(member.get("flags", 0)) & FLAG_QUARANTINED:
+            names.add(member.get("learner_id", "?"))
+    check.figures["quarantined"] = sorted(names)
+    for name in sorted(names):
+        check.fail(f"{name} was quarantined")
+    return check
+
+
 def check_epochs(learner_records: Mapping[str, Sequence[dict]]) -> Check:
     """I6 (leader election): no learner folds in a version of an older leader epoch after one of a
     newer epoch (fencing: a deposed leader broadcasts nothing once a newer one could lead)."""

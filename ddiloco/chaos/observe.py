@@ -82,6 +82,7 @@ class Poller(threading.Thread):
         self.lock = threading.Lock()
         self.lives: dict[tuple[str, int], dict] = {}  # (learner, incarnation) -> {steps, tokens}
         self.samples: list[tuple[float, dict[str, str]]] = []  # (unix s, {learner: ACTIVE|SILENT|LEFT})
+        self.quarantined: dict[str, float] = {}  # learner -> unix s it was first seen quarantined (I7)
         self.errors = 0
 
     def state(self, timeout_s: float = 3.0):
@@ -98,6 +99,8 @@ class Poller(threading.Thread):
                 with self.lock:
                     self.samples.append((time.time(), {m.learner_id: _STATUS.get(m.status, "?") for m in st.members}))
                     for m in st.members:
+                        if m.quarantined:
+                            self.quarantined.setdefault(m.learner_id, time.time())
                         life = self.lives.setdefault((m.learner_id, m.incarnation), {"steps": 0, "tokens": 0})
                         life["steps"] = max(life["steps"], m.local_step)
                         life["tokens"] = max(life["tokens"], m.tokens_total)

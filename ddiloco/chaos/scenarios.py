@@ -41,17 +41,11 @@ FAULT_AT_MERGE = 24  # the first fault of a run: every learner is contributing b
 PHASE_MERGES = 36  # between the rows of a group
 
 
-# Contributions beyond the norm bound are clipped, not refused: a refused honest contribution can
-# leave a round below quorum for good (the learner sends one upload per base version, and the
-# pending one blocks a resend), which stalls the fragment; bad input is the security tier's subject.
-CHAOS_SYNCER_ARGS = ("--norm-bound-action", "clip")
-
 
 def base(name: str, seed: int, **changes) -> Scenario:
     """The shared configuration of the row scenarios (and of their fault-free baseline)."""
     return dataclasses.replace(Scenario(name=name, seed=seed, learners=3, min_quorum=2, steps=ROW_STEPS,
-                                        step_delay_s=ROW_PACE_S, syncer_args=CHAOS_SYNCER_ARGS,
-                                        loss_margin=LOSS_MARGIN), **changes)
+                                        step_delay_s=ROW_PACE_S, loss_margin=LOSS_MARGIN), **changes)
 
 
 def baseline(seed: int) -> tuple[Scenario, list[FaultEvent]]:

@@ -54,9 +54,15 @@ from ddiloco.learner import snapshot as snapshot_lib
 _LOG = logging.getLogger("ddiloco.learner")
 
 SYNC_MODES = ("decoupled", "diloco", "dp")
-# Contributions sent in answer to one round call when the syncer refuses them (a norm bound, a
-# quarantine): more would only repeat the refusal every step.
+# Contributions sent at once (at the next steps) in answer to one round call when the syncer
+# refuses them (a norm bound, a quarantine): more would only repeat the refusal every step.
 _MAX_CALL_ANSWERS = 3
+# Beyond those, the call is answered again after 1, 2, 4, ... periods of H steps (at most this
+# many) while its round stays open. The syncer calls a learner once per round, and a round below
+# quorum waits: a call given up after a few refusals left such a round, and its fragment, waiting
+# for good on a learner that had the work (and would have been accepted later: the norm bound's
+# reference moves, and the contribution's steps grow).
+_MAX_ANSWER_BACKOFF_PERIODS = 8
 _FINISH_MAX_REFUSALS = 3  # finish() stops sending a fragment the syncer refused this many times
 
 
@@ -141,6 +147,7 @@ class LearnerLoop:
         self._calls_instance: str | None = None  # the syncer life the calls came from
         self._call_answers: dict[int, int] = {}  # contributions sent for each fragment's current call
         self._answered_round: dict[int, int] = {}  # the round of the call each fragment last answered
+        self._answer_at_step: dict[int, int] = {}  # a refused call's next answer waits until this step
         self.finished = False
         self._before_upload: Callable[[int, int], None] | None = None  # set_before_upload
         self.tokens_before = 0  # tokens of earlier lives, up to the snapshot this life resumed from
@@ -152,7 +159,7 @@ class LearnerLoop:
                 continue
             if outcome.result == client_lib.OUTCOME_NOT_TAKEN:
                 # Never merged: the work stays in the progress, and the round's call (kept) is
-                # answered again, a bounded number of times (see _due_fragments).
+                # answered again while its round is open, backing off (see _due_fragments).
                 del self.pending[outcome.fragment_id]
                 self._not_taken[outcome.fragment_id] += 1
             else:
@@ -273,6 +280,7 @@ class LearnerLoop:
         for fid, call in self._client.take_calls().items():
             if fid not in self._calls or self._calls[fid].round != call.round:
                 self._call_answers[fid] = 0
+                self._answer_at_step.pop(fid, None)
             self._calls[fid] = call
         due = []
         for fid, call in list(self._calls.items()):
@@ -284,13 +292,17 @@ class LearnerLoop:
                 continue
             if held[1] > call.version:
                 del self._calls[fid]  # the round merged without this work: it waits for the next
-            elif fid not in self.pending and self.c_steps[fid] > 0:
-                # The call stays until the syncer accepts the contribution: one refused (or lost)
-                # is sent again, with the steps taken since, at most _MAX_CALL_ANSWERS times.
+            elif (fid not in self.pending and self.c_steps[fid] > 0
+                  and self.stats.steps >= self._answer_at_step.get(fid, 0)):
+                # The call stays until the syncer accepts the contribution or the round closes: one
+                # refused (or lost) is sent again with the steps taken since, _MAX_CALL_ANSWERS
+                # times at once, then backing off (_MAX_ANSWER_BACKOFF_PERIODS).
                 self._call_answers[fid] += 1
                 self._answered_round[fid] = call.round
-                if self._call_answers[fid] >= _MAX_CALL_ANSWERS:
-                    del self._calls[fid]
+                beyond = self._call_answers[fid] - _MAX_CALL_ANSWERS
+                if beyond >= 0:
+                    periods = min(2 ** beyond, _MAX_ANSWER_BACKOFF_PERIODS)
+                    self._answer_at_step[fid] = self.stats.steps + periods * self.plan.sync_period_steps
                 due.append(fid)
         return sorted(due)
 

@@ -300,9 +300,16 @@ def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
       refused or quarantined learner stops every later round, and an honest learner on an
       outlying data shard can point away from the others (a 32-learner run of `ddiloco bench
       goodput` quarantined one, median cosine -0.71 on a fragment of biases and norms, and
-      stalled for good). The norm bound stays; the influence bounds of the decoupled mode (per-step
-      norm clipping against the others' median, the merge weight share cap) are off: the weights
-      are equal, and a learner with few steps has a large per-step norm without being hostile.
+      stalled for good). The norm bound stays, but clips instead of refusing (norm_bound_action
+      "clip"): a learner sends one contribution per base version and its barrier waits for the
+      merge of that version, so a refused honest upload (with the tiny model, a late or
+      restarted learner's first pseudo-gradients went beyond the bound) would stall the barrier
+      of every learner for good; clipped, it is merged within the bound
+      and a gross excess is still a strike towards quarantine. Forced like the merge rules: the
+      flags cannot tell an explicit "--norm-bound-action reject" from the default. The influence
+      bounds of the decoupled mode (per-step norm clipping against the others' median, the merge
+      weight share cap) are off: the weights are equal, and a learner with few steps has a large
+      per-step norm without being hostile.
     * dp: one fragment synced every step (P = H = 1, tau = 0), no grace window, fp32, plain mean
       of the gradients, no staleness (a gradient must be on the current parameters), no norm
       bound, no direction check (single-step gradients are too noisy to compare) and no influence
@@ -314,7 +321,8 @@ def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
         return dataclasses.replace(cfg, grace_gamma=0.0, max_grace_s=0.0, upload_codec="fp32",
                                    download_codec="fp32", mixing_alpha=0.0, direction_check="off",
                                    merge_rule="equal_mean", embedding_merge_rule="equal_mean",
-                                   outer_step_fraction="whole", norm_clip_factor=0.0, max_merge_share=1.0)
+                                   outer_step_fraction="whole", norm_clip_factor=0.0, max_merge_share=1.0,
+                                   norm_bound_action="clip")
     if cfg.sync_mode == "dp":
         return dataclasses.replace(cfg, num_fragments=1, sync_period_steps=1, overlap_steps=0, grace_gamma=0.0,
                                    max_grace_s=0.0, upload_codec="fp32", download_codec="fp32", mixing_alpha=0.0,
@@ -329,7 +337,8 @@ _HELPS = {
     "bind": "host:port to serve gRPC on (port 0: any free port)",
     "sync_mode": "decoupled (Decoupled DiLoCo); baselines: diloco (classic synchronous DiLoCo: plain mean of the "
                  "pseudo-gradients with equal weights, i.e. merge rule equal_mean for every tensor whatever "
-                 "--merge-rule says, all fragments together, learners wait, no grace, fp32, no direction check) "
+                 "--merge-rule says, all fragments together, learners wait, no grace, fp32, no direction check, "
+                 "contributions beyond the norm bound clipped) "
                  "or dp (data-parallel: gradients every step, AdamW on the syncer, learners wait); set "
                  "--min-quorum to the number of learners for the baselines",
     "dp_learning_rate": "dp mode: AdamW peak learning rate on the syncer",
@@ -421,7 +430,9 @@ _HELPS = {
                          ">= 1024 values) exceed k x the median of other learners' recent ones (until there is "
                          "history: its norm exceeds the global fragment's); also caps a claimed batch (tokens "
                          "per step, which sets the merge weight) at k x the others' median; 0 disables",
-    "norm_bound_action": "what to do beyond the norm bound: reject (INVALID_ARGUMENT) or clip",
+    "norm_bound_action": "what to do beyond the norm bound: reject (INVALID_ARGUMENT; the learner keeps the work "
+                         "and sends it in a later round) or clip (scale it down to the bound and merge it); "
+                         "--sync-mode diloco always clips (its barrier of every learner cannot survive a refusal)",
     "norm_bound_min_history": "other learners' contributions to a fragment needed before per-tensor bounds apply",
     "quarantine_after": "suspicious uploads (malformed, replayed, beyond the norm bound, pointing away) within "
                         "--quarantine-window-s that quarantine a learner; 0 never quarantines",

@@ -6,7 +6,8 @@ syncer for every learner; the rows of a run are phases that start once the previ
 recovered); the first test of a group runs it, the others read its result. Each test asserts the
 invariants I1-I5 of the run (ddiloco/chaos/invariants.py: nothing acknowledged is lost or applied
 twice, quorum and versions respected, learners hold the syncer's bytes, checkpoints load, the loss
-within the margin of the fault-free run) and its own row's expected behaviour and recovery. Each
+within the margin of the fault-free run), I7 (no learner quarantined: the syncer runs its shipped
+defaults) and its own row's expected behaviour and recovery. Each
 run prints its one-line report. Reproduce one with `ddiloco chaos run --scenario GROUP --seed 1`
 (or a single row: `ddiloco chaos list`).
 """

@@ -266,6 +266,30 @@ def test_i4_and_i5_checkpoints_and_loss():
     assert invariants.check_loss(None, 2.9, 0.15).skipped
 
 
+def test_i7_fails_on_a_learner_quarantined_at_the_end_or_seen_quarantined_by_the_poller():
+    members = [{"learner_id": "learner-0", "flags": "4"}, {"learner_id": "learner-1"}]
+    assert invariants.check_quarantines(members, {}).ok  # flag 4: beyond the norm bound once, no quarantine
+    # Quarantined at least once (flag 16, uint64 as MessageToDict gives it), or now.
+    ended = invariants.check_quarantines([*members, {"learner_id": "learner-2", "flags": "20"}], {})
+    assert not ended.ok and ended.figures == {"quarantined": ["learner-2"]}
+    assert not invariants.check_quarantines([{"learner_id": "learner-1", "quarantined": True}], {}).ok
+    seen = invariants.check_quarantines(members, {"learner-1": 1.0})  # a restarted syncer forgot it
+    assert seen.violations == ["learner-1 was quarantined"]
+
+
+def test_chaos_rows_and_goodput_run_the_shipped_robustness_defaults():
+    # Issue 24: what ships is what is tested. No scenario, and no mode of the goodput benchmark,
+    # passes a robustness flag to the syncer (norm bound, quarantine, direction, influence).
+    from ddiloco.bench import goodput
+    from ddiloco.chaos import scenarios as scenarios_lib
+
+    robustness = ("--norm-bound", "--quarantine", "--direction", "--max-merge-share", "--max-batch-ratio",
+                  "--norm-clip-factor")
+    built = [scenarios_lib.base("row", 1)] + [goodput.mode_scenario(goodput.GoodputConfig(), m) for m in goodput.MODES]
+    for sc in built:
+        assert not [a for a in sc.syncer_args if a.startswith(robustness)], (sc.name, sc.syncer_args)
+
+
 # ---------------------------------------------------------------------------------- CLI
 
 def test_cli_list_schedule_and_replay_rebuild_the_same_run(tmp_path, monkeypatch, capsys):

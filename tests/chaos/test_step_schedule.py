@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from ddiloco.chaos import harness, scenarios
+from ddiloco.chaos import harness
 from ddiloco.chaos.schedule import FaultEvent
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.timeout(30
 
 def test_step_gated_faults_fire_at_the_target_learners_step(tmp_path, jax_cache, learner_compilation_cache):
     scenario = harness.Scenario(name="step-gated", seed=1, learners=2, min_quorum=2, steps=200, step_delay_s=0.03,
-                                syncer_args=(*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", "diloco"),
+                                syncer_args=("--sync-mode", "diloco"),
                                 learner_args=("--compilation-cache-dir", str(learner_compilation_cache)),
                                 finish_grace_s=5.0, max_wall_s=240.0)
     events = [FaultEvent(0.0, "kill", "learner-1", {"restart_after_s": 0.5}, at_step=60),
@@ -43,7 +43,7 @@ def test_a_job_scoped_kill_restarts_every_learner_and_the_run_keeps_its_invarian
     """kill_scope "job" (the goodput benchmark's dp-job / diloco-job): one learner's kill takes the whole
     learner job down, every learner restarts after the kill's delay and rejoins the syncer's state."""
     scenario = harness.Scenario(name="job-kill", seed=1, learners=2, min_quorum=2, steps=120, step_delay_s=0.03,
-                                syncer_args=(*scenarios.CHAOS_SYNCER_ARGS, "--sync-mode", "diloco"),
+                                syncer_args=("--sync-mode", "diloco"),
                                 finish_grace_s=5.0, max_wall_s=200.0, kill_scope="job")
     events = [FaultEvent(0.0, "kill", "learner-1", {"restart_after_s": 0.5}, at_step=50)]
     result = harness.run_scenario(scenario, events, tmp_path, jax_cache_dir=jax_cache)

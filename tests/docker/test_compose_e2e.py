@@ -47,11 +47,10 @@ OUTAGE_MERGES = 6
 # A learner sends at most one upload per fragment at a time (ddiloco/learner/client.py
 # max_concurrent_uploads, = DDILOCO_NUM_FRAGMENTS here).
 UPLOADS_IN_FLIGHT = 4
-# No quarantine: with the tiny model a learner that starts (or restarts) late sends its first
-# pseudo-gradients while the others' are already small, beyond the norm bound (10 x their median),
-# and three such uploads quarantined honest learners for an hour. This test is about containers
-# and failures; the norm bound keeps rejecting outliers.
-SYNCER_OVERRIDES = {"DDILOCO_SYNCER_QUARANTINE_AFTER": "0"}
+# MemberState.flags: quarantined at least once. The syncer runs its shipped defaults (issue 24:
+# quarantine on), and no learner here is anything but honest, late and restarted ones included
+# (tests/integration/test_late_learners_defaults.py is the same case without containers).
+FLAG_QUARANTINED = 16
 
 
 # Polls the syncer; gRPC errors (it is not answering yet) count as "not yet".
@@ -93,10 +92,6 @@ def test_compose_regional_outage_partition_and_syncer_crash(compose_project: dc.
         "DDILOCO_BATCH_SIZE": "8",
         "DDILOCO_LOG_LEVEL": "INFO",
     })
-    # Any other flag goes through a compose override file, the way a user would add one.
-    override = tmp_path / "compose.override.yml"
-    override.write_text(json.dumps({"services": {"syncer": {"environment": SYNCER_OVERRIDES}}}))
-    project.overrides.append(override)
     syncer = dc.SyncerProbe(f"127.0.0.1:{port}")
     try:
         _scenario(project, syncer)
@@ -322,6 +317,8 @@ def _syncer_crash(project, syncer: dc.SyncerProbe, *, expected, region_of) -> No
         return st if {"region-a", "region-b"} <= {region_of.get(lid) for lid in contributed} else None
 
     st = wait_until(all_rejoined, timeout_s=240, what="every learner to re-join the restarted syncer")
+    quarantined = [m.learner_id for m in st.members if m.quarantined or m.flags & FLAG_QUARANTINED]
+    assert not quarantined, f"honest learners quarantined under the shipped defaults: {quarantined}"
     rejoin_s = time.monotonic() - t_kill
     record("4-syncer-crash", restart_s=back_s, restored_outer_step=restored_step,
            checkpoint_seen_before=checkpoint_before, outer_steps_before=outer_at_kill,

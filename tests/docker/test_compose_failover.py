@@ -44,8 +44,8 @@ LEARNER_HISTORY = "/tmp/learner.history.jsonl"
 # Each hub region: its syncer service, its store and its etcd member.
 REGIONS = {"syncer": ("syncer", "checkpoint", "etcd-a"), "syncer-b": ("syncer-b", "checkpoint-b", "etcd-b")}
 LEARNER_SERVICES = ("learner-region-a", "learner-region-b")
-# As in test_compose_e2e.py: no quarantine of late starters by the norm bound's history.
-SYNCER_ENV = {"DDILOCO_SYNCER_QUARANTINE_AFTER": "0", "DDILOCO_SYNCER_HISTORY_FILE": SYNCER_HISTORY}
+# The shipped robustness defaults (issue 24: quarantine on); only the fault-test history is added.
+SYNCER_ENV = {"DDILOCO_SYNCER_HISTORY_FILE": SYNCER_HISTORY}
 LEARNER_ENV = {"DDILOCO_LEARNER_HISTORY_FILE": LEARNER_HISTORY, "DDILOCO_LEARNER_JSON_LOGS": "1",
                "DDILOCO_LEARNER_LOG_EVERY_STEPS": str(STEP_LOG_EVERY)}
 

@@ -149,10 +149,6 @@ def test_monitoring_profile_scrapes_every_service_and_feeds_every_dashboard_quer
         "DDILOCO_EVAL_INTERVAL_S": "5",
         "DDILOCO_LOG_LEVEL": "INFO",
     })
-    # As in test_compose_e2e: a learner that restarts late must not be quarantined by the norm bound.
-    override = tmp_path / "compose.override.yml"
-    override.write_text(json.dumps({"services": {"syncer": {"environment": {"DDILOCO_SYNCER_QUARANTINE_AFTER": "0"}}}}))
-    project.overrides.append(override)
     prometheus = Prometheus(f"127.0.0.1:{prometheus_port}")
     browser.chromium()  # before the stack starts: no browser fails the test without a run
     try:

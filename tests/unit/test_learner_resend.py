@@ -164,6 +164,35 @@ def test_a_refused_answer_to_a_call_is_sent_again_a_bounded_number_of_times():
     assert [j.steps for j in _uploads_of(client, 0)] == [2, 3, 4]  # the refused steps go out again
 
 
+def test_a_call_refused_again_and_again_is_answered_backing_off_while_its_round_is_open():
+    # The syncer calls a learner once per round. Before the fix the call was dropped after
+    # _MAX_CALL_ANSWERS refusals: a round below quorum that needed this learner (K = 2 with one
+    # other learner down, or its norm bound's reference since moved) then waited for good, and its
+    # fragment with it. Now the answers go on while the round is open, 1, 2, 4, 8, 8 ... periods
+    # apart (H = 2 steps here), each with all the steps taken since the last merge.
+    loop, client, plan = _called_loop()
+    loop.step()
+    client.calls = {0: _call(0, version=3)}
+    for _ in range(52):
+        loop.step()
+        jobs = _uploads_of(client, 0)
+        if jobs and jobs[-1].local_step == loop.stats.steps:
+            client.outcomes = [_outcome(jobs[-1], client_lib.OUTCOME_NOT_TAKEN)]
+    jobs = _uploads_of(client, 0)
+    assert [j.local_step for j in jobs] == [2, 3, 4, 6, 10, 18, 34, 50]
+    assert [j.steps for j in jobs] == [2, 3, 4, 6, 10, 18, 34, 50]  # nothing of the work is dropped
+    assert all(j.base_version == 3 for j in jobs)
+    # The round merged without it (version 4): the call ends, the work waits for the next call.
+    client.inbox = [client_lib.GlobalFragment(0, 4, "life-1", loop.global_copy[0])]
+    for _ in range(40):
+        loop.step()
+    assert len(_uploads_of(client, 0)) == len(jobs)
+    # The next round's call is answered at once again.
+    client.calls = {0: _call(0, version=4, rnd=2)}
+    loop.step()
+    assert [j.base_version for j in _uploads_of(client, 0)][len(jobs):] == [4]
+
+
 def test_the_acceptance_of_an_answer_does_not_end_the_next_rounds_call():
     # The round merges right after accepting, and the next round's call can come before the loop
     # reads the acceptance, which must then end only the call it answered (it ended the next one:

@@ -143,6 +143,11 @@ def test_diloco_mode_fixes_grace_and_codecs_and_plans_unstaggered():
     assert (cfg.num_fragments, cfg.sync_period_steps, cfg.min_quorum) == (3, 6, 4)  # kept
     # With the quorum at every learner a refused honest learner would stall every round.
     assert cfg.direction_check == "off" and cfg.norm_bound_factor == config_lib.SyncerConfig().norm_bound_factor
+    # ... and so would a refused one beyond the norm bound: the bound clips in this mode (shipped
+    # default, not a test override), while the decoupled default still refuses.
+    assert cfg.norm_bound_action == "clip"
+    assert config_lib.apply_sync_mode(config_lib.SyncerConfig()).norm_bound_action == "reject"
+    assert config_lib.parse_config(["--sync-mode", "diloco", "--insecure"], {}).norm_bound_action == "clip"
     plan = fragments_lib.plan_fragments(SPECS, 3, 6, staggered=False)
     assert [plan.due(t) for t in (1, 6, 12)] == [[], [0, 1, 2], [0, 1, 2]]
     staggered = fragments_lib.plan_fragments(SPECS, 3, 6)
