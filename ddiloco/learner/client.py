@@ -182,6 +182,7 @@ class SyncClient(uploads_lib.Uploader):
         self._stub: syncer_pb2_grpc.SyncerStub | None = None
         self._supervisor: asyncio.Future | None = None
         self._joined = threading.Event()
+        self._started_at = 0.0
         self._sending: set[int] = set()  # fragments with an upload in flight
         self._seed_checked = False
         # Leader election (docs/failover.md): the syncers to try, the one in use, the leader a
@@ -201,6 +202,7 @@ class SyncClient(uploads_lib.Uploader):
 
         Raises TimeoutError if the syncer cannot be reached in time, FencedError if refused.
         """
+        self._started_at = self._loop.time()  # (time.monotonic) for the join's log line
         self._thread.start()
         self._supervisor = asyncio.run_coroutine_threadsafe(self._supervise(), self._loop)
         if not self._joined.wait(timeout_s):
@@ -328,9 +330,11 @@ class SyncClient(uploads_lib.Uploader):
             await self._channel.close()
 
     async def _connect(self) -> None:
-        """Points the stub at the syncer the next session should use (ddiloco/learner/targets.py)."""
+        """Points the stub at the syncer the next session should use (ddiloco/learner/targets.py):
+        with several syncers and no leader named, the one that answers SERVING first."""
         previous = self._targets.current
-        target = self._targets.next()
+        serving = await self._leader_watch.first_serving(self._targets.targets) if self._targets.probing else ""
+        target = self._targets.next(serving)
         if target == previous and self._channel is not None:
             return
         if self._channel is not None:
@@ -344,7 +348,12 @@ class SyncClient(uploads_lib.Uploader):
         while not self._closing:
             try:
                 await self._connect()
-                await self._join()
+                # The leader watch runs beside the Join too: a Join hanging at a silent syncer (frozen,
+                # or its host gone) is abandoned once another syncer of the list leads, not at its deadline.
+                async with asyncio.TaskGroup() as joining:
+                    watch = joining.create_task(self._leader_watch.watch(self._channel, self._targets.current))
+                    await self._join()
+                    watch.cancel()
                 failures = 0
                 self.stats.sessions += 1
                 async with asyncio.TaskGroup() as group:
@@ -413,6 +422,8 @@ class SyncClient(uploads_lib.Uploader):
                              "a deposed leader")
         self.max_epoch = response.epoch
         self._targets.joined()
+        _LOG.info("joined the syncer", extra={"fields": {"syncer": self._targets.current, "epoch": response.epoch,
+                                                        "since_start_s": round(self._loop.time() - self._started_at, 3)}})
         with self._lock:
             if response.syncer_instance != self.instance:
                 # Versions are only meaningful within one syncer life: start from the full model.

@@ -16,6 +16,10 @@ anything: a healthy leader that is slow to answer (a loaded host, a saturated WA
 buffers hold megabytes of upload ahead of the check) keeps its session and its calls, because
 while it leads no other syncer can (election.py: it stops before etcd could elect another).
 
+`first_serving` asks the same question of every syncer of the list at once before a session
+starts (client.py), so that a learner (re)starting while the head of its list is frozen goes to
+the leader within one round trip instead of waiting for its Join's deadline at the frozen one.
+
 The health service is not behind the syncer's authorization (rpc/security.py), so this works with
 any learner credential; the channels to the other syncers carry the session's security settings.
 Every check has a deadline; nothing is retried except by the next tick.
@@ -78,6 +82,23 @@ class LeaderWatch:
         self.checks_of_others += 1
         answers = await asyncio.gather(*(serving(self._channel(t), self.timeout_s) for t in others))
         return next((t for t, ok in zip(others, answers) if ok), "")
+
+    async def first_serving(self, candidates: Sequence[str]) -> str:
+        """The first of `candidates` to answer SERVING, asked all at once (each check within
+        timeout_s); "" when none does. It returns at the first SERVING answer: a frozen syncer
+        costs nothing while another one leads, and at most timeout_s when none does."""
+        checks = {asyncio.ensure_future(serving(self._channel(t), self.timeout_s)): t for t in candidates}
+        pending = set(checks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                leader = next((t for c, t in checks.items() if c in done and c.result()), "")  # list order
+                if leader:
+                    return leader
+            return ""
+        finally:
+            for check in pending:
+                check.cancel()
 
     async def watch(self, channel: grpc.aio.Channel, current: str) -> None:
         """Checks `current` (over the session's `channel`) until another syncer leads while it is

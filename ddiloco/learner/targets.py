@@ -6,6 +6,11 @@ client's next session goes there at once. Without a named leader (a dead syncer,
 knows none yet) the next session tries the next address of the list, with the client's usual
 backoff. One address (one syncer, or a DNS name with several records, whose standbys name the
 leader) keeps today's behaviour: every session goes to it.
+
+With several addresses and no leader named, the client first asks every syncer of the list at once
+for its health (leader_watch.first_serving) and the session goes to the one that answers SERVING,
+the leader, rather than to the next address in turn: a syncer frozen at the head of the list (TCP
+accepts, nothing answers) would otherwise hold a fresh learner for the Join's whole deadline.
 """
 
 from __future__ import annotations
@@ -46,12 +51,23 @@ class SyncerTargets:
         self._hint = ""
         self._redirects = 0
 
-    def next(self) -> str:
-        """The address of the next session: a named leader, else after a failure the next address."""
+    @property
+    def probing(self) -> bool:
+        """Whether the next session should ask the list who leads first: several addresses and no
+        leader named by a refusal (a named leader is tried at once, without asking)."""
+        return len(self.targets) > 1 and not self._hint
+
+    def next(self, serving: str = "") -> str:
+        """The address of the next session: a named leader, else `serving` (an address of the list
+        that answered SERVING just now), else the head of the list or, after a failure, the next
+        address."""
         if self._hint:
             target, self._hint = self._hint, ""
             if target in self.targets:  # a later rotation goes on from the leader's place
                 self._index = self.targets.index(target)
+        elif serving in self.targets:
+            target = serving
+            self._index = self.targets.index(target)
         elif self.current and len(self.targets) > 1:
             self._index = (self._index + 1) % len(self.targets)
             target = self.targets[self._index]

@@ -16,6 +16,7 @@ from ddiloco import checkpoint_client
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from tests import etcd as etcd_helper
 from tests import waits
 
 # A small, fast configuration: the tiny transformer, 4 fragments due every 4 steps, learners
@@ -31,6 +32,13 @@ def cluster(tmp_path):
         yield c
     finally:
         c.stop_all(timeout_s=10.0)
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """A real single-member etcd (tests/etcd.py) in the test's directory, stopped by its PID."""
+    with etcd_helper.running_etcd(tmp_path / "etcd") as server:
+        yield server
 
 
 # The tier's tests import it from here: polls a service, gRPC errors (a restarting service) are "not yet".

@@ -13,14 +13,7 @@ from ddiloco.checkpoint_commit import CommitFenced, CommitRecord
 from ddiloco.coord import commit as commit_lib
 from ddiloco.coord import election as election_lib
 from ddiloco.coord import etcd as etcd_lib
-from tests import etcd as etcd_helper
 from tests import ports
-
-
-@pytest.fixture
-def etcd_server(tmp_path):
-    with etcd_helper.running_etcd(tmp_path / "etcd") as server:
-        yield server
 
 
 def _run(coro, timeout_s: float = 30.0):

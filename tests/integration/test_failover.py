@@ -33,18 +33,11 @@ from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
 from ddiloco.chaos import invariants
 from ddiloco.chaos import proxy as proxy_lib
-from tests import etcd as etcd_helper
 from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 FAILOVER_BOUND_S = 10.0
-
-
-@pytest.fixture
-def etcd_server(tmp_path):
-    with etcd_helper.running_etcd(tmp_path / "etcd") as server:
-        yield server
 
 
 def _start_syncer(cluster, name: str, etcd_endpoint: str, run_id: str):
@@ -67,6 +60,22 @@ def _start_learner(cluster, index: int, syncers: str):
         "--steps", "100000", *LEARNER_PACE[:2], "--log-every-steps", "5"])
     svc.start()
     return svc
+
+
+def _two_syncers_merging(cluster, run_id: str, etcd_a: str, etcd_b: str, *, merges_timeout_s: float):
+    """The store, syncer-a leading (its etcd through `etcd_a`), syncer-b a standby (`etcd_b`) and
+    two learners given both syncers, a first, once a merged 4 times: (a, a's epoch, b, learner names)."""
+    cluster.start_store()
+    a = _start_syncer(cluster, "syncer-a", etcd_a, run_id)
+    epoch_a = _wait_leader(a, timeout_s=60)
+    b = _start_syncer(cluster, "syncer-b", etcd_b, run_id)
+    learners = [_start_learner(cluster, i, f"{a.address},{b.address}").name for i in range(2)]
+    probe = SyncerProbe(a.address)
+    try:
+        wait_until(lambda: probe.state(0).outer_steps >= 4, timeout_s=merges_timeout_s, what="merges on a")
+    finally:
+        probe.close()
+    return a, epoch_a, b, learners
 
 
 def _epoch(address: str) -> tuple[int, str]:
@@ -190,7 +199,8 @@ def test_sigkill_of_the_leader_the_standby_leads_within_10_s_and_merges_resume(c
     a = _start_syncer(cluster, "syncer-a", etcd_server.endpoint, "failover-kill")
     epoch_a = _wait_leader(a, timeout_s=60)
     b = _start_syncer(cluster, "syncer-b", etcd_server.endpoint, "failover-kill")
-    # The standby knows the leader and tells learners; learners try it first (redirected to a).
+    # The standby knows the leader (it would redirect a learner there); learners list it first, and
+    # find the leader by asking both syncers' health before they join (ddiloco/learner/targets.py).
     wait_until(lambda: _epoch(b.address) == (0, a.address), timeout_s=10, what="b is a standby naming a")
     learners = [_start_learner(cluster, i, f"{b.address},{a.address}").name for i in range(2)]
     probe = SyncerProbe(a.address)
@@ -255,20 +265,12 @@ def test_sigkill_of_the_leader_the_standby_leads_within_10_s_and_merges_resume(c
 
 
 def test_a_leader_cut_off_from_etcd_stops_within_its_lease_and_learners_follow_the_new_one(cluster, etcd_server):
-    cluster.start_store()
     host, port = etcd_server.endpoint.rsplit(":", 1)
     link = proxy_lib.FaultProxy("127.0.0.1", host, int(port))
     link_port = link.start_in_thread()
     try:
-        a = _start_syncer(cluster, "syncer-a", f"127.0.0.1:{link_port}", "failover-cut")
-        epoch_a = _wait_leader(a, timeout_s=60)
-        b = _start_syncer(cluster, "syncer-b", etcd_server.endpoint, "failover-cut")
-        learners = [_start_learner(cluster, i, f"{a.address},{b.address}").name for i in range(2)]
-        probe = SyncerProbe(a.address)
-        try:
-            wait_until(lambda: probe.state(0).outer_steps >= 4, timeout_s=240, what="merges on a")
-        finally:
-            probe.close()
+        a, epoch_a, b, learners = _two_syncers_merging(cluster, "failover-cut", f"127.0.0.1:{link_port}",
+                                                        etcd_server.endpoint, merges_timeout_s=240)
         link.set(blackhole=True)  # a's keep-alives go nowhere; learners still reach a
         cut_at = time.time()
         code = a.wait(15)

@@ -8,10 +8,14 @@ learners` log line, when its gate opens) to each learner's first contribution it
 learner's history). Before ddiloco/learner/leader_watch.py a learner left the frozen leader only
 when a call to it failed: its upload's deadline (10 s plus its size), retried for up to 30 s,
 or HTTP/2 keepalive (30 + 10 s); the watch stream's deadline is 600 s.
+
+A learner that starts while the leader is frozen, with the frozen syncer first in its list, joins
+the new leader at once: before, its Join waited at the frozen syncer for its deadline (10 s).
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -19,20 +23,15 @@ import pytest
 
 from ddiloco import history as history_lib
 from ddiloco.chaos import invariants
-from tests.integration.conftest import SyncerProbe, wait_until
-from tests import etcd as etcd_helper
-from tests.integration.test_failover import _logged_at, _start_learner, _start_syncer, _state_of, _wait_leader
+from tests.integration.conftest import wait_until
+from tests.integration.test_failover import (_logged_at, _start_learner, _start_syncer, _state_of,
+                                             _two_syncers_merging, _versions, _wait_leader)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 FOLLOW_BOUND_S = 4.0  # election -> first accepted contribution at the new leader, every learner
+JOIN_BOUND_S = 2.0  # a fresh learner's client start -> joined the live leader (the frozen one first in its list)
 OLD_WAIT_S = 60.0  # how long the test waits for it at most (the old behaviour took 10-40 s)
-
-
-@pytest.fixture
-def etcd_server(tmp_path):
-    with etcd_helper.running_etcd(tmp_path / "etcd") as server:
-        yield server
 
 
 def _first_accepted_at(cluster, name: str, instance: str) -> float | None:
@@ -43,16 +42,8 @@ def _first_accepted_at(cluster, name: str, instance: str) -> float | None:
 
 
 def test_a_frozen_leader_is_left_within_seconds_of_the_new_election(cluster, etcd_server):
-    cluster.start_store()
-    a = _start_syncer(cluster, "syncer-a", etcd_server.endpoint, "failover-frozen")
-    _wait_leader(a, timeout_s=60)
-    b = _start_syncer(cluster, "syncer-b", etcd_server.endpoint, "failover-frozen")
-    learners = [_start_learner(cluster, i, f"{a.address},{b.address}").name for i in range(2)]
-    probe = SyncerProbe(a.address)
-    try:
-        wait_until(lambda: probe.state(0).outer_steps >= 4, timeout_s=300, what="merges on a")
-    finally:
-        probe.close()
+    a, _, b, learners = _two_syncers_merging(cluster, "failover-frozen", etcd_server.endpoint, etcd_server.endpoint,
+                                             merges_timeout_s=300)
     try:
         a.signal(signal.SIGSTOP)  # by PID: only the process this test started
         frozen_at = time.time()
@@ -87,3 +78,39 @@ def test_a_frozen_leader_is_left_within_seconds_of_the_new_election(cluster, etc
     print(f"uploads: {uploads.figures}")
     assert uploads.ok, uploads.violations
     assert not uploads.figures.get("double_applied"), uploads.figures
+
+
+def _joined(cluster, name: str) -> dict | None:
+    """The fields of the learner's first `joined the syncer` log line (its JSON log), with its time."""
+    for line in cluster.services[name].log_path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("msg") == "joined the syncer":
+            return record
+    return None
+
+
+def test_a_learner_starting_while_the_head_of_its_list_is_frozen_joins_the_new_leader_at_once(cluster, etcd_server):
+    cluster.start_store()
+    a = _start_syncer(cluster, "syncer-a", etcd_server.endpoint, "frozen-join")
+    _wait_leader(a, timeout_s=60)
+    b = _start_syncer(cluster, "syncer-b", etcd_server.endpoint, "frozen-join")
+    try:
+        a.signal(signal.SIGSTOP)  # by PID: only the process this test started
+        epoch_b = _wait_leader(b, timeout_s=30)
+        spawned_at = time.time()
+        learner = _start_learner(cluster, 0, f"{a.address},{b.address}")  # the frozen syncer first
+        wait_until(lambda: _joined(cluster, learner.name) is not None, timeout_s=OLD_WAIT_S, what="the learner joins",
+                   interval_s=0.1)
+        joined = _joined(cluster, learner.name)
+        wait_until(lambda: any(r["epoch"] == epoch_b for r in _versions(cluster, learner.name)), timeout_s=60,
+                   what="a version of the new leader folded in", interval_s=0.2)
+    finally:
+        a.kill()  # SIGKILL by PID; a stopped process dies too
+    print(f"\nfresh learner, frozen syncer first in its list: joined {joined['syncer']} (epoch {joined['epoch']}) "
+          f"{joined['since_start_s']:.2f} s after its client started, {joined['ts'] - spawned_at:.2f} s after the "
+          "process was spawned (Python and JAX imports included)")
+    assert joined["syncer"] == b.address and joined["epoch"] == epoch_b, joined
+    assert joined["since_start_s"] < JOIN_BOUND_S, joined

@@ -4,6 +4,7 @@ left once another one leads, and never while no other one does (a slow leader ke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -47,26 +48,36 @@ async def _stop(*servers) -> None:
         await server.stop(0)
 
 
+@contextlib.asynccontextmanager
+async def _watching(targets, current: str, *, interval_s: float, timeout_s: float):
+    """LeaderWatch.watch of `current` (over a channel of its own) as a task: (watch, task); on exit
+    the task is cancelled and the channels closed."""
+    watch = watch_lib.LeaderWatch(targets, interval_s=interval_s, timeout_s=timeout_s)
+    channel = channel_lib.aio_channel(current)
+    task = asyncio.ensure_future(watch.watch(channel, current))
+    try:
+        yield watch, task
+    finally:
+        task.cancel()
+        await channel.close()
+        await watch.close()
+
+
 def test_a_silent_syncer_is_left_once_another_leads():
     async def scenario():
         silent, silent_at, _ = await _syncer(SERVING, delay_s=3600)
         standby, standby_at, standby_health = await _syncer(NOT_SERVING)
-        watch = watch_lib.LeaderWatch([silent_at, standby_at], interval_s=0.2, timeout_s=0.4)
-        channel = channel_lib.aio_channel(silent_at)
-        task = asyncio.ensure_future(watch.watch(channel, silent_at))
         try:
-            await asyncio.sleep(1.5)  # the standby is asked while the leader is silent, but does not lead
-            assert not task.done()
-            assert watch.checks_of_others >= 3 and standby_health.checks >= 3
-            await standby_health.set(watch_lib.SYNCER_SERVICE, SERVING)  # elected
-            elected_at = asyncio.get_running_loop().time()
-            with pytest.raises(watch_lib.LeaderMoved) as moved:
-                await asyncio.wait_for(task, 5)
-            moved_s = asyncio.get_running_loop().time() - elected_at
+            async with _watching([silent_at, standby_at], silent_at, interval_s=0.2, timeout_s=0.4) as (watch, task):
+                await asyncio.sleep(1.5)  # the standby is asked while the leader is silent, but does not lead
+                assert not task.done()
+                assert watch.checks_of_others >= 3 and standby_health.checks >= 3
+                await standby_health.set(watch_lib.SYNCER_SERVICE, SERVING)  # elected
+                elected_at = asyncio.get_running_loop().time()
+                with pytest.raises(watch_lib.LeaderMoved) as moved:
+                    await asyncio.wait_for(task, 5)
+                moved_s = asyncio.get_running_loop().time() - elected_at
         finally:
-            task.cancel()
-            await channel.close()
-            await watch.close()
             await _stop(silent, standby)
         assert moved.value.leader == standby_at
         assert isinstance(moved.value, targets_lib.NotLeader)  # the supervisor goes there without backoff
@@ -81,17 +92,12 @@ def test_a_slow_leader_keeps_its_session_while_no_other_syncer_leads():
     async def scenario():
         slow, slow_at, _ = await _syncer(SERVING, delay_s=0.6)
         standby, standby_at, _ = await _syncer(NOT_SERVING)
-        watch = watch_lib.LeaderWatch([slow_at, standby_at], interval_s=0.1, timeout_s=0.3)
-        channel = channel_lib.aio_channel(slow_at)
-        task = asyncio.ensure_future(watch.watch(channel, slow_at))
         try:
-            await asyncio.sleep(2.0)
-            assert not task.done(), task
-            assert watch.checks_of_others >= 2
+            async with _watching([slow_at, standby_at], slow_at, interval_s=0.1, timeout_s=0.3) as (watch, task):
+                await asyncio.sleep(2.0)
+                assert not task.done(), task
+                assert watch.checks_of_others >= 2
         finally:
-            task.cancel()
-            await channel.close()
-            await watch.close()
             await _stop(slow, standby)
 
     asyncio.run(scenario())
@@ -102,19 +108,14 @@ def test_a_healthy_leader_keeps_the_other_syncers_out_of_it():
         leader, leader_at, leader_health = await _syncer(SERVING)
         standby, standby_at, standby_health = await _syncer(NOT_SERVING)
         # (a generous deadline: the checks must succeed even on a loaded test machine)
-        watch = watch_lib.LeaderWatch([standby_at, leader_at], interval_s=0.1, timeout_s=5.0)
-        channel = channel_lib.aio_channel(leader_at)
-        task = asyncio.ensure_future(watch.watch(channel, leader_at))
         try:
-            for _ in range(200):  # until the leader was checked 3 times (at most 20 s)
-                if leader_health.checks >= 3:
-                    break
-                await asyncio.sleep(0.1)
-            assert not task.done()
+            async with _watching([standby_at, leader_at], leader_at, interval_s=0.1, timeout_s=5.0) as (watch, task):
+                for _ in range(200):  # until the leader was checked 3 times (at most 20 s)
+                    if leader_health.checks >= 3:
+                        break
+                    await asyncio.sleep(0.1)
+                assert not task.done()
         finally:
-            task.cancel()
-            await channel.close()
-            await watch.close()
             await _stop(leader, standby)
         assert leader_health.checks >= 3
         assert watch.checks_of_others == 0 and standby_health.checks == 0
