@@ -242,6 +242,7 @@ class _StateCollector:
         yield from _influence_families(influence)
         yield from _progress_families(state)
         yield from _traffic_families(state)
+        yield from _security_families(state)
         yield from _timing_families(state)
         yield from _learner_families(state)
         yield from _outcome_families(state)
