@@ -286,3 +286,18 @@ def fragment_sha256(values: np.ndarray) -> str:
     syncer and checkpoints tell whether they hold the same fragment values, whatever the dtype or
     byte order of the array they hold them in."""
     return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").tobytes()).hexdigest()
+
+
+def shard_fragments(num_fragments: int, num_shards: int, shard_index: int) -> list[int]:
+    """The fragment ids syncer shard `shard_index` of `num_shards` owns (docs/architecture.md,
+    "Fragment shards"): fragment f belongs to shard f mod num_shards. Round-robin rather than
+    contiguous because fragment rounds are staggered by id: neighbouring rounds land on different
+    shards, so the shards' merge load is spread in time as well as in bytes (the plan already
+    balances fragments' sizes). Every shard must own at least one fragment."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be at least 1, got {num_shards}")
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index {shard_index} is outside 0..{num_shards - 1}")
+    if num_fragments < num_shards:
+        raise ValueError(f"{num_shards} syncer shards need at least as many fragments, got {num_fragments}")
+    return list(range(shard_index, num_fragments, num_shards))

@@ -245,6 +245,8 @@ class JoinResponse(_message.Message):
     UPLOAD_PIPELINE_BYTES_FIELD_NUMBER: _builtins.int
     SCHEDULE_START_STEP_FIELD_NUMBER: _builtins.int
     BUDGET_REACHED_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
     syncer_instance: _builtins.str
     """Identifies this life of the syncer; versions are only meaningful within it."""
     upload_header_ack: _builtins.bool
@@ -278,6 +280,8 @@ class JoinResponse(_message.Message):
     """The run's token budget was already reached when this learner joined (as in
     ReportProgressResponse): a life that starts after the end takes no inner step, it leaves.
     """
+    shard_index: _builtins.int
+    """Which entry of `shards` answered this Join (0 when unsharded)."""
     @_builtins.property
     def config(self) -> Global___RunConfig: ...
     @_builtins.property
@@ -286,6 +290,14 @@ class JoinResponse(_message.Message):
     def published_sha256(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
         """fragment id -> sha256 (hex) of the values learners hold for the fragment's current version
         (FragmentState.published_sha256), so a learner can tell which fragments it already has.
+        """
+
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___SyncerShard]:
+        """Fragment shards (docs/architecture.md, "Fragment shards"): the syncer's fragments are split
+        over several shard processes, each owning the fragments listed for it (algo.fragments
+        shard_fragments). Empty for an unsharded syncer, which owns every fragment. A learner joins
+        every shard and sends each fragment's uploads to, and watches it from, its owner only.
         """
 
     def __init__(
@@ -302,14 +314,47 @@ class JoinResponse(_message.Message):
         upload_pipeline_bytes: _builtins.int = ...,
         schedule_start_step: _builtins.int = ...,
         budget_reached: _builtins.bool = ...,
+        shards: _abc.Iterable[Global___SyncerShard] | None = ...,
+        shard_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_reached", b"budget_reached", "config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "epoch", b"epoch", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "schedule_start_step", b"schedule_start_step", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack", "upload_pipeline_bytes", b"upload_pipeline_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_reached", b"budget_reached", "config", b"config", "data_shard", b"data_shard", "data_shard_assigned", b"data_shard_assigned", "epoch", b"epoch", "fragment_versions", b"fragment_versions", "published_sha256", b"published_sha256", "schedule_start_step", b"schedule_start_step", "shard_index", b"shard_index", "shards", b"shards", "syncer_instance", b"syncer_instance", "upload_header_ack", b"upload_header_ack", "upload_pipeline_bytes", b"upload_pipeline_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinResponse: _TypeAlias = JoinResponse  # noqa: Y015
+
+@_typing.final
+class SyncerShard(_message.Message):
+    """One syncer shard: its place in the shard map, where to reach it (several addresses: its
+    failover instances, in --syncer order), and the fragments it owns.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ADDRESSES_FIELD_NUMBER: _builtins.int
+    FRAGMENT_IDS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    @_builtins.property
+    def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def fragment_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        addresses: _abc.Iterable[_builtins.str] | None = ...,
+        fragment_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "fragment_ids", b"fragment_ids", "index", b"index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SyncerShard: _TypeAlias = SyncerShard  # noqa: Y015
 
 @_typing.final
 class FragmentProgress(_message.Message):
@@ -1346,6 +1391,8 @@ class TrainingState(_message.Message):
     BUILD_VERSION_FIELD_NUMBER: _builtins.int
     BUILD_COMMIT_FIELD_NUMBER: _builtins.int
     INFLUENCE_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     syncer_instance: _builtins.str
     started_at_unix_s: _builtins.float
@@ -1388,6 +1435,7 @@ class TrainingState(_message.Message):
     the build did not record one; ddiloco.build_info).
     """
     build_commit: _builtins.str
+    shard_index: _builtins.int
     @_builtins.property
     def fragments(self) -> _containers.RepeatedCompositeFieldContainer[Global___FragmentState]: ...
     @_builtins.property
@@ -1427,6 +1475,13 @@ class TrainingState(_message.Message):
         LearnerInfluence.window_merges), ordered by learner id. Learners in none of them are left out.
         """
 
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___SyncerShard]:
+        """Fragment shards (as JoinResponse.shards): this state covers only shard `shard_index`'s
+        fragments; a client shows the run by merging every shard's state
+        (ddiloco.training_state). Empty for an unsharded syncer.
+        """
+
     def __init__(
         self,
         *,
@@ -1461,10 +1516,12 @@ class TrainingState(_message.Message):
         build_version: _builtins.str = ...,
         build_commit: _builtins.str = ...,
         influence: _abc.Iterable[Global___LearnerInfluence] | None = ...,
+        shards: _abc.Iterable[Global___SyncerShard] | None = ...,
+        shard_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "build_commit", b"build_commit", "build_version", b"build_version", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "epoch", b"epoch", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "influence", b"influence", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "leader_address", b"leader_address", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "token_budget", b"token_budget", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auth_failures", b"auth_failures", "build_commit", b"build_commit", "build_version", b"build_version", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "config", b"config", "direction_judgments", b"direction_judgments", "epoch", b"epoch", "evals", b"evals", "fragments", b"fragments", "grace_window_s", b"grace_window_s", "influence", b"influence", "last_checkpoint_outer_step", b"last_checkpoint_outer_step", "last_checkpoint_unix_s", b"last_checkpoint_unix_s", "leader_address", b"leader_address", "members", b"members", "now_unix_s", b"now_unix_s", "outer_steps", b"outer_steps", "quarantines", b"quarantines", "quorum_time_s", b"quorum_time_s", "recent_merges", b"recent_merges", "restored_from_checkpoint", b"restored_from_checkpoint", "run_id", b"run_id", "shard_index", b"shard_index", "shards", b"shards", "started_at_unix_s", b"started_at_unix_s", "step_time_s", b"step_time_s", "sync_time_s", b"sync_time_s", "syncer_instance", b"syncer_instance", "token_budget", b"token_budget", "tokens_merged", b"tokens_merged", "tokens_processed", b"tokens_processed", "uploads", b"uploads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
