@@ -106,6 +106,13 @@ class IncomingPayload:
             raise errors.InvalidArgument(str(exc), reason=_codec_reason(exc)) from None
 
 
+def work_key(header: UploadHeader) -> tuple[int, int, bytes] | None:
+    """What a contribution is, for counting strikes (Membership.flag): its fragment, base version and
+    payload checksum (the content, once the payload is checked against it). None without a checksum."""
+    checksum = bytes(header.payload.checksum or b"")
+    return (header.fragment_id, header.base_version, checksum) if checksum else None
+
+
 def _codec_reason(exc: codec_lib.CodecError) -> str:
     return {codec_lib.NonFiniteError: "nonfinite", codec_lib.ChecksumError: "checksum",
             codec_lib.CorruptPayloadError: "corrupt"}.get(type(exc), "size")
@@ -161,7 +168,7 @@ class Admission:
         try:
             return self._validate(header, pinned_base)
         except errors.ServiceError as exc:
-            self._membership.record_rejection(exc.reason, header.learner_id, exc)
+            self._membership.record_rejection(exc.reason, header.learner_id, exc, work=work_key(header))
             if self.influence is not None:
                 self.influence.note_refused(header.learner_id, header.fragment_id, exc.reason, exc)
             raise
@@ -442,7 +449,7 @@ class Admission:
         reason = "clipped_norm_bound" if gross else "clipped_norm_bound_marginal"
         self._uploads[reason] += 1
         member.rejections[reason] += 1
-        self._membership.flag(member, reason)
+        self._membership.flag(member, reason, work=work_key(header))
         values = await asyncio.to_thread(robust_lib.scale_tensors, decoded.values, slot.fragment, verdict.scales)
         return await self._clip_norm(slot, header, steps, values, norms * verdict.scales)
 

@@ -310,9 +310,10 @@ class SyncerCore:
     def is_quarantined(self, member: membership_lib.Member) -> bool:
         return self.membership.is_quarantined(member)
 
-    def record_rejection(self, reason: str, learner_id: str = "", exc: BaseException | None = None) -> None:
-        """Counts one refused upload by reason, once (Membership.record_rejection)."""
-        self.membership.record_rejection(reason, learner_id, exc)
+    def record_rejection(self, reason: str, learner_id: str = "", exc: BaseException | None = None, *,
+                         work: tuple | None = None) -> None:
+        """Counts one refused upload by reason, once; a strike once per `work` (Membership.record_rejection)."""
+        self.membership.record_rejection(reason, learner_id, exc, work=work)
 
     def record_auth_failure(self, reason: str, *, caller: str = "", method: str = "") -> None:
         self.membership.record_auth_failure(reason, caller=caller, method=method)
@@ -355,7 +356,8 @@ class SyncerCore:
             async with self.admission.decode_permit(payload):  # a payload decoded on arrival holds its own
                 return await self._accept_upload(ticket, payload, wire_bytes, wait_budget_s)
         except errors.ServiceError as exc:
-            self.record_rejection(exc.reason, ticket.header.learner_id, exc)
+            self.record_rejection(exc.reason, ticket.header.learner_id, exc,
+                                  work=admission_lib.work_key(ticket.header))
             self.influence.note_refused(ticket.header.learner_id, ticket.header.fragment_id, exc.reason, exc)
             raise
         finally:  # a proposal waiting for its judgment never outlives the upload

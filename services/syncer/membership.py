@@ -27,6 +27,9 @@ MAX_ID_CHARS = 128
 # Idempotency records kept per learner: enough to recognise retries of recent uploads.
 IDEMPOTENCY_KEYS_PER_LEARNER = 64
 RECEIPT_HISTORY = 16  # (version, mark) entries kept per learner and fragment for MergeReceipts
+# Struck contributions remembered per learner ((fragment, base version, payload checksum)): a resend
+# of the same refused work counts one strike, not one per send (a learner's barrier resends it).
+STRUCK_WORK_PER_LEARNER = 64
 
 # MemberState.flags bits (syncer.proto): suspicious events seen from a learner, never cleared.
 FLAG_REPLAY_MISMATCH = 1 << 0  # same idempotency key with another payload (ALREADY_EXISTS)
@@ -85,6 +88,8 @@ class Member:
     flags: int = 0
     rejections: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     strikes: collections.deque = dataclasses.field(default_factory=collections.deque)  # clock() of each
+    # The work of the strikes (Membership.flag's `work`), oldest first, bounded: struck once each.
+    struck_work: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
     quarantined_until_s: float = -math.inf  # clock()
     quarantined_until_unix_s: float = 0.0
     # Mean of cos(contribution, the fragment's last merged outer gradient) over the learner's
@@ -140,6 +145,7 @@ class Member:
     def carry_record_from(self, previous: Member) -> None:
         """A new life does not wipe the security record, the direction agreement or the tokens."""
         self.flags, self.rejections, self.strikes = previous.flags, previous.rejections, previous.strikes
+        self.struck_work = previous.struck_work
         self.quarantined_until_s = previous.quarantined_until_s
         self.quarantined_until_unix_s = previous.quarantined_until_unix_s
         self.direction_sum, self.direction_count = previous.direction_sum, previous.direction_count
@@ -420,11 +426,12 @@ class Membership:
     def is_quarantined(self, member: Member) -> bool:
         return self._clock() < member.quarantined_until_s
 
-    def record_rejection(self, reason: str, learner_id: str = "", exc: BaseException | None = None) -> None:
+    def record_rejection(self, reason: str, learner_id: str = "", exc: BaseException | None = None, *,
+                         work: tuple | None = None) -> None:
         """Counts one refused upload (or impersonation attempt) by reason, on the learner too.
 
         Every refusal path ends here exactly once (`exc` is marked as recorded). Reasons in
-        STRIKE_REASONS count towards quarantining the learner.
+        STRIKE_REASONS count towards quarantining the learner, once per `work` (see `flag`).
         """
         if exc is not None:
             if getattr(exc, "recorded", False):
@@ -436,7 +443,7 @@ class Membership:
             return
         member.uploads_rejected += 1
         member.rejections[reason] += 1
-        self.flag(member, reason)
+        self.flag(member, reason, work=work)
 
     def record_auth_failure(self, reason: str, *, caller: str = "", method: str = "") -> None:
         """Counts a call refused as UNAUTHENTICATED or PERMISSION_DENIED; flags the calling learner
@@ -449,11 +456,21 @@ class Membership:
             member.rejections[reason] += 1
             self.flag(member, reason)
 
-    def flag(self, member: Member, reason: str) -> None:
-        """Sets the reason's flag bit; a strike reason may quarantine the learner."""
+    def flag(self, member: Member, reason: str, *, work: tuple | None = None) -> None:
+        """Sets the reason's flag bit; a strike reason may quarantine the learner.
+
+        `work` names the contribution (admission.work_key: fragment, base version, payload
+        checksum): the same work sent again after its refusal (a retry, a barrier's resend) is the
+        same evidence, so it strikes once, however often it comes (counted as a refusal each time)."""
         member.flags |= FLAG_BY_REASON.get(reason, 0)
         if reason not in STRIKE_REASONS or self.quarantine_after <= 0:
             return
+        if work is not None:
+            if work in member.struck_work:
+                return
+            member.struck_work[work] = None
+            while len(member.struck_work) > STRUCK_WORK_PER_LEARNER:
+                member.struck_work.popitem(last=False)
         now = self._clock()
         member.strikes.append(now)
         while member.strikes and now - member.strikes[0] > self._quarantine_window_s:

@@ -253,6 +253,30 @@ def test_honest_refusals_never_quarantine():
     asyncio.run(run())
 
 
+def test_the_same_refused_contribution_sent_again_counts_one_strike():
+    # Before this rule every send was a strike: the third send of one refused contribution (a
+    # retry, a barrier's resend) quarantined its learner.
+    async def run():
+        core = make_core(FakeClock(), quarantine_after=3)
+        join_all(core, ("h1", "x"))
+        n = core.plan.fragments[0].numel
+        same = 1e4 * honest_delta(n, 1)
+        for _ in range(4):
+            with pytest.raises(errors.InvalidArgument, match="norm bound"):
+                await upload(core, "x", 0, same)
+        m = member(core, "x")
+        assert m.rejections["norm_bound"] == 4 and m.flags & core_lib.FLAG_NORM_BOUND and not m.quarantined
+        # Other work is other evidence: on another fragment (same content) and with other content.
+        with pytest.raises(errors.InvalidArgument, match="norm bound"):
+            await upload(core, "x", 1, 1e4 * honest_delta(core.plan.fragments[1].numel, 1))
+        assert not member(core, "x").quarantined
+        with pytest.raises(errors.InvalidArgument, match="norm bound"):
+            await upload(core, "x", 0, 1e4 * honest_delta(n, 2))
+        assert member(core, "x").quarantined and core.training_state(0).quarantines == 1
+
+    asyncio.run(run())
+
+
 def test_hostile_learner_over_grpc_is_refused_then_quarantined(tmp_path):
     with Harness(tmp_path) as h:
         honest = Learner(h.address, "learner-0")
