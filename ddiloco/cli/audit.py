@@ -9,9 +9,12 @@ services/syncer/influence.py), verifying its hash chain (each record's `prev` is
 the line before; a rotated `<file>.1` is read first), and summing it per identity over a version
 range: merges contributed to, mean and largest share of the merge's weight, claims clipped, shares
 capped, mean cosine with the merged update, refusals and quarantines. An identity is flagged as an
-outlier when its share was capped in more than 10 % of its merges of three or more, its mean cosine is
-far below the others', or any of its contributions was refused, or clipped beyond a step-count
-correction.
+outlier when its share was capped in most of its merges of three or more, its norm was clipped (or
+refused as marginally beyond the bound) in most of its contributions, its batch or step rate was
+clipped, its mean cosine is far below the others', it sent the same contribution to more than one
+merge (a replay: equal contribution hashes), or any of its contributions was refused for what it was.
+Honest learners are capped and clipped now and then (bench/results/hostile.md: one with unusual
+data in up to 28 % of its contributions), hence "most", not "any".
 With `--store` the ledger is the checkpoint store's copy of the run (every record since the run's
 first, so its chain must start at the genesis hash); `--merges` lists each merge of the selection
 with its epoch, published hash and every contributor's share and contribution hash.
@@ -39,10 +42,18 @@ GENESIS = "0" * 64
 COSINE_GAP = 0.25
 
 
-# Refusals that judge a contribution (staleness, fencing and load do not).
-JUDGED_REFUSALS = frozenset({"norm_bound", "norm_bound_marginal", "direction", "replay_mismatch", "malformed",
+# Refusals that judge a contribution (staleness, fencing and load do not). "norm_bound_marginal"
+# (less than twice the bound) is counted with the norm clips: honest learners with unusual data
+# produce a few.
+JUDGED_REFUSALS = frozenset({"norm_bound", "direction", "replay_mismatch", "malformed",
                              "nonfinite", "corrupt", "checksum", "chunks", "size", "steps", "quarantined"})
-NORM_CLIP_SHARE = 0.1  # norms clipped (or shares capped) in more than this share of its merges: an outlier
+# Norms clipped (or refused as marginal), or shares capped in merges of three or more, in more than
+# this share of an identity's contributions: an outlier. The share cap and the norm clip bound what
+# any contribution can do; an honest learner meets them now and then (a contribution spanning more
+# steps than the others', data unusual enough to be clipped in 28 % of its contributions in the
+# hostile matrix's replay case), an inflating or scaling one nearly always (60 of 60, 82 of 84).
+NORM_CLIP_SHARE = 0.5
+MIN_OUTLIER_EVENTS = 3  # fewer caps or clips than this never flag (1 of 2 merges is not a pattern)
 
 
 class LedgerError(ValueError):
@@ -103,11 +114,17 @@ def influence(records: Sequence[dict]) -> dict[str, dict]:
     """Per identity: merges, mean/max share, mean cosine, clipped claims, capped shares, refusals."""
     per: dict[str, dict] = collections.defaultdict(lambda: {
         "merges": 0, "shares": [], "cosines": [], "clipped": collections.Counter(), "refused": collections.Counter(),
-        "quarantined": 0})
+        "quarantined": 0, "replayed": 0})
+    # (learner, contribution hash) -> the base version it was first merged on. The same work on the
+    # same base may be merged again (a syncer's successor re-merging it); on another base it is a replay.
+    seen: dict[tuple[str, str], int | None] = {}
     for record in records:
         for c in record.get("contributors", ()):
             entry = per[c["learner"]]
             entry["merges"] += 1
+            digest = c.get("contribution_sha256")
+            if digest and seen.setdefault((c["learner"], digest), c.get("base_version")) != c.get("base_version"):
+                entry["replayed"] += 1
             entry["shares"].append(float(c.get("share") or 0.0))
             if c.get("cosine") is not None:
                 entry["cosines"].append(float(c["cosine"]))
@@ -124,31 +141,40 @@ def influence(records: Sequence[dict]) -> dict[str, dict]:
             "max_share": max(e["shares"], default=0.0),
             "mean_cosine": statistics.fmean(e["cosines"]) if e["cosines"] else None,
             "clipped": dict(e["clipped"]), "refused": dict(e["refused"]), "quarantined_refusals": e["quarantined"],
+            "replayed": e["replayed"],
         }
     for learner, e in out.items():
         others = [o["mean_cosine"] for lid, o in out.items() if lid != learner and o["mean_cosine"] is not None]
         reasons = []
-        # Capped in merges of three or more, often: in a merge of two the heavier of two honest
+        # Capped in merges of three or more, mostly: in a merge of two the heavier of two honest
         # learners is capped too (at 0.5 both weigh the same), and now and then an honest learner
         # whose contribution spans many more steps than the others'.
         large = [c for r in records if len(r.get("contributors", ())) >= 3 for c in r["contributors"]
                  if c["learner"] == learner]
         capped = sum(1 for c in large if "share" in (c.get("clipped") or ()))
-        if capped > NORM_CLIP_SHARE * max(1, len(large)):
+        if _often(capped, len(large)):
             reasons.append(f"share capped in {capped} of {len(large)} merges of 3 or more")
         if e["mean_cosine"] is not None and others and e["mean_cosine"] < statistics.median(others) - COSINE_GAP:
             reasons.append(f"mean cosine {e['mean_cosine']:+.2f} vs others' median {statistics.median(others):+.2f}")
         # Claims are clipped for a reason (an honest learner's claims match what the syncer
-        # observes); norms of honest learners are clipped now and then (a few percent of their
-        # contributions, bench/results/hostile.md), so only often is an outlier.
-        norm_clips = e["clipped"].get("norm", 0) + e["clipped"].get("norm_in_merge", 0)
-        if any(k in e["clipped"] for k in ("batch", "step_rate")) or norm_clips > NORM_CLIP_SHARE * max(1, e["merges"]):
-            reasons.append("claims or norms clipped: " + ", ".join(f"{k} {v}" for k, v in sorted(e["clipped"].items())))
+        # observes); norms of honest learners are clipped now and then, so only mostly is an outlier.
+        marginal = e["refused"].get("norm_bound_marginal", 0)
+        norm_clips = e["clipped"].get("norm", 0) + e["clipped"].get("norm_in_merge", 0) + marginal
+        if any(k in e["clipped"] for k in ("batch", "step_rate")) or _often(norm_clips, e["merges"] + marginal):
+            reasons.append("claims or norms clipped: " + ", ".join(f"{k} {v}" for k, v in sorted(e["clipped"].items()))
+                           + (f", refused as marginally beyond the norm bound {marginal}" if marginal else ""))
+        if e["replayed"]:
+            reasons.append(f"replayed: {e['replayed']} contributions equal to one it sent to an earlier merge")
         judged = {k: v for k, v in e["refused"].items() if k in JUDGED_REFUSALS}
         if judged:
             reasons.append("refused: " + ", ".join(f"{k} {v}" for k, v in sorted(judged.items())))
         e["flags"] = reasons
     return out
+
+
+def _often(events: int, out_of: int) -> bool:
+    """More than NORM_CLIP_SHARE of `out_of`, and at least MIN_OUTLIER_EVENTS."""
+    return events >= MIN_OUTLIER_EVENTS and events > NORM_CLIP_SHARE * max(1, out_of)
 
 
 def _table(summary: dict[str, dict], records: Sequence[dict]) -> str:

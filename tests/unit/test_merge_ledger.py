@@ -47,6 +47,33 @@ def test_audit_verifies_the_chain_and_flags_the_learner_that_took_over(tmp_path,
     assert all(not e["flags"] for e in early.values())
 
 
+def test_audit_flags_a_replay_but_not_an_honest_learner_capped_or_clipped_now_and_then():
+    # The hostile matrix's false flags before this rule (bench hostile, cases scaled, replay,
+    # huge-batch): an honest learner capped in 1 of 8 merges of three, or clipped in norm in about a
+    # quarter of its contributions, once refused as marginally beyond the bound. And the replaying
+    # learner, whose equal contribution hashes on new bases the audit did not look at, went unnamed.
+    def c(learner, base, digest, clipped=()):
+        return {**_c(learner, 0.3, 0.9, clipped), "base_version": base, "contribution_sha256": digest}
+
+    records = []
+    for v in range(1, 9):
+        honest_clips = ["share"] if v == 1 else ["norm"] if v in (2, 5) else []
+        records.append(_record(v, [c("a", v - 1, f"a{v}"), c("b", v - 1, f"b{v}", honest_clips),
+                                   c("r", v - 1, "same-every-time")],
+                               [{"learner": "b", "reason": "norm_bound_marginal", "outcome": "refused"}]
+                               if v == 3 else []))
+    records.append(_record(9, [c("a", 7, "a8-again")]))  # the same work on the same base again: no replay
+    records.append(_record(9, [c("a", 7, "a8-again")]))
+    summary = audit_lib.influence(records)
+    assert {lid for lid, e in summary.items() if e["flags"]} == {"r"}, summary
+    assert summary["r"]["replayed"] == 7 and summary["a"]["replayed"] == 0
+    # Mostly capped, or clipped in most contributions, is an outlier.
+    mostly = [_record(v, [_c("a", 0.25, 0.9), _c("b", 0.25, 0.9), _c("y", 0.5, 0.9, ["share", "norm"])])
+              for v in range(1, 5)]
+    flags = audit_lib.influence(mostly)["y"]["flags"]
+    assert any("share capped in 4 of 4" in f for f in flags) and any("norm 4" in f for f in flags), flags
+
+
 @pytest.mark.parametrize("tamper", ["edit", "drop", "swap"])
 def test_an_edited_removed_or_reordered_record_breaks_the_chain(tmp_path, capsys, tamper):
     path = tmp_path / "merges.jsonl"
