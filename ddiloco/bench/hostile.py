@@ -19,9 +19,16 @@ whole). Per run, measured from the ledger and the syncer's state:
   (median over merges; on the direction check's sample of coordinates);
 * quarantines, of the hostile learner and of honest ones (must be 0), refusals and clips.
 
+Each hostile case passes (`verdict`) when: its held-out loss is at most the 3-honest reference plus
+the noise margin; the hostile learner's largest share of a merge where the share cap applies (merges
+of `share_cap_min_count` or more, and contributions whose claims were clipped or not yet checkable)
+is at most the cap; the audit of the ledger names it; and no honest learner is quarantined or
+flagged. The noise margin is calibrated on `--honest-repeats` runs of the 3 honest learners (same
+data order: they differ only by timing): the reference is their mean loss and the margin the upper
+two-sided 95 % prediction bound of one more such run, t(0.975, R-1) x sd x sqrt(1 + 1/R).
+
 Results: `hostile.json` and `hostile.md` under --out, with provenance (commit, dirty flag).
-Short runs on a shared machine: one seed; the loss gaps carry run-to-run noise of several percent
-(tests/security/test_hostile_run.py measured 2-4 % between honest runs and a 35 % margin).
+Short runs on a shared machine (tests/security/test_hostile_run.py measured 2-4 % between honest runs).
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ HOSTILE_ID = "learner-3"
 UNBOUNDED = ["--max-merge-share", "1", "--norm-clip-factor", "0"]
 # Issue 24's attack: noise of 10x the learner's own pseudo-gradient norm, 4x the steps, a 20x batch.
 NOISE_CLAIMS = ["--hostile", "noise:10", "--claim-steps", "4", "--claim-batch", "20"]
+# Two-sided 97.5 % quantiles of Student's t by degrees of freedom (the noise margin's); beyond: ~normal.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+CAP_SLACK = 1e-6  # shares are rounded to 6 digits in the ledger
 # name -> (hostile_learner flags or None for an honest run, learners, extra syncer flags).
 CASES: dict[str, tuple[list[str] | None, int, list[str]]] = {
     "honest3": (None, 3, []),
@@ -149,6 +159,7 @@ def measure(run: dict, hostile_id: str | None) -> dict:
         "loss": run["loss"], "merges": len(records), "wall_s": round(run["wall_s"], 1),
         "merges_compared": len(norm_ratios),
         "hostile_max_share": max(hostile_shares, default=0.0),
+        **_capped_share(records, hostile_id),
         "hostile_mean_share": statistics.fmean(hostile_shares) if hostile_shares else 0.0,
         "honest_max_share": max((max(v) for k, v in shares.items() if k != hostile_id and v), default=0.0),
         "honest_uncapped_share_p90": _quantile(uncapped, 0.90), "honest_uncapped_share_p99": _quantile(uncapped, 0.99),
@@ -167,6 +178,47 @@ def measure(run: dict, hostile_id: str | None) -> dict:
         "honest_clipped": _clipped(records, hostile_id),
         "audit_flags": {lid: e["flags"] for lid, e in audit_lib.influence(records).items() if e["flags"]},
     }
+
+
+def _capped_share(records: list[dict], hostile_id: str | None) -> dict:
+    """The hostile learner's largest share where the share cap applies (ddiloco.algo.merge: merges of
+    `share_cap_min_count` or more, and contributions whose claims were clipped or not yet checkable),
+    and the largest cap those merges had."""
+    shares, caps = [], []
+    for r in records:
+        inputs = r.get("merge_inputs") or {}
+        for c in r["contributors"]:
+            if c["learner"] != hostile_id:
+                continue
+            if (len(r["contributors"]) >= inputs.get("share_cap_min_count", 1)
+                    or (c.get("fold") or {}).get("claims_unverified")):
+                shares.append(c["share"])
+                caps.append(inputs.get("max_share", 1.0))
+    return {"hostile_max_share_capped": max(shares, default=0.0), "share_cap": max(caps, default=None),
+            "hostile_capped_merges": len(shares)}
+
+
+def verdict(case: dict, reference: dict, hostile_id: str = HOSTILE_ID) -> dict:
+    """Whether a hostile case passes (see the module docstring), criterion by criterion."""
+    margin = reference.get("margin")
+    loss_ok = None if margin is None else case["loss"] <= reference["mean"] + margin
+    cap = case.get("share_cap")
+    share_ok = cap is None or case["hostile_max_share_capped"] <= cap + CAP_SLACK
+    named = hostile_id in case["audit_flags"]
+    honest_ok = case["honest_quarantined"] == 0 and not any(lid != hostile_id for lid in case["audit_flags"])
+    return {"loss_within_margin": loss_ok, "share_under_cap": share_ok, "named": named, "honest_untouched": honest_ok,
+            "pass": bool(loss_ok and share_ok and named and honest_ok)}
+
+
+def noise_reference(losses: Sequence[float]) -> dict:
+    """The 3-honest reference: mean loss over the repeats and the margin one more honest run stays
+    within (two-sided 95 % prediction interval's upper half-width); no margin with fewer than 2."""
+    mean = statistics.fmean(losses) if losses else None
+    if len(losses) < 2:
+        return {"losses": list(losses), "mean": mean, "sd": None, "margin": None}
+    sd = statistics.stdev(losses)
+    t = T_975.get(len(losses) - 1, 1.96)
+    return {"losses": list(losses), "mean": mean, "sd": sd, "margin": t * sd * (1 + 1 / len(losses)) ** 0.5}
 
 
 def _clipped(records: list[dict], hostile_id: str | None) -> dict[str, int]:
@@ -188,21 +240,39 @@ def _quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _yes(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "NO"
+
+
 def render_markdown(result: dict) -> str:
     rows = []
-    base = result["cases"].get("honest3", {}).get("loss")
+    reference = result.get("reference") or {}
+    base = reference.get("mean") or result["cases"].get("honest3", {}).get("loss")
     for name, m in result["cases"].items():
         gap = f"{m['loss'] / base - 1:+.1%}" if base else "-"
         flagged = ", ".join(sorted(m["audit_flags"])) or "-"
-        rows.append([name, m["loss"], gap, m["hostile_max_share"], m["honest_max_share"],
+        v = m.get("verdict") or {}
+        rows.append([name, m["loss"], gap, m["hostile_max_share"], m.get("hostile_max_share_capped", "-"),
+                     m["honest_max_share"],
                      "-" if m["merged_norm_ratio"] is None else m["merged_norm_ratio"],
                      "-" if m["honest_cosine"] is None else m["honest_cosine"],
                      "yes" if m["hostile_quarantined"] else "no", m["honest_quarantined"], m["hostile_accepted"],
-                     flagged])
+                     flagged, _yes(v.get("loss_within_margin")), _yes(v.get("share_under_cap")),
+                     _yes(v.get("named")), _yes(v.get("honest_untouched")),
+                     "-" if not v else "PASS" if v["pass"] else "FAIL"])
     table = results_lib.markdown_table(
-        ["case", "held-out loss", "vs 3 honest", "hostile max share", "honest max share", "merged norm / honest",
-         "honest cos with merged", "hostile quarantined", "honest quarantined", "hostile accepted", "audit flags"],
+        ["case", "held-out loss", "vs 3 honest", "hostile max share", "hostile max share where capped",
+         "honest max share", "merged norm / honest", "honest cos with merged", "hostile quarantined",
+         "honest quarantined", "hostile accepted", "audit flags", "loss within margin", "share under cap",
+         "ledger names it", "no honest flagged or quarantined", "verdict"],
         rows)
+    margin = reference.get("margin")
+    noise = ("Noise margin: not calibrated (fewer than 2 runs of the 3 honest learners)." if margin is None else
+             f"Noise margin, from {len(reference['losses'])} runs of the 3 honest learners (losses "
+             f"{', '.join(f'{x:.4f}' for x in reference['losses'])}: mean {reference['mean']:.4f}, sd "
+             f"{reference['sd']:.4f}): a hostile case passes on loss at most {reference['mean'] + margin:.4f} "
+             f"(mean + {margin:.4f}, {margin / reference['mean']:+.1%}; the upper bound of a two-sided 95 % prediction "
+             "interval for one more honest run). Gaps are to that mean.")
     calibration = result["cases"].get("honest4-unbounded", {})
     honest = result["cases"].get("honest4", {})
     clipped = honest.get("honest_clipped", {})
@@ -213,8 +283,10 @@ def render_markdown(result: dict) -> str:
         "named unbounded or undefended, whose flags are in hostile.json); one seed, real processes on one shared "
         "machine. Shares, norms and cosines are read from the merge ledger over the merges of two or more "
         "contributions that include the hostile learner (all such merges in honest runs); definitions in "
-        "ddiloco/bench/hostile.py. Loss gaps between honest runs are noise of several percent.\n\n"
-        + table + "\n\n"
+        "ddiloco/bench/hostile.py. The share cap applies in merges of three or more and to contributions "
+        "whose claims were clipped or not yet checkable: `hostile max share where capped` is the share the "
+        "verdict compares with the cap.\n\n"
+        + table + "\n\n" + noise + "\n\n"
         "Calibration of the defaults (`honest4-unbounded`: 4 honest learners, no share cap, no norm clipping): "
         f"honest per-step norm over the other learners' median: median {calibration.get('honest_norm_per_step_ratio_p50')}, "
         f"p99 {calibration.get('honest_norm_per_step_ratio_p99')}, max {calibration.get('honest_norm_per_step_ratio_max')} "
@@ -235,6 +307,8 @@ def render_markdown(result: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=100, help="inner steps per learner")
+    parser.add_argument("--honest-repeats", type=int, default=3,
+                        help="runs of the 3 honest learners that calibrate the noise margin (with honest3 selected)")
     parser.add_argument("--only", default="", help=f"comma-separated cases (default all: {', '.join(CASES)})")
     parser.add_argument("--workdir", default="", help="where the runs' logs and ledgers go (default: a temp dir)")
     parser.add_argument("--out", default=str(results_lib.DEFAULT_OUT_DIR))
@@ -248,16 +322,30 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"ddiloco bench hostile: unknown cases {unknown}; choose from {list(CASES)}", file=sys.stderr)
         return 2
+    if "honest3" in names:  # the noise calibration: the 3 honest learners again, right after the first
+        at = names.index("honest3") + 1
+        names[at:at] = [f"honest3-{i}" for i in range(2, args.honest_repeats + 1)]
     prov = results_lib.provenance()
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="ddiloco-hostile-"))
     result = {"benchmark": "hostile", "steps": args.steps, "provenance": prov, "cases": {}}
     for name in names:
-        hostile, learners, syncer_extra = CASES[name]
+        hostile, learners, syncer_extra = CASES["honest3" if name.startswith("honest3-") else name]
         print(f"[hostile] {name} ...", flush=True)
         run_ = run_case(workdir / name, hostile, learners=learners, steps=args.steps, syncer_extra=syncer_extra)
         result["cases"][name] = {"flags": hostile, "syncer_flags": syncer_extra,
                                  **measure(run_, HOSTILE_ID if hostile else None)}
         print(f"[hostile] {name}: {json.dumps(result['cases'][name])}", flush=True)
+    judge(result)
     json_path, md_path = results_lib.write_result(pathlib.Path(args.out), "hostile", result, render_markdown(result))
     print(f"wrote {json_path} and {md_path}")
     return 0
+
+
+def judge(result: dict) -> None:
+    """Adds the 3-honest reference (`result["reference"]`) and each hostile case's verdict."""
+    cases = result["cases"]
+    reference = noise_reference([m["loss"] for n, m in cases.items() if n == "honest3" or n.startswith("honest3-")])
+    result["reference"] = reference
+    for m in cases.values():
+        if m["flags"]:
+            m["verdict"] = verdict(m, reference)
