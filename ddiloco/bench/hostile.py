@@ -182,16 +182,17 @@ def measure(run: dict, hostile_id: str | None) -> dict:
 
 def _capped_share(records: list[dict], hostile_id: str | None) -> dict:
     """The hostile learner's largest share where the share cap applies (ddiloco.algo.merge: merges of
-    `share_cap_min_count` or more, and contributions whose claims were clipped or not yet checkable),
-    and the largest cap those merges had."""
+    `share_cap_min_count` or more, and contributions whose claims were clipped or not yet checkable,
+    in merges of two or more), and the largest cap those merges had."""
     shares, caps = [], []
     for r in records:
         inputs = r.get("merge_inputs") or {}
         for c in r["contributors"]:
             if c["learner"] != hostile_id:
                 continue
-            if (len(r["contributors"]) >= inputs.get("share_cap_min_count", 1)
-                    or (c.get("fold") or {}).get("claims_unverified")):
+            # Alone, a contribution is the merge (share 1): no cap can apply.
+            if len(r["contributors"]) >= 2 and (len(r["contributors"]) >= inputs.get("share_cap_min_count", 1)
+                                                or (c.get("fold") or {}).get("claims_unverified")):
                 shares.append(c["share"])
                 caps.append(inputs.get("max_share", 1.0))
     return {"hostile_max_share_capped": max(shares, default=0.0), "share_cap": max(caps, default=None),

@@ -38,8 +38,10 @@ from ddiloco.cli import status as status_lib
 FORMAT = "ddiloco.ledger/1"
 GENESIS = "0" * 64
 # A mean cosine this far below the median of the other identities' means is an outlier: honest
-# learners' mean cosines with the merged update differ by less (see docs/security.md).
-COSINE_GAP = 0.25
+# learners' mean cosines with the merged update differ by less (see docs/security.md). An honest
+# learner with unusual data (the hostile matrix's learner-2, its own data shard) was measured up to
+# 0.35 below the others' median on a loaded machine, so 0.25 named it.
+COSINE_GAP = 0.5
 
 
 # Refusals that judge a contribution (staleness, fencing and load do not). "norm_bound_marginal"

@@ -493,6 +493,13 @@ class Admission:
         # bound at 87-124 steps of the tiny model). Only a far larger excess is a strike there.
         strike_ratio = NORM_STRIKE_RATIO if verdict.basis == "others" else BOOTSTRAP_STRIKE_RATIO
         gross = verdict.ratio >= strike_ratio
+        if gross and "step_rate" in self._clips.get((header.learner_id, header.fragment_id), ()):
+            # Its steps were cut to what the syncer's observed rates allow, so its norm is judged
+            # per fewer steps than it took: an honest learner running faster than the others
+            # measured (alone once they finished, after a late start) was refused as gross twice in
+            # the hostile matrix, one strike short of quarantine. Still refused; not a strike.
+            self._uploads["norm_bound_after_step_rate_clip"] += 1
+            gross = False
         if verdict.basis == "others" and slot.norms.refused(header.learner_id):
             # A second learner refused against the same reference: the reference is stale
             # (robust.NormHistory.refused), not the learners. No strike for this one.

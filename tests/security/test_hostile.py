@@ -277,6 +277,50 @@ def test_the_same_refused_contribution_sent_again_counts_one_strike():
     asyncio.run(run())
 
 
+async def _upload_at(core, learner_id: str, fid: int, delta: np.ndarray, local_step: int, steps: int = 2):
+    """An upload carrying its mark (local_step), after a progress report saying the learner got there."""
+    core.report_progress(syncer_pb2.ReportProgressRequest(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=1, local_step=local_step,
+        step_time_s=0.1), wire_bytes=0)
+    enc = codec_lib.encode(np.asarray(delta, dtype=np.float32), "fp32")
+    header = syncer_pb2.UploadHeader(
+        protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=1, fragment_id=fid,
+        base_version=core.slots[fid].version, syncer_instance=core.instance, steps=steps, tokens=512 * steps,
+        payload=serde.payload_info_to_proto(enc), local_step=local_step)
+    return await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=len(enc.payload))
+
+
+def test_a_norm_violation_after_a_step_rate_clip_is_refused_without_a_strike():
+    # The step-rate clip cuts the steps a contribution is judged over, so its norm per step looks
+    # larger than it is: an honest learner running alone after the others finished was refused as
+    # gross (a strike) in the hostile matrix. Before this rule, this test's one strike quarantined x.
+    async def run():
+        clock = FakeClock()
+        core = make_core(clock, quarantine_after=1)
+        learners = ("h1", "h2", "h3", "x")
+        join_all(core, learners)
+        await rounds_of_honest_history(core, learners=learners)
+        n1 = core.plan.fragments[1].numel
+        for i, lid in enumerate(learners):  # everyone's first mark (local step 4) at t = 0
+            await _upload_at(core, lid, 1, honest_delta(n1, 50 + i), local_step=4)
+        await settle()
+        clock.now_s += 10.0
+        for i, lid in enumerate(learners[:3]):  # the others advance 0.4 steps/s
+            await _upload_at(core, lid, 1, honest_delta(n1, 60 + i), local_step=8)
+        # x claims 400 local steps 10 s after its first mark: its 2 steps are cut to 1 (step rate).
+        n0 = core.plan.fragments[0].numel
+        with pytest.raises(errors.InvalidArgument, match="norm bound"):
+            await _upload_at(core, "x", 0, 1e3 * honest_delta(n0, 70), local_step=400)
+        assert core.uploads["norm_bound_after_step_rate_clip"] == 1, dict(core.uploads)
+        assert not member(core, "x").quarantined
+        # Without the clip, the same excess is a strike (and quarantine_after is 1 here).
+        with pytest.raises(errors.InvalidArgument, match="norm bound"):
+            await upload(core, "x", 0, 1e3 * honest_delta(n0, 71))
+        assert member(core, "x").quarantined
+
+    asyncio.run(run())
+
+
 def test_hostile_learner_over_grpc_is_refused_then_quarantined(tmp_path):
     with Harness(tmp_path) as h:
         honest = Learner(h.address, "learner-0")

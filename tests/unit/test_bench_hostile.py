@@ -49,7 +49,8 @@ def test_the_cap_is_checked_where_it_applies():
 
     records = [record([c("learner-3", 0.64), c("learner-0", 0.36)]),  # a merge of two: no cap
                record([c("learner-3", 0.5), c("learner-0", 0.25), c("learner-1", 0.25)]),
-               record([c("learner-3", 0.45, True), c("learner-0", 0.55)])]
+               record([c("learner-3", 0.45, True), c("learner-0", 0.55)]),
+               record([c("learner-3", 1.0, True)])]  # alone it is the merge: no cap applies
     got = hostile._capped_share(records, "learner-3")
     assert got == {"hostile_max_share_capped": 0.5, "share_cap": 0.5, "hostile_capped_merges": 2}
 
