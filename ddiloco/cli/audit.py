@@ -163,8 +163,9 @@ def influence(records: Sequence[dict]) -> dict[str, dict]:
         marginal = e["refused"].get("norm_bound_marginal", 0)
         norm_clips = e["clipped"].get("norm", 0) + e["clipped"].get("norm_in_merge", 0) + marginal
         if any(k in e["clipped"] for k in ("batch", "step_rate")) or _often(norm_clips, e["merges"] + marginal):
-            reasons.append("claims or norms clipped: " + ", ".join(f"{k} {v}" for k, v in sorted(e["clipped"].items()))
-                           + (f", refused as marginally beyond the norm bound {marginal}" if marginal else ""))
+            what = [f"{k} {v}" for k, v in sorted(e["clipped"].items())]
+            what += [f"refused as marginally beyond the norm bound {marginal}"] if marginal else []
+            reasons.append("claims or norms clipped: " + ", ".join(what))
         if e["replayed"]:
             reasons.append(f"replayed: {e['replayed']} contributions equal to one it sent to an earlier merge")
         judged = {k: v for k, v in e["refused"].items() if k in JUDGED_REFUSALS}
