@@ -195,3 +195,22 @@ def test_status_given_one_shard_shows_the_whole_run_and_a_down_shard(capsys, mon
     finally:
         for server, _ in servers:
             server.stop(None)
+
+
+def test_the_dashboard_shows_the_run_over_every_shard():
+    from ddiloco.dashboard import Dashboard
+    from tests.waits import wait_until
+
+    fakes = [_FakeShard(), _FakeShard()]
+    servers = [_serve(f) for f in fakes]
+    try:
+        shards = _map([[servers[0][1]], [servers[1][1]]])
+        fakes[0].state, fakes[1].state = _two_shards(shards)
+        with Dashboard(servers[0][1], bind="127.0.0.1:0", interval_s=0.1, timeout_s=2.0) as dashboard:
+            wait_until(lambda: dashboard.state_json().get("available"), timeout_s=30, what="the dashboard's first poll")
+            state = dashboard.state_json()
+            assert [f["fragment_id"] for f in state["fragments"]] == [0, 1, 2, 3]
+            assert state["outer_steps"] == 30 and [s["up"] for s in state["shard_status"]] == [True, True]
+    finally:
+        for server, _ in servers:
+            server.stop(None)
