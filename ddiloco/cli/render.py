@@ -42,6 +42,8 @@ def status_json(state: syncer_pb2.TrainingState, shards=()) -> str:
     out["derived"] = status_derived.derived(state)
     if shards:
         out["shard_status"] = [s.as_dict() for s in shards]
+        # Totals (and work merged) over the shards that answered only: how many did not.
+        out["derived"]["shards_down"] = sum(1 for s in shards if not s.up)
     return json.dumps(out, separators=(",", ":"))
 
 
@@ -88,15 +90,17 @@ def state_renderable(state: syncer_pb2.TrainingState, *, target: str = "", shard
     d = status_derived.derived(state)
     head = Table.grid(padding=(0, 2))
     syncer = f"syncer {target or state.syncer_instance[:8]}"
+    partial = ""  # the run's totals miss a down shard's part
     if shards:
         up = sum(1 for s in shards if s.up)
         syncer += f" ({len(shards)} shards, " + (f"{up} up)" if up == len(shards) else f"[red]{up} up[/])")
+        partial = "" if up == len(shards) else f" [red](partial: {len(shards) - up} shard(s) down)[/]"
     head.add_row(
         f"run [bold]{state.run_id}[/]", syncer,
         f"outer steps [bold]{state.outer_steps}[/]", f"tokens merged {state.tokens_merged:,}",
     )
     head.add_row(
-        f"work merged [bold]{status_derived.fmt_share(d['work_merged'])}[/]",
+        f"work merged [bold]{status_derived.fmt_share(d['work_merged'])}[/]{partial}",
         f"tokens processed {d['tokens_processed']:,} x P={d['num_fragments']}"
         + (" (members, this life)" if d["tokens_processed_source"] == "members" else "")
         + (f" of budget {state.token_budget:,}" if state.token_budget else ""),
@@ -127,12 +131,13 @@ def state_renderable(state: syncer_pb2.TrainingState, *, target: str = "", shard
         members.caption = (f"of the last {window} merges, those a learner was in: share, its mean (largest) "
                            "share of their weight; capped, clipped: how many capped its share, clipped its contribution")
     frags = Table(title="fragments")
-    for col in ("id", "version", "round", "params", "pending", "sha256"):
+    owner = {f: s.index for s in shards for f in s.fragment_ids}  # fragment -> its shard (sharded only)
+    for col in ("id", "version", "round", "params", "pending", "sha256", *(("shard",) if shards else ())):
         frags.add_column(col)
     for f in state.fragments:
         rnd = f"{f.round} [green]open[/]" if f.round_open else f"{f.round} [dim]closed[/]"
         frags.add_row(str(f.fragment_id), str(f.version), rnd, f"{f.numel:,}", str(f.pending_contributions),
-                      f.params_sha256[:12])
+                      f.params_sha256[:12], *((str(owner.get(f.fragment_id, "-")),) if shards else ()))
     parts = [head, *([shards_table(shards)] if shards else []), members, frags]
     if state.recent_merges:
         merges = Table(title="recent merges")

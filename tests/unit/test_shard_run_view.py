@@ -136,7 +136,10 @@ def test_a_down_shard_is_shown_down_and_the_run_is_made_of_the_others():
     assert [f.fragment_id for f in view.state.fragments] == [0, 2]
     text = _text(render.state_renderable(view.state, target="h:1", shards=view.shards))
     assert "2 shards, 1 up" in text and "down" in text and "syncer shards" in text
-    shard_status = json.loads(render.status_json(view.state, view.shards))["shard_status"]
+    assert "partial: 1 shard(s) down" in text  # the totals miss shard 1's part
+    out = json.loads(render.status_json(view.state, view.shards))
+    assert out["derived"]["shards_down"] == 1
+    shard_status = out["shard_status"]
     assert [(s["index"], s["up"]) for s in shard_status] == [(0, True), (1, False)]
     assert shard_status[0]["fragment_ids"] == [0, 2] and shard_status[0]["address"] == "h:1"
 
