@@ -82,6 +82,9 @@ WIRED_TLS = {
     "learners": {"tls_ca", "tls_cert", "tls_key", "tls_server_name"},
     "evaluator": {"tls_ca", "tls_cert", "tls_key", "tls_server_name"},
 }
+# Set by the chart only with syncer.shards > 1 (each shard's index, and the map of the shards'
+# Services; docs/deploy.md#fragment-shards); an unsharded syncer gets neither.
+WIRED_SHARDS = {"syncer": {"fragment_shard", "fragment_shards"}, "store": set(), "learners": set(), "evaluator": set()}
 # Bearer tokens (for TLS terminated elsewhere): not wired by the chart, which uses mutual TLS.
 _TLS = {"auth_tokens_file", "auth_token_file", "checkpoint_auth_token_file"}
 UNSUPPORTED = {
@@ -127,7 +130,8 @@ def settings_schemas() -> dict[str, dict]:
     for component, cls in service_configs().items():
         properties = {}
         for field in dataclasses.fields(cls):
-            if field.name in {*WIRED[component], *WIRED_TLS[component], *UNSUPPORTED[component]}:
+            if field.name in {*WIRED[component], *WIRED_TLS[component], *WIRED_SHARDS[component],
+                              *UNSUPPORTED[component]}:
                 continue
             prop = {"type": _TYPES[str(field.type)]}
             if field.name in enums:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ddiloco.cli import service_names
-from ddiloco.cli.processes import ProcessControl
+from ddiloco.cli.processes import ProcessControl, preset_port
 from ddiloco.rpc import security as security_lib
 
 
@@ -157,6 +157,38 @@ class LocalCluster:
         svc.wait_ready(timeout_s)
         return svc
 
+    def start_syncer_shards(self, count: int, *, run_id: str, extra: Sequence[str] = (),
+                            timeout_s: float = 120.0) -> list[ServiceProcess]:
+        """`count` syncer processes splitting the fragments between them (fragment shards,
+        docs/deploy.md): shard 0 is "syncer" (where learners and tools are pointed; they find the
+        others in its answers), shard i > 0 "syncer-<i>". Every shard gets the same shard map,
+        so their ports are chosen before any starts (processes.preset_port). One shard is exactly
+        start_syncer: no shard flags, port 0."""
+        if count < 1:
+            raise ServiceStartError(f"syncer shards must be 1 or more, got {count}")
+        if count == 1:
+            return [self.start_syncer(run_id=run_id, extra=extra, timeout_s=timeout_s)]
+        addresses = [f"127.0.0.1:{preset_port()}" for _ in range(count)]
+        shard_map = ",".join(addresses)
+        shards = []
+        for index, address in enumerate(addresses):
+            name = "syncer" if index == 0 else f"syncer-{index}"
+            args = ["--bind", address, "--run-id", run_id, "--ready-file", str(self.workdir / f"{name}.ready.json"),
+                    "--metrics-bind", "127.0.0.1:0", "--fragment-shard", str(index), "--fragment-shards", shard_map]
+            if self.stores():
+                args += ["--checkpoint-target", ",".join(s.address for s in self.stores())]
+            svc = self.add(name, "services.syncer", [*args, *self.tls_args("syncer"), *extra])
+            svc.start()  # all of them at once: they load the model in parallel
+            shards.append(svc)
+        for svc in shards:
+            svc.wait_ready(timeout_s)
+        return shards
+
+    def syncers(self) -> list[ServiceProcess]:
+        """The syncer and, with fragment shards, its other shards (syncer-<i>), in shard order."""
+        return [s for n, s in self.services.items()
+                if n == "syncer" or (n.startswith("syncer-") and n.removeprefix("syncer-").isdigit())]
+
     def start_learner(self, index: int, *, region: str, extra: Sequence[str] = (),
                       module: str = "services.learner") -> ServiceProcess:
         """`module`: another program taking the learner's flags (ddiloco.chaos.hostile_learner)."""
@@ -184,9 +216,9 @@ class LocalCluster:
         return [s for n, s in self.services.items() if n.startswith("learner-")]
 
     def stop_all(self, timeout_s: float = 15.0) -> None:
-        """Stops learners and the evaluator first, then the syncer (it checkpoints), then the store."""
-        stores = self.stores()
-        order = [s for s in self.services.values() if s.name != "syncer" and s not in stores]
-        order += [self.services[n] for n in ("syncer",) if n in self.services] + stores
+        """Stops learners and the evaluator first, then the syncer shards (they checkpoint), then the stores."""
+        stores, syncers = self.stores(), self.syncers()
+        order = [s for s in self.services.values() if s not in syncers and s not in stores]
+        order += syncers + stores
         for svc in order:
             svc.stop(timeout_s)

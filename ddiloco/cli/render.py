@@ -25,10 +25,12 @@ def to_json(state: syncer_pb2.TrainingState) -> str:
     return json_format.MessageToJson(state, preserving_proto_field_name=True, indent=None)
 
 
-def status_json(state: syncer_pb2.TrainingState) -> str:
+def status_json(state: syncer_pb2.TrainingState, shards=()) -> str:
     """`ddiloco status --json`: the TrainingState in proto JSON (uint64 as strings), every fragment
     with its `round` and `round_open` even when 0/false, plus `derived` (status_derived.derived:
-    tokens_processed, work_merged as a 0-1 share, merge_participation)."""
+    tokens_processed, work_merged as a 0-1 share, merge_participation). For a sharded syncer
+    `state` is the merged run view and `shards` (run_view.ShardView) adds `shard_status`, one entry
+    per shard (up or down, its instance, epoch, outer steps, checkpoint)."""
     out = json_format.MessageToDict(state, preserving_proto_field_name=True)
     for f in out.get("fragments", []):
         f.setdefault("round", "0")
@@ -38,6 +40,10 @@ def status_json(state: syncer_pb2.TrainingState) -> str:
             m.setdefault("data_shard", 0)
             m.setdefault("data_shard_assigned", False)
     out["derived"] = status_derived.derived(state)
+    if shards:
+        out["shard_status"] = [s.as_dict() for s in shards]
+        # Totals (and work merged) over the shards that answered only: how many did not.
+        out["derived"]["shards_down"] = sum(1 for s in shards if not s.up)
     return json.dumps(out, separators=(",", ":"))
 
 
@@ -57,19 +63,44 @@ def influence_cells(influence: syncer_pb2.LearnerInfluence | None) -> tuple[str,
     return (f"{influence.mean_share:.2f} ({influence.max_share:.2f})", capped, str(influence.clipped))
 
 
-def state_renderable(state: syncer_pb2.TrainingState, *, target: str = ""):
-    """A rich renderable: run summary, learners, fragments and recent merges."""
+def shards_table(shards) -> Table:
+    """One line per fragment shard (run_view.ShardView): where it is, what it owns, up or down."""
+    table = Table(title="syncer shards")
+    for col in ("shard", "address", "fragments", "state", "instance", "epoch", "outer steps", "checkpoint"):
+        table.add_column(col)
+    for s in shards:
+        frags = ",".join(str(f) for f in s.fragment_ids)
+        if s.state is None:
+            table.add_row(str(s.index), " | ".join(s.addresses), frags, "[red]down[/]", "-", "-", "-",
+                          s.error[:60])
+            continue
+        st = s.state
+        table.add_row(str(s.index), s.address, frags, "[green]up[/]", st.syncer_instance[:8], str(st.epoch),
+                      str(st.outer_steps),
+                      f"@ {st.last_checkpoint_outer_step}" + (" (restored)" if st.restored_from_checkpoint else ""))
+    return table
+
+
+def state_renderable(state: syncer_pb2.TrainingState, *, target: str = "", shards=()):
+    """A rich renderable: run summary, learners, fragments and recent merges; for a sharded syncer
+    (`state` the merged run view, `shards` its run_view.ShardView lines) the shards too."""
     now = state.now_unix_s or time.time()
     last_eval = f"{state.evals[-1].heldout_loss:.4f}" if state.evals else "-"
     first_eval = f"{state.evals[0].heldout_loss:.4f}" if state.evals else "-"
     d = status_derived.derived(state)
     head = Table.grid(padding=(0, 2))
+    syncer = f"syncer {target or state.syncer_instance[:8]}"
+    partial = ""  # the run's totals miss a down shard's part
+    if shards:
+        up = sum(1 for s in shards if s.up)
+        syncer += f" ({len(shards)} shards, " + (f"{up} up)" if up == len(shards) else f"[red]{up} up[/])")
+        partial = "" if up == len(shards) else f" [red](partial: {len(shards) - up} shard(s) down)[/]"
     head.add_row(
-        f"run [bold]{state.run_id}[/]", f"syncer {target or state.syncer_instance[:8]}",
+        f"run [bold]{state.run_id}[/]", syncer,
         f"outer steps [bold]{state.outer_steps}[/]", f"tokens merged {state.tokens_merged:,}",
     )
     head.add_row(
-        f"work merged [bold]{status_derived.fmt_share(d['work_merged'])}[/]",
+        f"work merged [bold]{status_derived.fmt_share(d['work_merged'])}[/]{partial}",
         f"tokens processed {d['tokens_processed']:,} x P={d['num_fragments']}"
         + (" (members, this life)" if d["tokens_processed_source"] == "members" else "")
         + (f" of budget {state.token_budget:,}" if state.token_budget else ""),
@@ -100,13 +131,14 @@ def state_renderable(state: syncer_pb2.TrainingState, *, target: str = ""):
         members.caption = (f"of the last {window} merges, those a learner was in: share, its mean (largest) "
                            "share of their weight; capped, clipped: how many capped its share, clipped its contribution")
     frags = Table(title="fragments")
-    for col in ("id", "version", "round", "params", "pending", "sha256"):
+    owner = {f: s.index for s in shards for f in s.fragment_ids}  # fragment -> its shard (sharded only)
+    for col in ("id", "version", "round", "params", "pending", "sha256", *(("shard",) if shards else ())):
         frags.add_column(col)
     for f in state.fragments:
         rnd = f"{f.round} [green]open[/]" if f.round_open else f"{f.round} [dim]closed[/]"
         frags.add_row(str(f.fragment_id), str(f.version), rnd, f"{f.numel:,}", str(f.pending_contributions),
-                      f.params_sha256[:12])
-    parts = [head, members, frags]
+                      f.params_sha256[:12], *((str(owner.get(f.fragment_id, "-")),) if shards else ()))
+    parts = [head, *([shards_table(shards)] if shards else []), members, frags]
     if state.recent_merges:
         merges = Table(title="recent merges")
         for col in ("fragment", "version", "round", "held/expected", "contributors", "quorum s",

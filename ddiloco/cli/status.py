@@ -1,4 +1,8 @@
-"""`ddiloco status`: polls (or watches) a syncer's training state from another terminal."""
+"""`ddiloco status`: polls (or watches) a syncer's training state from another terminal.
+
+Given any shard of a syncer split into fragment shards, it reads every shard (cli.run_view) and
+shows one run, plus a line per shard (a shard that does not answer is shown down).
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,9 @@ from rich.markup import escape
 from rich.live import Live
 
 from ddiloco.cli import render
-from ddiloco.rpc import channel as channel_lib
+from ddiloco.cli import run_view
 from ddiloco.rpc import security as security_lib
-from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.v1 import syncer_pb2
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_target: str) -> None:
@@ -102,20 +106,25 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         console.print(f"[red]ddiloco status: {exc}[/]")
         return 2
-    stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(args.target, security))
+    reader = run_view.RunReader(args.target, security, timeout_s=args.timeout_s, recent_merges=args.merges)
     if not args.watch:
         try:
-            state = stub.GetTrainingState(
-                syncer_pb2.GetTrainingStateRequest(recent_merges=args.merges), timeout=args.timeout_s
-            ).state
+            view = reader.read()
         except grpc.RpcError as exc:
             console.print(f"[red]{escape(explain(exc, security, args.target))}[/]")
             return 2
+        finally:
+            reader.close()
         if args.json:
-            print(render.status_json(state), flush=True)
+            print(render.status_json(view.state, view.shards), flush=True)
         else:
-            console.print(render.state_renderable(state, target=args.target))
+            console.print(render.state_renderable(view.state, target=args.target, shards=view.shards))
         return 0
+    return _watch(args, console, security, reader)
+
+
+def _watch(args: argparse.Namespace, console: Console, security: security_lib.ClientSecurity,
+           reader: run_view.RunReader) -> int:
     # --watch: stream snapshots; on failure say so and reconnect with capped backoff (no traceback).
     backoff_s = 0.5
     live = None if args.json else Live(console=console, refresh_per_second=4)
@@ -124,16 +133,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                stream = stub.WatchTrainingState(
+                stream = reader.stub(args.target).WatchTrainingState(
                     syncer_pb2.WatchTrainingStateRequest(min_interval_s=args.interval_s, recent_merges=args.merges),
                     timeout=3600.0,
                 )
                 for response in stream:
                     backoff_s = 0.5
+                    view = reader.complete(response.state)  # the other shards, when sharded
                     if args.json:
-                        print(render.status_json(response.state), flush=True)
+                        print(render.status_json(view.state, view.shards), flush=True)
                     else:
-                        live.update(render.state_renderable(response.state, target=args.target))
+                        live.update(render.state_renderable(view.state, target=args.target, shards=view.shards))
             except grpc.RpcError as exc:
                 if credentials_problem(exc):  # retrying will not help: say what to change and stop
                     if args.json:
@@ -153,5 +163,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        reader.close()
         if live is not None:
             live.stop()

@@ -4,6 +4,10 @@ Starts a checkpoint store, a syncer, an evaluator and N learners as separate pro
 under <workdir>/logs), shows the training state live, and when the learners finish evaluates the
 final global model, prints a summary and shuts everything down (the syncer writes a last
 checkpoint). Ctrl-C stops everything cleanly at any time.
+
+With `--syncer-shards N` (N > 1) the syncer is N processes, each owning every N-th fragment
+(fragment shards, docs/deploy.md): the learners and the evaluator are given shard 0 and find the
+others in its answers; the live table and the summary show the run over every shard.
 """
 
 from __future__ import annotations
@@ -27,13 +31,12 @@ from ddiloco.cli import service_names
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.cli import render
 from ddiloco.cli import report as report_lib
+from ddiloco.cli import run_view
 from ddiloco import models
 from ddiloco import run_description
 from ddiloco import training_state as status_derived
 from ddiloco.data import corpus
 from ddiloco.data import sources as data_sources
-from ddiloco.rpc import channel as channel_lib
-from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-stores", type=int, default=1,
                         help="checkpoint store processes; 2 or more: every checkpoint is replicated to all of them "
                              "(write quorum 2) and a store that loses its data is repaired from the others")
+    parser.add_argument("--syncer-shards", type=int, default=1,
+                        help="syncer processes splitting the fragments between them (fragment shards: shard i owns "
+                             "fragments f with f mod N = i; at most --num-fragments); 1: one syncer")
     parser.add_argument("--dashboard", action="store_true", help="also serve the live web dashboard (prints its URL)")
     parser.add_argument("--dashboard-bind", default="127.0.0.1:8080",
                         help="HOST:PORT of the dashboard (a free port is used if this one is taken)")
@@ -147,9 +153,10 @@ def _services_env(spec: data_sources.DataSpec, model: str = "transformer") -> di
     return env
 
 
-def _state(stub, timeout_s: float = 5.0) -> syncer_pb2.TrainingState | None:
+def _view(reader: run_view.RunReader) -> run_view.RunView | None:
+    """The run's state over every syncer shard (None while shard 0, the one asked, does not answer)."""
     try:
-        return stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=8), timeout=timeout_s).state
+        return reader.read()
     except grpc.RpcError:
         return None
 
@@ -231,12 +238,14 @@ def run(args: argparse.Namespace) -> int:
         if args.dashboard:
             dashboard = _start_dashboard(console, syncer.address, args.dashboard_bind, cluster.client_security())
         _start_workers(args, cluster, data_flags)
-        stub = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(syncer.address, cluster.client_security()))
+        reader = run_view.RunReader(syncer.address, cluster.client_security(), recent_merges=8)
         interrupt.in_main_loop = True
-        _follow(console, args, cluster, stub, syncer.address, workdir, started, interrupt)
+        _follow(console, args, cluster, reader, syncer.address, workdir, started, interrupt)
         failed = [s.name for s in cluster.learners() if s.proc.returncode not in (0, None)]
         final_loss = None if interrupt.interrupted else _final_eval(cluster, args, data_flags)
-        state = _state(stub)
+        view = _view(reader)
+        reader.close()
+        state = view.state if view is not None else None
         if state is not None:
             (workdir / "final_state.json").write_text(render.to_json(state))
         summary = _summary(state, final_loss, cluster, time.monotonic() - started)
@@ -261,23 +270,32 @@ def run(args: argparse.Namespace) -> int:
 
 def _start_syncer(console: Console, args: argparse.Namespace, cluster: cluster_lib.LocalCluster, run_id: str,
                   vocab_size: int):
-    """Starts the checkpoint stores and the syncer, and says how to watch it; returns the syncer."""
+    """Starts the checkpoint stores and the syncer (or its fragment shards), and says how to watch
+    it; returns the syncer (shard 0)."""
     if args.checkpoint_stores < 1:
         raise cluster_lib.ServiceStartError("--checkpoint-stores must be 1 or more")
+    shards = getattr(args, "syncer_shards", 1)
+    if not 1 <= shards <= args.num_fragments:
+        raise cluster_lib.ServiceStartError(
+            f"--syncer-shards must be between 1 and --num-fragments ({args.num_fragments}): every shard owns a fragment")
     for index in range(args.checkpoint_stores):
         cluster.start_store(index=index)
-    syncer = cluster.start_syncer(run_id=run_id, extra=[
+    syncers = cluster.start_syncer_shards(shards, run_id=run_id, extra=[
         "--model", args.model, "--model-config", _model_config(args, vocab_size),
         "--num-fragments", str(args.num_fragments),
         "--sync-period-steps", str(args.sync_period_steps), "--min-quorum", str(args.min_quorum),
         "--upload-codec", args.upload_codec,
     ])
+    syncer = syncers[0]
     tls_hint = ""
     if cluster.tls_dir is not None:
         certs = cluster.tls_dir
         tls_hint = f" --tls-ca {certs}/ca.pem --tls-cert {certs}/operator.pem --tls-key {certs}/operator.key"
     console.print(f"syncer listening on [bold]{syncer.address}[/]{' (mutual TLS)' if tls_hint else ''}  "
                   f"(watch it from another terminal: ddiloco status --watch --target {syncer.address}{tls_hint})")
+    if len(syncers) > 1:
+        console.print(f"{len(syncers)} syncer shards (fragment f on shard f mod {len(syncers)}): "
+                      + ", ".join(f"{i}: {s.address}" for i, s in enumerate(syncers)))
     return syncer
 
 
@@ -295,7 +313,8 @@ def _start_workers(args: argparse.Namespace, cluster: cluster_lib.LocalCluster, 
         ])
 
 
-def _follow(console: Console, args: argparse.Namespace, cluster: cluster_lib.LocalCluster, stub, target: str,
+def _follow(console: Console, args: argparse.Namespace, cluster: cluster_lib.LocalCluster,
+            reader: run_view.RunReader, target: str,
             workdir: pathlib.Path, started: float, interrupt: _Interrupt) -> None:
     """Shows the training state (and appends it to state.jsonl) until the learners exit, Ctrl-C, or
     --timeout-s from `started` (then `interrupt.interrupted` is set)."""
@@ -311,12 +330,13 @@ def _follow(console: Console, args: argparse.Namespace, cluster: cluster_lib.Loc
                 console.print(f"[red]timed out after {args.timeout_s:.0f} s[/]")
                 interrupt.interrupted = True
                 break
-            state = _state(stub)
+            view = _view(reader)
+            state = view.state if view is not None else None
             if state is not None:
                 history.write(json.dumps(report_lib.snapshot_record(state)) + "\n")
                 history.flush()
             if state is not None and live:
-                live.update(render.state_renderable(state, target=target))
+                live.update(render.state_renderable(state, target=target, shards=view.shards))
             elif state is not None and time.monotonic() - last_line > 5:
                 last_line = time.monotonic()
                 steps = [m.local_step for m in state.members]

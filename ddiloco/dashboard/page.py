@@ -78,7 +78,7 @@ HTML = r"""<!doctype html>
   <div class="brand">ddiloco <span>dashboard</span></div>
   <div id="conn" class="badge">connecting&hellip;</div>
   <div class="meta">run <b id="run-id">-</b> &middot; syncer instance <b id="syncer-instance">-</b>
-    at <b id="target">-</b> &middot; updated <span id="updated">-</span></div>
+    at <b id="target">-</b><span id="shards"></span> &middot; updated <span id="updated">-</span></div>
 </header>
 <div id="banner" class="banner hidden"></div>
 <main id="main">
@@ -287,6 +287,10 @@ function renderState(st) {
   const now = num(st.now_unix_s);
   $("run-id").textContent = st.run_id || "-";
   $("syncer-instance").textContent = (st.syncer_instance || "-").slice(0, 12);
+  // Fragment shards: one word per shard, "i up" or "i DOWN" (shard_status; absent when unsharded).
+  const shards = st.shard_status || [];
+  $("shards").textContent = shards.length ? " \u00b7 " + shards.length + " shards: "
+    + shards.map((s) => (s.index || 0) + (s.up ? " up" : " DOWN")).join(", ") : "";
   const outer = num(st.outer_steps), merged = num(st.tokens_merged), d = st.derived || {};
   setKpi("outer-steps", fmtInt(outer), outer);
   const up = now - num(st.started_at_unix_s);

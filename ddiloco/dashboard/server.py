@@ -12,7 +12,9 @@ syncer is unreachable it keeps polling with capped exponential backoff and repor
                       (tokens_processed and its source, num_fragments, work_merged,
                       merge_participation: see ddiloco.training_state) and `sample` (this
                       poll's entry of the history). While the syncer is unreachable the state
-                      fields are the last ones seen.
+                      fields are the last ones seen. For a syncer split into fragment shards the
+                      state is the run's one view over every shard (cli.run_view) and
+                      `shard_status` lists the shards, each up or down.
 - `GET /api/history`  the recorded series (a bounded ring of per-poll samples, oldest first) and
                       the held-out evaluations seen so far, so a freshly opened page has curves.
 - `GET /healthz`      200 while the server runs, with the syncer's availability.
@@ -42,9 +44,9 @@ import grpc
 from google.protobuf import json_format
 
 from ddiloco import training_state as status_derived
+from ddiloco.cli import run_view
 from ddiloco.dashboard import page
-from ddiloco.rpc import channel as channel_lib
-from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from ddiloco.v1 import syncer_pb2
 
 _LOG = logging.getLogger(__name__)
 
@@ -103,7 +105,7 @@ class Dashboard:
         self._last_ok_at: float | None = None
         self._error = "not polled yet"
         self._polls = 0
-        self._channel: grpc.Channel | None = None
+        self._reader: run_view.RunReader | None = None
         self._httpd: _Server | None = None
         self._threads: list[threading.Thread] = []
 
@@ -122,11 +124,11 @@ class Dashboard:
         server_cls = _Server6 if ":" in self.host else _Server
         self._httpd = server_cls((self.host, self.port), _handler_for(self))
         self.port = self._httpd.server_address[1]
-        self._channel = (channel_lib.sync_channel(self.target) if self.security is None
-                         else channel_lib.sync_channel(self.target, self.security))
-        stub = syncer_pb2_grpc.SyncerStub(self._channel)
+        # Reads every shard of a sharded syncer through the one target (an unsharded one: just it).
+        self._reader = run_view.RunReader(self.target, self.security, timeout_s=self.timeout_s,
+                                          recent_merges=self.recent_merges)
         self._threads = [
-            threading.Thread(target=self._poll_loop, args=(stub,), name="dashboard-poll", daemon=True),
+            threading.Thread(target=self._poll_loop, args=(self._reader,), name="dashboard-poll", daemon=True),
             threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.25},
                              name="dashboard-http", daemon=True),
         ]
@@ -142,8 +144,8 @@ class Dashboard:
             self._httpd.server_close()
         for t in self._threads:
             t.join(timeout_s)
-        if self._channel is not None:
-            self._channel.close()
+        if self._reader is not None:
+            self._reader.close()
 
     def __enter__(self) -> Dashboard:
         self.start()
@@ -154,15 +156,14 @@ class Dashboard:
 
     # --- polling --------------------------------------------------------------------------------
 
-    def _poll_loop(self, stub: syncer_pb2_grpc.SyncerStub) -> None:
-        request = syncer_pb2.GetTrainingStateRequest(recent_merges=self.recent_merges)
+    def _poll_loop(self, reader: run_view.RunReader) -> None:
         backoff_s = self.interval_s
         while not self._stop.is_set():
             started = time.monotonic()
             fetched_at = time.time()
             try:
-                state = stub.GetTrainingState(request, timeout=self.timeout_s).state
-                self._record(state, fetched_at)
+                view = reader.read()
+                self._record(view.state, fetched_at, view.shards)
                 backoff_s = self.interval_s
                 wait_s = self.interval_s - (time.monotonic() - started)
             except grpc.RpcError as exc:
@@ -174,7 +175,7 @@ class Dashboard:
                 wait_s, backoff_s = backoff_s, min(backoff_s * 2, self.max_backoff_s)
             self._stop.wait(max(0.0, wait_s))
 
-    def _record(self, state: syncer_pb2.TrainingState, fetched_at: float) -> None:
+    def _record(self, state: syncer_pb2.TrainingState, fetched_at: float, shards=()) -> None:
         as_dict = json_format.MessageToDict(
             state, preserving_proto_field_name=True, always_print_fields_with_no_presence=True,
             unquote_int64_if_possible=True,
@@ -214,6 +215,8 @@ class Dashboard:
             self._samples.append(sample)
             as_dict["derived"] = derived
             as_dict["sample"] = sample
+            if shards:
+                as_dict["shard_status"] = [s.as_dict() for s in shards]
             self._state = as_dict
             if not self._available:
                 _LOG.info("syncer available", extra={"fields": {"syncer": self.target}})

@@ -3,6 +3,10 @@
 It watches the global fragments as an observer (no membership, never counted in a quorum),
 assembles the full model whenever it evaluates, and reports the loss with the evaluated versions
 (`ReportEval`), so the training state and `ddiloco status` show the curve.
+A syncer split into fragment shards streams each fragment from its owner only: the evaluator
+follows the shard map of the first syncer's training state (TrainingState.shards), watches every
+shard (one leader link each, over the shard's failover addresses) and reports every evaluation to
+every shard that answers, with the tokens merged over all of them.
 Run it with `python -m services.learner.evaluator` or `ddiloco evaluate` (`--once` for one number).
 """
 
@@ -128,6 +132,47 @@ async def report(link: leader_link.LeaderLink, cfg: config_lib.EvaluatorConfig, 
     return {"heldout_loss": float(loss), "versions": versions, "tokens_merged": st.tokens_merged}
 
 
+async def report_to_shards(links: list[leader_link.LeaderLink], cfg: config_lib.EvaluatorConfig,
+                           versions: dict[int, int], loss: float, heldout_tokens: int) -> dict:
+    """`report` for fragment shards: the tokens merged summed over the shards that answer, and the
+    evaluation reported to each of them (a down shard misses it). One link: `report` itself.
+    Raises the first shard's error when no shard took the report."""
+    if len(links) == 1:
+        return await report(links[0], cfg, versions, loss, heldout_tokens)
+    deadline_s = time.monotonic() + cfg.timeout_s
+    states = await asyncio.gather(*(fetch_state(link, deadline_s) for link in links), return_exceptions=True)
+    answered = [(link, st) for link, st in zip(links, states) if not isinstance(st, BaseException)]
+    if not answered:
+        raise states[0]
+    tokens_merged = sum(st.tokens_merged for _, st in answered)
+    request = syncer_pb2.ReportEvalRequest(
+        protocol_version=serde.PROTOCOL_VERSION, evaluator_id=cfg.evaluator_id,
+        evaluated=serde.versions_to_proto(versions), heldout_loss=float(loss), tokens_merged=tokens_merged,
+        heldout_tokens=heldout_tokens)
+    sent = await asyncio.gather(*(link.call("ReportEval", request, deadline_s=deadline_s) for link, _ in answered),
+                                return_exceptions=True)
+    errors = [r for r in sent if isinstance(r, BaseException)]
+    if len(errors) == len(sent):
+        raise errors[0]
+    return {"heldout_loss": float(loss), "versions": versions, "tokens_merged": tokens_merged,
+            "shards_reported": len(sent) - len(errors), "shards": len(links)}
+
+
+def shard_watchers(cfg: config_lib.EvaluatorConfig, link: leader_link.LeaderLink, state: syncer_pb2.TrainingState,
+                   num_fragments: int) -> tuple[list[leader_link.LeaderLink], list[GlobalModelWatcher]]:
+    """One link and one watcher per fragment shard of `state`'s shard map (`link`, already open to
+    the syncer that answered, serves its own shard); just `link` for an unsharded syncer."""
+    if not state.shards:
+        return [link], [GlobalModelWatcher(link, num_fragments)]
+    links, watchers = [], []
+    for shard in state.shards:
+        own = link if shard.index == state.shard_index else leader_link.LeaderLink(
+            ",".join(shard.addresses), cfg.client_security(), call_timeout_s=cfg.call_timeout_s)
+        links.append(own)
+        watchers.append(GlobalModelWatcher(own, len(shard.fragment_ids)))
+    return links, watchers
+
+
 async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) -> dict | None:
     link = leader_link.LeaderLink(cfg.syncer, cfg.client_security(), call_timeout_s=cfg.call_timeout_s)
     deadline = time.monotonic() + cfg.timeout_s
@@ -149,21 +194,24 @@ async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) ->
     _LOG.info(f"data {split.source}: {split.heldout_summary()}")
     eval_fn = train_lib.make_eval_fn(model)
     template = model.init(jax.random.PRNGKey(0))
-    watcher = GlobalModelWatcher(link, plan.num_fragments)
-    watch_task = asyncio.create_task(watcher.keep_watching(stop))
+    links, watchers = shard_watchers(cfg, link, state, plan.num_fragments)
+    watch_tasks = [asyncio.create_task(w.keep_watching(stop)) for w in watchers]
     result = None
     try:
-        await asyncio.wait_for(watcher.complete.wait(), timeout=max(1.0, deadline - time.monotonic()))
+        await asyncio.wait_for(asyncio.gather(*(w.complete.wait() for w in watchers)),
+                               timeout=max(1.0, deadline - time.monotonic()))
         while True:
-            versions = dict(watcher.versions)
+            versions = {f: v for w in watchers for f, v in w.versions.items()}
+            values = {f: v for w in watchers for f, v in w.values.items()}
             params = {}
             for frag in plan.fragments:
-                params.update(fragments_lib.unflatten_fragment(watcher.values[frag.fragment_id], frag))
+                params.update(fragments_lib.unflatten_fragment(values[frag.fragment_id], frag))
             missing = set(template) - set(params)
             if missing:
                 raise ValueError(f"global parameters lack tensors {sorted(missing)}")
             loss = await asyncio.to_thread(eval_fn, params, batches)
-            result = await report(link, cfg, versions, float(loss), cfg.eval_batches * cfg.batch_size * model.seq_len)
+            result = await report_to_shards(links, cfg, versions, float(loss),
+                                            cfg.eval_batches * cfg.batch_size * model.seq_len)
             _LOG.info("evaluated", extra={"fields": {"heldout_loss": round(float(loss), 4), "outer_steps": sum(versions.values())}})
             if cfg.once:
                 return result
@@ -173,8 +221,10 @@ async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) ->
             except asyncio.TimeoutError:
                 pass
     finally:
-        watch_task.cancel()
-        await link.close()
+        for task in watch_tasks:
+            task.cancel()
+        for own in links:
+            await own.close()
 
 
 def main(argv: list[str] | None = None) -> int:

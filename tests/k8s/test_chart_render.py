@@ -27,6 +27,7 @@ from tests.k8s.conftest import (
 from tests.k8s.manifests import (
     ALL_VALUES,
     container_env,
+    find,
     first_pod_name,
     learner_sets,
     one,
@@ -177,17 +178,21 @@ def test_settings_cover_every_flag_and_wired_flags_are_wired(render):
     # The plaintext wiring (insecure) too: the hub file turns TLS on, so turn it off explicitly.
     docs = render("hub", "--set", "tls.enabled=false", "--set", "tls.allowPlaintextBeyondCluster=true")
     tls_docs = render("hub", "--set", "tls.enabled=true", "--set", "tls.existingSecret=ddiloco-tls")
+    # Fragment shards' flags are set only with several shards (shard 0's Deployment is checked).
+    shard_docs = render("hub", "--set", "tls.enabled=false", "--set", "tls.allowPlaintextBeyondCluster=true",
+                        "--set", "syncer.shards=2")
     for component, cls in render_k8s.service_configs().items():
         wired, unsupported = set(render_k8s.WIRED[component]), render_k8s.UNSUPPORTED[component]
-        wired_tls = render_k8s.WIRED_TLS[component]
-        assert not (wired | wired_tls) & unsupported
+        wired_tls, wired_shards = render_k8s.WIRED_TLS[component], render_k8s.WIRED_SHARDS[component]
+        assert not (wired | wired_tls | wired_shards) & unsupported
         fields = {f.name for f in dataclasses.fields(cls)}
         settings = set(schema["properties"][component]["properties"]["settings"]["properties"])
-        expected = {render_k8s.camel(f) for f in fields - wired - wired_tls - unsupported}
+        expected = {render_k8s.camel(f) for f in fields - wired - wired_tls - wired_shards - unsupported}
         assert settings == expected, f"{component}.settings drifted from {cls.__name__}: run `make k8s-render`"
         assert wired_tls <= fields, f"{component}: WIRED_TLS names flags {cls.__name__} does not have"
-        for rendered, names in ((docs, wired), (tls_docs, wired_tls)):
+        for rendered, names in ((docs, wired), (tls_docs, wired_tls), (shard_docs, wired_shards)):
             workload = (learner_sets(rendered)[0] if component == "learners" else
+                        find(rendered, "Deployment", "ddiloco-syncer")[0] if component == "syncer" else
                         one(rendered, "StatefulSet" if component == "store" else "Deployment", component))
             (container,) = workload["spec"]["template"]["spec"]["containers"]
             env = container_env(rendered, workload, container, first_pod_name(workload))
