@@ -33,6 +33,7 @@ from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import outer as outer_lib
 from ddiloco.algo import robust as robust_lib
 from ddiloco.algo import rounds as rounds_lib
+from ddiloco.algo import shards as shards_lib
 from ddiloco.rpc import errors
 from ddiloco.wire import codec as codec_lib
 from . import admission as admission_lib
@@ -122,8 +123,16 @@ class SyncerCore:
         round_trigger: str = "schedule",
         outer_step_fraction: str = "whole",
         token_budget: int = 0,
+        shard_layout: shards_lib.ShardLayout | None = None,
     ) -> None:
         _check_knobs(round_trigger, outer_step_fraction, token_budget)
+        # Fragment shards: every shard plans all P fragments (the same RunConfig) but owns only
+        # some; rounds, merges, publishing and checkpoints cover those alone (owned_slots).
+        self.shards = shard_layout or shards_lib.ShardLayout(num_fragments=plan.num_fragments)
+        if self.shards.num_fragments != plan.num_fragments:
+            raise ValueError(f"the shard layout is for {self.shards.num_fragments} fragments, the plan has "
+                             f"{plan.num_fragments}")
+        self.owned = frozenset(self.shards.owned)
         self.token_budget = token_budget
         self.config = run_config
         settings = wire_views.run_settings(run_config)
@@ -144,6 +153,7 @@ class SyncerCore:
         self.slots = [slots_lib.FragmentSlot.initial(frag, initial_params[frag.fragment_id],
                                                      steppers[frag.fragment_id], self.norm_bound)
                       for frag in plan.fragments]
+        self.owned_slots = [slot for slot in self.slots if slot.fragment.fragment_id in self.owned]
         self.publisher = publishing_lib.Publisher(download_codec=settings.download_codec,
                                                   block_size=settings.upload_block_size,
                                                   zstd_level=settings.zstd_level)
@@ -164,7 +174,7 @@ class SyncerCore:
             outer_step_fraction=outer_step_fraction, merge_history=merge_history, grace_gamma=grace_gamma,
             max_grace_s=max_grace_s, uploads=self.uploads, clock=clock, wall_clock=wall_clock,
             membership=self.membership, publisher=self.publisher, tick=lambda: self.tick(), notify=self._notify,
-            emit=self._emit, failpoint=lambda name: self.failpoint(name), merged=self._merged)
+            emit=self._emit, failpoint=lambda name: self.failpoint(name), merged=self._merged, owned=self.owned)
         # Who influenced each merge (services/syncer/influence.py); __main__ gives it the ledger.
         self.influence = influence_lib.Influence(run_id=settings.run_id, instance=self.instance,
                                                  directions=self.directions)
@@ -250,6 +260,10 @@ class SyncerCore:
         """Registers a learner; a higher incarnation replaces (fences off) the previous life.
         `req`: a JoinRequest, read and answered (JoinResponse) through wire_views."""
         args = wire_views.join_args(req)
+        if self.shards.index != 0 and args.assign_data_shard:
+            # Data shards are assigned by shard 0 alone (the learner joins it first); the other shards
+            # record the one the learner pins, so that two shards never hand out different ones.
+            args = args._replace(assign_data_shard=False)
         member, replaced = self.membership.join(args)
         if replaced is not None:
             self.schedule.forget((replaced.learner_id, replaced.incarnation))
@@ -334,7 +348,16 @@ class SyncerCore:
     # -------------------------------------------------------------------------------- uploads
 
     def versions(self) -> dict[int, int]:
-        return {s.fragment.fragment_id: s.version for s in self.slots}
+        """The version of each fragment this syncer (shard) owns."""
+        return {s.fragment.fragment_id: s.version for s in self.owned_slots}
+
+    def require_owned(self, fragment_id: int) -> None:
+        """FAILED_PRECONDITION naming the owner when another shard owns the fragment."""
+        if fragment_id not in self.owned and 0 <= fragment_id < len(self.slots):
+            owner = self.shards.owner_of(fragment_id)
+            raise errors.FailedPrecondition(
+                f"fragment {fragment_id} belongs to syncer shard {owner} ({'|'.join(self.shards.addresses[owner])}), "
+                f"this is {self.shards.describe()}: send it there (JoinResponse.shards)", reason="not_owner")
 
     def fragment_digest(self, fragment_id: int) -> tuple[int, str, str]:
         """(version, published_sha256, params_sha256) of a fragment now."""
@@ -344,7 +367,13 @@ class SyncerCore:
     def validate_upload_header(self, header) -> admission_lib.UploadTicket:
         """All checks that need no payload (Admission.validate), on the UploadHeader's plain form
         (wire_views.upload_header; the ticket carries it). Raises ServiceError (counted)."""
-        return self.admission.validate(wire_views.upload_header(header))
+        header = wire_views.upload_header(header)
+        try:
+            self.require_owned(header.fragment_id)
+        except errors.ServiceError as exc:
+            self.record_rejection(exc.reason, header.learner_id, exc)
+            raise
+        return self.admission.validate(header)
 
     async def accept_upload(self, ticket: admission_lib.UploadTicket, payload: bytes, wire_bytes: int, *,
                             wait_budget_s: float | None = None):
@@ -498,7 +527,7 @@ class SyncerCore:
     async def snapshot(self) -> state_lib.SyncerSnapshot:
         """A consistent copy of everything a restart needs (each fragment copied under its lock)."""
         fragments = []
-        for slot in self.slots:
+        for slot in self.owned_slots:  # a shard checkpoints only its own fragments
             async with slot.lock:
                 fragments.append(state_lib.FragmentSnapshot.of(slot, self.members))
         return state_lib.SyncerSnapshot(
@@ -520,9 +549,13 @@ class SyncerCore:
         """Loads a snapshot: as `snapshot` returns it, or its checkpoint form (checkpointing.decode_snapshot)."""
         snapshot = state if isinstance(state, state_lib.SyncerSnapshot) else state_lib.SyncerSnapshot.from_dict(state)
         by_id = {f.fragment_id: f for f in snapshot.fragments}
-        if sorted(by_id) != list(range(len(self.slots))):
-            raise ValueError(f"checkpoint has fragments {sorted(by_id)}, the plan has {len(self.slots)}")
-        for slot in self.slots:
+        if sorted(by_id) != sorted(self.owned):
+            if self.shards.sharded or sorted(by_id) != list(range(len(self.slots))):
+                raise ValueError(
+                    f"checkpoint has fragments {sorted(by_id)}, but this syncer ({self.shards.describe()} of a "
+                    f"{len(self.slots)}-fragment plan) owns {sorted(self.owned)}: a checkpoint of a different "
+                    "fragment plan or shard layout; start with the layout it was written with, or another --run-id")
+        for slot in self.owned_slots:
             self._restore_slot(slot, by_id[slot.fragment.fragment_id])
         self.rounds.restore(snapshot)
         self.membership.bytes_in = snapshot.bytes_in
