@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import math
 import uuid
@@ -86,6 +87,14 @@ def _outer_steppers(plan: fragments_lib.FragmentPlan, outer_lr: float, outer_mom
     return [stepper_factory(frag) for frag in plan.fragments]
 
 
+def _own_layout(plan: fragments_lib.FragmentPlan, layout: shards_lib.ShardLayout | None) -> shards_lib.ShardLayout:
+    """Fragment shards: every shard plans all P fragments (the same RunConfig) and owns some of them."""
+    layout = layout or shards_lib.ShardLayout(num_fragments=plan.num_fragments)
+    if layout.num_fragments != plan.num_fragments:
+        raise ValueError(f"the shard layout is for {layout.num_fragments} fragments, the plan has {plan.num_fragments}")
+    return layout
+
+
 class SyncerCore:
     """The syncer's state machine. See the module docstring for the concurrency model."""
 
@@ -122,17 +131,10 @@ class SyncerCore:
         max_decoding: int | None = None,
         round_trigger: str = "schedule",
         outer_step_fraction: str = "whole",
-        token_budget: int = 0,
-        shard_layout: shards_lib.ShardLayout | None = None,
+        token_budget: int = 0, shard_layout: shards_lib.ShardLayout | None = None,
     ) -> None:
         _check_knobs(round_trigger, outer_step_fraction, token_budget)
-        # Fragment shards: every shard plans all P fragments (the same RunConfig) but owns only
-        # some; rounds, merges, publishing and checkpoints cover those alone (owned_slots).
-        self.shards = shard_layout or shards_lib.ShardLayout(num_fragments=plan.num_fragments)
-        if self.shards.num_fragments != plan.num_fragments:
-            raise ValueError(f"the shard layout is for {self.shards.num_fragments} fragments, the plan has "
-                             f"{plan.num_fragments}")
-        self.owned = frozenset(self.shards.owned)
+        self.shards = _own_layout(plan, shard_layout)  # which fragments this syncer owns (fragment shards)
         self.token_budget = token_budget
         self.config = run_config
         settings = wire_views.run_settings(run_config)
@@ -153,7 +155,6 @@ class SyncerCore:
         self.slots = [slots_lib.FragmentSlot.initial(frag, initial_params[frag.fragment_id],
                                                      steppers[frag.fragment_id], self.norm_bound)
                       for frag in plan.fragments]
-        self.owned_slots = [slot for slot in self.slots if slot.fragment.fragment_id in self.owned]
         self.publisher = publishing_lib.Publisher(download_codec=settings.download_codec,
                                                   block_size=settings.upload_block_size,
                                                   zstd_level=settings.zstd_level)
@@ -186,6 +187,16 @@ class SyncerCore:
         self.restored_from_checkpoint = False
         self.last_checkpoint_outer_step = 0
         self.last_checkpoint_unix_s = 0.0
+
+    @functools.cached_property
+    def owned(self) -> frozenset[int]:
+        return frozenset(self.shards.owned)
+
+    @functools.cached_property
+    def owned_slots(self) -> list[slots_lib.FragmentSlot]:
+        """The slots of the fragments this syncer owns: every one, or with fragment shards its shard's
+        (rounds, watch streams, the training state and checkpoints cover these alone)."""
+        return [slot for slot in self.slots if slot.fragment.fragment_id in self.owned]
 
     # ------------------------------------------------------------------ the parts, as before
 
