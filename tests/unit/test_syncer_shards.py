@@ -23,6 +23,7 @@ from ddiloco.wire import serde
 from services.syncer import checkpointing
 from services.syncer import config as config_lib
 from tests.fakes import FakeClock, join, make_core, settle_until, upload
+from tests.unit import test_learner_resend
 
 MAP = "127.0.0.1:7001|127.0.0.1:7101,127.0.0.1:7002"
 
@@ -223,3 +224,36 @@ def test_without_a_shard_map_the_learner_has_its_one_session():
     assert [j.fragment_id for j in only.jobs] == [3] and client.stats is only.stats
     assert client.instance_of(3) == only.instance == client.instance
     assert isinstance(client, ports.SyncClientLike)
+
+
+class _ShardedCallClient(test_learner_resend._CallClient):
+    """Two shards' lives: fragment 0 from shard A's, fragment 1 from shard B's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lives = {0: "life-a", 1: "life-b"}
+
+    def instance_of(self, fragment_id: int) -> str | None:
+        return self.lives[fragment_id]
+
+
+def test_the_loop_answers_each_fragments_call_against_its_own_shards_life():
+    # With one `instance` for the whole client, fragment 1 (held from shard B's life) was never
+    # answered; and a restart of shard B must not drop fragment 0's call.
+    client = _ShardedCallClient()
+    loop, client, plan = test_learner_resend._make_loop(client, version=3, instance="life-a")
+    client.inbox = [client_lib.GlobalFragment(1, 3, "life-b", loop.global_copy[1])]
+    loop.apply_updates()
+    for _ in range(2):
+        loop.step()
+    client.calls = {0: test_learner_resend._call(0, version=3), 1: test_learner_resend._call(1, version=3)}
+    loop.step()
+    jobs = {j.fragment_id: j.syncer_instance for j in client.uploads}
+    assert jobs == {0: "life-a", 1: "life-b"}
+    client.lives[1] = "life-b2"  # shard B restarts: its fragment waits for the new life's copy
+    client.calls = {1: test_learner_resend._call(1, version=0, rnd=2)}
+    loop.step()
+    assert [j.fragment_id for j in client.uploads].count(1) == 1
+    client.inbox = [client_lib.GlobalFragment(1, 0, "life-b2", loop.global_copy[1])]
+    loop.step()
+    assert [j.syncer_instance for j in client.uploads if j.fragment_id == 1] == ["life-b", "life-b2"]
