@@ -561,11 +561,10 @@ class SyncerCore:
         snapshot = state if isinstance(state, state_lib.SyncerSnapshot) else state_lib.SyncerSnapshot.from_dict(state)
         by_id = {f.fragment_id: f for f in snapshot.fragments}
         if sorted(by_id) != sorted(self.owned):
-            if self.shards.sharded or sorted(by_id) != list(range(len(self.slots))):
-                raise ValueError(
-                    f"checkpoint has fragments {sorted(by_id)}, but this syncer ({self.shards.describe()} of a "
-                    f"{len(self.slots)}-fragment plan) owns {sorted(self.owned)}: a checkpoint of a different "
-                    "fragment plan or shard layout; start with the layout it was written with, or another --run-id")
+            raise ValueError(
+                f"checkpoint has fragments {sorted(by_id)}, but this syncer ({self.shards.describe()} of a "
+                f"{len(self.slots)}-fragment plan) owns {sorted(self.owned)}: a checkpoint of a different "
+                "fragment plan or shard layout; start with the layout it was written with, or another --run-id")
         for slot in self.owned_slots:
             self._restore_slot(slot, by_id[slot.fragment.fragment_id])
         self.rounds.restore(snapshot)

@@ -257,3 +257,26 @@ def test_the_loop_answers_each_fragments_call_against_its_own_shards_life():
     client.inbox = [client_lib.GlobalFragment(1, 0, "life-b2", loop.global_copy[1])]
     loop.step()
     assert [j.syncer_instance for j in client.uploads if j.fragment_id == 1] == ["life-b", "life-b2"]
+
+
+class _Store:
+    """A checkpoint client stand-in that has a manifest for some run ids only."""
+
+    def __init__(self, runs_with_checkpoints: set[str]) -> None:
+        self.runs = runs_with_checkpoints
+        self.asked: list[str] = []
+
+    async def latest_manifest(self, run_id: str):
+        self.asked.append(run_id)
+        return object() if run_id in self.runs else None
+
+
+def test_a_shard_starts_fresh_in_its_own_namespace_and_refuses_a_run_with_unsharded_checkpoints():
+    from services.syncer import __main__ as syncer_main
+
+    cfg = config_lib.SyncerConfig(num_fragments=2, fragment_shard=1, fragment_shards=MAP, run_id="r")
+    fresh = _Store(set())
+    assert asyncio.run(syncer_main._restore_at_start(cfg, _shard_core(FakeClock(), 1), fresh, None)) is None
+    assert fresh.asked == ["r.shard-1-of-2", "r"]  # its own namespace, then the unsharded run's
+    unsharded = _Store({"r"})
+    assert asyncio.run(syncer_main._restore_at_start(cfg, _shard_core(FakeClock(), 1), unsharded, None)) == 2
