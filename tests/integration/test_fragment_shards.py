@@ -85,10 +85,11 @@ def test_each_shard_merges_its_fragments_and_a_killed_shard_restores_while_the_o
         time.sleep(DOWN_WINDOW_S)
         state = probes[0].state()
         merged_in_window = sorted(r.merged_at_unix_s for r in state.recent_merges if r.merged_at_unix_s > killed_at)
+        merged_before = [r for r in state.recent_merges if killed_at - DOWN_WINDOW_S < r.merged_at_unix_s <= killed_at]
         gaps = [b - a for a, b in zip([killed_at, *merged_in_window], merged_in_window + [time.time()])]
         after_versions, after_steps = _versions(probes[0]), _steps(probes[0])
         print(f"shard 0 while shard 1 was down: {len(merged_in_window)} merges in {DOWN_WINDOW_S:.0f} s, "
-              f"longest gap {max(gaps):.2f} s; versions {before_versions} -> {after_versions}; "
+              f"longest gap {max(gaps):.2f} s ({len(merged_before)} in the {DOWN_WINDOW_S:.0f} s before); versions {before_versions} -> {after_versions}; "
               f"learner steps {before_steps} -> {after_steps}")
         assert all(after_versions[f] >= before_versions[f] + 2 for f in OWNED[0]), (before_versions, after_versions)
         assert max(gaps) < DOWN_WINDOW_S / 2, gaps  # no pause for the length of the outage
