@@ -386,7 +386,8 @@ def _announce(cfg: config_lib.SyncerConfig, model: models.Model, plan: fragments
         f"syncer serving on {handle.address}",
         extra={"fields": {"run": cfg.run_id, "model": model.name, "fragments": plan.num_fragments,
                           "params": sum(f.numel for f in plan.fragments), "restored": core.restored_from_checkpoint,
-                          "outer_step": core.outer_steps, "transport": "mtls" if security.server.tls else "plaintext",
+                          "outer_step": core.outer_steps, **({"owns": sorted(core.owned)} if core.shards.sharded else {}),
+                          "transport": "mtls" if security.server.tls else "plaintext",
                           "tokens": bool(cfg.auth_tokens_file), "health": handle.health_address or handle.address,
                           "version": build_info.version(), "commit": build_info.commit()}},
     )
