@@ -80,7 +80,7 @@ def test_each_shard_merges_its_fragments_and_a_killed_shard_restores_while_the_o
         # SIGKILL shard 1: shard 0 merges on, without a pause, and the learners keep stepping.
         before_versions, before_steps = _versions(probes[0]), _steps(probes[0])
         shards[1].signal(signal.SIGKILL)
-        assert shards[1].wait(10) is not None
+        assert shards[1].wait(60) is not None  # a starved low-priority cgroup can take seconds to reap it
         killed_at = time.time()
         time.sleep(DOWN_WINDOW_S)
         state = probes[0].state()
