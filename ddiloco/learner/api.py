@@ -38,6 +38,7 @@ import numpy as np
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.learner import client as client_lib
+from ddiloco.learner import sharded as sharded_lib
 from ddiloco.learner import loop as loop_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2
@@ -144,7 +145,7 @@ class Learner:
         )
         self._join_timeout_s = join_timeout_s
         self._finish_timeout_s = finish_timeout_s
-        self._client: client_lib.SyncClient | None = None
+        self._client: sharded_lib.ShardedSyncClient | None = None
         self._loop: loop_lib.LearnerLoop | None = None
         self._step_started = 0.0
         self.run_config: syncer_pb2.RunConfig | None = None
@@ -169,7 +170,7 @@ class Learner:
             ValueError: `params` is not the syncer's model, or the run is the `dp` baseline.
             ddiloco.learner.client.FencedError: the syncer refused this learner (a newer life, credentials).
         """
-        client = client_lib.SyncClient(self._cfg)
+        client = sharded_lib.ShardedSyncClient(self._cfg)  # one SyncClient, or one per syncer shard
         try:
             run_config = client.start(self._join_timeout_s)
         except TimeoutError as exc:

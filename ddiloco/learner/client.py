@@ -33,6 +33,7 @@ import numpy as np
 
 from ddiloco import failpoints as failpoints_lib
 from ddiloco import history as history_lib
+from ddiloco.algo import shards as shards_lib
 from ddiloco.learner import leader_watch as leader_watch_lib
 from ddiloco.learner import targets as targets_lib
 from ddiloco.learner import uploads as uploads_lib
@@ -86,19 +87,15 @@ class ClientConfig:
     # syncer's acknowledgements of this learner's uploads (ddiloco.history).
     failpoints: str = ""
     history_file: str = ""
-    # fragment id -> the values this learner computes for itself from the run's configuration
-    # (its own initialization with RunConfig.init_seed). At the first join, fragments whose
-    # values hash to the syncer's published sha256 are held without being downloaded.
+    # fragment id -> the values this learner computes for itself from the run's configuration (its own
+    # init with RunConfig.init_seed): at the first join, those hashing to the syncer's published sha256 are held.
     initial_values: Callable[[syncer_pb2.RunConfig], Mapping[int, np.ndarray]] | None = None
-    # Quantizes uploads: codec.encode (the host codec) or jax_codec.encode (same signature, same
-    # bytes). The learner's --upload-encoder chooses; the client itself never imports JAX.
+    # Quantizes uploads: codec.encode or jax_codec.encode (same bytes; --upload-encoder; the client never imports JAX).
     encode: Callable[..., codec_lib.EncodedPayload] = codec_lib.encode
-    # Called once (from the client's thread) when the syncer answers a progress report with
-    # budget_reached: the run's token budget is spent and the learner should stop stepping.
+    # Called once (client thread) when a progress answer says budget_reached: the learner should stop stepping.
     on_budget_reached: Callable[[], None] | None = None
-    # The learner's data (JoinRequest.num_data_shards; 0: not reported): the shard it chose itself,
-    # or -1 to take the one the syncer assigns at the first join; fallback_data_shard is used when
-    # the syncer assigns none (an older syncer). Once known, the shard is pinned for every re-join.
+    # The learner's data (JoinRequest.num_data_shards; 0: not reported): the shard it chose itself, or -1 to take
+    # the one the syncer assigns at the first join (none assigned: fallback_data_shard); then pinned for re-joins.
     num_data_shards: int = 0
     data_shard: int = -1
     fallback_data_shard: int = 0
@@ -146,6 +143,9 @@ class SyncClient(uploads_lib.Uploader):
         self.stats = ClientStats()
         self.run_config: syncer_pb2.RunConfig | None = None
         self.instance = ""
+        # Fragment shards: the map the syncer answered (empty: unsharded), the entry joined (sharded.py).
+        self.shards: list[syncer_pb2.SyncerShard] = []
+        self.shard_index = 0
         self._header_ack = False  # the syncer acknowledges upload headers (JoinResponse.upload_header_ack)
         self._pipeline_bytes = 0  # chunks sent ahead of that acknowledgement (JoinResponse.upload_pipeline_bytes)
         # fragment -> loop time before which its next upload waits (the syncer's back-pressure,
@@ -211,15 +211,19 @@ class SyncClient(uploads_lib.Uploader):
             raise self.fenced
         deadline = threading.Event()
         waited = 0.0
+        served = lambda: shards_lib.served_fragments(self.shards, self.shard_index, self.run_config)  # noqa: E731 (the shard's)
         while waited < timeout_s:
             with self._lock:
-                if self.run_config is not None and len(self._inbox) >= self.run_config.num_fragments:
+                if self.run_config is not None and all(fid in self._inbox for fid in served()):
                     return self.run_config
             if self.fenced:
                 raise self.fenced
             deadline.wait(0.05)
             waited += 0.05
         raise TimeoutError(f"did not receive the global parameters within {timeout_s:.0f} s")
+
+    def instance_of(self, fragment_id: int) -> str | None:
+        return self.instance  # one syncer life for every fragment this session serves
 
     def take_calls(self) -> dict[int, syncer_pb2.RoundCall]:
         """The syncer's round calls received since the last call (the newest per fragment), except
@@ -434,6 +438,7 @@ class SyncClient(uploads_lib.Uploader):
             self._header_ack = response.upload_header_ack
             self._pipeline_bytes = response.upload_pipeline_bytes
             self.run_config = response.config
+            self.shards, self.shard_index = list(response.shards), response.shard_index
             if request.assign_data_shard:  # the first join: the data it trains for this whole life
                 self.data_shard = (response.data_shard if response.data_shard_assigned
                                    else self.cfg.fallback_data_shard)

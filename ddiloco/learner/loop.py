@@ -144,7 +144,9 @@ class LearnerLoop:
         self._not_taken = np.zeros(num, dtype=np.int64)  # contributions refused or lost, per fragment
         self._jobs: dict[int, client_lib.UploadJob] = {}  # the job behind each pending contribution
         self._calls: dict[int, syncer_pb2.RoundCall] = {}  # open calls, until answered and accepted
-        self._calls_instance: str | None = None  # the syncer life the calls came from
+        # fragment -> the syncer life its calls came from (per fragment: with fragment shards each
+        # fragment's owner is a syncer life of its own, which restarts alone).
+        self._calls_instance: dict[int, str | None] = {}
         self._call_answers: dict[int, int] = {}  # contributions sent for each fragment's current call
         self._answered_round: dict[int, int] = {}  # the round of the call each fragment last answered
         self._answer_at_step: dict[int, int] = {}  # a refused call's next answer waits until this step
@@ -272,12 +274,12 @@ class LearnerLoop:
         the work waits, whole, for the fragment's next round."""
         if not self._called:
             return [fid for fid in self.plan.due(self.stats.steps) if fid not in self.pending]
-        instance = self._client.instance  # None: a multi-process unit's client
-        if instance != self._calls_instance:
-            # Calls of an earlier syncer life name its rounds and versions: they mean nothing now.
-            self._calls.clear()
-            self._calls_instance = instance
+        for fid in list(self._calls):
+            if self._client.instance_of(fid) != self._calls_instance.get(fid):
+                # Calls of an earlier syncer life name its rounds and versions: they mean nothing now.
+                del self._calls[fid]
         for fid, call in self._client.take_calls().items():
+            self._calls_instance[fid] = self._client.instance_of(fid)  # None: a multi-process unit's client
             if fid not in self._calls or self._calls[fid].round != call.round:
                 self._call_answers[fid] = 0
                 self._answer_at_step.pop(fid, None)
@@ -285,6 +287,7 @@ class LearnerLoop:
         due = []
         for fid, call in list(self._calls.items()):
             held = self.held.get(fid)
+            instance = self._calls_instance.get(fid)
             if held is None or (instance is not None and held[0] != instance):
                 # The call came before this syncer life's copy of the fragment (a re-join sends
                 # the calls first): a contribution now would be based on the previous life, which
@@ -410,9 +413,8 @@ class LearnerLoop:
         """True when the client holds a newer version from the same syncer life of every job's fragment
         (a new life is waited for as before: its fragments arrive with the re-join)."""
         held = self._client.held_values()
-        instance = self._client.instance
-        return all(job.syncer_instance == instance and held.get(job.fragment_id, (-1, None))[0] > job.base_version
-                   for job in jobs)
+        return all(job.syncer_instance == self._client.instance_of(job.fragment_id)
+                   and held.get(job.fragment_id, (-1, None))[0] > job.base_version for job in jobs)
 
     def _queue_upload(self, fid: int, grads: dict | None = None) -> client_lib.UploadJob | None:
         for rfid, instance, version in self._client.take_refused():

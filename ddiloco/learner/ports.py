@@ -23,10 +23,10 @@ class SyncClientLike(Protocol):
     """What the learner loop needs of its connection to the syncer. Every call is non-blocking
     except `wait_for_arrivals`; the `take_*` calls hand over what arrived since the last call."""
 
-    @property
-    def instance(self) -> str | None:
-        """The syncer life the client is joined to ("" before the join); None when the client
-        cannot name it (a multi-process unit's followers only see the leader's tag)."""
+    def instance_of(self, fragment_id: int) -> str | None:
+        """The syncer life the client is joined to for this fragment ("" before the join): the
+        syncer's, or with fragment shards the owning shard's (each restarts alone); None when the
+        client cannot name it (a multi-process unit's followers only see the leader's tag)."""
 
     @property
     def fenced(self) -> client_lib.FencedError | None:
@@ -71,6 +71,9 @@ class NullSyncClient:
 
     instance: str | None = None
     fenced: client_lib.FencedError | None = None
+
+    def instance_of(self, fragment_id: int) -> str | None:
+        return self.instance  # one syncer life for every fragment (fakes set `instance`)
 
     def take_updates(self) -> list[client_lib.GlobalFragment]:
         return []

@@ -32,6 +32,7 @@ from ddiloco.algo import inner as inner_lib
 from ddiloco.data import corpus
 from ddiloco.data import sources as data_sources
 from ddiloco.learner import client as client_lib
+from ddiloco.learner import sharded as sharded_lib
 from ddiloco.learner import loop as loop_lib
 from ddiloco.learner import snapshot as snapshot_lib
 from ddiloco.rpc import security as security_lib
@@ -94,7 +95,7 @@ class _Life:
     startup: _Startup
 
 
-def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = client_lib.SyncClient) -> int:
+def run(cfg: config_lib.LearnerConfig, client_factory: ClientFactory = sharded_lib.ShardedSyncClient) -> int:
     startup = _Startup()
     if cfg.compilation_cache_dir:
         train_lib.enable_compilation_cache(cfg.compilation_cache_dir)
@@ -403,7 +404,7 @@ def _initial_fragments(run_config) -> dict[int, np.ndarray]:
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
     return {f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments}
 
-def main(argv: list[str] | None = None, client_factory: ClientFactory = client_lib.SyncClient) -> int:
+def main(argv: list[str] | None = None, client_factory: ClientFactory = sharded_lib.ShardedSyncClient) -> int:
     cfg = config_lib.parse_learner_config(sys.argv[1:] if argv is None else argv, os.environ, socket.gethostname())
     # Plaintext must be asked for: refuse to start with neither a CA nor --insecure.
     security_lib.require_choice("ddiloco learner", cfg.client_security)

@@ -111,7 +111,7 @@ class _Checkpointer:
             raise RuntimeError(f"no longer the leader: checkpoint at step {step} not written")
         if self.epoch is not None:
             metadata = {**metadata, "leader_epoch": str(self.epoch())}
-        await self._client.commit_manifest(self._cfg.run_id, step, refs, metadata)
+        await self._client.commit_manifest(self._cfg.store_run_id, step, refs, metadata)
         if self.on_written is not None:
             await self.on_written(step)
 
@@ -147,14 +147,14 @@ async def _restore(client, cfg: config_lib.SyncerConfig, manifest=None) -> dict 
     raises if the store is down."""
     # The client retries transient failures for at most restore_timeout_s (see serve()).
     if manifest is None:
-        manifest = await client.latest_manifest(cfg.run_id)
+        manifest = await client.latest_manifest(cfg.store_run_id)
     if manifest is None:
         return None
     blobs = {}
     for ref in manifest.blobs:
         blobs[ref.name] = await client.get_blob(ref.digest)
     state = checkpointing.decode_snapshot(blobs)
-    _LOG.info("restoring checkpoint", extra={"fields": {"run": cfg.run_id, "outer_step": manifest.step}})
+    _LOG.info("restoring checkpoint", extra={"fields": {"run": cfg.store_run_id, "outer_step": manifest.step}})
     return state
 
 
@@ -284,7 +284,7 @@ def _make_core(cfg: config_lib.SyncerConfig, model: models.Model,
         quarantine_after=cfg.quarantine_after, quarantine_window_s=cfg.quarantine_window_s,
         quarantine_s=cfg.quarantine_s, direction=cfg.direction_policy, stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == "dp" else None,
         round_trigger=cfg.round_trigger, outer_step_fraction=cfg.outer_step_fraction,
-        token_budget=cfg.token_budget,
+        token_budget=cfg.token_budget, shard_layout=cfg.shard_layout,
     )
 
 
@@ -316,17 +316,31 @@ async def _restore_at_start(cfg: config_lib.SyncerConfig, core: core_lib.SyncerC
     except (retry_lib.RetriesExhausted, replicas_lib.QuorumError) as exc:
         _LOG.error(f"checkpoint store unreachable, refusing to start a fresh run over it: {exc}")
         return 3
+    if state is None and cfg.shard_layout.sharded and await _unsharded_checkpoint(client, cfg):
+        _LOG.error(f"run {cfg.run_id!r} has checkpoints of an unsharded syncer, and none of "
+                   f"{cfg.shard_layout.describe()} ({cfg.store_run_id}): refusing to start a fresh sharded run over "
+                   "it; run it unsharded (no --fragment-shards) or give the sharded run another --run-id")
+        return 2
     if state is not None:
-        core.restore(state)
+        try:
+            core.restore(state)
+        except ValueError as exc:  # another plan or shard layout: never train over it
+            _LOG.error(f"checkpoint of run {cfg.store_run_id!r} refused: {exc}")
+            return 2
         metrics.restore_seconds.set(time.monotonic() - restore_started)
     _start_repair(cfg, client, metrics)
     return None
 
 
+async def _unsharded_checkpoint(client, cfg: config_lib.SyncerConfig) -> bool:
+    """Whether the store holds a checkpoint of this run written without fragment shards."""
+    return await client.latest_manifest(cfg.run_id) is not None
+
+
 def _start_repair(cfg: config_lib.SyncerConfig, client, metrics: syncer_metrics.SyncerMetrics) -> None:
     """Replicated stores: background repair passes and their metrics (by the leader only, with election)."""
     if isinstance(client, replicas_lib.ReplicatedCheckpointClient) and len(client.store_names) > 1:
-        client.start_repair([cfg.run_id], interval_s=cfg.checkpoint_repair_interval_s)
+        client.start_repair([cfg.store_run_id], interval_s=cfg.checkpoint_repair_interval_s)
         metrics.watch_repair(client)
 
 
@@ -372,7 +386,8 @@ def _announce(cfg: config_lib.SyncerConfig, model: models.Model, plan: fragments
         f"syncer serving on {handle.address}",
         extra={"fields": {"run": cfg.run_id, "model": model.name, "fragments": plan.num_fragments,
                           "params": sum(f.numel for f in plan.fragments), "restored": core.restored_from_checkpoint,
-                          "outer_step": core.outer_steps, "transport": "mtls" if security.server.tls else "plaintext",
+                          "outer_step": core.outer_steps, **({"owns": sorted(core.owned)} if core.shards.sharded else {}),
+                          "transport": "mtls" if security.server.tls else "plaintext",
                           "tokens": bool(cfg.auth_tokens_file), "health": handle.health_address or handle.address,
                           "version": build_info.version(), "commit": build_info.commit()}},
     )
@@ -422,7 +437,7 @@ async def _start_store_ledger(cfg, core, client, leadership) -> ledger_sink_lib.
     With election the head is read when a record is first sent (this syncer may not lead yet)."""
     if client is None or not cfg.store_ledger:
         return None
-    sink = ledger_sink_lib.StoreLedger(client, cfg.run_id, call_timeout_s=10.0,
+    sink = ledger_sink_lib.StoreLedger(client, cfg.store_run_id, call_timeout_s=10.0,
                                        blob_timeout_s=cfg.checkpoint_timeout_s)
     core.influence.store_ledger = sink
     core.influence.retain_contributions = cfg.retain_contributions
@@ -459,7 +474,7 @@ async def _lead(cfg, leadership, handle, core, client, servicer, checkpointer, m
     async def become_leader() -> None:
         started = time.monotonic()
         if client is not None:
-            manifest = await leadership_lib.restore_committed(client, pointer, cfg.run_id)
+            manifest = await leadership_lib.restore_committed(client, pointer, cfg.store_run_id)
             state = await _restore(client, cfg, manifest) if manifest is not None else None
             if state is not None:
                 core.restore(state)
@@ -470,7 +485,7 @@ async def _lead(cfg, leadership, handle, core, client, servicer, checkpointer, m
         servicer.epoch = leadership.election.epoch
         servicer.leader_address = address
         _start_repair(cfg, client, metrics)
-        checkpointer.on_written = lambda step: leadership.commit(pointer, cfg.run_id, step)
+        checkpointer.on_written = lambda step: leadership.commit(pointer, cfg.store_run_id, step)
         await handle.health.set(syncer_service, health_pb2.HealthCheckResponse.SERVING)
         _LOG.info("elected: serving learners", extra={"fields": {
             "epoch": servicer.epoch, "outer_step": core.outer_steps, "restored": core.restored_from_checkpoint,

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 from ddiloco.algo import robust as robust_lib
+from ddiloco.algo import shards as shards_lib
 from ddiloco import failpoints as failpoints_lib
 from ddiloco import flags
 from ddiloco.coord import etcd as etcd_lib
@@ -31,6 +32,11 @@ class SyncerConfig:
     sync_mode: str = "decoupled"
     ready_file: str = ""  # if set, JSON {address, pid} is written here once serving
     run_id: str = "default"  # names the run in the checkpoint store; keep it across restarts
+    # Fragment shards (docs/architecture.md, "Fragment shards"): this process's index in the shard
+    # map, and the map (one entry per shard in index order, comma-separated; failover addresses of
+    # one shard joined by '|'). Empty map: unsharded, this process owns every fragment.
+    fragment_shard: int = 0
+    fragment_shards: str = ""
     checkpoint_target: str = ""  # host:port of the checkpoint store; empty disables checkpoints
     # Replicated stores (--checkpoint-target a,b[,c]): stores that must take each blob and manifest;
     # 0: 2 with two or more stores (a checkpoint survives losing any one store), else 1.
@@ -243,6 +249,10 @@ class SyncerConfig:
         if not self.checkpoint_repair_interval_s > 0:
             raise bad("checkpoint_repair_interval_s", "must be > 0")
         try:
+            self.shard_layout  # noqa: B018 - parses and checks the map against the fragments
+        except ValueError as exc:
+            raise bad("fragment_shards", str(exc)) from None
+        try:
             failpoints_lib.parse(self.failpoints, prefix="syncer.")
         except ValueError as exc:
             raise bad("failpoints", str(exc)) from None
@@ -252,6 +262,17 @@ class SyncerConfig:
         return security.ServerSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
                                        insecure=self.insecure, auth_tokens_file=self.auth_tokens_file,
                                        tls_deny_list=self.tls_deny_list)
+
+    @property
+    def shard_layout(self) -> shards_lib.ShardLayout:
+        """Which fragments this process owns (--fragment-shard of --fragment-shards)."""
+        return shards_lib.ShardLayout(num_fragments=self.num_fragments, index=self.fragment_shard,
+                                      addresses=shards_lib.parse_shard_map(self.fragment_shards))
+
+    @property
+    def store_run_id(self) -> str:
+        """The run's name in the checkpoint store for this shard's checkpoints, ledger and election."""
+        return self.shard_layout.store_run_id(self.run_id)
 
     @property
     def checkpoint_targets(self) -> list[str]:
@@ -347,6 +368,11 @@ _HELPS = {
     "dp_weight_decay": "dp mode: AdamW weight decay (matrices only)",
     "ready_file": "write {address, pid} JSON here once serving",
     "run_id": "run name in the checkpoint store; the same id restores the same run",
+    "fragment_shard": "fragment shards: this process's index in --fragment-shards (0-based)",
+    "fragment_shards": "fragment shards: the shard map, one entry per shard in index order, comma-separated; an "
+                       "entry is the shard's host:port, or several failover addresses of it joined by '|'; every "
+                       "shard gets the same map and owns fragments f with f mod N = its index (checkpoints under "
+                       "<run-id>.shard-I-of-N); empty: unsharded, this process owns every fragment",
     "checkpoint_target": "checkpoint store host:port (empty: no checkpoints); a comma list of stores replicates "
                          "every checkpoint (docs/failover-stores.md)",
     "checkpoint_write_quorum": "replicated stores: how many must take each blob and manifest for a checkpoint "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import math
 import uuid
@@ -33,6 +34,7 @@ from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import outer as outer_lib
 from ddiloco.algo import robust as robust_lib
 from ddiloco.algo import rounds as rounds_lib
+from ddiloco.algo import shards as shards_lib
 from ddiloco.rpc import errors
 from ddiloco.wire import codec as codec_lib
 from . import admission as admission_lib
@@ -85,6 +87,14 @@ def _outer_steppers(plan: fragments_lib.FragmentPlan, outer_lr: float, outer_mom
     return [stepper_factory(frag) for frag in plan.fragments]
 
 
+def _own_layout(plan: fragments_lib.FragmentPlan, layout: shards_lib.ShardLayout | None) -> shards_lib.ShardLayout:
+    """Fragment shards: every shard plans all P fragments (the same RunConfig) and owns some of them."""
+    layout = layout or shards_lib.ShardLayout(num_fragments=plan.num_fragments)
+    if layout.num_fragments != plan.num_fragments:
+        raise ValueError(f"the shard layout is for {layout.num_fragments} fragments, the plan has {plan.num_fragments}")
+    return layout
+
+
 class SyncerCore:
     """The syncer's state machine. See the module docstring for the concurrency model."""
 
@@ -121,9 +131,10 @@ class SyncerCore:
         max_decoding: int | None = None,
         round_trigger: str = "schedule",
         outer_step_fraction: str = "whole",
-        token_budget: int = 0,
+        token_budget: int = 0, shard_layout: shards_lib.ShardLayout | None = None,
     ) -> None:
         _check_knobs(round_trigger, outer_step_fraction, token_budget)
+        self.shards = _own_layout(plan, shard_layout)  # which fragments this syncer owns (fragment shards)
         self.token_budget = token_budget
         self.config = run_config
         settings = wire_views.run_settings(run_config)
@@ -164,7 +175,7 @@ class SyncerCore:
             outer_step_fraction=outer_step_fraction, merge_history=merge_history, grace_gamma=grace_gamma,
             max_grace_s=max_grace_s, uploads=self.uploads, clock=clock, wall_clock=wall_clock,
             membership=self.membership, publisher=self.publisher, tick=lambda: self.tick(), notify=self._notify,
-            emit=self._emit, failpoint=lambda name: self.failpoint(name), merged=self._merged)
+            emit=self._emit, failpoint=lambda name: self.failpoint(name), merged=self._merged, owned=self.owned)
         # Who influenced each merge (services/syncer/influence.py); __main__ gives it the ledger.
         self.influence = influence_lib.Influence(run_id=settings.run_id, instance=self.instance,
                                                  directions=self.directions)
@@ -176,6 +187,16 @@ class SyncerCore:
         self.restored_from_checkpoint = False
         self.last_checkpoint_outer_step = 0
         self.last_checkpoint_unix_s = 0.0
+
+    @functools.cached_property
+    def owned(self) -> frozenset[int]:
+        return frozenset(self.shards.owned)
+
+    @functools.cached_property
+    def owned_slots(self) -> list[slots_lib.FragmentSlot]:
+        """The slots of the fragments this syncer owns: every one, or with fragment shards its shard's
+        (rounds, watch streams, the training state and checkpoints cover these alone)."""
+        return [slot for slot in self.slots if slot.fragment.fragment_id in self.owned]
 
     # ------------------------------------------------------------------ the parts, as before
 
@@ -250,6 +271,10 @@ class SyncerCore:
         """Registers a learner; a higher incarnation replaces (fences off) the previous life.
         `req`: a JoinRequest, read and answered (JoinResponse) through wire_views."""
         args = wire_views.join_args(req)
+        if self.shards.index != 0 and args.assign_data_shard:
+            # Data shards are assigned by shard 0 alone (the learner joins it first); the other shards
+            # record the one the learner pins, so that two shards never hand out different ones.
+            args = args._replace(assign_data_shard=False)
         member, replaced = self.membership.join(args)
         if replaced is not None:
             self.schedule.forget((replaced.learner_id, replaced.incarnation))
@@ -335,7 +360,16 @@ class SyncerCore:
     # -------------------------------------------------------------------------------- uploads
 
     def versions(self) -> dict[int, int]:
-        return {s.fragment.fragment_id: s.version for s in self.slots}
+        """The version of each fragment this syncer (shard) owns."""
+        return {s.fragment.fragment_id: s.version for s in self.owned_slots}
+
+    def require_owned(self, fragment_id: int) -> None:
+        """FAILED_PRECONDITION naming the owner when another shard owns the fragment."""
+        if fragment_id not in self.owned and 0 <= fragment_id < len(self.slots):
+            owner = self.shards.owner_of(fragment_id)
+            raise errors.FailedPrecondition(
+                f"fragment {fragment_id} belongs to syncer shard {owner} ({'|'.join(self.shards.addresses[owner])}), "
+                f"this is {self.shards.describe()}: send it there (JoinResponse.shards)", reason="not_owner")
 
     def fragment_digest(self, fragment_id: int) -> tuple[int, str, str]:
         """(version, published_sha256, params_sha256) of a fragment now."""
@@ -345,7 +379,13 @@ class SyncerCore:
     def validate_upload_header(self, header) -> admission_lib.UploadTicket:
         """All checks that need no payload (Admission.validate), on the UploadHeader's plain form
         (wire_views.upload_header; the ticket carries it). Raises ServiceError (counted)."""
-        return self.admission.validate(wire_views.upload_header(header))
+        header = wire_views.upload_header(header)
+        try:
+            self.require_owned(header.fragment_id)
+        except errors.ServiceError as exc:
+            self.record_rejection(exc.reason, header.learner_id, exc)
+            raise
+        return self.admission.validate(header)
 
     async def accept_upload(self, ticket: admission_lib.UploadTicket, payload: bytes, wire_bytes: int, *,
                             wait_budget_s: float | None = None):
@@ -500,7 +540,7 @@ class SyncerCore:
     async def snapshot(self) -> state_lib.SyncerSnapshot:
         """A consistent copy of everything a restart needs (each fragment copied under its lock)."""
         fragments = []
-        for slot in self.slots:
+        for slot in self.owned_slots:  # a shard checkpoints only its own fragments
             async with slot.lock:
                 fragments.append(state_lib.FragmentSnapshot.of(slot, self.members))
         return state_lib.SyncerSnapshot(
@@ -522,9 +562,12 @@ class SyncerCore:
         """Loads a snapshot: as `snapshot` returns it, or its checkpoint form (checkpointing.decode_snapshot)."""
         snapshot = state if isinstance(state, state_lib.SyncerSnapshot) else state_lib.SyncerSnapshot.from_dict(state)
         by_id = {f.fragment_id: f for f in snapshot.fragments}
-        if sorted(by_id) != list(range(len(self.slots))):
-            raise ValueError(f"checkpoint has fragments {sorted(by_id)}, the plan has {len(self.slots)}")
-        for slot in self.slots:
+        if sorted(by_id) != sorted(self.owned):
+            raise ValueError(
+                f"checkpoint has fragments {sorted(by_id)}, but this syncer ({self.shards.describe()} of a "
+                f"{len(self.slots)}-fragment plan) owns {sorted(self.owned)}: a checkpoint of a different "
+                "fragment plan or shard layout; start with the layout it was written with, or another --run-id")
+        for slot in self.owned_slots:
             self._restore_slot(slot, by_id[slot.fragment.fragment_id])
         self.rounds.restore(snapshot)
         self.membership.bytes_in = snapshot.bytes_in

@@ -242,7 +242,7 @@ def elect(cfg, leadership: Leadership, address: str, instance: str) -> tuple[com
     """Gives a coordinated Leadership its election (once the syncer serves at `address`), from its
     SyncerConfig; returns the commit pointer and the etcd client."""
     etcd = etcd_lib.Etcd(etcd_lib.parse_endpoints(cfg.coord_etcd), call_timeout_s=cfg.coord_call_timeout_s)
-    key = election_lib.leader_key(cfg.coord_prefix, cfg.run_id)
+    key = election_lib.leader_key(cfg.coord_prefix, cfg.store_run_id)  # one election per shard
     election = election_lib.Election(etcd, key, address=cfg.coord_advertise or advertised(address), instance=instance,
                                      lease_ttl_s=cfg.coord_lease_s)
     leadership.election = election

@@ -103,7 +103,8 @@ class Rounds:
                  uploads: collections.Counter, clock: Callable[[], float], wall_clock: Callable[[], float],
                  membership: membership_lib.Membership, publisher: publishing_lib.Publisher,
                  tick: Callable[[], None], notify: Callable[[], None], emit: Callable[..., None],
-                 failpoint: Callable[[str], None], merged: Callable[[], None]) -> None:
+                 failpoint: Callable[[str], None], merged: Callable[[], None],
+                 owned: frozenset[int] | None = None) -> None:
         """`uploads` is the core's upload counter (dropped rounds are counted there); `tick`
         re-evaluates every round (the core's, so that an override there applies);
         `merged` runs after each merge (the checkpointer's hook); `failpoint` is the core's."""
@@ -113,6 +114,8 @@ class Rounds:
         self.outer: dict | None = None
         self.plan = plan
         self.slots = slots
+        # Fragment shards: the fragments whose rounds this syncer opens (None: every one).
+        self._owned = owned
         self.scheduled = scheduled
         self.schedule = rounds_lib.RoundSchedule(plan)
         self.merges: collections.deque = collections.deque(maxlen=merge_history)
@@ -281,6 +284,8 @@ class Rounds:
         if not self.scheduled:
             return []
         due = self.schedule.due(lambda fid: self.slots[fid].round is not None and self.slots[fid].round.open)
+        if self._owned is not None:  # another shard opens (and calls learners to) the others' rounds
+            due = [fid for fid in due if fid in self._owned]
         for fid in due:
             self._open_round(self.slots[fid], "schedule")
         if due:

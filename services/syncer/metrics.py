@@ -89,7 +89,7 @@ def scrape_state(core) -> ScrapeState:
         outer_steps=core.outer_steps, min_quorum=core.rounds.settings.min_quorum,
         num_fragments=core.plan.num_fragments or len(core.slots) or 1,
         fragments=tuple((s.fragment.fragment_id, s.version, len(s.round.contributions) if s.round else 0)
-                        for s in core.slots),
+                        for s in core.owned_slots),
         tokens_merged=core.tokens_merged, tokens_processed=core.tokens_processed(),
         bytes_in=core.membership.bytes_in, bytes_out=core.membership.bytes_out, uploads=dict(core.uploads),
         auth_failures=dict(core.membership.auth_failures), quarantines=core.membership.quarantines,

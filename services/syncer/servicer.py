@@ -424,10 +424,11 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         except errors.ServiceError as exc:
             await self._abort(context, "WatchFragments", exc)
         held = serde.versions_from_proto(request.held) if request.syncer_instance == core.instance else {}
-        sent = {s.fragment.fragment_id: held.get(s.fragment.fragment_id, -1) for s in core.slots}
+        # A shard streams (and calls learners to) only the fragments it owns.
+        sent = {s.fragment.fragment_id: held.get(s.fragment.fragment_id, -1) for s in core.owned_slots}
         chunk_size = min(core.config.chunk_size_bytes, WATCH_CHUNK_BYTES)
         member = core.member(request.learner_id)
-        called = {s.fragment.fragment_id: 0 for s in core.slots}  # the last round this learner was called to
+        called = {s.fragment.fragment_id: 0 for s in core.owned_slots}  # the last round this learner was called to
         seen = -1
         while True:
             await self._end_if_shutting_down(context)
@@ -436,12 +437,12 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 return
             seen = core.change_counter
             if not observer:
-                for slot in core.slots:
+                for slot in core.owned_slots:
                     call = core.round_call(slot.fragment.fragment_id, request.learner_id)
                     if call is not None and call.round > called[call.fragment_id]:
                         called[call.fragment_id] = call.round
                         yield syncer_pb2.WatchFragmentsResponse(round_call=wire_views.round_call(call))
-            for slot in core.slots:
+            for slot in core.owned_slots:
                 fid = slot.fragment.fragment_id
                 if slot.version <= sent[fid]:
                     continue

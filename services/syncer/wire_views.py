@@ -75,12 +75,20 @@ def join_response(core, member: membership_lib.Member, *, assign_data_shard: boo
         config=core.config,
         fragment_versions=serde.versions_to_proto(core.versions()),
         syncer_instance=core.instance,
-        published_sha256={s.fragment.fragment_id: s.published_sha256 for s in core.slots},
+        published_sha256={s.fragment.fragment_id: s.published_sha256 for s in core.owned_slots},
         data_shard=max(member.data_shard, 0),
         data_shard_assigned=member.data_shard_assigned and assign_data_shard,
         schedule_start_step=member.steps_prev_lives,
         budget_reached=core.budget_reached(),
+        shards=shard_map(core.shards),
+        shard_index=core.shards.index,
     )
+
+
+def shard_map(layout) -> list[syncer_pb2.SyncerShard]:
+    """The shard map (JoinResponse.shards, TrainingState.shards) of a ShardLayout: empty when unsharded."""
+    return [syncer_pb2.SyncerShard(index=i, addresses=list(addresses), fragment_ids=list(layout.fragments_of(i)))
+            for i, addresses in enumerate(layout.addresses)]
 
 
 def progress_response(versions: dict[int, int], *, budget_reached: bool) -> syncer_pb2.ReportProgressResponse:
@@ -222,7 +230,7 @@ def training_state(core, recent_merges: int) -> syncer_pb2.TrainingState:
         started_at_unix_s=core.started_at_unix_s,
         now_unix_s=core._wall(),
         outer_steps=core.outer_steps,
-        fragments=[fragment_state(s) for s in core.slots],
+        fragments=[fragment_state(s) for s in core.owned_slots],
         members=members,
         recent_merges=[merge_record(r) for r in merges],
         tokens_merged=core.tokens_merged,
@@ -244,4 +252,6 @@ def training_state(core, recent_merges: int) -> syncer_pb2.TrainingState:
         tokens_processed=core.tokens_processed(),
         token_budget=core.token_budget,
         influence=[learner_influence(i) for i in core.influence.summary()],
+        shards=shard_map(core.shards),
+        shard_index=core.shards.index,
     )

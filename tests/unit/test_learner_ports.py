@@ -3,8 +3,8 @@
 The loop talks to its client only through `SyncClientLike`: its source (read as an AST) uses
 exactly the Protocol's members, never probes the client (`getattr`, `hasattr`) nor hands it on;
 and every client the loop is given (the SyncClient, a multi-process unit's UnitClient, the null
-client, the chaos tools' hostile client and the test fakes) has every member, methods with the
-Protocol's parameters. A loop that starts using a member the Protocol lacks fails here.
+client, the fragment shards' ShardedSyncClient, the chaos tools' hostile client and the test fakes)
+has every member, methods with the Protocol's parameters. A loop that starts using a member the Protocol lacks fails here.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 from ddiloco.chaos import hostile_learner
 from ddiloco.learner import client as client_lib
 from ddiloco.learner import ports
+from ddiloco.learner import sharded as sharded_lib
 from ddiloco.rpc import security
 from services.learner import distributed
 from tests import fakes
@@ -78,8 +79,9 @@ def implementations():
     sync_client = _sync_client()
     hostile = _sync_client(hostile_learner.HostileSyncClient, factor=-1.0)
     unit = distributed.UnitClient(types.SimpleNamespace(is_leader=False), None, threading.Event())
+    sharded = sharded_lib.ShardedSyncClient(sync_client.cfg, session_factory=lambda cfg: sync_client)
     yield {
-        "SyncClient": sync_client, "HostileSyncClient": hostile, "UnitClient": unit,
+        "SyncClient": sync_client, "HostileSyncClient": hostile, "UnitClient": unit, "ShardedSyncClient": sharded,
         "NullSyncClient": ports.NullSyncClient(),
         "test_learner_resend._Client": test_learner_resend._Client(),
         "test_learner_resend._CallClient": test_learner_resend._CallClient(),
@@ -97,13 +99,14 @@ def _parameters(function) -> list[str]:
 def test_every_client_satisfies_the_protocol(implementations):
     methods = {name: _parameters(member) for name, member in vars(ports.SyncClientLike).items()
                if name in PROTOCOL_MEMBERS and inspect.isfunction(member)}
-    assert len(methods) == len(PROTOCOL_MEMBERS) - 2  # all but the properties instance and fenced
+    assert len(methods) == len(PROTOCOL_MEMBERS) - 1  # all but the property fenced
     for label, client in implementations.items():
         assert isinstance(client, ports.SyncClientLike), (label, sorted(
             name for name in PROTOCOL_MEMBERS if not hasattr(client, name)))
         for name, parameters in methods.items():
             assert _parameters(getattr(type(client), name)) == parameters, (label, name)
-        assert client.fenced is None and (client.instance is None or isinstance(client.instance, str)), label
+        instance = client.instance_of(0)
+        assert client.fenced is None and (instance is None or isinstance(instance, str)), label
 
 
 def test_a_client_missing_a_member_does_not_satisfy_it():
