@@ -88,9 +88,7 @@ WIRED_SHARDS = {"syncer": {"fragment_shard", "fragment_shards"}, "store": set(),
 # Bearer tokens (for TLS terminated elsewhere): not wired by the chart, which uses mutual TLS.
 _TLS = {"auth_tokens_file", "auth_token_file", "checkpoint_auth_token_file"}
 UNSUPPORTED = {
-    "syncer": {"ready_file", "failpoints", "history_file", *_TLS,  # failpoints, history: fault tests only
-               # Fragment shards: set per shard pod once the chart runs `syncer.shards` (issue 21); one syncer until then.
-               "fragment_shard", "fragment_shards"},
+    "syncer": {"ready_file", "failpoints", "history_file", *_TLS},  # failpoints, history: fault tests only
     "store": {"ready_file", "failpoints", *_TLS},  # failpoints: fault injection for tests only
     "evaluator": {"once", *_TLS},  # once: it would exit and be restarted
     "learners": {
