@@ -55,17 +55,25 @@ class GlobalModelWatcher:
         stream goes to the syncer the failure points at (leader_link)."""
         generation = await self._link.ensure()
         held = serde.versions_to_proto(self.versions)
+        call = None
         try:
             call = self._link.stub.WatchFragments(
                 syncer_pb2.WatchFragmentsRequest(protocol_version=serde.PROTOCOL_VERSION, syncer_instance=self.instance,
                                                  held=held),
                 timeout=stream_timeout_s,
             )
-            await self._consume(call, generation)
+            # Beside the link's leader watch: a stream hanging at a silent syncer (its host gone, no
+            # TCP reset) ends once another syncer leads, not at its deadline (or HTTP/2 keepalive's).
+            await self._link.guarded(self._consume(call, generation))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 retry_now = await self._link.failed(exc, generation)
                 raise StreamEnded(exc.code().name, retry_now) from None
+        except targets_lib.NotLeader as exc:  # LeaderMoved: the leader watch names the new leader
+            raise StreamEnded(str(exc), await self._link.failed(exc, generation)) from None
+        finally:
+            if call is not None:
+                call.cancel()
 
     async def _consume(self, call, generation: int) -> None:
         header, assembler = None, None
