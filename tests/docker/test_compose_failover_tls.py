@@ -7,13 +7,15 @@ volumes, variables, deny list and plaintext health ports as syncer and checkpoin
 still differing only in their advertised address, and every server waiting for the re-issued
 certificates. The two certificate scripts (`certs`, then `certs-failover`) run here too, with a
 local `ddiloco` on PATH: the syncer's certificate names both syncers and the store's both stores,
-under their services' identities, and a second run keeps them. Without the fourth file (the three
+under their services' identities, a second run keeps them, and a mutual-TLS handshake with the
+evaluator's credentials succeeds under either syncer's name. Without the fourth file (the three
 files alone) syncer-b and checkpoint-b stayed plaintext and the certificates named neither, so a
 TLS client reached no second-hub container; the first test fails on that project.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pathlib
 import stat
@@ -21,9 +23,12 @@ import subprocess
 import sys
 import tempfile
 
+import grpc
 import pytest
 from cryptography import x509
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import security
 from tests.docker.conftest import REPO, SKIP_ENV, run
 from tests.docker.test_compose_tls import _config, _mounts
@@ -125,3 +130,29 @@ def test_the_certificates_name_both_hubs_and_are_kept_by_a_second_run(compose_en
         # Only the servers' certificates gained the second hub's names.
         for name in ("evaluator", "operator", "region-a-0"):
             assert not any(d.endswith("-b") for d in _sans(root / "tls" / name / "tls.pem")[1]), name
+        # A real mutual-TLS handshake: the evaluator's credentials reach a server holding the
+        # syncer volume's certificate under either syncer's name, and under no other.
+        assert _handshake(root / "tls" / "syncer", root / "tls" / "evaluator", "syncer-b")
+        assert _handshake(root / "tls" / "syncer", root / "tls" / "evaluator", "syncer")
+        assert not _handshake(root / "tls" / "syncer", root / "tls" / "evaluator", "checkpoint-b")
+
+
+def _handshake(server_dir: pathlib.Path, client_dir: pathlib.Path, server_name: str) -> bool:
+    """Whether a health check over mutual TLS succeeds, the client expecting `server_name`."""
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    credentials = security.ServerSecurity(tls_ca=str(server_dir / "ca.pem"), tls_cert=str(server_dir / "tls.pem"),
+                                          tls_key=str(server_dir / "tls.key")).credentials()
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    client = security.ClientSecurity(tls_ca=str(client_dir / "ca.pem"), tls_cert=str(client_dir / "tls.pem"),
+                                     tls_key=str(client_dir / "tls.key"), tls_server_name=server_name)
+    channel = channel_lib.sync_channel(f"127.0.0.1:{port}", client)
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5.0)
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
+        server.stop(None)
