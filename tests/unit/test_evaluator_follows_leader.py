@@ -195,7 +195,7 @@ def _frozen_address():
 
 
 _CALL_TIMEOUT_S = 30.0  # each call's deadline: the old behaviour waited this long at a frozen syncer
-_SILENT_BOUND_S = 3.0  # what leaving a silent syncer may take (health checks of 0.5 s every 0.2 s, plus slack)
+_SILENT_BOUND_S = 5.0  # leaving a silent syncer: a 0.5 s health check every 0.2 s, plus slack for a loaded host
 
 
 def _link(targets: str, *, check_interval_s: float = 0.2, check_timeout_s: float = 0.5) -> leader_link.LeaderLink:
