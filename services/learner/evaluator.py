@@ -138,12 +138,15 @@ async def report(link: leader_link.LeaderLink, cfg: config_lib.EvaluatorConfig, 
 
 async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) -> dict | None:
     link = leader_link.LeaderLink(cfg.syncer, cfg.client_security(), call_timeout_s=cfg.call_timeout_s)
-    deadline = time.monotonic() + cfg.timeout_s
+    started_s = time.monotonic()
+    deadline = started_s + cfg.timeout_s
     try:
         state = await fetch_state(link, deadline)
     except TimeoutError as exc:
         await link.close()
         raise TimeoutError(f"syncer {cfg.syncer} unreachable for {cfg.timeout_s:.0f} s: {exc}") from None
+    _LOG.info("reading the run from the leader", extra={"fields": {
+        "syncer": link.current, "epoch": state.epoch, "since_start_s": round(time.monotonic() - started_s, 3)}})
     run_config = state.config
     model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)

@@ -11,10 +11,9 @@ or HTTP/2 keepalive (30 + 10 s); the watch stream's deadline is 600 s.
 
 A learner that starts while the leader is frozen, with the frozen syncer first in its list, joins
 the new leader at once: before, its Join waited at the frozen syncer for its deadline (10 s). So
-does `evaluate --once` (services/learner/leader_link.py). That case does not tell the old evaluator
-from the new one: the old one passed it too (twice, 6.7 s and 24.9 s from spawn, no failed call
-logged), which is not understood yet; tests/unit/test_evaluator_follows_leader.py does (a socket
-that never accepts at the head of the list).
+does `evaluate --once` (services/learner/leader_link.py): it reads the run from the new leader
+within JOIN_BOUND_S of its start. Before, its first call at the frozen syncer failed only after
+20.0 s, with UNAVAILABLE: gRPC's connect timeout (20 s) ended it before the call's deadline.
 """
 
 from __future__ import annotations
@@ -91,16 +90,23 @@ def test_a_frozen_leader_is_left_within_seconds_of_the_new_election(cluster, etc
 
 
 def _evaluate_once(cluster, syncers: str) -> tuple[dict, float]:
-    """`evaluate --once` against `syncers`: its JSON result and its wall time. Its calls' deadline is
-    longer than its overall bound, so a first call waiting at a frozen syncer for its deadline
-    would fail it (status 3)."""
+    """`evaluate --once` against `syncers`: its JSON result (with `leader`, the fields of its
+    `reading the run from the leader` log line) and its wall time."""
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "services.learner.evaluator", "--once", "--syncer", syncers, "--num-shards", "2",
-         "--log-level", "WARNING", "--call-timeout-s", str(EVAL_CALL_TIMEOUT_S), "--timeout-s", str(EVAL_BOUND_S)],
+         "--json-logs", "--call-timeout-s", str(EVAL_CALL_TIMEOUT_S), "--timeout-s", str(EVAL_BOUND_S)],
         capture_output=True, text=True, timeout=EVAL_BOUND_S + 120, env=cluster.env)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    return json.loads(done.stdout.strip().splitlines()[-1]), time.monotonic() - started
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for line in done.stderr.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("msg") == "reading the run from the leader":
+            result["leader"] = record
+    return result, time.monotonic() - started
 
 
 def _joined(cluster, name: str) -> dict | None:
@@ -133,9 +139,13 @@ def test_a_learner_starting_while_the_head_of_its_list_is_frozen_joins_the_new_l
         evaluated, evaluator_s = _evaluate_once(cluster, f"{a.address},{b.address}")  # the frozen syncer first
     finally:
         a.kill()  # SIGKILL by PID; a stopped process dies too
-    print(f"evaluator --once, frozen syncer first in its list: {evaluator_s:.2f} s from spawn to its result "
+    leader = evaluated.pop("leader", None)
+    print(f"evaluator --once, frozen syncer first in its list: reading the run from {leader and leader['syncer']} "
+          f"{leader and leader['since_start_s']} s after it started, its result {evaluator_s:.2f} s after the spawn "
           f"(Python and JAX imports included; its calls' deadline {EVAL_CALL_TIMEOUT_S:.0f} s): {evaluated}")
-    assert evaluated["tokens_merged"] >= 0 and evaluated["versions"], evaluated
+    assert leader is not None and leader["syncer"] == b.address and leader["epoch"] == epoch_b, leader
+    assert leader["since_start_s"] < JOIN_BOUND_S, leader  # before: 20.0 s (gRPC's connect timeout at the frozen one)
+    assert evaluated["versions"], evaluated
     print(f"\nfresh learner, frozen syncer first in its list: joined {joined['syncer']} (epoch {joined['epoch']}) "
           f"{joined['since_start_s']:.2f} s after its client started, {joined['ts'] - spawned_at:.2f} s after the "
           "process was spawned (Python and JAX imports included)")
