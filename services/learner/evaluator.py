@@ -59,17 +59,25 @@ class GlobalModelWatcher:
         stream goes to the syncer the failure points at (leader_link)."""
         generation = await self._link.ensure()
         held = serde.versions_to_proto(self.versions)
+        call = None
         try:
             call = self._link.stub.WatchFragments(
                 syncer_pb2.WatchFragmentsRequest(protocol_version=serde.PROTOCOL_VERSION, syncer_instance=self.instance,
                                                  held=held),
                 timeout=stream_timeout_s,
             )
-            await self._consume(call, generation)
+            # Beside the link's leader watch: a stream hanging at a silent syncer (its host gone, no
+            # TCP reset) ends once another syncer leads, not at its deadline (or HTTP/2 keepalive's).
+            await self._link.guarded(self._consume(call, generation))
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                 retry_now = await self._link.failed(exc, generation)
                 raise StreamEnded(exc.code().name, retry_now) from None
+        except targets_lib.NotLeader as exc:  # LeaderMoved: the leader watch names the new leader
+            raise StreamEnded(str(exc), await self._link.failed(exc, generation)) from None
+        finally:
+            if call is not None:
+                call.cancel()
 
     async def _consume(self, call, generation: int) -> None:
         header, assembler = None, None
@@ -175,12 +183,15 @@ def shard_watchers(cfg: config_lib.EvaluatorConfig, link: leader_link.LeaderLink
 
 async def evaluate_loop(cfg: config_lib.EvaluatorConfig, stop: asyncio.Event) -> dict | None:
     link = leader_link.LeaderLink(cfg.syncer, cfg.client_security(), call_timeout_s=cfg.call_timeout_s)
-    deadline = time.monotonic() + cfg.timeout_s
+    started_s = time.monotonic()
+    deadline = started_s + cfg.timeout_s
     try:
         state = await fetch_state(link, deadline)
     except TimeoutError as exc:
         await link.close()
         raise TimeoutError(f"syncer {cfg.syncer} unreachable for {cfg.timeout_s:.0f} s: {exc}") from None
+    _LOG.info("reading the run from the leader", extra={"fields": {
+        "syncer": link.current, "epoch": state.epoch, "since_start_s": round(time.monotonic() - started_s, 3)}})
     run_config = state.config
     model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)

@@ -10,13 +10,18 @@ when a call to it failed: its upload's deadline (10 s plus its size), retried fo
 or HTTP/2 keepalive (30 + 10 s); the watch stream's deadline is 600 s.
 
 A learner that starts while the leader is frozen, with the frozen syncer first in its list, joins
-the new leader at once: before, its Join waited at the frozen syncer for its deadline (10 s).
+the new leader at once: before, its Join waited at the frozen syncer for its deadline (10 s). So
+does `evaluate --once` (services/learner/leader_link.py): it reads the run from the new leader
+within JOIN_BOUND_S of its start. Before, its first call at the frozen syncer failed only after
+20.0 s, with UNAVAILABLE: gRPC's connect timeout (20 s) ended it before the call's deadline.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -32,6 +37,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 FOLLOW_BOUND_S = 4.0  # election -> first accepted contribution at the new leader, every learner
 JOIN_BOUND_S = 2.0  # a fresh learner's client start -> joined the live leader (the frozen one first in its list)
 OLD_WAIT_S = 60.0  # how long the test waits for it at most (the old behaviour took 10-40 s)
+EVAL_CALL_TIMEOUT_S = 300.0  # the evaluator's per-call deadline in the frozen-head case
+# Its overall bound (--timeout-s), which also covers loading the data and the model: a first call
+# waiting at the frozen head for its deadline would exceed it.
+EVAL_BOUND_S = 120.0
 
 
 def _first_accepted_at(cluster, name: str, instance: str) -> float | None:
@@ -80,6 +89,26 @@ def test_a_frozen_leader_is_left_within_seconds_of_the_new_election(cluster, etc
     assert not uploads.figures.get("double_applied"), uploads.figures
 
 
+def _evaluate_once(cluster, syncers: str) -> tuple[dict, float]:
+    """`evaluate --once` against `syncers`: its JSON result (with `leader`, the fields of its
+    `reading the run from the leader` log line) and its wall time."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "services.learner.evaluator", "--once", "--syncer", syncers, "--num-shards", "2",
+         "--json-logs", "--call-timeout-s", str(EVAL_CALL_TIMEOUT_S), "--timeout-s", str(EVAL_BOUND_S)],
+        capture_output=True, text=True, timeout=EVAL_BOUND_S + 120, env=cluster.env)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for line in done.stderr.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("msg") == "reading the run from the leader":
+            result["leader"] = record
+    return result, time.monotonic() - started
+
+
 def _joined(cluster, name: str) -> dict | None:
     """The fields of the learner's first `joined the syncer` log line (its JSON log), with its time."""
     for line in cluster.services[name].log_path.read_text(errors="replace").splitlines():
@@ -107,8 +136,16 @@ def test_a_learner_starting_while_the_head_of_its_list_is_frozen_joins_the_new_l
         joined = _joined(cluster, learner.name)
         wait_until(lambda: any(r["epoch"] == epoch_b for r in _versions(cluster, learner.name)), timeout_s=60,
                    what="a version of the new leader folded in", interval_s=0.2)
+        evaluated, evaluator_s = _evaluate_once(cluster, f"{a.address},{b.address}")  # the frozen syncer first
     finally:
         a.kill()  # SIGKILL by PID; a stopped process dies too
+    leader = evaluated.pop("leader", None)
+    print(f"evaluator --once, frozen syncer first in its list: reading the run from {leader and leader['syncer']} "
+          f"{leader and leader['since_start_s']} s after it started, its result {evaluator_s:.2f} s after the spawn "
+          f"(Python and JAX imports included; its calls' deadline {EVAL_CALL_TIMEOUT_S:.0f} s): {evaluated}")
+    assert leader is not None and leader["syncer"] == b.address and leader["epoch"] == epoch_b, leader
+    assert leader["since_start_s"] < JOIN_BOUND_S, leader  # before: 20.0 s (gRPC's connect timeout at the frozen one)
+    assert evaluated["versions"], evaluated
     print(f"\nfresh learner, frozen syncer first in its list: joined {joined['syncer']} (epoch {joined['epoch']}) "
           f"{joined['since_start_s']:.2f} s after its client started, {joined['ts'] - spawned_at:.2f} s after the "
           "process was spawned (Python and JAX imports included)")
