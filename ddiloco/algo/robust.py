@@ -466,11 +466,10 @@ class DirectionHistory:
         self._proposed: dict[str, tuple[int, np.ndarray]] = {}
         self._first: set[str] = set()  # the first min_others + 1 learners ever accepted here
 
-    def direction(self, delta: np.ndarray, sampled: np.ndarray | None = None) -> np.ndarray | None:
-        """The unit vector compared (float32); None for a zero or non-finite contribution.
-        `sampled`: delta at the sample's coordinates (DirectionGuard.sample_index), if gathered already."""
-        values = np.asarray(delta) if sampled is None else sampled
-        if sampled is None and self._index is not None:  # sample first: no float64 copy of the whole fragment
+    def direction(self, delta: np.ndarray) -> np.ndarray | None:
+        """The unit vector compared (float32); None for a zero or non-finite contribution."""
+        values = np.asarray(delta)
+        if self._index is not None:  # sample first: no float64 copy of the whole fragment
             values = values[self._index]
         values = values.astype(np.float64)
         norm = float(np.linalg.norm(values))
@@ -549,13 +548,9 @@ class DirectionGuard:
         self._histories = {f.fragment_id: DirectionHistory(policy, f, seed=seed) for f in fragments}
         self._recent: dict[str, collections.deque] = {}
 
-    def direction(self, fragment_id: int, delta: np.ndarray, sampled: np.ndarray | None = None) -> np.ndarray | None:
+    def direction(self, fragment_id: int, delta: np.ndarray) -> np.ndarray | None:
         """What `judge` and `add` take for `delta` (None when the check is off). Thread-safe."""
-        return self._histories[fragment_id].direction(delta, sampled) if self.policy.enabled else None
-
-    def sample_index(self, fragment_id: int) -> np.ndarray | None:
-        """The sorted coordinates directions of the fragment are taken over (None: all, or the check is off)."""
-        return self._histories[fragment_id]._index if self.policy.enabled else None
+        return self._histories[fragment_id].direction(delta) if self.policy.enabled else None
 
     def judge(self, learner_id: str, fragment_id: int, direction: np.ndarray | None, version: int) -> DirectionVerdict:
         """Compares a contribution with the others' and updates the learner's score with it.

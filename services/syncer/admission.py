@@ -88,27 +88,6 @@ class Decoded:
     heading: np.ndarray | None  # the direction check's sample (robust.DirectionGuard)
 
 
-class _SampleGatherer:
-    """The direction check's sample of a contribution (DirectionGuard.sample_index), gathered from
-    each decoded piece while it is in cache: taken from the whole decoded fragment afterwards, it
-    was a scattered read of the fragment on the event loop, after the last chunk."""
-
-    def __init__(self, index: np.ndarray) -> None:
-        self._index = index
-        self._values = np.empty(index.size, np.float32)
-        self._gathered = 0
-
-    def update(self, start: int, piece: np.ndarray) -> None:
-        lo, hi = np.searchsorted(self._index, (start, start + piece.size))
-        if hi > lo:
-            np.take(piece, self._index[lo:hi] - start, out=self._values[lo:hi])
-            self._gathered += int(hi - lo)
-
-    def sample(self) -> np.ndarray | None:
-        """The gathered sample, once every piece was visited exactly once (else None)."""
-        return self._values if self._gathered == self._index.size else None
-
-
 @dataclasses.dataclass
 class IncomingPayload:
     """An upload's payload while it streams in (Admission.open_payload): each chunk is hashed and,
@@ -118,7 +97,6 @@ class IncomingPayload:
     stream: stream_lib.PayloadStream
     stats: robust_lib.DecodedStats
     permit: bool  # holds one of Admission.decoding's permits
-    sample: _SampleGatherer | None = None  # the direction check's sample, gathered as pieces are decoded
 
     def feed(self, data: bytes) -> None:
         """The next chunk's bytes; INVALID_ARGUMENT when they cannot belong to the payload."""
@@ -351,21 +329,14 @@ class Admission:
         last, last_norm = slot.last_outer_grad or (None, None)
         stats = robust_lib.DecodedStats(slot.fragment, last, last_norm)
         permit = not self.decoding.locked() and header.payload.compression == "none"
-        index = self._directions.sample_index(header.fragment_id)
-        sample = None if index is None else _SampleGatherer(index)
-
-        def visit(start: int, piece: np.ndarray) -> None:
-            stats.update(start, piece)
-            sample.update(start, piece)
-
         try:
-            stream = serde.described_payload_stream(header.payload, on_chunk=stats.update if sample is None else visit,
-                                                    decode_on_arrival=permit, buffers=self._buffers)
+            stream = serde.described_payload_stream(header.payload, on_chunk=stats.update, decode_on_arrival=permit,
+                                                    buffers=self._buffers)
         except codec_lib.CodecError as exc:
             raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=_codec_reason(exc)) from None
         if permit:
             await self.decoding.acquire()  # free (checked above, nothing awaited since): returns at once
-        return IncomingPayload(stream, stats, permit, sample)
+        return IncomingPayload(stream, stats, permit)
 
     def close_payload(self, incoming: IncomingPayload | None) -> None:
         """Releases what `open_payload` took (the decoding permit), once."""
@@ -410,9 +381,8 @@ class Admission:
         def finish() -> Decoded:
             values = incoming.stream.finish()
             norms = incoming.stats.tensor_norms(values)
-            sampled = None if incoming.sample is None else incoming.sample.sample()
             return Decoded(values, norms, incoming.stats.cosine(values, norms),
-                           self._directions.direction(header.fragment_id, values, sampled))
+                           self._directions.direction(header.fragment_id, values))
 
         try:
             return finish() if incoming.stream.decodes_on_arrival else await asyncio.to_thread(finish)
