@@ -183,7 +183,9 @@ class Uploader:
         messages = await self._encode(job)
         if messages is None:
             return
-        wire_bytes = sum(m.ByteSize() for m in messages)
+        # The chunks' size without their ByteSize(): upb serializes a message to size it.
+        wire_bytes = messages[0].ByteSize() + serde.payload_chunks_bytes(
+            messages[0].header.payload.payload_size_bytes, self.run_config.chunk_size_bytes)
         timeout_s = self.cfg.call_timeout_s + wire_bytes / self.cfg.upload_min_bandwidth_bytes_per_s
         sent_at = time.time()
         try:

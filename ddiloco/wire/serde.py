@@ -98,12 +98,15 @@ class ChunkAssembler:
         self._next_seq = 0
         self.done = False
 
-    def add(self, chunk: common_pb2.PayloadChunk) -> None:
+    def add(self, chunk: common_pb2.PayloadChunk, data: bytes | None = None) -> None:
+        """`data`: chunk.data, when the caller read it already (each read of a bytes field copies it)."""
+        if data is None:
+            data = chunk.data
         if self.done:
             raise ValueError(f"chunk seq {chunk.seq} arrived after the last chunk")
         if chunk.seq != self._next_seq:
             raise ValueError(f"chunk out of order: expected seq {self._next_seq}, got {chunk.seq}")
-        size = len(chunk.data)
+        size = len(data)
         if self._max_chunk is not None and size > self._max_chunk:
             raise ValueError(f"chunk seq {chunk.seq} has {size} bytes, more than the run's chunk size {self._max_chunk}")
         if size == 0 and not chunk.last:
@@ -111,7 +114,7 @@ class ChunkAssembler:
         if self._size + size > self._declared:
             raise ValueError(f"payload exceeds its declared size of {self._declared} bytes")
         if self._keep:
-            self._buffer += chunk.data
+            self._buffer += data
         self._size += size
         self._next_seq += 1
         self.done = chunk.last
@@ -122,6 +125,27 @@ class ChunkAssembler:
         if self._size != self._declared:
             raise ValueError(f"payload has {self._size} bytes, header declared {self._declared}")
         return bytes(self._buffer)
+
+
+def _varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def chunk_message_bytes(seq: int, size_bytes: int, last: bool) -> int:
+    """ByteSize() of a message whose field 2 is PayloadChunk(seq, `size_bytes` of data, last)
+    (UploadFragmentRequest.chunk, WatchFragmentsResponse.chunk), without computing it from the
+    message: protobuf's upb ByteSize() serializes the message, a copy of the whole chunk."""
+    inner = ((1 + _varint_bytes(seq)) if seq else 0) + ((1 + _varint_bytes(size_bytes) + size_bytes) if size_bytes else 0)
+    inner += 2 if last else 0
+    return 1 + _varint_bytes(inner) + inner
+
+
+def payload_chunks_bytes(payload_size_bytes: int, chunk_size_bytes: int) -> int:
+    """The summed ByteSize() of payload_chunks' messages (as chunk_message_bytes) for a payload of
+    `payload_size_bytes`, without building them."""
+    full, rest = divmod(payload_size_bytes, chunk_size_bytes)
+    sizes = [chunk_size_bytes] * full + ([rest] if rest or not full else [])
+    return sum(chunk_message_bytes(seq, size, seq == len(sizes) - 1) for seq, size in enumerate(sizes))
 
 
 def plan_to_proto(plan: fragments_lib.FragmentPlan) -> list[common_pb2.FragmentInfo]:
@@ -188,15 +212,16 @@ def apply_delta(held: np.ndarray, step: np.ndarray) -> np.ndarray:
 
 
 def payload_stream(info: common_pb2.PayloadInfo, *, on_chunk: codec_lib.ChunkVisitor | None = None,
-                   decode_on_arrival: bool = True):
-    """A stream.PayloadStream for the payload `info` describes (CodecError when it cannot be one)."""
+                   decode_on_arrival: bool = True, buffers=None):
+    """A stream.PayloadStream for the payload `info` describes (CodecError when it cannot be one);
+    `buffers`: a stream.BufferPool for its arrays."""
     try:
         compression, checksum_kind = wire_format_from_proto(info)
         codec = codec_from_proto(info.codec)
     except ValueError as exc:
         raise codec_lib.CodecError(str(exc)) from None
     return described_payload_stream(_described(info, codec, compression, checksum_kind), on_chunk=on_chunk,
-                                    decode_on_arrival=decode_on_arrival)
+                                    decode_on_arrival=decode_on_arrival, buffers=buffers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,8 +290,9 @@ def decode_described(described: PayloadDescription, payload: bytes, *,
 
 
 def described_payload_stream(described: PayloadDescription, *, on_chunk: codec_lib.ChunkVisitor | None = None,
-                             decode_on_arrival: bool = True):
-    """payload_stream for a PayloadDescription (CodecError when it cannot be one)."""
+                             decode_on_arrival: bool = True, buffers=None):
+    """payload_stream for a PayloadDescription (CodecError when it cannot be one); `buffers`: a
+    stream.BufferPool for its arrays."""
     from ddiloco.wire import stream as stream_lib
 
     _check_described(described)
@@ -275,4 +301,4 @@ def described_payload_stream(described: PayloadDescription, *, on_chunk: codec_l
         payload_size_bytes=described.payload_size_bytes, checksum=described.checksum,
         compression=described.compression, checksum_kind=described.checksum_kind,
         block_size=described.block_size or codec_lib.DEFAULT_BLOCK_SIZE, on_chunk=on_chunk,
-        decode_on_arrival=decode_on_arrival)
+        decode_on_arrival=decode_on_arrival, buffers=buffers)

@@ -146,6 +146,9 @@ class Admission:
         # The second thread of each large decode (codec.decode's executor): an upload's decode
         # then uses two cores. One thread: a decode whose half finds it busy does that half itself.
         self._decode_helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="syncer-decode")
+        # Streamed payloads' bytes and values, reused across uploads (a 100M-parameter model's
+        # fragments are 100 MB of values each: mapped and faulted in anew per upload otherwise).
+        self._buffers = stream_lib.BufferPool()
         self._clock = clock
         self.direction_judgments: collections.Counter = collections.Counter()  # see await_direction_references
         # Bounded influence: who influenced which merge (services/syncer/influence.py; the core sets it).
@@ -334,7 +337,8 @@ class Admission:
         stats = robust_lib.DecodedStats(slot.fragment, last, last_norm)
         permit = not self.decoding.locked() and header.payload.compression == "none"
         try:
-            stream = serde.described_payload_stream(header.payload, on_chunk=stats.update, decode_on_arrival=permit)
+            stream = serde.described_payload_stream(header.payload, on_chunk=stats.update, decode_on_arrival=permit,
+                                                    buffers=self._buffers)
         except codec_lib.CodecError as exc:
             raise errors.InvalidArgument(f"fragment {header.fragment_id}: {exc}", reason=_codec_reason(exc)) from None
         if permit:

@@ -60,7 +60,10 @@ async def _next_request(iterator, timeout_s: float):
     from the read: a frame that is not an UploadFragmentRequest is bad input from the client
     (INVALID_ARGUMENT, reason "malformed"), not an internal error of the syncer."""
     try:
-        return await asyncio.wait_for(iterator.__anext__(), timeout_s)
+        # A deadline on the read itself, not asyncio.wait_for: that wraps each read in a Task of
+        # its own (one more hand-off through the event loop per chunk, for every chunk).
+        async with asyncio.timeout(timeout_s):
+            return await iterator.__anext__()
     except protobuf_message.DecodeError:
         raise errors.InvalidArgument("a message of the upload stream is not a valid UploadFragmentRequest",
                                      reason="malformed") from None
@@ -374,15 +377,19 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 break
             except asyncio.TimeoutError:
                 raise errors.InvalidArgument("upload stalled: no chunk within the idle timeout", reason="chunks") from None
-            wire_bytes += msg.ByteSize()
             if msg.WhichOneof("kind") != "chunk":
                 raise errors.InvalidArgument("a second header arrived inside one upload", reason="chunks")
+            # Each read of a bytes field copies it, and ByteSize() serializes the message: the
+            # chunk's bytes are read once, and its wire size computed from their length.
+            chunk = msg.chunk
+            data = chunk.data
+            wire_bytes += serde.chunk_message_bytes(chunk.seq, len(data), chunk.last)
             try:
-                assembler.add(msg.chunk)
+                assembler.add(chunk, data)
             except ValueError as exc:
                 raise errors.InvalidArgument(str(exc), reason="chunks") from None
             if incoming is not None:
-                incoming.feed(msg.chunk.data)  # hashed and, when it can be, decoded now
+                incoming.feed(data)  # hashed and, when it can be, decoded now
         try:
             payload = assembler.payload()
         except ValueError as exc:

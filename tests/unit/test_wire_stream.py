@@ -16,9 +16,10 @@ import zstandard
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import robust as robust_lib
-from ddiloco.v1 import common_pb2
+from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
+from ddiloco.wire import stream as stream_lib
 
 CHUNK_BYTES = 64 * 1024
 
@@ -140,3 +141,57 @@ def test_declared_sizes_that_cannot_describe_the_payload_are_refused_before_anyt
     stream = _stream(encoded)
     with pytest.raises(codec_lib.SizeError):
         stream.feed(encoded.payload + b"x")
+
+
+@pytest.mark.parametrize(("size", "chunk_bytes"), [
+    (0, 1), (1, 1), (300, 1), (127, 7), (128, 128), (129, 128), (16_383, 128), (16_385, 16_384),
+    (300_001, 16_384), (300_001, 512 * 1024), (2**21 + 5, 512 * 1024), (2**21, 2**21)])
+def test_chunk_message_sizes_are_the_messages_byte_size(size, chunk_bytes):
+    # The servicer and the learner count wire bytes from these (ByteSize() serializes the chunk).
+    messages = [syncer_pb2.UploadFragmentRequest(chunk=c) for c in serde.payload_chunks(bytes(size), chunk_bytes)]
+    for m in messages:
+        assert serde.chunk_message_bytes(m.chunk.seq, len(m.chunk.data), m.chunk.last) == m.ByteSize()
+    assert serde.payload_chunks_bytes(size, chunk_bytes) == sum(m.ByteSize() for m in messages)
+
+
+def test_a_buffer_pool_hands_out_again_only_arrays_nobody_references():
+    pool = stream_lib.BufferPool(max_free=1)
+    first = pool.take(1000, np.float32)
+    first_id = id(first)
+    assert id(pool.take(1000, np.float32)) != first_id  # first is referenced here
+    view = first[10:20]
+    del first
+    held = pool.take(1000, np.float32)
+    assert id(held) != first_id  # a view keeps it taken
+    del view
+    assert id(pool.take(1000, np.float32)) == first_id  # nobody references it now
+    assert pool.take(1000, np.uint8).dtype == np.uint8  # sizes and dtypes have pools of their own
+
+
+def test_streams_sharing_a_buffer_pool_never_write_into_values_still_held():
+    pool = stream_lib.BufferPool()
+    encoded = [codec_lib.encode(_values(300_000, seed=s), "int4") for s in range(3)]
+    expected = [codec_lib.decode(e.payload, codec="int4", numel=e.numel, raw_size_bytes=e.raw_size_bytes,
+                                 checksum=e.checksum).tobytes() for e in encoded]
+    held = []
+    for e in encoded:  # each stream's values are still held when the next one decodes
+        stream = _stream(e, buffers=pool)
+        _feed_all(stream, e.payload)
+        held.append(stream.finish())
+        del stream
+    assert [v.tobytes() for v in held] == expected
+    assert len({id(v) for v in held}) == 3
+    # Released values are reused, and a corrupted payload decoded into them leaves nothing behind.
+    reused_id = id(held[0])
+    held = []
+    bad = bytearray(encoded[1].payload)
+    bad[len(bad) // 2] ^= 0x01
+    stream = _stream(encoded[1], buffers=pool)
+    _feed_all(stream, bytes(bad))
+    with pytest.raises(codec_lib.ChecksumError):
+        stream.finish()
+    del stream
+    stream = _stream(encoded[2], buffers=pool)
+    _feed_all(stream, encoded[2].payload)
+    values = stream.finish()
+    assert values.tobytes() == expected[2] and id(values) == reused_id
