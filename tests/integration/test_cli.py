@@ -62,6 +62,30 @@ def test_up_trains_and_prints_a_summary(tmp_path):
     assert missing.returncode == 2 and "not found" in missing.stdout
 
 
+def test_up_with_two_syncer_shards_trains_one_run(tmp_path):
+    """`ddiloco up --syncer-shards 2` (issue 21): two syncer processes each merge their own
+    fragments, the learners and the evaluator find both from shard 0, and the summary is one run
+    over both (work merged counts every fragment's merges)."""
+    workdir = tmp_path / "run"
+    result = subprocess.run(
+        [*_DDILOCO, "up", "--preset", "tiny", "--learners", "2", "--steps", "60", "--sync-period-steps", "4",
+         "--syncer-shards", "2", "--no-live", "--eval-interval-s", "3", "--workdir", str(workdir),
+         "--summary-json", str(tmp_path / "s.json")],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 syncer shards" in result.stdout
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["heldout_loss_end"] < summary["heldout_loss_start"] - 0.5, summary
+    # tokens_merged sums both shards: near-full work merged needs both shards' merges
+    assert summary["work_merged"] > 0.9, summary
+    for name in ("syncer", "syncer-1"):  # each shard merged its own fragments
+        assert "merged" in (workdir / "logs" / f"{name}.log").read_text(), name
+    pids = json.loads((workdir / "pids.json").read_text())
+    assert {"syncer", "syncer-1"} <= set(pids)
+    assert not [p for ps in pids.values() for p in ps if _pid_alive(p)], "up left processes behind"
+
+
 def test_up_interrupted_shuts_everything_down(tmp_path):
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
