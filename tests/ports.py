@@ -27,3 +27,16 @@ def refused_address() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def frozen_address() -> Iterator[str]:
+    """An address whose kernel completes TCP handshakes (the listen backlog) and where nothing ever
+    answers: a frozen (SIGSTOPped, partitioned-after-accept) server, as gRPC clients see one."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()

@@ -163,6 +163,18 @@ class ComposeProject:
         self.compose("down", "--volumes", "--remove-orphans", "--timeout", "5", timeout=180, check=False)
 
 
+@pytest.fixture(scope="module")
+def compose_env(request) -> dict[str, str]:
+    """An environment whose `docker compose` works (`docker compose config` needs no engine); the
+    private engine's set-up only if the host has no compose of its own."""
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"{SKIP_ENV}=1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDILOCO_")}  # the files' defaults
+    if run(["docker", "compose", "version"], env=env, timeout=30, check=False).returncode == 0:
+        return env
+    return {k: v for k, v in request.getfixturevalue("docker_env").items() if not k.startswith("DDILOCO_")}
+
+
 @pytest.fixture
 def compose_project(docker_env, tmp_path):
     """A unique project; torn down (containers, networks, volume) whatever the test outcome."""

@@ -15,7 +15,6 @@ import pytest
 
 from ddiloco.rpc import security
 from tests.docker.conftest import REPO, run
-from tests.docker.test_compose_tls import compose_env  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(300)]
 
@@ -30,7 +29,7 @@ def _project(env) -> dict:
     return json.loads(done.stdout)
 
 
-def test_deny_list_is_wired_into_the_servers_only_and_revoke_appends_to_it(compose_env, tmp_path):  # noqa: F811
+def test_deny_list_is_wired_into_the_servers_only_and_revoke_appends_to_it(compose_env, tmp_path):
     services = _project(compose_env)["services"]
     for name, prefix in (("syncer", "DDILOCO_SYNCER_"), ("checkpoint", "DDILOCO_CHECKPOINT_")):
         (mount,) = [m for m in services[name]["volumes"] if m["source"] == "tls-deny"]

@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import security
-from tests.docker.conftest import REPO, SKIP_ENV, run
+from tests.docker.conftest import REPO
 from tests.docker.test_compose_tls import _config, _mounts
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(300)]
@@ -40,16 +40,6 @@ FILES = [REPO / f for f in ("docker-compose.yml", "docker-compose.failover.yml",
 SERVERS = {"syncer": ("DDILOCO_SYNCER_", 50061), "syncer-b": ("DDILOCO_SYNCER_", 50061),
            "checkpoint": ("DDILOCO_CHECKPOINT_", 50062), "checkpoint-b": ("DDILOCO_CHECKPOINT_", 50062)}
 
-
-@pytest.fixture(scope="module")
-def compose_env(request) -> dict[str, str]:
-    """As tests/docker/test_compose_tls.py: `docker compose config` needs no engine."""
-    if os.environ.get(SKIP_ENV) == "1":
-        pytest.skip(f"{SKIP_ENV}=1")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDILOCO_")}  # the files' defaults
-    if run(["docker", "compose", "version"], env=env, timeout=30, check=False).returncode == 0:
-        return env
-    return {k: v for k, v in request.getfixturevalue("docker_env").items() if not k.startswith("DDILOCO_")}
 
 
 def test_the_second_hub_speaks_tls_like_the_first(compose_env):

@@ -22,7 +22,7 @@ import pytest
 from cryptography import x509
 
 from ddiloco.rpc import security
-from tests.docker.conftest import REPO, SKIP_ENV, run
+from tests.docker.conftest import REPO, run
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(300)]
 
@@ -32,16 +32,6 @@ PREFIX = {"checkpoint": "DDILOCO_CHECKPOINT_", "syncer": "DDILOCO_SYNCER_", "lea
           "status": "DDILOCO_"}
 KIND = {"checkpoint": "checkpoint", "syncer": "syncer", "evaluator": "evaluator", "status": "reader"}
 
-
-@pytest.fixture(scope="module")
-def compose_env(request) -> dict[str, str]:
-    """An environment whose `docker compose` works; the private engine's set-up only if needed."""
-    if os.environ.get(SKIP_ENV) == "1":
-        pytest.skip(f"{SKIP_ENV}=1")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDILOCO_")}  # the files' defaults
-    if run(["docker", "compose", "version"], env=env, timeout=30, check=False).returncode == 0:
-        return env
-    return {k: v for k, v in request.getfixturevalue("docker_env").items() if not k.startswith("DDILOCO_")}
 
 
 def _config(env, *files: pathlib.Path) -> dict:

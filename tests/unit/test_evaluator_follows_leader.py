@@ -14,8 +14,6 @@ waiting at the frozen leader.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import time
 
 import grpc
@@ -30,6 +28,7 @@ from ddiloco.wire import serde
 from services.learner import config as config_lib
 from services.learner import evaluator as evaluator_lib
 from services.learner import leader_link
+from tests import ports
 
 _NUM_FRAGMENTS = 2
 _WAIT_S = 20.0
@@ -182,17 +181,6 @@ def test_a_call_with_no_leader_anywhere_fails_at_its_deadline():
     asyncio.run(asyncio.wait_for(_no_leader(), 30.0))
 
 
-@contextlib.contextmanager
-def _frozen_address():
-    """An address whose kernel completes TCP handshakes (the listen backlog) and nothing ever answers."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        sock.close()
-
 
 _CALL_TIMEOUT_S = 30.0  # each call's deadline: the old behaviour waited this long at a frozen syncer
 _SILENT_BOUND_S = 5.0  # leaving a silent syncer: a 0.5 s health check every 0.2 s, plus slack for a loaded host
@@ -208,7 +196,7 @@ async def _frozen_head() -> tuple[float, float]:
     leader = _FakeSyncer()
     server = await _serve(leader)
     leader.epoch, leader.version = 1, 3
-    with _frozen_address() as frozen:
+    with ports.frozen_address() as frozen:
         # The shipped health-check deadlines (1 s interval, 2 s timeout): the leader answers at once.
         link = _link(f"{frozen},{leader.address}", check_interval_s=1.0, check_timeout_s=2.0)
         cfg = config_lib.EvaluatorConfig(syncer=f"{frozen},{leader.address}", insecure=True, timeout_s=_WAIT_S,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import socket
 import threading
 import time
 
@@ -26,6 +25,7 @@ from ddiloco.learner import leader_watch as watch_lib
 from ddiloco.learner import targets as targets_lib
 from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
+from tests import ports
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -42,17 +42,6 @@ def test_the_session_goes_to_the_syncer_that_answered_serving_unless_a_leader_wa
     assert t.next(serving="b:2") == "c:3"
     assert not targets_lib.SyncerTargets("syncers.example:50051").probing  # one address: as before
 
-
-@contextlib.contextmanager
-def _frozen_syncer():
-    """An address that accepts TCP connections (the kernel's backlog) and never answers."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        sock.close()
 
 
 class _Syncer(syncer_pb2_grpc.SyncerServicer):
@@ -102,7 +91,7 @@ def _client(targets: str, **overrides) -> client_lib.SyncClient:
 
 
 def test_a_fresh_learner_skips_a_frozen_head_of_its_list_and_joins_the_leader_at_once():
-    with _frozen_syncer() as frozen, _live_syncer(leading=True) as (live, syncer):
+    with ports.frozen_address() as frozen, _live_syncer(leading=True) as (live, syncer):
         client = _client(f"{frozen},{live}")  # the shipped deadlines: Join 10 s, health check 2 s
         started = time.monotonic()
         try:
@@ -120,7 +109,7 @@ def test_a_learner_waiting_at_a_frozen_syncer_joins_the_standby_once_it_is_elect
     """No syncer leads when the learner starts (the head is frozen, the other one is a standby that
     knows no leader yet): its Join hangs at the frozen head, and is abandoned for the new leader
     within a health check's deadline of the election, not when it reaches its own deadline."""
-    with _frozen_syncer() as frozen, _live_syncer(leading=False) as (live, syncer):
+    with ports.frozen_address() as frozen, _live_syncer(leading=False) as (live, syncer):
         client = _client(f"{frozen},{live}", leader_check_interval_s=0.2, leader_check_timeout_s=0.5)
         elected_at = []
 
@@ -144,7 +133,7 @@ def test_a_learner_waiting_at_a_frozen_syncer_joins_the_standby_once_it_is_elect
 
 def test_first_serving_answers_at_the_first_serving_syncer_and_is_bounded_when_none_leads():
     async def scenario():
-        with _frozen_syncer() as frozen, _live_syncer(leading=False) as (standby, syncer):
+        with ports.frozen_address() as frozen, _live_syncer(leading=False) as (standby, syncer):
             watch = watch_lib.LeaderWatch([frozen, standby], timeout_s=0.5)
             loop = asyncio.get_running_loop()
             try:
