@@ -28,8 +28,14 @@ Every figure is a ratio to a limit measured in the same invocation, on the same 
   a real learner does): merges per second, upload and merge latency p50/p99, uploads accepted
   and refused (by the syncer's reason) against those the schedule offered, and the syncer's
   peak RSS (VmHWM), a fresh syncer per learner count.
+  With `--syncer-shards 1,2` every learner count runs against 1 and 2 fragment shards (the replay
+  learners send each fragment to its owner shard): merges/s side by side, their ratio, and each
+  shard's peak RSS.
 * model size: codec, merge and transport figures for a ~100M-parameter model's fragments
   (synthetic tensors).
+* sizes: the scale section's level on synthetic models of `--scale-sizes` parameters (0.5M, 100M,
+  1B by default) with `--size-shards` shards and `--size-learners` replay learners, in one table
+  beside the same rows of the previous committed run (`--previous`, bench/results/perf.json).
 
 `--quick` runs every section small (tests); the default is the full run. The machine may be
 shared: limits and figures are measured interleaved, best of several repeats.
@@ -45,6 +51,7 @@ section is its own module: ``perf_micro`` (codec, merge), ``perf_overlap``, ``pe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import tempfile
@@ -69,8 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="every section small and short (tests, ~1 min)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=results_lib.DEFAULT_OUT_DIR)
     parser.add_argument("--name", default=NAME, help="results are written to <out-dir>/<name>.json and .md")
-    parser.add_argument("--sections", default="overlap,codec,merge,transport,upload,scale,model_size",
-                        help="comma-separated subset of: overlap,codec,merge,transport,upload,scale,model_size")
+    parser.add_argument("--sections", default="overlap,codec,merge,transport,upload,scale,model_size,sizes",
+                        help="comma-separated subset of: overlap,codec,merge,transport,upload,scale,model_size,sizes")
     parser.add_argument("--replay-step-s", type=float, default=0.0,
                         help="the scale section's step time (default: the overlap section's measured one)")
     parser.add_argument("--rtt-ms", default="0,50",
@@ -78,6 +85,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learners", default="", help="learner counts of the scale section (default 8,16,32,64)")
     parser.add_argument("--large-params", type=float, default=0.0,
                         help="parameters of the model-size section (default ~100M; quick: 4M)")
+    parser.add_argument("--syncer-shards", default="",
+                        help="fragment shard counts of the scale section, comma-separated (default 1,2; quick: 1)")
+    parser.add_argument("--scale-sizes", default="",
+                        help="model sizes of the sizes section, comma-separated parameter counts like 0.5M,100M,1B "
+                             "(default 0.5M,100M,1B; quick: none unless given)")
+    parser.add_argument("--size-shards", type=int, default=4, help="syncer shards of the sizes section")
+    parser.add_argument("--size-learners", type=int, default=4, help="replay learners of the sizes section")
+    parser.add_argument("--previous", type=pathlib.Path, default=common.ROOT / results_lib.DEFAULT_OUT_DIR / "perf.json",
+                        help="the previous committed run, whose model-size rows are printed beside this run's")
+
+
+def _scale_sizes(args: argparse.Namespace) -> list[str]:
+    return [x.strip() for x in (args.scale_sizes or ("" if args.quick else "0.5M,100M,1B")).split(",") if x.strip()]
+
+
+def _scale_sections(args: argparse.Namespace, result: dict, workdir: pathlib.Path, captured: pathlib.Path,
+                    sections: set[str], model: dict, counts: list[int]) -> None:
+    """The scale section (learner counts x shard counts) and the sizes section (model sizes)."""
+    quick = bool(args.quick)
+    step_s = args.replay_step_s or (max(0.05, result["overlap"]["default"]["step_s"]) if "overlap" in result
+                                    else 0.25)
+    if "scale" in sections and not captured.exists():
+        # No training run in this invocation (--sections without overlap): synthetic
+        # pseudo-gradients of the model's fragments, noted in the results.
+        perf_scale.synthetic_capture(model, captured)
+        result["notes"].append("scale: synthetic pseudo-gradients (no overlap section in this invocation)")
+    if "scale" in sections:
+        t0 = common.now()
+        shard_counts = ([int(x) for x in args.syncer_shards.split(",")] if args.syncer_shards
+                        else ([1] if quick else [1, 2]))
+        result["scale"] = perf_scale.run_scale(workdir, model, captured, counts, seconds=3.0 if quick else 30.0,
+                                               step_s=step_s, processes=2, shard_counts=shard_counts)
+        print(f"[perf] scale done in {common.now() - t0:.0f} s", flush=True)
+    if "sizes" in sections and _scale_sizes(args):
+        t0 = common.now()
+        result["sizes"] = perf_scale.run_sizes(workdir, _scale_sizes(args), args.size_shards, args.size_learners,
+                                               seconds=3.0 if quick else 30.0, step_s=step_s, processes=2)
+        print(f"[perf] sizes done in {common.now() - t0:.0f} s", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,8 +132,13 @@ def run(args: argparse.Namespace) -> int:
     counts = [int(x) for x in args.learners.split(",")] if args.learners else ([3] if quick else [8, 16, 32, 64])
     large_params = int(args.large_params or (4e6 if quick else 100e6))
     model = QUICK_MODEL if quick else DEFAULT_MODEL
+    for size in _scale_sizes(args):
+        perf_scale.parse_params(size)  # a bad size fails now, not after the other sections
     result: dict = {"provenance": results_lib.provenance(), "quick": quick, "targets": perf_report.TARGETS,
                     "notes": [], "load_average_start": list(os.getloadavg())}
+    # Read before this run writes anything (--out-dir may be where it lives).
+    previous = json.loads(args.previous.read_text()) if args.previous and args.previous.exists() else None
+    result["previous"] = perf_report.previous_summary(previous, str(args.previous))
     started = common.now()
     with tempfile.TemporaryDirectory(prefix="ddiloco-perf-") as tmp:
         workdir = pathlib.Path(tmp)
@@ -131,18 +181,7 @@ def run(args: argparse.Namespace) -> int:
             if not quick:  # the same cells at 100M parameters, in the same invocation
                 result["upload"].append(perf_upload.run_upload(workdir, LARGE_MODEL, "100M", rtts, uploads=6))
             print(f"[perf] upload done in {common.now() - t0:.0f} s", flush=True)
-        if "scale" in sections and not captured.exists():
-            # No training run in this invocation (--sections without overlap): synthetic
-            # pseudo-gradients of the model's fragments, noted in the results.
-            perf_scale.synthetic_capture(model, captured)
-            result["notes"].append("scale: synthetic pseudo-gradients (no overlap section in this invocation)")
-        if "scale" in sections and captured.exists():
-            t0 = common.now()
-            step_s = (args.replay_step_s or max(0.05, result["overlap"]["default"]["step_s"]) if "overlap" in result
-                      else args.replay_step_s or 0.25)
-            result["scale"] = perf_scale.run_scale(workdir, model, captured, counts, seconds=3.0 if quick else 30.0,
-                                                   step_s=step_s, processes=2)
-            print(f"[perf] scale done in {common.now() - t0:.0f} s", flush=True)
+        _scale_sections(args, result, workdir, captured, sections, model, counts)
     result["seconds"] = common.now() - started
     result["load_average_end"] = list(os.getloadavg())
     result["headline"] = perf_report.headline(result)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from ddiloco.cli import cluster as cluster_lib
+from ddiloco.cli import processes as processes_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -98,6 +99,39 @@ def running_syncer(workdir: pathlib.Path, name: str, model: dict,
                    extra: Sequence[str] = ()) -> Iterator[cluster_lib.ServiceProcess]:
     with running(start_syncer(workdir, name, model, extra)) as svc:
         yield svc
+
+
+@contextlib.contextmanager
+def running_syncer_shards(workdir: pathlib.Path, name: str, model: dict, shards: int, extra: Sequence[str] = (),
+                          one_at_a_time: bool = False) -> Iterator[list[cluster_lib.ServiceProcess]]:
+    """`shards` syncer processes splitting the fragments (fragment shards: the same run id and
+    shard map, `--fragment-shard I`), in shard order; shard 0 is where learners are pointed. One
+    shard is a plain syncer. `one_at_a_time`: each shard is ready before the next starts (every
+    shard builds the whole model's initial parameters: at 1B parameters, several GB each at once)."""
+    if shards <= 1:
+        with running_syncer(workdir, name, model, extra) as svc:
+            yield [svc]
+        return
+    addresses = [f"127.0.0.1:{processes_lib.preset_port()}" for _ in range(shards)]
+    started: list[cluster_lib.ServiceProcess] = []
+    try:
+        for index, address in enumerate(addresses):
+            shard_name = f"{name}-shard{index}"
+            svc = cluster_lib.ServiceProcess(name=shard_name, module="services.syncer", workdir=workdir,
+                                             env=process_env(), args=[
+                "--bind", address, "--run-id", f"bench-{name}", "--ready-file", ready_path(workdir, shard_name),
+                "--model-config", json.dumps(model), "--log-level", "WARNING",
+                "--fragment-shard", str(index), "--fragment-shards", ",".join(addresses), *extra])
+            svc.start()
+            started.append(svc)
+            if one_at_a_time:
+                svc.wait_ready(600.0)
+        for svc in started:
+            svc.wait_ready(600.0 if one_at_a_time else 180.0)
+        yield started
+    finally:
+        for svc in started:
+            svc.stop()
 
 
 def _result_path(workdir: pathlib.Path, name: str) -> pathlib.Path:

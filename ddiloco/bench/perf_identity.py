@@ -29,6 +29,10 @@ class Identity:
         self.versions: dict[int, int] = {}
         self.sent_base: dict[int, int] = {}
         self.pipeline_bytes = 0
+        # Fragment shards: the shard map of the Join answer (JoinResponse.shards; empty: unsharded)
+        # and the index of the shard this identity is joined to.
+        self.shards: list = []
+        self.shard_index = 0
 
     async def join(self, timeout_s: float) -> None:
         resp = await self.stub.Join(syncer_pb2.JoinRequest(
@@ -37,6 +41,8 @@ class Identity:
         self.instance = resp.syncer_instance
         self.versions = serde.versions_from_proto(resp.fragment_versions)
         self.pipeline_bytes = resp.upload_pipeline_bytes
+        self.shards = list(resp.shards)
+        self.shard_index = resp.shard_index
 
     async def watch(self, stop: asyncio.Event, stream_s: float) -> None:
         """Reads the fragment stream (payloads discarded): keeps `versions` current."""

@@ -13,6 +13,8 @@ TARGETS = {
     "merge": 0.30,
     "transport": 0.70,
     "overlap_max_share": 0.02,
+    "shard_speedup": 1.7,  # merges/s of 2 shards over 1 at saturation (issue 21)
+    "work_merged": 0.99,  # accepted over offered learner-steps at 64 learners
 }
 
 
@@ -66,12 +68,33 @@ def headline(result: dict) -> list[dict]:
             rows.append(figure(f"upload, learner's real client through the syncer, {sec['params']:,}-param model, "
                                f"+{c['rtt_s'] * 1e3:.0f} ms RTT", c["real_bytes_per_s"] / 1e6, "MB/s wire",
                                c["bare_bytes_per_s"] / 1e6, "bare gRPC stream, same bytes", TARGETS["transport"]))
+    rows += _scale_headline(result.get("scale"))
     ov = result.get("overlap")
     if ov:
         for key in ("default", "capped"):
             if key in ov:
                 rows.append(figure(f"learner time in communication work ({key})", ov[key]["comm_share"], "share of wall",
                                    1.0, "wall time", TARGETS["overlap_max_share"], higher_is_better=False))
+    return rows
+
+
+def _scale_headline(sc: dict | None) -> list[dict]:
+    """Scale-out at saturation (the most learners): N shards' merges/s against one shard's, and
+    the share of the offered work merged at each shard count."""
+    if not sc or not sc.get("levels"):
+        return []
+    rows = []
+    most = max(lv["learners"] for lv in sc["levels"])
+    for sp in sc.get("speedups", []):
+        if sp["learners"] == most:
+            rows.append(figure(f"merges/s, {sp['shards']} syncer shards, {most} replay learners", sp["merges_per_s"],
+                               "merges/s", sp["one_shard_merges_per_s"], "one shard, same learners",
+                               TARGETS["shard_speedup"] if sp["shards"] == 2 else None))
+    for lv in sc["levels"]:
+        if lv["learners"] == most and lv.get("offered_steps"):
+            rows.append(figure(f"work merged, {most} replay learners, {lv.get('shards', 1)} shard(s)",
+                               lv["accepted_steps"], "learner-steps", lv["offered_steps"], "offered by the schedule",
+                               TARGETS["work_merged"]))
     return rows
 
 
@@ -207,15 +230,28 @@ def _md_overlap(ov: dict) -> list[str]:
     return md
 
 
+def _mib(values) -> str:
+    """Bytes as MiB, one figure per shard ("a + b")."""
+    return " + ".join(f"{v / 2**20:.0f}" for v in values)
+
+
+def _shard_rss(lv: dict) -> str:
+    before = lv.get("shard_rss_before_learners_bytes", [lv["syncer_rss_before_learners_bytes"]])
+    peak = lv.get("shard_peak_rss_bytes", [lv["syncer_peak_rss_bytes"]])
+    return f"{_mib(before)} / {_mib(peak)}"
+
+
 def _md_scale(sc: dict) -> list[str]:
-    """One row per learner count, and how to read them."""
-    md = ["", f"## Scale: one syncer, lightweight learners replaying captured fragments "
+    """One row per learner count and shard count, the speed-up of shards, and how to read them."""
+    md = ["", f"## Scale: syncer shards, lightweight learners replaying captured fragments "
               f"(step {sc['step_s']:.2f} s, default fragment schedule)", ""]
     md.append(results_lib.markdown_table(
-        ["learners", "merges/s", "work merged (steps accepted/trained; uploads slowed by back-pressure)",
+        ["learners", "shards", "merges/s (by shard)", "work merged (steps accepted/trained; uploads slowed by back-pressure)",
          "merge latency p50/p99 s", "upload latency p50/p99 s",
-         "uploads acc/ref (offered)", "syncer RSS MiB before learners / peak"],
-        [[lv["learners"], f"{lv['merges_per_s']:.2f}",
+         "uploads acc/ref (offered)", "syncer RSS MiB before learners / peak, per shard"],
+        [[lv["learners"], lv.get("shards", 1),
+          f"{lv['merges_per_s']:.2f}" + (" (" + " + ".join(f"{m:.2f}" for m in lv["merges_per_s_by_shard"]) + ")"
+                                         if len(lv.get("merges_per_s_by_shard", [])) > 1 else ""),
           f"{lv.get('accepted_steps', 0) / max(1, lv.get('offered_steps', 0)):.1%} "
           f"({lv.get('accepted_steps', 0)}/{lv.get('offered_steps', 0)}; {lv.get('slowed', 0)} slowed)", f"{lv['merge_latency_p50_s']:.3f} / {lv['merge_latency_p99_s']:.3f}",
           f"{lv['upload_latency_p50_s']:.3f} / {lv['upload_latency_p99_s']:.3f}",
@@ -224,8 +260,12 @@ def _md_scale(sc: dict) -> list[str]:
           + (" " + ", ".join(f"{k} {v}" for k, v in lv.get("refusals", {}).items()) if lv.get("refusals") else "")
           + ("; " + ", ".join(f"{k[len('rejected_'):]} {v}" for k, v in sorted(lv.get("syncer_uploads", {}).items())
                               if k.startswith("rejected_")) if lv.get("refusals") else ""),
-          f"{lv['syncer_rss_before_learners_bytes'] / 2**20:.0f} / {lv['syncer_peak_rss_bytes'] / 2**20:.0f}"]
+          _shard_rss(lv)]
          for lv in sc["levels"]]))
+    for sp in sc.get("speedups", []):
+        md.append(f"\n{sp['shards']} shards against one at {sp['learners']} learners: {sp['merges_per_s']:.2f} / "
+                  f"{sp['one_shard_merges_per_s']:.2f} merges/s = {sp['ratio']:.2f}x (target at saturation, the "
+                  f"most learners: >= {TARGETS['shard_speedup']:.1f}x for 2 shards).")
     md.append("\nMerge latency: round opened to merge started (quorum wait + grace used), from the syncer's merge "
               "records; upload latency: client-side UploadFragment round trip (decode and fold-in included). "
               "Uploads offered: what the fragment schedule asks of the replay learners in the run; refusals "
@@ -254,8 +294,80 @@ def markdown(result: dict) -> str:
         md += _md_overlap(result["overlap"])
     if result.get("scale"):
         md += _md_scale(result["scale"])
+    if result.get("sizes"):
+        md += md_sizes(result["sizes"], result.get("previous"))
     notes = result.get("notes")
     if notes:
         md += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     md += ["", results_lib.provenance_markdown(result["provenance"])]
     return "\n".join(md)
+
+
+# ---------------------------------------------------------------- model sizes, against the previous run
+
+
+def size_rows(result: dict | None) -> list[dict]:
+    """A run's model-size rows, each with its figures: the `sizes` rows; a run from before them
+    (its scale section only) gives one row per scale level of its default model, one shard."""
+    if not result:
+        return []
+    rows = list(result.get("sizes", {}).get("rows", []))
+    if not rows and result.get("scale"):
+        model = result["scale"].get("model", {})
+        rows = [{"label": "", "model": model, "params": 0} | lv for lv in result["scale"]["levels"]]
+    return rows
+
+
+def previous_summary(previous: dict | None, source: str) -> dict | None:
+    """What perf.json keeps of the previous committed run, to print beside this one's rows."""
+    if not previous:
+        return None
+    prov = previous.get("provenance", {})
+    return {"source": source, "commit": prov.get("commit", ""), "started_utc": prov.get("started_utc", ""),
+            "dirty": prov.get("dirty", False), "rows": size_rows(previous)}
+
+
+def previous_match(row: dict, previous_rows: list[dict]) -> dict | None:
+    """The previous run's row for `row`: the same size (label, or the same model config), with
+    the same shards and learners if it has them, else the nearest learner count."""
+    same = [p for p in previous_rows if (p.get("label") and p["label"] == row["label"]) or p.get("model") == row["model"]]
+    if not same:
+        return None
+    return min(same, key=lambda p: (p.get("shards", 1) != row.get("shards", 1),
+                                    abs(p["learners"] - row["learners"])))
+
+
+def _size_cells(row: dict) -> list[str]:
+    share = row.get("accepted_steps", 0) / max(1, row.get("offered_steps", 0)) if row.get("offered_steps") else None
+    return [f"{row.get('shards', 1)} x {row['learners']}", f"{row['merges_per_s']:.2f}",
+            f"{row['merge_latency_p50_s']:.3f} / {row['merge_latency_p99_s']:.3f}",
+            f"{row['upload_latency_p50_s']:.3f} / {row['upload_latency_p99_s']:.3f}",
+            "-" if share is None else f"{share:.1%}",
+            _mib(row.get("shard_peak_rss_bytes", [row["syncer_peak_rss_bytes"]]))]
+
+
+FIGURES = ["shards x learners", "merges/s", "merge latency p50/p99 s", "upload latency p50/p99 s",
+           "work merged", "peak RSS MiB per shard"]
+
+
+def md_sizes(sizes: dict, previous: dict | None) -> list[str]:
+    """One table: every model size's figures, this run and the previous committed run's beside."""
+    prev_rows = (previous or {}).get("rows", [])
+    md = ["", f"## Model size: synthetic models, {sizes['shards']} shards, {sizes['learners']} replay learners "
+              f"(step {sizes['step_s']:.2f} s, default fragment schedule)", ""]
+    rows = []
+    for row in sizes["rows"]:
+        prev = previous_match(row, prev_rows)
+        prev_cells = _size_cells(prev) if prev else ["-"] * len(FIGURES)
+        rows.append([f"{row['label']} ({row['params']:,})"]
+                    + [f"{now} (prev {was})" for now, was in zip(_size_cells(row), prev_cells, strict=True)])
+    md.append(results_lib.markdown_table(["model (parameters)"] + FIGURES, rows))
+    if previous:
+        md.append(f"\n'prev': the run committed in {previous['source']} (commit {previous['commit'][:12]}"
+                  f"{', uncommitted changes' if previous.get('dirty') else ''}, {previous['started_utc']}); "
+                  "a run from before the model-size rows gives its scale section's default model (one syncer) at "
+                  "the nearest learner count; '-': not measured then.")
+    md.append("\nEvery shard builds the whole model's initial parameters and plans every fragment; its peak RSS "
+              "is therefore at least the model's float32 size whatever the number of shards (the model-size "
+              "rows start shards one at a time from 200M parameters so that their builds do not overlap).")
+    return md

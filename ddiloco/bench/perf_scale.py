@@ -1,13 +1,20 @@
-"""The scale section of `ddiloco bench perf`: one syncer process and 8..64 lightweight learners,
-driven by a few replay processes (`ddiloco.bench.perf_workers.replay`), a fresh syncer per learner
-count: merges per second, upload and merge latency p50/p99, uploads accepted and refused (by the
-syncer's reason) against those the schedule offered, and the syncer's peak RSS (VmHWM).
+"""The scale section of `ddiloco bench perf`: a syncer of 1..N fragment shards (processes) and
+8..64 lightweight learners, driven by a few replay processes (`ddiloco.bench.perf_workers.replay`,
+which send each fragment to its owner shard), a fresh syncer per learner count and shard count:
+merges per second, upload and merge latency p50/p99, uploads accepted and refused (by the syncer's
+reason) against those the schedule offered, and each shard's peak RSS (VmHWM); the speed-up of N
+shards over one at each learner count. The model-size rows (`run_sizes`) run the same level on
+synthetic models of a given number of parameters (0.5M, 100M, 1B: `model_for_params`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import math
 import pathlib
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,48 +24,101 @@ from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
+NUM_FRAGMENTS = 4  # the syncer's default P
+_LEVELS = itertools.count()  # names every level's processes apart within one invocation
+
+
+def parse_params(text: str) -> int:
+    """A parameter count as the flags take it: "0.5M", "100M", "1B", "30k" or a plain number."""
+    value = text.strip().lower()
+    scale = _SUFFIXES.get(value[-1:], 0.0)
+    number = float(value[:-1] if scale else value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"parameter count {text!r}: give a positive number, optionally with k, M or B")
+    return int(round(number * (scale or 1.0)))
+
+
+def params_label(params: int) -> str:
+    """A row's name for a model size: 478,464 -> "0.5M", 99.7M -> "100M", 1.02B -> "1.0B"."""
+    if params >= 1e9:
+        return f"{params / 1e9:.1f}B"
+    if params >= 10e6:
+        return f"{params / 1e6:.0f}M"
+    if params >= 1e5:
+        return f"{params / 1e6:.1f}M"
+    return f"{params / 1e3:.0f}k"
+
+
+def model_for_params(params: int) -> dict:
+    """A transformer config (byte vocabulary, T = 128, d_ff = 4 d) with about `params` parameters:
+    the "tiny" preset up to 100k, "small" (478k, the default model) up to 2M, else blocks of
+    width d (a multiple of 64, heads of 64) and depth L with 12 d^2 L ~ params."""
+    if params <= 100_000:
+        return {"preset": "tiny"}
+    if params <= 2_000_000:
+        return {"preset": "small"}
+    layers = 4 if params < 20e6 else 14 if params < 500e6 else 16
+    d_model = max(64, 64 * round(math.sqrt(params / (12 * layers)) / 64))
+    return {"preset": "small", "d_model": d_model, "n_layers": layers, "n_heads": d_model // 64, "d_ff": 4 * d_model}
+
+
+def fragment_numels(model: dict) -> dict[int, int]:
+    """The values of each of the model's default fragments, by fragment id."""
+    from ddiloco import models  # JAX: after perf.run has set XLA_FLAGS
+
+    plan = fragments_lib.plan_fragments(models.get_model("transformer", model).tensor_specs(), NUM_FRAGMENTS, 8)
+    return {f.fragment_id: f.numel for f in plan.fragments}
+
 
 def synthetic_capture(model: dict, path: pathlib.Path) -> None:
     """Random pseudo-gradients (std 1e-4) of each of the model's default fragments, saved as the
     overlap section saves captured ones."""
-    from ddiloco import models  # JAX: after perf.run has set XLA_FLAGS
-
-    plan = fragments_lib.plan_fragments(models.get_model("transformer", model).tensor_specs(), 4, 8)
     rng = np.random.default_rng(0)
-    np.savez(path, **{f"f{f.fragment_id}_0": (rng.standard_normal(f.numel) * 1e-4).astype(np.float32)
-                      for f in plan.fragments})
+    np.savez(path, **{f"f{fid}_0": (rng.standard_normal(numel) * 1e-4).astype(np.float32)
+                      for fid, numel in fragment_numels(model).items()})
 
 
-def _start_replays(workdir: pathlib.Path, syncer_address: str, captured: pathlib.Path, count: int, seconds: float,
-                   step_s: float, processes: int) -> list[cluster_lib.ServiceProcess]:
-    """`count` replay learners spread over `processes` replay processes, started."""
+def _start_replays(workdir: pathlib.Path, syncer_address: str, payload: dict, count: int, seconds: float,
+                   step_s: float, processes: int, tag: str) -> list[cluster_lib.ServiceProcess]:
+    """`count` replay learners spread over `processes` replay processes, started. `payload`: the
+    spec's "captured" path or "synthetic_numels"."""
     per = [count // processes + (1 if i < count % processes else 0) for i in range(processes)]
     procs = []
     first = 0
     for i, n in enumerate(per):
         if n == 0:
             continue
-        spec = {"address": syncer_address, "captured": str(captured), "ids": n, "first": first,
-                "seconds": seconds, "step_s": step_s, "sync_period_steps": 8, "chunk_size": 512 * 1024,
-                "flush_s": 10.0}
+        spec = {"address": syncer_address, **payload, "ids": n, "first": first, "seconds": seconds,
+                "step_s": step_s, "sync_period_steps": 8, "chunk_size": 512 * 1024, "flush_s": 10.0}
         first += n
-        procs.append(common.start_worker(workdir, f"replay-{count}-{i}", "ddiloco.bench.perf_workers.replay", spec))
+        procs.append(common.start_worker(workdir, f"replay-{tag}-{i}", "ddiloco.bench.perf_workers.replay", spec))
     return procs
 
 
-def _level(count: int, s0, s1, elapsed_s: float, final, replays: list[dict]) -> dict:
-    """One learner count's figures, from the syncer's training state before, during and after,
-    and the replay processes' results."""
-    lat = [m.quorum_wait_s + m.grace_used_s for m in s1.recent_merges]
+def _level(count: int, s0s: list, s1s: list, elapsed_s: float, finals: list, replays: list[dict]) -> dict:
+    """One level's figures, from each shard's training state before, during and after, and the
+    replay processes' results."""
+    lat = [m.quorum_wait_s + m.grace_used_s for s1 in s1s for m in s1.recent_merges]
     upload_lat = [x for r in replays for x in r["latencies"]]
+    merges = [(s1.outer_steps - s0.outer_steps) / elapsed_s for s0, s1 in zip(s0s, s1s, strict=True)]
+    syncer_uploads: dict[str, int] = {}
+    for final in finals:
+        for key, value in final.uploads.items():
+            syncer_uploads[key] = syncer_uploads.get(key, 0) + value
+    by_shard: dict[str, int] = {}
+    for r in replays:
+        for shard, n in r.get("accepted_by_shard", {}).items():
+            by_shard[shard] = by_shard.get(shard, 0) + n
     return {
-        "learners": count,
-        "merges_per_s": (s1.outer_steps - s0.outer_steps) / elapsed_s,
+        "learners": count, "shards": len(s0s),
+        "merges_per_s": sum(merges), "merges_per_s_by_shard": merges,
         "merge_latency_p50_s": common.percentile(lat, 50), "merge_latency_p99_s": common.percentile(lat, 99),
-        "merge_compute_s": s1.sync_time_s,
+        "merge_compute_s": sum(s1.sync_time_s for s1 in s1s),
         "upload_latency_p50_s": common.percentile(upload_lat, 50),
         "upload_latency_p99_s": common.percentile(upload_lat, 99),
         "uploads_accepted": sum(r["accepted"] for r in replays), "uploads_refused": sum(r["refused"] for r in replays),
+        "uploads_accepted_by_shard": dict(sorted(by_shard.items())),
         "uploads_skipped": sum(r["skipped"] for r in replays),
         "uploads_offered": sum(r["offered"] for r in replays),
         # Work in learner-steps per fragment: trained (offered), in accepted contributions
@@ -67,43 +127,99 @@ def _level(count: int, s0, s1, elapsed_s: float, final, replays: list[dict]) -> 
            ("offered_steps", "accepted_steps", "pending_steps_end", "slowed", "final_sent")},
         "refusals": {code: sum(r["refusals"].get(code, 0) for r in replays)
                      for code in sorted({c for r in replays for c in r["refusals"]})},
-        "syncer_uploads": dict(final.uploads),
+        "syncer_uploads": syncer_uploads,
     }
 
 
-def _run_level(workdir: pathlib.Path, model: dict, captured: pathlib.Path, count: int, seconds: float, step_s: float,
-               processes: int) -> dict:
-    with common.running_syncer(workdir, f"syncer-scale-{count}", model, ["--liveness-timeout-s", "30"]) as syncer:
-        rss_idle = common.vm_hwm_bytes(syncer.pid)
-        procs = _start_replays(workdir, syncer.address, captured, count, seconds, step_s, processes)
-        probe = channel_lib.sync_channel(syncer.address)
+def _measure(syncers: list[cluster_lib.ServiceProcess], procs: list, count: int, seconds: float) -> dict:
+    """Merges over the middle of the run, from every shard's training state, then the replays'
+    results and every shard's own upload counters (refusals by reason)."""
+    probes = [channel_lib.sync_channel(s.address) for s in syncers]
+    try:
+        stubs = [syncer_pb2_grpc.SyncerStub(p) for p in probes]
+
+        def states(recent_merges: int) -> list:
+            return [stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=recent_merges),
+                                          timeout=30).state for stub in stubs]
+
+        # Skip the joins and first uploads; measure merges over the middle of the run.
+        time.sleep(min(2.0, seconds / 4))
+        s0s, t0 = states(0), common.now()
+        time.sleep(seconds * 0.6)
+        s1s, t1 = states(256), common.now()
+        replays = [common.worker_result(p, timeout_s=seconds + 300) for p in procs]
+        return _level(count, s0s, s1s, t1 - t0, states(0), replays)
+    finally:
+        for p in probes:
+            p.close()
+
+
+def _run_level(workdir: pathlib.Path, model: dict, payload: dict, count: int, seconds: float, step_s: float,
+               processes: int, shards: int, one_at_a_time: bool = False) -> dict:
+    tag = f"{next(_LEVELS)}-{count}x{shards}"
+    with common.running_syncer_shards(workdir, f"syncer-scale-{tag}", model, shards, ["--liveness-timeout-s", "30"],
+                                      one_at_a_time=one_at_a_time) as syncers:
+        rss_idle = [common.vm_hwm_bytes(s.pid) for s in syncers]
+        procs = _start_replays(workdir, syncers[0].address, payload, count, seconds, step_s, processes, tag)
         try:
-            stub = syncer_pb2_grpc.SyncerStub(probe)
-
-            def state(recent_merges: int):
-                return stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=recent_merges),
-                                             timeout=10).state
-
-            # Skip the joins and first uploads; measure merges over the middle of the run.
-            time.sleep(min(2.0, seconds / 4))
-            s0, t0 = state(0), common.now()
-            time.sleep(seconds * 0.6)
-            s1, t1 = state(256), common.now()
-            replays = [common.worker_result(p, timeout_s=seconds + 120) for p in procs]
-            # The syncer's own upload counters (refusals by reason: stale, already_pending, busy...).
-            level = _level(count, s0, s1, t1 - t0, state(0), replays)
+            level = _measure(syncers, procs, count, seconds)
         finally:
-            probe.close()
             for p in procs:
                 p.stop(5.0)
-        return level | {"syncer_cpu_s": common.process_cpu_s(syncer.pid),
-                        "syncer_peak_rss_bytes": common.vm_hwm_bytes(syncer.pid),
-                        "syncer_rss_before_learners_bytes": rss_idle}
+        peaks = [common.vm_hwm_bytes(s.pid) for s in syncers]
+        rss_now = [_vm_rss_bytes(s.pid) for s in syncers]
+        return level | {"syncer_cpu_s_by_shard": [common.process_cpu_s(s.pid) for s in syncers],
+                        "syncer_cpu_s": sum(common.process_cpu_s(s.pid) for s in syncers),
+                        "shard_peak_rss_bytes": peaks, "shard_rss_before_learners_bytes": rss_idle,
+                        "shard_rss_end_bytes": rss_now,
+                        # One process's figures (the largest shard's), as before shards.
+                        "syncer_peak_rss_bytes": max(peaks), "syncer_rss_before_learners_bytes": max(rss_idle)}
+
+
+def _vm_rss_bytes(pid: int) -> int:
+    """Resident set size of a process now (VmRSS), in bytes; 0 if it cannot be read."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def shard_speedups(levels: list[dict]) -> list[dict]:
+    """For each learner count measured with one shard and with more: merges/s of N shards over
+    one shard's (the scale-out figure; the target is about the largest count, saturation)."""
+    one = {lv["learners"]: lv["merges_per_s"] for lv in levels if lv.get("shards", 1) == 1}
+    return [{"learners": lv["learners"], "shards": lv["shards"], "merges_per_s": lv["merges_per_s"],
+             "one_shard_merges_per_s": one[lv["learners"]],
+             "ratio": lv["merges_per_s"] / one[lv["learners"]] if one[lv["learners"]] > 0 else 0.0}
+            for lv in levels if lv.get("shards", 1) > 1 and lv["learners"] in one]
 
 
 def run_scale(workdir: pathlib.Path, model: dict, captured: pathlib.Path, counts: list[int], seconds: float,
-              step_s: float, processes: int) -> dict:
-    out = {"model": model, "step_s": step_s, "seconds": seconds, "levels": []}
+              step_s: float, processes: int, shard_counts: Sequence[int] = (1,)) -> dict:
+    """Every learner count at every shard count (shard counts interleaved per learner count, so
+    that both see the same machine load)."""
+    out = {"model": model, "step_s": step_s, "seconds": seconds, "shard_counts": list(shard_counts), "levels": []}
     for count in counts:
-        out["levels"].append(_run_level(workdir, model, captured, count, seconds, step_s, processes))
+        for shards in shard_counts:
+            out["levels"].append(_run_level(workdir, model, {"captured": str(captured)}, count, seconds, step_s,
+                                            processes, shards))
+    out["speedups"] = shard_speedups(out["levels"])
     return out
+
+
+def run_sizes(workdir: pathlib.Path, sizes: list[str], shards: int, learners: int, seconds: float, step_s: float,
+              processes: int) -> dict:
+    """The model-size rows: one level per size (`parse_params`), `shards` shards and `learners`
+    replay learners uploading synthetic pseudo-gradients of that model's fragments. Shards start
+    one at a time from 200M parameters (each builds the whole model's initial parameters)."""
+    rows = []
+    for size in sizes:
+        params_target = parse_params(size)
+        model = model_for_params(params_target)
+        numels = fragment_numels(model)
+        params = sum(numels.values())
+        level = _run_level(workdir, model, {"synthetic_numels": {str(f): n for f, n in numels.items()}}, learners,
+                           seconds, step_s, processes, shards, one_at_a_time=params >= 200e6)
+        rows.append({"size": size, "label": params_label(params), "params": params, "model": model} | level)
+    return {"step_s": step_s, "seconds": seconds, "shards": shards, "learners": learners, "rows": rows}

@@ -3,9 +3,15 @@
 progress every step and uploading the captured pseudo-gradients on the default fragment schedule,
 based on the version it last heard of, as a real learner does, for `spec["seconds"]`.
 
+Fragment shards: `spec["address"]` is shard 0; a replay learner whose Join answer carries a shard
+map joins every other shard too (one identity per shard, as ShardedSyncClient opens one session
+per shard), watches and reports progress to each, and sends each fragment's uploads to its owner
+(`ShardedLearner.of`). Payloads: the captured pseudo-gradients (`spec["captured"]`, an .npz), or
+synthetic ones of the sizes `spec["synthetic_numels"]` gives by fragment id (the model-size rows).
+
 `python -m ddiloco.bench.perf_workers.replay SPEC_JSON RESULT_PATH` (`perf_workers.run_job`):
-the result counts uploads (accepted, refused by status code, skipped), learner-steps of work and
-every upload's latency.
+the result counts uploads (accepted by shard, refused by status code, skipped), learner-steps of
+work and every upload's latency.
 """
 
 from __future__ import annotations
@@ -24,6 +30,45 @@ from ddiloco.rpc import errors as errors_lib
 from ddiloco.v1 import common_pb2, syncer_pb2_grpc
 
 
+def owner_map(shards) -> dict[int, int]:
+    """Fragment id -> index of the shard that owns it, from a Join answer's shard map
+    (JoinResponse.shards: entries with `index` and `fragment_ids`); {} when unsharded."""
+    return {int(fid): int(shard.index) for shard in shards for fid in shard.fragment_ids}
+
+
+class ShardedLearner:
+    """One replay learner's identities, one per syncer shard: joined to the shard it is pointed at
+    first, then, if that answer carries a shard map, to every other shard (`stub_for(address)`
+    gives a stub to an address, channels shared by the process). `of(fid)` is the identity that
+    talks to the fragment's owner (the only one when unsharded)."""
+
+    def __init__(self, first_stub, learner_id: str, stub_for) -> None:
+        self.learner_id = learner_id
+        self._stub_for = stub_for
+        self.first = perf_identity.Identity(first_stub, learner_id)
+        self.by_shard: dict[int, perf_identity.Identity] = {0: self.first}
+        self.owner: dict[int, int] = {}
+
+    async def join(self, timeout_s: float) -> None:
+        await self.first.join(timeout_s)
+        self.owner = owner_map(self.first.shards)
+        self.by_shard = {self.first.shard_index: self.first}
+        for shard in self.first.shards:
+            if shard.index in self.by_shard:
+                continue
+            ident = perf_identity.Identity(self._stub_for(shard.addresses[0]), self.learner_id)
+            await ident.join(timeout_s)
+            ident.shard_index = shard.index  # as the map names it, whatever the shard answered
+            self.by_shard[shard.index] = ident
+
+    def of(self, fid: int) -> perf_identity.Identity:
+        return self.by_shard.get(self.owner.get(fid, self.first.shard_index), self.first)
+
+    @property
+    def identities(self) -> list[perf_identity.Identity]:
+        return [self.by_shard[i] for i in sorted(self.by_shard)]
+
+
 async def _send(ctx: dict, ident: perf_identity.Identity, fid: int, base: int, steps: int, state: dict,
                 final: bool) -> None:
     """One replay upload with the learner's real client; on acceptance its steps are merged work
@@ -36,8 +81,10 @@ async def _send(ctx: dict, ident: perf_identity.Identity, fid: int, base: int, s
     try:
         # The base stays what the watch stream delivered: a real learner cannot rebase on a
         # version it has not received (the response's current_version).
-        resp = await client_lib.send_upload(ctx["stub"], msgs, 30, pipeline_bytes=ident.pipeline_bytes)
+        resp = await client_lib.send_upload(ident.stub, msgs, 30, pipeline_bytes=ident.pipeline_bytes)
         ctx["counts"]["accepted"] += 1
+        by_shard = ctx["accepted_by_shard"]
+        by_shard[str(ident.shard_index)] = by_shard.get(str(ident.shard_index), 0) + 1
         ctx["work"]["accepted_steps"] += steps
         state["pending"][fid] -= steps
         ident.sent_base[fid] = base
@@ -52,8 +99,10 @@ async def _send(ctx: dict, ident: perf_identity.Identity, fid: int, base: int, s
     ctx["latencies"].append(loop.time() - t0)
 
 
-def _try_send(ctx: dict, ident: perf_identity.Identity, fid: int, state: dict, final: bool) -> bool:
-    """Starts an upload of the fragment's pending work if the replay learner may send one now."""
+def _try_send(ctx: dict, learner: ShardedLearner, fid: int, state: dict, final: bool) -> bool:
+    """Starts an upload of the fragment's pending work, to its owner shard, if the replay learner
+    may send one now."""
+    ident = learner.of(fid)
     base = ident.versions.get(fid, 0)
     if fid in state["sending"] or state["pending"][fid] <= 0 or ident.sent_base.get(fid) == base:
         return False  # one upload per fragment in flight, one contribution per base version
@@ -68,11 +117,13 @@ def _try_send(ctx: dict, ident: perf_identity.Identity, fid: int, state: dict, f
 async def _learner(ctx: dict, spec: dict, index: int, stop: asyncio.Event) -> None:
     """One replay learner until `stop`, then its pending work flushed (bounded wait)."""
     fids, period, step_s, work = ctx["fids"], spec["sync_period_steps"], spec["step_s"], ctx["work"]
-    ident = perf_identity.Identity(ctx["stub"], f"replay-{spec['first']+index}")
-    await ident.join(30)
-    watch = asyncio.create_task(ident.watch(stop, 60))
+    learner = ShardedLearner(ctx["stub"], f"replay-{spec['first']+index}", ctx["stub_for"])
+    await learner.join(30)
     step = index % period  # learners are not in phase
-    progress = asyncio.create_task(ident.report_progress(stop, step_s, lambda: step, timeout_s=10))
+    # Every shard is watched and told the progress (each counts tokens and runs its own rounds).
+    watches = [asyncio.create_task(ident.watch(stop, 60)) for ident in learner.identities]
+    progress = [asyncio.create_task(ident.report_progress(stop, step_s, lambda: step, timeout_s=10))
+                for ident in learner.identities]
     loop = asyncio.get_running_loop()
     next_at = loop.time() + (index % 16) * step_s / 16
     state = {"pending": dict.fromkeys(fids, 0), "hold": {}, "sending": {}}
@@ -88,45 +139,63 @@ async def _learner(ctx: dict, spec: dict, index: int, stop: asyncio.Event) -> No
                 if due:
                     state["pending"][fid] += period  # one period of work on this fragment
                     work["offered_steps"] += period
-                if not _try_send(ctx, ident, fid, state, final=False) and due:
+                if not _try_send(ctx, learner, fid, state, final=False) and due:
                     ctx["counts"]["skipped"] += 1  # held, in flight, or the base did not move: kept
         # The end of the run: what is pending goes out once its base allows (bounded wait).
         deadline = loop.time() + spec.get("flush_s", 10.0)
         while loop.time() < deadline and (state["sending"] or any(state["pending"].values())):
             for fid in fids:
-                work["final_sent"] += _try_send(ctx, ident, fid, state, final=True)
+                work["final_sent"] += _try_send(ctx, learner, fid, state, final=True)
             await asyncio.sleep(0.05)
         for task in list(state["sending"].values()):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, 35)
         work["pending_steps_end"] += sum(state["pending"].values())
     finally:
-        watch.cancel()
-        progress.cancel()
+        for task in watches + progress:
+            task.cancel()
 
 
-def _captured_payloads(spec: dict) -> dict[int, tuple]:
-    """The first captured pseudo-gradient of each fragment, encoded and chunked."""
-    with np.load(spec["captured"]) as data:
-        deltas = {}
-        for key in sorted(data.files):
-            fid = int(key.split("_")[0][1:])
-            deltas.setdefault(fid, data[key])
-    payloads = perf_identity.prepare_payloads(deltas, spec["chunk_size"])
+def _payloads(spec: dict) -> dict[int, tuple]:
+    """Each fragment's upload, encoded and chunked: the first captured pseudo-gradient of each
+    fragment, or synthetic ones (std 1e-4) of `spec["synthetic_numels"]`, made and encoded one
+    fragment at a time so that only one float32 fragment is held (1B parameters: 1 GB each)."""
+    payloads = {}
+    if "synthetic_numels" in spec:
+        rng = np.random.default_rng(spec.get("seed", 0))
+        for fid, numel in sorted((int(f), int(n)) for f, n in spec["synthetic_numels"].items()):
+            delta = rng.standard_normal(numel, dtype=np.float32)
+            delta *= 1e-4
+            payloads.update(perf_identity.prepare_payloads({fid: delta}, spec["chunk_size"]))
+            del delta
+    else:
+        with np.load(spec["captured"]) as data:
+            deltas = {}
+            for key in sorted(data.files):
+                fid = int(key.split("_")[0][1:])
+                deltas.setdefault(fid, data[key])
+        payloads = perf_identity.prepare_payloads(deltas, spec["chunk_size"])
     return {fid: (common_pb2.PayloadInfo.FromString(info.SerializeToString()), chunks)
             for fid, (info, chunks) in payloads.items()}
 
 
 async def replay(spec: dict) -> dict:
     """Runs the replay learners for `spec["seconds"]`; their counts and latencies."""
-    payloads = _captured_payloads(spec)
-    channel = channel_lib.aio_channel(spec["address"], None)
+    payloads = _payloads(spec)
+    channels = {spec["address"]: channel_lib.aio_channel(spec["address"], None)}
+
+    def stub_for(address: str):
+        """A stub to a shard, over one channel per address for the whole process."""
+        if address not in channels:
+            channels[address] = channel_lib.aio_channel(address, None)
+        return syncer_pb2_grpc.SyncerStub(channels[address])
+
     fids = sorted(payloads)
     period = spec["sync_period_steps"]
     counts = {"accepted": 0, "refused": 0, "skipped": 0}
     work = {"offered_steps": 0, "accepted_steps": 0, "pending_steps_end": 0, "slowed": 0, "final_sent": 0}
-    ctx = {"stub": syncer_pb2_grpc.SyncerStub(channel), "payloads": payloads, "counts": counts, "refusals": {},
-           "work": work, "latencies": [], "fids": fids,
+    ctx = {"stub": stub_for(spec["address"]), "stub_for": stub_for, "payloads": payloads, "counts": counts,
+           "refusals": {}, "accepted_by_shard": {}, "work": work, "latencies": [], "fids": fids,
            "offsets": {fid: (fid * period) // len(fids) for fid in fids}}
     stop = asyncio.Event()
     tasks = [asyncio.create_task(_learner(ctx, spec, i, stop)) for i in range(spec["ids"])]
@@ -135,10 +204,12 @@ async def replay(spec: dict) -> dict:
     await asyncio.wait(tasks, timeout=spec.get("flush_s", 10.0) + 40)
     for t in tasks:
         t.cancel()
-    await channel.close()
+    for channel in channels.values():
+        await channel.close()
     # What the schedule asked for: one upload per fragment every sync period per identity.
     offered = round(spec["ids"] * len(fids) * spec["seconds"] / (spec["step_s"] * period))
-    return {"latencies": ctx["latencies"], "refusals": ctx["refusals"], "offered": offered, **counts, **work}
+    return {"latencies": ctx["latencies"], "refusals": ctx["refusals"], "offered": offered,
+            "accepted_by_shard": ctx["accepted_by_shard"], **counts, **work}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,162 @@
+"""The pure parts of `ddiloco bench perf`'s scale and sizes sections: model sizes from a parameter
+count, each fragment's upload routed to its owner shard by a replay learner (fake stubs, no
+network), figures added up over shards, and the model-size table beside a previous run's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from ddiloco.bench import perf_report, perf_scale
+from ddiloco.bench.perf_workers import replay
+from ddiloco.v1 import syncer_pb2
+
+
+def test_parameter_counts_parse_and_name_rows():
+    assert [perf_scale.parse_params(x) for x in ("0.5M", "100M", "1B", "30k", "4e6")] == [
+        500_000, 100_000_000, 1_000_000_000, 30_000, 4_000_000]
+    assert [perf_scale.params_label(n) for n in (478_464, 99_400_000, 1_019_000_000, 30_000)] == [
+        "0.5M", "99M", "1.0B", "30k"]
+    for bad in ("", "-1M", "0", "xM", "nanB"):
+        with pytest.raises(ValueError):
+            perf_scale.parse_params(bad)
+
+
+@pytest.mark.parametrize("size, low, high", [("30k", 20e3, 40e3), ("0.5M", 0.4e6, 0.6e6), ("100M", 95e6, 105e6),
+                                             ("1B", 1.0e9, 1.1e9)])
+def test_a_synthetic_model_has_about_the_parameters_asked_for(size, low, high):
+    # Shapes only (no parameters are built): the 1B row is at least 1B parameters.
+    numels = perf_scale.fragment_numels(perf_scale.model_for_params(perf_scale.parse_params(size)))
+    assert len(numels) == perf_scale.NUM_FRAGMENTS
+    assert low <= sum(numels.values()) <= high
+
+
+def test_the_default_model_is_the_half_million_row():
+    assert perf_scale.model_for_params(perf_scale.parse_params("0.5M")) == {"preset": "small"}
+
+
+class _FakeStub:
+    """A syncer shard's Join: answers with `shards` (the map) and its own index; records who joined."""
+
+    def __init__(self, index: int, shards: list) -> None:
+        self.index, self.shards, self.joined = index, shards, []
+
+    async def Join(self, request, timeout):  # noqa: N802 - the gRPC method's name
+        self.joined.append(request.learner_id)
+        return syncer_pb2.JoinResponse(syncer_instance=f"life-{self.index}", shards=self.shards,
+                                       shard_index=self.index)
+
+
+def _shard_map() -> list:
+    return [syncer_pb2.SyncerShard(index=0, addresses=["a:1"], fragment_ids=[0, 2]),
+            syncer_pb2.SyncerShard(index=1, addresses=["b:1", "b2:1"], fragment_ids=[1, 3])]
+
+
+def test_a_replay_learner_joins_every_shard_and_sends_each_fragment_to_its_owner():
+    shards = _shard_map()
+    first, second = _FakeStub(0, shards), _FakeStub(1, shards)
+    asked = []
+
+    def stub_for(address):
+        asked.append(address)
+        return second
+
+    learner = replay.ShardedLearner(first, "replay-7", stub_for)
+    asyncio.run(learner.join(5))
+    assert asked == ["b:1"]  # the owner's first address, once
+    assert first.joined == second.joined == ["replay-7"]  # the same learner on both shards
+    assert [learner.of(f).stub for f in range(4)] == [first, second, first, second]
+    assert [learner.of(f).shard_index for f in range(4)] == [0, 1, 0, 1]
+    assert learner.of(1).instance == "life-1"  # its uploads name the owner's life, not shard 0's
+    assert [i.shard_index for i in learner.identities] == [0, 1]  # both watched and told the progress
+
+
+def test_an_unsharded_syncer_gets_every_fragment_from_one_identity():
+    only = _FakeStub(0, [])
+    learner = replay.ShardedLearner(only, "replay-0", lambda address: pytest.fail(f"asked for {address}"))
+    asyncio.run(learner.join(5))
+    assert replay.owner_map([]) == {}
+    assert {learner.of(f).stub for f in range(4)} == {only}
+    assert len(learner.identities) == 1
+
+
+def test_owner_map_is_the_join_answers_map():
+    assert replay.owner_map(_shard_map()) == {0: 0, 2: 0, 1: 1, 3: 1}
+
+
+def _state(outer_steps: int, merges: list[float], uploads: dict):
+    return types.SimpleNamespace(
+        outer_steps=outer_steps, sync_time_s=0.5, uploads=uploads,
+        recent_merges=[types.SimpleNamespace(quorum_wait_s=m, grace_used_s=0.0) for m in merges])
+
+
+def _replay_result(accepted_by_shard: dict) -> dict:
+    n = sum(accepted_by_shard.values())
+    return {"latencies": [0.01, 0.02], "refusals": {}, "offered": n, "accepted": n, "refused": 0, "skipped": 0,
+            "accepted_by_shard": accepted_by_shard, "offered_steps": 8 * n, "accepted_steps": 8 * n,
+            "pending_steps_end": 0, "slowed": 0, "final_sent": 0}
+
+
+def test_a_levels_figures_add_up_over_its_shards():
+    s0s = [_state(10, [], {}), _state(20, [], {})]
+    s1s = [_state(30, [0.1, 0.2], {}), _state(60, [0.3], {})]
+    finals = [_state(0, [], {"accepted": 5}), _state(0, [], {"accepted": 7, "rejected_stale": 1})]
+    level = perf_scale._level(8, s0s, s1s, 2.0, finals, [_replay_result({"0": 3, "1": 4}),
+                                                          _replay_result({"0": 2, "1": 3})])
+    assert level["shards"] == 2
+    assert level["merges_per_s_by_shard"] == [10.0, 20.0] and level["merges_per_s"] == 30.0
+    assert level["uploads_accepted_by_shard"] == {"0": 5, "1": 7}
+    assert level["syncer_uploads"] == {"accepted": 12, "rejected_stale": 1}
+    assert level["merge_latency_p99_s"] == pytest.approx(0.3, abs=0.01)  # every shard's merges
+
+
+def test_speedup_is_n_shards_over_one_at_the_same_learner_count():
+    levels = [{"learners": 8, "shards": 1, "merges_per_s": 10.0}, {"learners": 8, "shards": 2, "merges_per_s": 18.0},
+              {"learners": 64, "shards": 1, "merges_per_s": 20.0}, {"learners": 64, "shards": 2, "merges_per_s": 36.0}]
+    assert [(s["learners"], s["shards"], s["ratio"]) for s in perf_scale.shard_speedups(levels)] == [
+        (8, 2, 1.8), (64, 2, 1.8)]
+    head = perf_report._scale_headline({"levels": levels, "speedups": perf_scale.shard_speedups(levels)})
+    assert [(f["name"], f["ratio"], f["meets_target"]) for f in head] == [
+        ("merges/s, 2 syncer shards, 64 replay learners", 1.8, True)]
+
+
+def _row(label: str, params: int, model: dict, shards: int, learners: int, merges: float, rss: list[int]) -> dict:
+    return {"label": label, "params": params, "model": model, "shards": shards, "learners": learners,
+            "merges_per_s": merges, "merge_latency_p50_s": 0.1, "merge_latency_p99_s": 0.2,
+            "upload_latency_p50_s": 0.01, "upload_latency_p99_s": 0.02, "offered_steps": 100, "accepted_steps": 99,
+            "shard_peak_rss_bytes": rss, "syncer_peak_rss_bytes": max(rss)}
+
+
+def test_the_size_table_puts_the_previous_committed_runs_figures_beside_each_row():
+    # The committed run of before the model-size rows: its scale section only (one syncer, the
+    # default model, several learner counts); the 0.5M row is matched by model, at the nearest count.
+    legacy = {"provenance": {"commit": "36f2b8c627e7", "started_utc": "2026-11-25T11:20:53+00:00", "dirty": False},
+              "scale": {"model": {"preset": "small"}, "levels": [
+                  {"learners": n, "merges_per_s": m, "merge_latency_p50_s": 0.15, "merge_latency_p99_s": 0.16,
+                   "upload_latency_p50_s": 0.004, "upload_latency_p99_s": 0.008,
+                   "syncer_peak_rss_bytes": 500 * 2**20, "syncer_rss_before_learners_bytes": 480 * 2**20}
+                  for n, m in ((8, 10.78), (64, 23.5))]}}
+    previous = perf_report.previous_summary(legacy, "bench/results/perf.json")
+    sizes = {"shards": 4, "learners": 4, "step_s": 0.1, "rows": [
+        _row("0.5M", 478_464, {"preset": "small"}, 4, 4, 12.5, [400 * 2**20] * 4),
+        _row("1.0B", 1_019_000_000, {"preset": "small", "d_model": 2304}, 4, 4, 0.4, [9000 * 2**20] * 4)]}
+    md = "\n".join(perf_report.md_sizes(sizes, previous))
+    lines = [line for line in md.splitlines() if line.startswith("| 0.5M") or line.startswith("| 1.0B")]
+    assert len(lines) == 2
+    assert "12.50 (prev 10.78)" in lines[0]  # the 8-learner level is nearest to 4 learners
+    assert "1 x 8" in lines[0] and "500" in lines[0]  # the previous run's setup and peak RSS beside
+    assert "400 + 400 + 400 + 400" in lines[0]  # this run: one peak per shard
+    assert "0.40 (prev -)" in lines[1]  # not measured then
+    assert "commit 36f2b8c627e7" in md
+
+
+def test_a_previous_run_with_size_rows_is_matched_by_label_shards_and_learners():
+    rows = [_row("1.0B", 1, {}, 2, 4, 1.0, [1]), _row("1.0B", 1, {}, 4, 8, 2.0, [1]), _row("1.0B", 1, {}, 4, 4, 3.0, [1])]
+    current = _row("1.0B", 1, {"d_model": 2304}, 4, 4, 0.0, [1])
+    assert perf_report.previous_match(current, rows)["merges_per_s"] == 3.0
+    assert perf_report.previous_match(_row("100M", 1, {"d_model": 768}, 4, 4, 0.0, [1]), rows) is None
+    assert perf_report.size_rows({"sizes": {"rows": rows}}) == rows
+    assert perf_report.previous_summary(None, "x") is None
