@@ -330,7 +330,8 @@ def previous_summary(previous: dict | None, source: str) -> dict | None:
 def previous_match(row: dict, previous_rows: list[dict]) -> dict | None:
     """The previous run's row for `row`: the same size (label, or the same model config), with
     the same shards and learners if it has them, else the nearest learner count."""
-    same = [p for p in previous_rows if (p.get("label") and p["label"] == row["label"]) or p.get("model") == row["model"]]
+    same = [p for p in previous_rows if "not_run" not in p
+            and ((p.get("label") and p["label"] == row["label"]) or p.get("model") == row["model"])]
     if not same:
         return None
     return min(same, key=lambda p: (p.get("shards", 1) != row.get("shards", 1),
@@ -359,8 +360,12 @@ def md_sizes(sizes: dict, previous: dict | None) -> list[str]:
     for row in sizes["rows"]:
         prev = previous_match(row, prev_rows)
         prev_cells = _size_cells(prev) if prev else ["-"] * len(FIGURES)
+        if "not_run" in row:
+            now_cells = [f"{row['shards']} x {row['learners']}", f"not run: {row['not_run']}"] + [""] * (len(FIGURES) - 2)
+        else:
+            now_cells = _size_cells(row)
         rows.append([f"{row['label']} ({row['params']:,})"]
-                    + [f"{now} (prev {was})" for now, was in zip(_size_cells(row), prev_cells, strict=True)])
+                    + [f"{now} (prev {was})" for now, was in zip(now_cells, prev_cells, strict=True)])
     md.append(results_lib.markdown_table(["model (parameters)"] + FIGURES, rows))
     if previous:
         md.append(f"\n'prev': the run committed in {previous['source']} (commit {previous['commit'][:12]}"

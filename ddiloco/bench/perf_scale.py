@@ -208,6 +208,26 @@ def run_scale(workdir: pathlib.Path, model: dict, captured: pathlib.Path, counts
     return out
 
 
+def memory_needed_bytes(params: int, shards: int) -> int:
+    """What a level of a `params`-parameter model with `shards` shards needs at its peak, from
+    the syncer's start-up (services/syncer/__main__.py: every shard builds the whole model's
+    initial parameters, flattens every fragment and keeps a float32 copy of each in its slots):
+    every shard's copy (4 bytes a parameter) and its own fragments' outer-optimizer and merge
+    state (8 more a parameter it owns), plus the start-up transient of the shard starting last
+    (the model's arrays, their numpy conversion and the flattened fragments: 12 bytes a
+    parameter), plus the replay processes' encoded payloads (about 1 byte a parameter)."""
+    return int(params * (4 * shards + 8 + 12 + 1))
+
+
+def _mem_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (0 if it cannot be read)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def run_sizes(workdir: pathlib.Path, sizes: list[str], shards: int, learners: int, seconds: float, step_s: float,
               processes: int) -> dict:
     """The model-size rows: one level per size (`parse_params`), `shards` shards and `learners`
@@ -219,7 +239,15 @@ def run_sizes(workdir: pathlib.Path, sizes: list[str], shards: int, learners: in
         model = model_for_params(params_target)
         numels = fragment_numels(model)
         params = sum(numels.values())
+        row = {"size": size, "label": params_label(params_target), "params": params, "model": model,
+               "shards": shards, "learners": learners}
+        need_bytes, available_bytes = memory_needed_bytes(params, shards), _mem_available_bytes()
+        if need_bytes > 0.9 * available_bytes:
+            # Not started: the machine would swap or kill processes (it may be shared).
+            rows.append(row | {"not_run": f"needs about {need_bytes / 2**30:.1f} GiB at its peak (every shard holds "
+                                          f"every fragment), {available_bytes / 2**30:.1f} GiB available"})
+            continue
         level = _run_level(workdir, model, {"synthetic_numels": {str(f): n for f, n in numels.items()}}, learners,
                            seconds, step_s, processes, shards, one_at_a_time=params >= 200e6)
-        rows.append({"size": size, "label": params_label(params), "params": params, "model": model} | level)
+        rows.append(row | level)
     return {"step_s": step_s, "seconds": seconds, "shards": shards, "learners": learners, "rows": rows}

@@ -160,3 +160,26 @@ def test_a_previous_run_with_size_rows_is_matched_by_label_shards_and_learners()
     assert perf_report.previous_match(_row("100M", 1, {"d_model": 768}, 4, 4, 0.0, [1]), rows) is None
     assert perf_report.size_rows({"sizes": {"rows": rows}}) == rows
     assert perf_report.previous_summary(None, "x") is None
+
+
+def test_a_size_the_machine_cannot_hold_is_not_started_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(perf_scale, "_mem_available_bytes", lambda: 24 * 2**30)
+
+    def no_level(*args, **kwargs):
+        raise AssertionError("a level was started")
+
+    monkeypatch.setattr(perf_scale, "_run_level", no_level)
+    # 1B parameters on 4 shards: every shard holds every fragment (4 GB each), beyond 24 GiB.
+    sizes = perf_scale.run_sizes(tmp_path, ["1B"], shards=4, learners=4, seconds=1.0, step_s=0.25, processes=2)
+    (row,) = sizes["rows"]
+    assert row["label"] == "1.0B" and row["params"] >= 1e9 and row["shards"] == 4
+    assert "GiB available" in row["not_run"]
+    md = "\n".join(perf_report.md_sizes(sizes, None))
+    assert "not run: needs about" in md
+    # A previous run's row that did not run is no figure to print beside this one's.
+    assert perf_report.previous_match(_row("1.0B", 1, {}, 4, 4, 0.0, [1]), [row]) is None
+
+
+def test_the_memory_estimate_grows_with_shards_and_model_size():
+    assert perf_scale.memory_needed_bytes(100_000_000, 2) < perf_scale.memory_needed_bytes(100_000_000, 4)
+    assert perf_scale.memory_needed_bytes(100_000_000, 4) < 24 * 2**30 < perf_scale.memory_needed_bytes(1_000_000_000, 4)
