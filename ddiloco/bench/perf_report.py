@@ -241,6 +241,19 @@ def _shard_rss(lv: dict) -> str:
     return f"{_mib(before)} / {_mib(peak)}"
 
 
+def _rss_growth(levels: list[dict]) -> list[str]:
+    """Each shard's peak RSS at the fewest and the most learners, per shard count (flat is the target)."""
+    md = []
+    for shards in sorted({lv.get("shards", 1) for lv in levels}):
+        mine = [lv for lv in levels if lv.get("shards", 1) == shards]
+        low, high = min(mine, key=lambda lv: lv["learners"]), max(mine, key=lambda lv: lv["learners"])
+        if low is not high:
+            peak = [lv.get("shard_peak_rss_bytes", [lv["syncer_peak_rss_bytes"]]) for lv in (low, high)]
+            md.append(f"\nPeak RSS per shard, {shards} shard(s): {_mib(peak[0])} MiB at {low['learners']} learners, "
+                      f"{_mib(peak[1])} MiB at {high['learners']}.")
+    return md
+
+
 def _md_scale(sc: dict) -> list[str]:
     """One row per learner count and shard count, the speed-up of shards, and how to read them."""
     md = ["", f"## Scale: syncer shards, lightweight learners replaying captured fragments "
@@ -262,6 +275,7 @@ def _md_scale(sc: dict) -> list[str]:
                               if k.startswith("rejected_")) if lv.get("refusals") else ""),
           _shard_rss(lv)]
          for lv in sc["levels"]]))
+    md += _rss_growth(sc["levels"])
     for sp in sc.get("speedups", []):
         md.append(f"\n{sp['shards']} shards against one at {sp['learners']} learners: {sp['merges_per_s']:.2f} / "
                   f"{sp['one_shard_merges_per_s']:.2f} merges/s = {sp['ratio']:.2f}x (target at saturation, the "

@@ -183,3 +183,13 @@ def test_a_size_the_machine_cannot_hold_is_not_started_and_says_why(tmp_path, mo
 def test_the_memory_estimate_grows_with_shards_and_model_size():
     assert perf_scale.memory_needed_bytes(100_000_000, 2) < perf_scale.memory_needed_bytes(100_000_000, 4)
     assert perf_scale.memory_needed_bytes(100_000_000, 4) < 24 * 2**30 < perf_scale.memory_needed_bytes(1_000_000_000, 4)
+
+
+def test_the_scale_report_shows_each_shards_peak_memory_at_the_fewest_and_most_learners():
+    def level(learners, shards, peaks):
+        return {"learners": learners, "shards": shards, "shard_peak_rss_bytes": [p * 2**20 for p in peaks]}
+
+    md = perf_report._rss_growth([level(8, 1, [500]), level(64, 1, [520]), level(8, 2, [400, 410]),
+                                  level(64, 2, [405, 430])])
+    assert md == ["\nPeak RSS per shard, 1 shard(s): 500 MiB at 8 learners, 520 MiB at 64.",
+                  "\nPeak RSS per shard, 2 shard(s): 400 + 410 MiB at 8 learners, 405 + 430 MiB at 64."]
