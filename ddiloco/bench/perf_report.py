@@ -235,10 +235,15 @@ def _mib(values) -> str:
     return " + ".join(f"{v / 2**20:.0f}" for v in values)
 
 
+def _peaks(lv: dict) -> list[int]:
+    """Each shard's peak RSS (a run from before shards: its one syncer's)."""
+    return lv["shard_peak_rss_bytes"] if "shard_peak_rss_bytes" in lv else [lv["syncer_peak_rss_bytes"]]
+
+
 def _shard_rss(lv: dict) -> str:
-    before = lv.get("shard_rss_before_learners_bytes", [lv["syncer_rss_before_learners_bytes"]])
-    peak = lv.get("shard_peak_rss_bytes", [lv["syncer_peak_rss_bytes"]])
-    return f"{_mib(before)} / {_mib(peak)}"
+    before = (lv["shard_rss_before_learners_bytes"] if "shard_rss_before_learners_bytes" in lv
+              else [lv["syncer_rss_before_learners_bytes"]])
+    return f"{_mib(before)} / {_mib(_peaks(lv))}"
 
 
 def _rss_growth(levels: list[dict]) -> list[str]:
@@ -248,7 +253,7 @@ def _rss_growth(levels: list[dict]) -> list[str]:
         mine = [lv for lv in levels if lv.get("shards", 1) == shards]
         low, high = min(mine, key=lambda lv: lv["learners"]), max(mine, key=lambda lv: lv["learners"])
         if low is not high:
-            peak = [lv.get("shard_peak_rss_bytes", [lv["syncer_peak_rss_bytes"]]) for lv in (low, high)]
+            peak = [_peaks(lv) for lv in (low, high)]
             md.append(f"\nPeak RSS per shard, {shards} shard(s): {_mib(peak[0])} MiB at {low['learners']} learners, "
                       f"{_mib(peak[1])} MiB at {high['learners']}.")
     return md
@@ -358,7 +363,7 @@ def _size_cells(row: dict) -> list[str]:
             f"{row['merge_latency_p50_s']:.3f} / {row['merge_latency_p99_s']:.3f}",
             f"{row['upload_latency_p50_s']:.3f} / {row['upload_latency_p99_s']:.3f}",
             "-" if share is None else f"{share:.1%}",
-            _mib(row.get("shard_peak_rss_bytes", [row["syncer_peak_rss_bytes"]]))]
+            _mib(_peaks(row))]
 
 
 FIGURES = ["shards x learners", "merges/s", "merge latency p50/p99 s", "upload latency p50/p99 s",
