@@ -90,6 +90,9 @@ def _scale_headline(sc: dict | None) -> list[dict]:
             rows.append(figure(f"merges/s, {sp['shards']} syncer shards, {most} replay learners", sp["merges_per_s"],
                                "merges/s", sp["one_shard_merges_per_s"], "one shard, same learners",
                                TARGETS["shard_speedup"] if sp["shards"] == 2 else None))
+            rows.append(figure(f"uploads accepted, {sp['shards']} syncer shards, {most} replay learners",
+                               sp["uploads_accepted"], "uploads", sp["one_shard_uploads_accepted"],
+                               "one shard, same learners, same run length"))
     for lv in sc["levels"]:
         if lv["learners"] == most and lv.get("offered_steps"):
             rows.append(figure(f"work merged, {most} replay learners, {lv.get('shards', 1)} shard(s)",
@@ -284,7 +287,14 @@ def _md_scale(sc: dict) -> list[str]:
     for sp in sc.get("speedups", []):
         md.append(f"\n{sp['shards']} shards against one at {sp['learners']} learners: {sp['merges_per_s']:.2f} / "
                   f"{sp['one_shard_merges_per_s']:.2f} merges/s = {sp['ratio']:.2f}x (target at saturation, the "
-                  f"most learners: >= {TARGETS['shard_speedup']:.1f}x for 2 shards).")
+                  f"most learners: >= {TARGETS['shard_speedup']:.1f}x for 2 shards); uploads accepted (contributions "
+                  f"folded in, same run length) {sp.get('uploads_accepted', 0)} / "
+                  f"{sp.get('one_shard_uploads_accepted', 0)} = {sp.get('uploads_ratio', 0.0):.2f}x.")
+    if sc.get("levels"):
+        cap = 4 / (8 * sc["step_s"])
+        md.append(f"\nMerges/s cannot exceed the fragment schedule's rate, P / (H x step) = 4 / (8 x "
+                  f"{sc['step_s']:.2f} s) = {cap:.2f}/s, once every round merges on time: beyond that, shards "
+                  "show as uploads accepted (fewer periods merged together by back-pressure), not as merges.")
     md.append("\nMerge latency: round opened to merge started (quorum wait + grace used), from the syncer's merge "
               "records; upload latency: client-side UploadFragment round trip (decode and fold-in included). "
               "Uploads offered: what the fragment schedule asks of the replay learners in the run; refusals "
@@ -391,7 +401,9 @@ def md_sizes(sizes: dict, previous: dict | None) -> list[str]:
                   f"{', uncommitted changes' if previous.get('dirty') else ''}, {previous['started_utc']}); "
                   "a run from before the model-size rows gives its scale section's default model (one syncer) at "
                   "the nearest learner count; '-': not measured then.")
-    md.append("\nEvery shard builds the whole model's initial parameters and plans every fragment; its peak RSS "
-              "is therefore at least the model's float32 size whatever the number of shards (the model-size "
-              "rows start shards one at a time from 200M parameters so that their builds do not overlap).")
+    md.append("\nEvery shard builds the whole model's initial parameters and keeps a float32 copy of every "
+              "fragment, owned or not (services/syncer: one slot per planned fragment), and its start-up buffers "
+              "stay resident: its peak RSS grows with the whole model's size, not with its share of it. A size "
+              "whose estimated peak (perf_scale.memory_needed_bytes, measured per parameter) exceeds 90 % of the "
+              "available memory is not started.")
     return md

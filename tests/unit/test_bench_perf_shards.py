@@ -47,7 +47,7 @@ def test_the_scale_section_runs_one_and_two_shards_side_by_side(run):
     assert set(two["uploads_accepted_by_shard"]) == {"0", "1"}
     assert min(two["uploads_accepted_by_shard"].values()) > 0
     assert sum(two["uploads_accepted_by_shard"].values()) == two["uploads_accepted"]
-    assert "FAILED_PRECONDITION" not in two["refusals"]
+    assert "rejected_not_owner" not in two["syncer_uploads"]
     assert len(two["merges_per_s_by_shard"]) == 2
     (speedup,) = result["scale"]["speedups"]
     assert (speedup["learners"], speedup["shards"]) == (3, 2)
