@@ -10,14 +10,21 @@ goes to every shard (each counts tokens for the budget), and `instance_of` names
 life, so that one shard's restart re-syncs only its fragments. Without a shard map the client is
 the one session, unchanged.
 
-Data shards: the first session is the one that may be assigned a data shard (shard 0 assigns;
-point learners at shard 0); the other sessions pin what it got.
+The learner may be given any shard's address, or a list of them (tried in turn): the shard that
+answers first tells the map. Shard 0 is then joined first, as data shards are assigned by shard 0
+alone (a first answer from another shard is closed and that shard joined again after shard 0,
+pinned); the other sessions pin what shard 0 assigned. A shard that does not answer at the start
+does not fail the join (issue 21): the learner trains on, its fragments from the learner's own
+initial values, and that shard's session keeps re-joining in the background (SyncClient's capped
+backoff, each call with its deadline); once it joins, the loop rebases the kept work onto the
+shard's copy and answers its first call with all of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -44,42 +51,121 @@ def _sum_stats(sessions) -> client_lib.ClientStats:
 class ShardedSyncClient:
     """See the module docstring. Same life cycle as SyncClient: `start()`, then `close()`."""
 
-    def __init__(self, cfg: client_lib.ClientConfig, session_factory: SessionFactory = client_lib.SyncClient) -> None:
+    def __init__(self, cfg: client_lib.ClientConfig, session_factory: SessionFactory = client_lib.SyncClient, *,
+                 shard_join_wait_s: float = 20.0) -> None:
         self.cfg = cfg
         self._factory = session_factory
         self._first = session_factory(cfg)
         self._sessions: dict[int, client_lib.SyncClient] = {0: self._first}  # shard index -> session
         self._owner: dict[int, int] = {}  # fragment -> shard index (empty: unsharded)
+        # How long the start waits for a shard other than the one that answered first; a shard not joined
+        # by then is left to its session, which keeps re-joining in the background (capped backoff).
+        self._shard_join_wait_s = shard_join_wait_s
+        self._data_shard: int | None = None  # the data shard every session pins (None: the first's)
+        self._provisional: list[client_lib.GlobalFragment] = []  # bases of a down shard's fragments
+        self._missing: set[int] = set()  # shards not joined at the start (their sessions keep trying)
 
     # ------------------------------------------------------------------ life cycle (like SyncClient)
 
     def start(self, timeout_s: float) -> syncer_pb2.RunConfig:
-        """Joins the given syncer; with a shard map in its answer, every other shard too (each within
-        what is left of `timeout_s`). Raises as SyncClient.start."""
+        """Joins the syncer (or shard) the learner was given; with a shard map in its answer, every
+        shard, shard 0 first (it alone assigns data shards). A shard that does not answer within
+        `shard_join_wait_s` (and what is left of `timeout_s`) does not fail the start: its session
+        keeps re-joining in the background, and its fragments are trained from this learner's own
+        initial values (ClientConfig.initial_values) until the shard's copy arrives, which the loop
+        rebases onto (the work is kept, and goes out at the shard's first call). Raises as
+        SyncClient.start when the first syncer or every shard fails."""
         deadline = time.monotonic() + timeout_s
         run_config = self._first.start(timeout_s)
-        shards = list(self._first.shards)
+        shards = {shard.index: shard for shard in self._first.shards}
         if not shards:
             return run_config
-        first_index = self._first.shard_index
-        self._sessions = {first_index: self._first}
-        self._owner = {fid: shard.index for shard in shards for fid in shard.fragment_ids}
+        self._owner = {fid: shard.index for shard in shards.values() for fid in shard.fragment_ids}
         missing = sorted(set(range(run_config.num_fragments)) - set(self._owner))
         if missing:
             raise ValueError(f"the syncer's shard map leaves fragments {missing} without an owner")
-        pinned = self._first.data_shard if self.cfg.num_data_shards else self.cfg.data_shard
-        for shard in shards:
-            if shard.index == first_index:
-                continue
-            cfg = dataclasses.replace(self.cfg, target=",".join(shard.addresses), data_shard=pinned,
-                                      failpoints="")  # crash points fire once per learner: the first session's
-            self._sessions[shard.index] = self._factory(cfg)
-        for _, session in sorted(self._sessions.items(), key=lambda item: item[0]):
-            if session is not self._first:
-                session.start(max(0.1, deadline - time.monotonic()))
-        _LOG.info(f"joined {len(shards)} syncer shards", extra={"fields": {
-            "shards": {s.index: list(s.addresses) for s in shards}}})
+        wait_s = lambda: max(0.1, min(self._shard_join_wait_s, deadline - time.monotonic()))  # noqa: E731
+        if self._first.shard_index != 0 and 0 in shards:
+            # Given another shard's address: it told the map. Shard 0 is joined first (its data-shard
+            # assignment is the one every shard records); this session is opened again, pinned, below.
+            _LOG.info(f"shard {self._first.shard_index} answered first; joining shard 0 first")
+            self._first.close(leave=False)
+            self._sessions = {0: self._session_for(shards[0], None, keep_failpoints=True)}
+            if self._start_all(self._sessions, wait_s()):
+                self._first = self._sessions[0]
+        else:
+            self._sessions = {self._first.shard_index: self._first}
+        self._data_shard = self._pinned(0 not in self._missing)
+        for session in self._sessions.values():
+            session.data_shard = self._data_shard  # a late join of shard 0 pins, as the others do
+        others = {s.index: self._session_for(s, self._data_shard) for s in shards.values() if s.index not in self._sessions}
+        self._sessions.update(others)
+        self._start_all(others, wait_s())
+        joined = [index for index in sorted(self._sessions) if index not in self._missing]
+        if not joined:
+            raise TimeoutError(f"no syncer shard answered within {timeout_s:.0f} s")
+        if all(self._first is not session for session in self._sessions.values()):
+            self._first = self._sessions[joined[0]]  # the session closed above, shard 0 down: another speaks
+        if self._missing:
+            self._provisional = self._provisional_bases(run_config)
+        _LOG.info(f"joined {len(joined)} of {len(shards)} syncer shards", extra={"fields": {
+            "shards": {s.index: list(s.addresses) for s in shards.values()}, "retrying": sorted(self._missing)}})
         return run_config
+
+    def _session_for(self, shard: syncer_pb2.SyncerShard, data_shard: int | None, *,
+                     keep_failpoints: bool = False) -> client_lib.SyncClient:
+        cfg = dataclasses.replace(self.cfg, target=",".join(shard.addresses))
+        if data_shard is not None:
+            cfg = dataclasses.replace(cfg, data_shard=data_shard)
+        if not keep_failpoints:
+            cfg = dataclasses.replace(cfg, failpoints="")  # crash points fire once per learner: the first session's
+        return self._factory(cfg)
+
+    def _start_all(self, sessions: dict[int, client_lib.SyncClient], wait_s: float) -> bool:
+        """Starts the sessions at once, each bounded by `wait_s`; those not joined by then are noted
+        in `_missing` (their sessions keep trying). True when all joined. A fence is raised."""
+        errors: dict[int, BaseException | None] = {}
+
+        def start(index: int, session: client_lib.SyncClient) -> None:
+            try:
+                session.start(wait_s)
+                errors[index] = None
+            except BaseException as exc:  # noqa: BLE001 - sorted out below, in the caller's thread
+                errors[index] = exc
+
+        threads = [threading.Thread(target=start, args=item, name=f"join-shard-{item[0]}", daemon=True)
+                   for item in sessions.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(wait_s + 5.0)  # start() is bounded by wait_s; the margin covers its last poll
+        fenced = next((e for e in errors.values() if isinstance(e, client_lib.FencedError)), None)
+        if fenced is not None:
+            raise fenced
+        down = {index for index in sessions if errors.get(index, TimeoutError()) is not None}
+        for index in sorted(down):
+            _LOG.warning(f"syncer shard {index} did not answer within {wait_s:.1f} s ({errors.get(index)!r}); "
+                         "training on, its session keeps re-joining in the background")
+        self._missing |= down
+        return not down
+
+    def _pinned(self, shard_zero_joined: bool) -> int:
+        """The data shard every session pins: shard 0's answer, else the learner's own choice."""
+        if not self.cfg.num_data_shards:
+            return self.cfg.data_shard
+        if shard_zero_joined:
+            return self._sessions[0].data_shard
+        return self.cfg.data_shard if self.cfg.data_shard >= 0 else self.cfg.fallback_data_shard
+
+    def _provisional_bases(self, run_config: syncer_pb2.RunConfig) -> list[client_lib.GlobalFragment]:
+        """The down shards' fragments as this learner initializes them (version 0 of no syncer life):
+        what the loop trains them from until the shard's own copy arrives."""
+        fids = sorted(fid for fid, index in self._owner.items() if index in self._missing)
+        if self.cfg.initial_values is None:
+            raise TimeoutError(f"syncer shards {sorted(self._missing)} did not answer, and this learner has no "
+                               "initial values of their fragments to train from")
+        values = self.cfg.initial_values(run_config)
+        return [client_lib.GlobalFragment(fid, 0, "", np.asarray(values[fid], dtype=np.float32)) for fid in fids]
 
     def flush(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -102,7 +188,7 @@ class ShardedSyncClient:
 
     @property
     def data_shard(self) -> int:
-        return self._first.data_shard
+        return self._first.data_shard if self._data_shard is None else self._data_shard
 
     @property
     def schedule_start_step(self) -> int:
@@ -135,7 +221,8 @@ class ShardedSyncClient:
         return next((s.fenced for s in self._sessions.values() if s.fenced is not None), None)
 
     def take_updates(self) -> list[client_lib.GlobalFragment]:
-        return [update for s in self._sessions.values() for update in s.take_updates()]
+        provisional, self._provisional = self._provisional, []  # once, ahead of any copy of the shard's
+        return provisional + [update for s in self._sessions.values() for update in s.take_updates()]
 
     def take_outcomes(self) -> list[client_lib.UploadOutcome]:
         return [outcome for s in self._sessions.values() for outcome in s.take_outcomes()]
