@@ -68,15 +68,18 @@ _STATUS = {1: "ACTIVE", 2: "SILENT", 3: "LEFT"}
 
 class Poller(threading.Thread):
     """Polls the syncer's training state (in its own thread: a stopped syncer must not stall the
-    scheduler) and keeps, per learner life, the most steps and tokens it reported."""
+    scheduler) and keeps, per learner life, the most steps and tokens it reported. A syncer split
+    into fragment shards is read as one run (every shard, merged: ddiloco.cli.run_view)."""
 
     def __init__(self, address: str, interval_s: float = 0.5) -> None:
         super().__init__(name="chaos-poller", daemon=True)
+        from ddiloco.cli import run_view
         from ddiloco.rpc import channel as channel_lib
         from ddiloco.v1 import syncer_pb2_grpc
 
         self._channel = channel_lib.sync_channel(address)
         self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
+        self._shards = run_view.RunReader(address, recent_merges=0)  # the other shards' channels, when sharded
         self._interval_s = interval_s
         self._halt = threading.Event()
         self.lock = threading.Lock()
@@ -88,7 +91,9 @@ class Poller(threading.Thread):
     def state(self, timeout_s: float = 3.0):
         from ddiloco.v1 import syncer_pb2
 
-        return self._stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=0), timeout=timeout_s).state
+        first = self._stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=0), timeout=timeout_s).state
+        self._shards.timeout_s = timeout_s
+        return self._shards.complete(first).state  # unsharded: `first` itself
 
     def run(self) -> None:
         import grpc
@@ -126,3 +131,4 @@ class Poller(threading.Thread):
         self._halt.set()
         self.join(5.0)
         self._channel.close()
+        self._shards.close()

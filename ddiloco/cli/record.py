@@ -6,6 +6,9 @@ read-only API `ddiloco status` uses, so a reader identity suffices) and writes t
 `report.snapshot_record` per snapshot appended to DIR/state.jsonl (flushed line by line), and
 DIR/final_state.json, the last state with every held-out evaluation seen while recording (the
 syncer keeps a bounded history). It works the same on compose, Helm or hand-started clusters.
+A syncer split into fragment shards is recorded as one run: each snapshot of the shard watched
+(--target, any shard) is completed with every other shard's state and merged (run_view.py), as
+`ddiloco status` shows it; a shard that does not answer leaves its fragments out of that snapshot.
 
 It records until SIGINT/SIGTERM or `--duration-s`, then writes final_state.json and exits 0.
 While the syncer does not answer (not up yet, restarting, unreachable) it retries with capped
@@ -26,11 +29,13 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
 from ddiloco.cli import render
 from ddiloco.cli import report as report_lib
+from ddiloco.cli import run_view
 from ddiloco.cli import status as status_cli
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
@@ -76,8 +81,11 @@ class Recorder:
 
     def __init__(self, stub: syncer_pb2_grpc.SyncerStub, out_dir: pathlib.Path, *, target: str,
                  security, interval_s: float, timeout_s: float, retry_for_s: float, merges: int,
-                 log=None, clock=time.monotonic) -> None:
+                 log=None, clock=time.monotonic,
+                 complete: Callable[[syncer_pb2.TrainingState], syncer_pb2.TrainingState] | None = None) -> None:
         self.stub = stub
+        # The run's state around a snapshot of the watched syncer (the other fragment shards read and merged).
+        self.complete = complete or (lambda state: state)
         self.out_dir = out_dir
         self.target = target
         self.security = security
@@ -116,7 +124,7 @@ class Recorder:
                     call = self._call = self.stub.WatchTrainingState(request, timeout=STREAM_DEADLINE_S)
                     self._call_opened_s = self.clock()
                 for response in call:
-                    self._write(response.state)
+                    self._write(self.complete(response.state))
                     backoff_s = 0.5
                 # The stream ended without a status (a proxy closing it): re-open, paced like a failure.
                 reason, problem = "stream ended", f"syncer {self.target} ended the stream"
@@ -255,9 +263,10 @@ def run(args: argparse.Namespace) -> int:
         say(f"ddiloco record: cannot create {out_dir}: {exc}")
         return 2
     channel = channel_lib.sync_channel(args.target, security)
+    shards = run_view.RunReader(args.target, security, timeout_s=args.timeout_s, recent_merges=args.merges)
     recorder = Recorder(syncer_pb2_grpc.SyncerStub(channel), out_dir, target=args.target, security=security,
                         interval_s=args.interval_s, timeout_s=args.timeout_s, retry_for_s=args.retry_for_s,
-                        merges=args.merges, log=say)
+                        merges=args.merges, log=say, complete=lambda state: shards.complete(state).state)
     interrupted = threading.Event()
 
     def _on_signal(signum, _frame):
@@ -283,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             recorder.error = recorder.error or f"cannot write {out_dir / 'final_state.json'}: {exc}"
         channel.close()
+        shards.close()
         if created and not recorder.records:
             with contextlib.suppress(OSError):
                 out_dir.rmdir()  # nothing recorded: leave no empty run directory behind

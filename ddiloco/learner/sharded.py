@@ -52,7 +52,7 @@ class ShardedSyncClient:
     """See the module docstring. Same life cycle as SyncClient: `start()`, then `close()`."""
 
     def __init__(self, cfg: client_lib.ClientConfig, session_factory: SessionFactory = client_lib.SyncClient, *,
-                 shard_join_wait_s: float = 20.0) -> None:
+                 shard_join_wait_s: float = 10.0) -> None:
         self.cfg = cfg
         self._factory = session_factory
         self._first = session_factory(cfg)

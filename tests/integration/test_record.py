@@ -201,3 +201,32 @@ def test_a_syncer_that_accepts_connections_but_never_answers_is_given_up_on(tmp_
     assert result.returncode == 2, result.stdout + result.stderr
     assert "no answer from syncer" in result.stderr and "sent nothing within --timeout-s 1" in result.stderr
     assert "Traceback" not in result.stdout + result.stderr and time.monotonic() - started < 30
+
+
+def test_record_a_run_split_into_two_fragment_shards_through_either_shard_records_both(cluster, tmp_path):
+    """Pointed at shard 1 of 2, the recording holds the run: both shards' fragments and instances,
+    and the learner's progress as both shards count it. Before run_view was used here, only shard
+    1's fragments (1 and 3) were recorded."""
+    shards = cluster.start_syncer_shards(2, run_id="record-shards", extra=TINY)
+    out = tmp_path / "recording"
+    recorder = _start_recorder(shards[1].address, out)
+    learners = [_Learners(s.address) for s in shards]
+    try:
+        for shard in learners:  # as a learner does: every shard
+            shard.join("learner-a", 1)
+        for step in range(1, 6):
+            for shard in learners:
+                shard.progress("learner-a", 1, step)
+        wait_until(lambda: any(m["tokens"] == 500 for r in _records(out / "state.jsonl") for m in r["members"]),
+                   timeout_s=60, what="learner-a at 500 tokens in the recording")
+    finally:
+        for shard in learners:
+            shard.close()
+        code, output = _finish(recorder, signal.SIGINT)
+    assert code == 0, output
+    records = _records(out / "state.jsonl")
+    assert len(records[-1]["versions"]) == 4 and records[-1]["instance"].count("+") == 1, records[-1]
+    final = json_format.Parse((out / "final_state.json").read_text(), syncer_pb2.TrainingState())
+    assert sorted(f.fragment_id for f in final.fragments) == [0, 1, 2, 3]
+    assert final.syncer_instance == "+".join(json.loads(s.ready_file.read_text())["instance"] for s in shards)
+    assert [m.learner_id for m in final.members] == ["learner-a"]
