@@ -7,7 +7,9 @@ their clients sit on (issue 21, fragment shards)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
+import re
 import sys
 
 import yaml
@@ -91,3 +93,96 @@ def test_the_override_sets_only_flags_the_syncer_has() -> None:
 def test_the_compose_header_names_the_override() -> None:
     header = (ROOT / "docker-compose.yml").read_text().split("\nname:", 1)[0]
     assert "docker-compose.shards.yml" in header
+
+
+# ---------------------------------------------------------------------------- monitoring and TLS
+
+PROMETHEUS = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+DASHBOARD = json.loads((ROOT / "k8s" / "grafana" / "ddiloco-dashboard.json").read_text())
+TLS = yaml.safe_load((ROOT / "docker-compose.tls.yml").read_text())
+SHARDS_TLS = yaml.safe_load((ROOT / "docker-compose.shards-tls.yml").read_text())
+
+
+def _scraped_as_syncer() -> dict[str, int]:
+    """Compose service name -> port of every Prometheus target whose series carry job="syncer"
+    (after relabeling); a DNS-found target must be named after its service, as a static one is."""
+    out = {}
+    for job in PROMETHEUS["scrape_configs"]:
+        relabeled = {r["target_label"]: r.get("replacement") for r in job.get("relabel_configs", [])}
+        if relabeled.get("job", job["job_name"]) != "syncer":
+            continue
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                host, port = target.rsplit(":", 1)
+                out[host] = int(port)
+        for dns in job.get("dns_sd_configs", []):
+            assert relabeled.get("instance") == f"${{1}}:{dns['port']}", job["job_name"]
+            out.update({name: int(dns["port"]) for name in dns["names"]})
+    return out
+
+
+def test_prometheus_scrapes_every_shard_as_the_syncer_job_on_a_shared_network() -> None:
+    """Before: only shard 0 (syncer:9091) was scraped."""
+    scraped, prometheus = _scraped_as_syncer(), BASE["services"]["prometheus"]
+    for name, svc in _shards():
+        port = int(svc["environment"]["DDILOCO_SYNCER_METRICS_BIND"].rsplit(":", 1)[1])
+        assert scraped.get(name) == port, f"{name} is not scraped at its metrics port {port}"
+        assert set(svc["networks"]) & set(prometheus["networks"]), f"prometheus cannot reach {name}"
+
+
+# Gauges every shard exports for the whole run: each counts the same learners and is told the same
+# evaluations (their max is the run's), and each shard's work merged is its fragments' share of
+# P x tokens processed (their sum is the run's). A bare query would draw one line per shard.
+_RUN_GAUGES = {"ddiloco_learners": "max", "ddiloco_heldout_loss": "max",
+               "ddiloco_work_merged_ratio": "sum", "ddiloco_goodput_ratio": "sum"}
+
+
+def test_the_dashboard_aggregates_the_shards_series() -> None:
+    seen = set()
+    for panel in DASHBOARD["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for metric, aggregation in _RUN_GAUGES.items():
+                if re.search(rf"\b{metric}\b", expr):
+                    seen.add(metric)
+                    assert re.fullmatch(rf"{aggregation}( by \([a-z_, ]+\))? ?\({metric}\)", expr), (panel["title"], expr)
+            # Counters and histograms of the syncer are summed over instances (rates of every shard).
+            for name in re.findall(r"rate\((ddiloco_syncer_[a-z_]+_(?:total|bucket))", expr):
+                assert expr.startswith("sum") or expr.startswith("histogram_quantile(sum by (le)") or \
+                    expr.startswith("histogram_quantile(") and "sum by (le)" in expr, (name, expr)
+    assert seen == set(_RUN_GAUGES)
+
+
+def _merged(name: str, files: list[dict]) -> dict:
+    """Compose's merge over several files, for the keys checked here (volumes: by mount point)."""
+    out: dict = {"environment": {}, "depends_on": {}, "volumes": {}}
+    for doc in files:
+        svc = doc["services"].get(name, {})
+        out.update({k: v for k, v in svc.items() if k not in out})
+        out["environment"].update(svc.get("environment", {}))
+        out["depends_on"].update(svc.get("depends_on", {}))
+        out["volumes"].update({v.split(":")[1]: v for v in svc.get("volumes", [])})
+    return out
+
+
+def test_under_tls_shard_1_is_configured_as_shard_0_and_named_in_the_syncer_certificate() -> None:
+    """Before: docker-compose.tls.yml configured shard 0 only; syncer-1 stayed plaintext."""
+    files = [BASE, OVERRIDE, TLS, SHARDS_TLS]
+    zero = _merged("syncer", files)
+    tls_env = set(TLS["services"]["syncer"]["environment"])
+    assert "DDILOCO_SYNCER_TLS_CERT" in tls_env
+    certs = SHARDS_TLS["services"]["certs-shards"]
+    script = certs["command"][0]
+    named = set(re.search(r"--services syncer --dns-names (\S+)", script).group(1).split(","))
+    for name, _ in _shards()[1:]:
+        shard = _merged(name, files)
+        assert {k: shard["environment"].get(k) for k in tls_env} == {k: zero["environment"][k] for k in tls_env}, name
+        assert shard["environment"]["DDILOCO_INSECURE"] == "0"
+        assert shard["volumes"] == zero["volumes"], name  # the syncer's certificate and the deny list
+        assert shard["healthcheck"]["test"] == zero["healthcheck"]["test"], name  # the plaintext health port
+        assert name in named, f"the syncer certificate does not name {name}"
+    for svc in (zero, *(_merged(name, files) for name, _ in _shards()[1:])):
+        assert svc["depends_on"]["certs-shards"]["condition"] == "service_completed_successfully"
+    assert certs["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    assert {v.split(":")[0] for v in certs["volumes"]} <= set(TLS["volumes"])
+    assert "cp /tls/ca/syncer.pem /tls/syncer/tls.pem" in script and "chmod 0600 /tls/syncer/tls.key" in script
