@@ -85,17 +85,28 @@ class ShardedSyncClient:
         if missing:
             raise ValueError(f"the syncer's shard map leaves fragments {missing} without an owner")
         wait_s = lambda: max(0.1, min(self._shard_join_wait_s, deadline - time.monotonic()))  # noqa: E731
+        given = [t.strip() for t in self.cfg.target.split(",") if t.strip()]
+        pinned = None
         if self._first.shard_index != 0 and 0 in shards:
             # Given another shard's address: it told the map. Shard 0 is joined first (its data-shard
-            # assignment is the one every shard records); this session is opened again, pinned, below.
-            _LOG.info(f"shard {self._first.shard_index} answered first; joining shard 0 first")
+            # assignment is the one every shard records); this shard is joined again, pinned, below.
+            reopen = f"shard {self._first.shard_index} answered first; joining shard 0 first"
+        elif len(given) > 1 and given != list(shards[0].addresses):
+            # Given a list naming several shards: on a failure this session would fail over to another
+            # shard. Shard 0 is joined again with its own addresses, keeping the data shard it assigned.
+            reopen = "given several shards' addresses; joining shard 0 at its own"
+            pinned = self._first.data_shard if self.cfg.num_data_shards else None
+        else:
+            reopen = ""
+        if reopen:
+            _LOG.info(reopen)
             self._first.close(leave=False)
-            self._sessions = {0: self._session_for(shards[0], None, keep_failpoints=True)}
+            self._sessions = {0: self._session_for(shards[0], pinned, keep_failpoints=True)}
             if self._start_all(self._sessions, wait_s()):
                 self._first = self._sessions[0]
         else:
             self._sessions = {self._first.shard_index: self._first}
-        self._data_shard = self._pinned(0 not in self._missing)
+        self._data_shard = pinned if pinned is not None else self._pinned(0 not in self._missing)
         for session in self._sessions.values():
             session.data_shard = self._data_shard  # a late join of shard 0 pins, as the others do
         others = {s.index: self._session_for(s, self._data_shard) for s in shards.values() if s.index not in self._sessions}

@@ -39,8 +39,9 @@ def _start_shard(cluster, index: int, shard_map: str, port: int, store: str):
     return svc
 
 
-def _start_learner(cluster, index: int, syncer: str):
-    name = f"learner-{index}"
+def _start_learner(cluster, index: int, syncer: str, name: str = ""):
+    """learner-<index>, or `name` (an id without a number: shard 0 assigns its data shard)."""
+    name = name or f"learner-{index}"
     svc = cluster.add(name, "services.learner", [
         "--syncer", syncer, "--learner-id", name, "--region", f"region-{index}", "--steps", "0",
         "--num-shards", "2", "--health-bind", "127.0.0.1:0", *LEARNER_PACE])

@@ -18,27 +18,10 @@ from __future__ import annotations
 import pytest
 
 from ddiloco.cli import processes
-from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
+from tests.integration.conftest import SyncerProbe, wait_until
+from tests.integration.test_fragment_shards import _start_learner, _start_shard
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-
-
-def _start_shard(cluster, index: int, shard_map: str, port: int, store: str):
-    svc = cluster.add(f"syncer-{index}", "services.syncer", [
-        "--bind", f"127.0.0.1:{port}", "--run-id", "shards-start", "--ready-file",
-        str(cluster.workdir / f"syncer-{index}.ready.json"), "--checkpoint-target", store,
-        "--fragment-shard", str(index), "--fragment-shards", shard_map, *TINY])
-    svc.start()
-    svc.wait_ready(120)
-    return svc
-
-
-def _start_learner(cluster, learner_id: str, syncer: str):
-    svc = cluster.add(learner_id, "services.learner", [
-        "--syncer", syncer, "--learner-id", learner_id, "--region", f"region-{learner_id}", "--steps", "0",
-        "--num-shards", "2", "--health-bind", "127.0.0.1:0", *LEARNER_PACE])
-    svc.start()
-    return svc
 
 
 def _versions(probe: SyncerProbe) -> dict[int, int]:
@@ -60,7 +43,7 @@ def test_a_learner_trains_while_a_shard_is_down_and_a_learner_given_any_shard_jo
     ports = [processes.preset_port(), processes.preset_port()]
     shard_map = ",".join(f"127.0.0.1:{p}" for p in ports)
     shard0 = _start_shard(cluster, 0, shard_map, ports[0], store.address)
-    alpha = _start_learner(cluster, "alpha", shard0.address)
+    alpha = _start_learner(cluster, 0, shard0.address, "alpha")
     probes = [SyncerProbe(shard0.address)]
     learners = [alpha]
     try:
@@ -81,7 +64,7 @@ def test_a_learner_trains_while_a_shard_is_down_and_a_learner_given_any_shard_jo
         assert fid in (1, 3) and steps >= step_when_up, (steps, step_when_up)  # the whole outage's work
 
         # beta is given shard 1's address only: it learns the map there and joins shard 0 first.
-        beta = _start_learner(cluster, "beta", shard1.address)
+        beta = _start_learner(cluster, 1, shard1.address, "beta")
         learners.append(beta)
         wait_until(lambda: all(_member(p, "beta") is not None and _member(p, "beta").local_step > 0 for p in probes),
                    timeout_s=300, what="beta joined and reporting on both shards")

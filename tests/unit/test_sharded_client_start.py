@@ -96,7 +96,7 @@ def test_a_shard_down_without_initial_values_to_train_from_fails_the_start():
         client.start(5.0)
 
 
-def test_given_a_list_the_learner_joins_through_whichever_shard_answers_when_shard_zero_is_down():
+def test_given_shard_1_while_shard_0_is_down_the_learner_trains_on_shard_1_with_its_own_data_shard():
     _Shard.down = {"a:1"}
     client = sharded_lib.ShardedSyncClient(_cfg("b:1", lambda _rc: {f: np.zeros(2, np.float32) for f in range(4)}),
                                            session_factory=_Shard, shard_join_wait_s=0.2)
@@ -105,3 +105,13 @@ def test_given_a_list_the_learner_joins_through_whichever_shard_answers_when_sha
     assert client.data_shard == 1  # the learner's own choice (fallback), pinned on every shard
     assert client.session_of(0).data_shard == 1 and client.session_of(1).cfg.data_shard == 1
     assert sorted(u.fragment_id for u in client.take_updates()) == [0, 2]
+
+
+def test_given_a_list_of_shards_each_session_is_reopened_on_its_own_shards_addresses():
+    """A session given "a:1,b:1" would fail over from shard 0 to shard 1: it is replaced by one on
+    shard 0's own addresses, which keeps the data shard shard 0 assigned."""
+    client = sharded_lib.ShardedSyncClient(_cfg("a:1,b:1"), session_factory=_Shard)
+    client.start(5.0)
+    assert _Shard.log == [("start", "a:1"), ("close", "a:1,b:1"), ("start", "a:1"), ("start", "b:1")]
+    assert client.session_of(0).cfg.target == "a:1" and client.session_of(1).cfg.target == "b:1"
+    assert client.data_shard == 3 and client.session_of(0).cfg.data_shard == 3
