@@ -22,6 +22,7 @@ import time
 import pytest
 from google.protobuf import json_format
 
+from ddiloco.chaos import observe
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
@@ -206,7 +207,7 @@ def test_a_syncer_that_accepts_connections_but_never_answers_is_given_up_on(tmp_
 def test_record_a_run_split_into_two_fragment_shards_through_either_shard_records_both(cluster, tmp_path):
     """Pointed at shard 1 of 2, the recording holds the run: both shards' fragments and instances,
     and the learner's progress as both shards count it. Before run_view was used here, only shard
-    1's fragments (1 and 3) were recorded."""
+    1's fragments (1 and 3) were recorded. The chaos harness's poller reads the run the same way."""
     shards = cluster.start_syncer_shards(2, run_id="record-shards", extra=TINY)
     out = tmp_path / "recording"
     recorder = _start_recorder(shards[1].address, out)
@@ -219,6 +220,14 @@ def test_record_a_run_split_into_two_fragment_shards_through_either_shard_record
                 shard.progress("learner-a", 1, step)
         wait_until(lambda: any(m["tokens"] == 500 for r in _records(out / "state.jsonl") for m in r["members"]),
                    timeout_s=60, what="learner-a at 500 tokens in the recording")
+        poller = observe.Poller(shards[1].address, interval_s=0.2)
+        poller.start()
+        try:
+            wait_until(lambda: poller.lives.get(("learner-a", 1), {}).get("tokens") == 500, timeout_s=30,
+                       what="the chaos poller seeing learner-a")
+            assert sorted(f.fragment_id for f in poller.state().fragments) == [0, 1, 2, 3]
+        finally:
+            poller.stop()
     finally:
         for shard in learners:
             shard.close()
