@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from ddiloco.chaos import etcd as etcd_lib_chaos
 from ddiloco.checkpoint_commit import CommitRecord
 from ddiloco.coord import commit as commit_lib
 from ddiloco.coord import election as election_lib
@@ -175,3 +176,53 @@ def test_syncer_processes_lead_with_the_etcd_client_certificate_and_stop_without
     assert status == leadership_lib.EXIT_LOST_LEADERSHIP, (status, log[-3000:])
     assert "EtcdTLSError" in log and "TLS with etcd failed" in log, log[-3000:]
     assert good.alive() and epoch() > 0
+
+
+def test_the_compose_files_pki_and_paths_work_with_a_real_etcd(tmp_path):
+    """docker-compose.failover-tls.yml without containers: its `certs-failover` script writes the
+    volumes (as directories here), a real etcd runs with the TLS files at the paths an etcd member
+    is given, and a syncer's etcd client from the paths and endpoints a syncer is given elects,
+    verifying etcd's certificate by the member's compose name (etcd-a). The main CA's syncer
+    certificate (what every other ddiloco service trusts) does not open etcd."""
+    from tests.unit import test_compose_failover_tls_wiring as wiring
+
+    wiring.certs_failover_runner(tmp_path)()
+    member_env, syncer_env = wiring.merged("etcd-a")["environment"], wiring.merged("syncer")["environment"]
+    volumes = {**wiring.merged("etcd-a")["volumes"], **wiring.merged("syncer")["volumes"]}
+    # The volume mounted at a path's directory, as the script's directory for that volume.
+    sources = {source: tmp_path / target.lstrip("/") for target, (source, _) in
+               wiring.merged("certs-failover")["volumes"].items()}
+
+    def local(path: str) -> str:
+        directory, _, name = path.rpartition("/")
+        return str(sources[volumes[directory][0]] / name)
+
+    assert member_env["ETCD_CLIENT_CERT_AUTH"] == "true"  # what ServerTLS.args() passes as --client-cert-auth
+    server_tls = etcd_lib_chaos.ServerTLS(
+        ca_file=local(member_env["ETCD_TRUSTED_CA_FILE"]), cert_file=local(member_env["ETCD_CERT_FILE"]),
+        key_file=local(member_env["ETCD_KEY_FILE"]), probe_cert_file=local(syncer_env["DDILOCO_SYNCER_COORD_TLS_CERT"]),
+        probe_key_file=local(syncer_env["DDILOCO_SYNCER_COORD_TLS_KEY"]))
+    host = etcd_lib.parse_endpoints(syncer_env["DDILOCO_SYNCER_COORD_ETCD"])[0].split(":")[0]
+    assert host == "etcd-a"
+    with etcd_lib_chaos.running_etcd(tmp_path / "etcd", etcd_helper.etcd_binary(), tls=server_tls) as member:
+        def client(cert: str, key: str) -> etcd_lib.Etcd:
+            sec = security.ClientSecurity(tls_ca=local(syncer_env["DDILOCO_SYNCER_COORD_TLS_CA"]), tls_cert=cert,
+                                          tls_key=key, tls_server_name=host)
+            return etcd_lib.Etcd([member.endpoint], call_timeout_s=CALL_TIMEOUT_S, credentials=sec.credentials(),
+                                 channel_options=sec.channel_options())
+
+        async def scenario():
+            syncer = client(local(syncer_env["DDILOCO_SYNCER_COORD_TLS_CERT"]),
+                            local(syncer_env["DDILOCO_SYNCER_COORD_TLS_KEY"]))
+            election = election_lib.Election(syncer, election_lib.leader_key("/ddiloco", "compose"),
+                                             address="syncer:50051", lease_ttl_s=2)
+            assert await asyncio.wait_for(election.campaign(), 10) > 0
+            await election.resign()
+            await syncer.close()
+            main_ca_cert = client(str(tmp_path / "tls" / "syncer" / "tls.pem"),
+                                  str(tmp_path / "tls" / "syncer" / "tls.key"))
+            with pytest.raises(etcd_lib.EtcdTLSError):
+                await main_ca_cert.get(b"/ddiloco/leader/compose")
+            await main_ca_cert.close()
+
+        _run(scenario())

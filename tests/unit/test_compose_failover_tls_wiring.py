@@ -38,7 +38,7 @@ def _volumes(service: dict) -> dict[str, tuple[str, bool]]:
     return out
 
 
-def _merged(name: str) -> dict:
+def merged(name: str) -> dict:
     """Compose's merge of the keys checked here: environment, depends_on and healthcheck mappings
     merge, volumes merge by target path, other keys are replaced."""
     merged: dict = {"environment": {}, "depends_on": {}, "healthcheck": {}, "volumes": {}}
@@ -56,12 +56,12 @@ def _merged(name: str) -> dict:
 
 def _mounting(volume: str) -> set[str]:
     names = {n for compose in FILES for n in compose["services"]}
-    return {n for n in names if any(source == volume for source, _ in _merged(n)["volumes"].values())}
+    return {n for n in names if any(source == volume for source, _ in merged(n)["volumes"].values())}
 
 
 def test_every_etcd_member_requires_client_certificates_over_https() -> None:
     for name in ETCD:
-        member = _merged(name)
+        member = merged(name)
         env = member["environment"]
         assert env["ETCD_CLIENT_CERT_AUTH"] == "true", name
         assert env["ETCD_LISTEN_CLIENT_URLS"].startswith("https://"), name
@@ -82,7 +82,7 @@ def test_every_etcd_member_requires_client_certificates_over_https() -> None:
 
 def test_every_syncer_dials_etcd_over_https_with_its_client_certificate() -> None:
     for name in SYNCERS:
-        syncer = _merged(name)
+        syncer = merged(name)
         env = syncer["environment"]
         endpoints = env["DDILOCO_SYNCER_COORD_ETCD"]
         assert etcd_lib.endpoints_scheme(endpoints) == "https", name
@@ -98,14 +98,16 @@ def test_every_syncer_dials_etcd_over_https_with_its_client_certificate() -> Non
     assert _mounting("tls-etcd-client") == {*SYNCERS, "certs-failover"}
 
 
-def test_certs_failover_writes_etcds_pki_once(tmp_path) -> None:
-    service = _merged("certs-failover")
-    script = service["command"][0].replace("$$", "$").replace("/tls/", f"{tmp_path}/tls/")
+def certs_failover_runner(root: pathlib.Path):
+    """A function running the `certs-failover` script with its volumes as directories under `root`
+    (`<root>/tls/...`) and a local `ddiloco`; it returns the script's output."""
+    service = merged("certs-failover")
+    script = service["command"][0].replace("$$", "$").replace("/tls/", f"{root}/tls/")
     script = script.replace("chown -R 10001:10001", "true")  # not root here
     for target in service["volumes"]:
-        (tmp_path / target.lstrip("/")).mkdir(parents=True, exist_ok=True)
-    shim = tmp_path / "bin" / "ddiloco"
-    shim.parent.mkdir()
+        (root / target.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    shim = root / "bin" / "ddiloco"
+    shim.parent.mkdir(exist_ok=True)
     shim.write_text(f"#!/bin/sh\nexec {sys.executable} -m ddiloco.cli.main \"$@\"\n")
     shim.chmod(0o755)
     env = {**os.environ, "PATH": f"{shim.parent}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
@@ -115,6 +117,11 @@ def test_certs_failover_writes_etcds_pki_once(tmp_path) -> None:
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
+    return run
+
+
+def test_certs_failover_writes_etcds_pki_once(tmp_path) -> None:
+    run = certs_failover_runner(tmp_path)
     assert "etcd PKI written" in run()
     server_dir, client_dir = tmp_path / "tls" / "etcd", tmp_path / "tls" / "etcd-client"
     issued = (server_dir / "tls.pem").read_bytes()
