@@ -39,10 +39,11 @@ class EtcdUnavailable(EtcdError):
     """No endpoint answered within its deadline (the outcome of a write is then unknown)."""
 
 
-class EtcdTLSError(EtcdError):
+class EtcdTLSError(EtcdUnavailable):
     """No endpoint answered, and at least one refused this client's TLS (no or an untrusted client
     certificate) or presented a certificate this client does not trust: another attempt with the
-    same certificates fails the same way."""
+    same certificates fails the same way. An EtcdUnavailable, so a caller that only waits etcd out
+    (a leader's keep-alives until its deadline, a resign) treats it as one; a campaign does not."""
 
 
 # How grpc-core words a failed TLS handshake, or the alert a server sends after it (etcd with

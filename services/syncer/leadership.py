@@ -14,6 +14,10 @@ With it, each syncer of the run campaigns for the run's leader key on etcd (ddil
     not refreshed in time (cut off from etcd), or a commit is fenced, it stops at once: the gate
     closes and the process exits with EXIT_LOST_LEADERSHIP, before etcd can elect another
     leader. Its supervisor starts it again, as a standby.
+
+etcd is dialled over TLS with --coord-tls-* (etcd's CA, the syncer's etcd client certificate). A
+campaign that etcd refuses at the handshake (EtcdTLSError) ends the process the same way: waiting
+would not help, and a restart reads the certificate files again.
 """
 
 from __future__ import annotations
