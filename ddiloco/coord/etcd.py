@@ -11,8 +11,8 @@ key, and transactions whose comparisons are on a key's create or mod revision.
 Transport: plaintext, or TLS when given gRPC channel credentials (the caller builds them from its
 certificate files, e.g. ddiloco.rpc.security.ClientSecurity; with a client certificate this is what
 an etcd started with `--client-cert-auth` requires). A handshake etcd refuses, or a server
-certificate this client cannot verify, is `EtcdTLSError`: a configuration error, never retried as if
-etcd were down.
+certificate this client cannot verify, is `EtcdTLSError`: a configuration error, on which a
+campaign gives up instead of waiting for etcd to come back (ddiloco.coord.election).
 """
 
 from __future__ import annotations
