@@ -85,6 +85,10 @@ WIRED_TLS = {
 # Set by the chart only with syncer.shards > 1 (each shard's index, and the map of the shards'
 # Services; docs/deploy.md#fragment-shards); an unsharded syncer gets neither.
 WIRED_SHARDS = {"syncer": {"fragment_shard", "fragment_shards"}, "store": set(), "learners": set(), "evaluator": set()}
+# Set by the chart only with syncer.etcdTLS.existingSecret (client TLS towards etcd, paths in
+# syncer.etcdTLS.mountPath; docs/deploy.md#etcd-client-tls): the syncer's alone, nothing else talks to etcd.
+WIRED_ETCD_TLS = {"syncer": {"coord_tls_ca", "coord_tls_cert", "coord_tls_key", "coord_tls_server_name"},
+                  "store": set(), "learners": set(), "evaluator": set()}
 # Bearer tokens (for TLS terminated elsewhere): not wired by the chart, which uses mutual TLS.
 _TLS = {"auth_tokens_file", "auth_token_file", "checkpoint_auth_token_file"}
 UNSUPPORTED = {
@@ -131,7 +135,7 @@ def settings_schemas() -> dict[str, dict]:
         properties = {}
         for field in dataclasses.fields(cls):
             if field.name in {*WIRED[component], *WIRED_TLS[component], *WIRED_SHARDS[component],
-                              *UNSUPPORTED[component]}:
+                              *WIRED_ETCD_TLS[component], *UNSUPPORTED[component]}:
                 continue
             prop = {"type": _TYPES[str(field.type)]}
             if field.name in enums:

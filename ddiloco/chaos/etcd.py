@@ -5,6 +5,8 @@ The binary comes from scripts/etcd_env.sh (Debian's etcd-server package if none 
 Members are started, signalled and stopped by PID through the tools' one launcher
 (ddiloco/cli/processes.py). etcd cannot bind port 0 and report the port back, so its ports are
 picked free just before it starts (racy: a start that loses the race is tried again, bounded).
+With `ServerTLS` a member serves its clients https only and requires client certificates
+(`--client-cert-auth`), as docker-compose.failover-tls.yml runs etcd; peers stay plain HTTP.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import dataclasses
 import pathlib
 import signal
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -38,9 +41,31 @@ def etcd_binary() -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-def _healthy(endpoint: str) -> bool:
+@dataclasses.dataclass(frozen=True)
+class ServerTLS:
+    """Client TLS of an etcd member: its CA for client certificates (--trusted-ca-file), its server
+    certificate and key, and a client certificate and key it is probed with (its /health needs one)."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    probe_cert_file: str
+    probe_key_file: str
+
+    def args(self) -> list[str]:
+        return ["--client-cert-auth", "--trusted-ca-file", self.ca_file, "--cert-file", self.cert_file,
+                "--key-file", self.key_file]
+
+    def probe_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_file)
+        context.load_cert_chain(self.probe_cert_file, self.probe_key_file)
+        return context
+
+
+def _healthy(endpoint: str, tls: ServerTLS | None = None) -> bool:
+    url = f"{'https' if tls else 'http'}://{endpoint}/health"
     try:
-        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=1) as response:
+        with urllib.request.urlopen(url, timeout=1, context=tls.probe_context() if tls else None) as response:
             return b'"true"' in response.read()
     except OSError:
         return False
@@ -60,6 +85,7 @@ class EtcdMember(processes.ProcessControl):
     initial_cluster: str  # every member as name=http://127.0.0.1:<peer port>, comma-separated
     proc: subprocess.Popen | None = None
     starts: int = 0
+    tls: ServerTLS | None = None  # clients: https with client certificates; None: plain HTTP
 
     @property
     def address(self) -> str:
@@ -75,13 +101,13 @@ class EtcdMember(processes.ProcessControl):
         return self.workdir / "logs" / f"{self.name}.log"
 
     def start(self, extra_args: Sequence[str] = ()) -> None:
-        client, peer = f"http://{self.address}", f"http://127.0.0.1:{self.peer_port}"
+        client, peer = f"{'https' if self.tls else 'http'}://{self.address}", f"http://127.0.0.1:{self.peer_port}"
         self.launch([self.binary, "--name", self.name, "--data-dir", str(self.workdir / f"{self.name}.data"),
                      "--listen-client-urls", client, "--advertise-client-urls", client,
                      "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                      "--initial-cluster", self.initial_cluster, "--initial-cluster-state", "new",
                      "--initial-cluster-token", "ddiloco-chaos", "--logger", "zap", "--log-outputs", "stderr",
-                     *extra_args])
+                     *(self.tls.args() if self.tls else ()), *extra_args])
         self.starts += 1
 
     def wait_ready(self, timeout_s: float) -> str:
@@ -90,7 +116,7 @@ class EtcdMember(processes.ProcessControl):
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if _healthy(self.address):
+            if _healthy(self.address, self.tls):
                 return self.address
             time.sleep(0.1)
         raise RuntimeError(f"{self.name} not healthy within {timeout_s:.0f} s:\n{self.log_tail()}")
@@ -104,15 +130,17 @@ class EtcdMember(processes.ProcessControl):
 
 
 @contextlib.contextmanager
-def running_etcd(directory: pathlib.Path, binary: str | None = None) -> Iterator[EtcdMember]:
-    """A single-member etcd with its data under `directory`, killed (by PID) when the block ends."""
+def running_etcd(directory: pathlib.Path, binary: str | None = None, *,
+                 tls: ServerTLS | None = None) -> Iterator[EtcdMember]:
+    """A single-member etcd with its data under `directory`, killed (by PID) when the block ends;
+    with `tls`, serving its clients https only, to client certificates its CA signed."""
     binary = binary or etcd_binary()
     directory.mkdir(parents=True, exist_ok=True)
     last_log = ""
     for attempt in range(START_ATTEMPTS):
         name, peer_port = f"etcd-{attempt}", processes.preset_port()
         etcd = EtcdMember(name, binary, directory, processes.preset_port(), peer_port,
-                          f"{name}=http://127.0.0.1:{peer_port}")
+                          f"{name}=http://127.0.0.1:{peer_port}", tls=tls)
         etcd.start()
         try:
             etcd.wait_ready(READY_TIMEOUT_S)

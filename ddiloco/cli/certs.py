@@ -24,6 +24,16 @@ appends the certificate's serial number (or the serial or identity given) to the
 the syncer and the store read with `--tls-deny-list`; they re-read it within a second, without a
 restart. The file is replaced atomically, so a server never reads half of it. See docs/security.md.
 
+    ddiloco certs --out certs --etcd-names etcd-a,etcd-b,etcd-c
+
+also writes etcd's own PKI for client TLS towards etcd (docs/failover.md): `etcd-ca.pem`/`.key`, a
+CA of its own (reused when present), `etcd-server.pem`/`.key` for the etcd members (etcd's
+--cert-file/--key-file; DNS SANs the names given, localhost and IP 127.0.0.1) and
+`etcd-client.pem`/`.key`, the syncers' client certificate (their --coord-tls-cert/--coord-tls-key).
+A separate CA because etcd started with --client-cert-auth --trusted-ca-file admits every
+certificate that CA signed, with full access to the keys that fence leadership: learners'
+certificates must not chain to it.
+
 These are development credentials: keys are written unencrypted (mode 0600). For production use
 your own PKI (cert-manager, Vault, ...) with the same SAN scheme.
 """
@@ -96,7 +106,7 @@ def make_ca(common_name: str = _CA_NAME, *, days: int = 3650) -> tuple[bytes, by
 def issue_cert(
     ca_cert_pem: bytes,
     ca_key_pem: bytes,
-    identity: security.Identity,
+    identity: security.Identity | str,
     *,
     dns_names: Iterable[str] = (),
     days: int = 825,
@@ -107,6 +117,8 @@ def issue_cert(
 
     SANs: the identity URI, DNS localhost + `identity.name` + `dns_names`, IP 127.0.0.1.
     `not_before`/`not_after` override the validity window (tests use them for expired certs).
+    A plain string instead of an identity is only a common name (no URI SAN): a certificate for
+    something other than ddiloco's services, e.g. etcd.
     """
     _need_cryptography()
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
@@ -115,16 +127,17 @@ def issue_cert(
     now = _now()
     start = not_before or now - datetime.timedelta(minutes=5)
     end = not_after or now + datetime.timedelta(days=days)
-    dns = list(dict.fromkeys(["localhost", identity.name, *dns_names]))
-    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity.uri)]
+    name = identity if isinstance(identity, str) else identity.name
+    dns = list(dict.fromkeys(["localhost", name, *dns_names]))
+    sans: list[x509.GeneralName] = [] if isinstance(identity, str) else [x509.UniformResourceIdentifier(identity.uri)]
     sans += [x509.DNSName(d) for d in dns if d]
+    subject = [x509.NameAttribute(NameOID.COMMON_NAME, name)]
+    if not isinstance(identity, str):
+        subject.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, identity.kind))
     sans.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([
-            x509.NameAttribute(NameOID.COMMON_NAME, identity.name),
-            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, identity.kind),
-        ]))
+        .subject_name(x509.Name(subject))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -214,6 +227,35 @@ def write_dev_certs(
             _write(root / f"{stem}.token", (token + "\n").encode(), secret=True)
         _write(token_path, (json.dumps(table, indent=2, sort_keys=True) + "\n").encode(), secret=True)
     return identities
+
+
+ETCD_CA_NAME = "ddiloco etcd CA"
+ETCD_SERVER, ETCD_CLIENT = "etcd-server", "etcd-client"  # file stems (and common names)
+
+
+def write_etcd_certs(out: str | os.PathLike, *, names: Sequence[str], days: int = 825) -> dict[str, list[pathlib.Path]]:
+    """etcd's PKI in `out` (see the module docstring): reuses `etcd-ca.pem` + `etcd-ca.key` when both
+    exist, and (re)writes the server certificate for `names` and the client certificate. Returns
+    {what: paths} of the files etcd and the syncers are given."""
+    _need_cryptography()
+    if not names:
+        raise ValueError("the etcd server certificate needs the members' DNS names (--etcd-names)")
+    root = pathlib.Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    ca_pem_path, ca_key_path = root / "etcd-ca.pem", root / "etcd-ca.key"
+    if ca_pem_path.exists() and ca_key_path.exists():
+        ca_pem, ca_key = ca_pem_path.read_bytes(), ca_key_path.read_bytes()
+    else:
+        ca_pem, ca_key = make_ca(ETCD_CA_NAME)
+        _write(ca_key_path, ca_key, secret=True)
+        _write(ca_pem_path, ca_pem, secret=False)
+    for stem, dns_names in ((ETCD_SERVER, names), (ETCD_CLIENT, ())):
+        cert, key = issue_cert(ca_pem, ca_key, stem, dns_names=dns_names, days=days)
+        _write(root / f"{stem}.key", key, secret=True)
+        _write(root / f"{stem}.pem", cert, secret=False)
+    return {"CA (etcd --trusted-ca-file, syncer --coord-tls-ca)": [ca_pem_path],
+            "server (etcd --cert-file/--key-file)": [root / f"{ETCD_SERVER}.pem", root / f"{ETCD_SERVER}.key"],
+            "client (syncer --coord-tls-cert/--coord-tls-key)": [root / f"{ETCD_CLIENT}.pem", root / f"{ETCD_CLIENT}.key"]}
 
 
 def _names(text: str) -> list[str]:
@@ -328,6 +370,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "model's weights (WatchFragments, the store's GetBlob), e.g. exporter")
     parser.add_argument("--dns-names", default="",
                         help="extra DNS SANs for the service certificates, e.g. syncer.ddiloco.svc.cluster.local")
+    parser.add_argument("--etcd-names", default="",
+                        help="also write etcd's own PKI for client TLS towards etcd: etcd-ca.pem/.key (a separate "
+                             "CA), etcd-server.pem/.key with these DNS names (the etcd members, e.g. "
+                             "etcd-a,etcd-b,etcd-c) and etcd-client.pem/.key, the syncers' client certificate")
     parser.add_argument("--days", type=int, default=825, help="validity of the leaf certificates")
     parser.add_argument("--tokens", action="store_true",
                         help="also write tokens.json (the syncer's --auth-tokens-file) and <name>.token files")
@@ -347,6 +393,7 @@ def run(args: argparse.Namespace) -> int:
             dns_names=_names(args.dns_names), days=args.days, tokens=args.tokens,
             model_readers=_names(args.model_readers),
         )
+        etcd = write_etcd_certs(args.out, names=_names(args.etcd_names), days=args.days) if args.etcd_names else {}
     except ValueError as exc:
         print(f"ddiloco certs: {exc}")
         return 2
@@ -356,4 +403,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {identity.uri:<44} {out / (stem + '.pem')}  {out / (stem + '.key')}")
     if args.tokens:
         print(f"tokens: {out / 'tokens.json'} (syncer --auth-tokens-file) and <name>.token")
+    for what, paths in etcd.items():
+        print(f"etcd {what}: {'  '.join(map(str, paths))}")
     return 0

@@ -133,13 +133,16 @@ class Election:
 
     async def campaign(self, on_observed: Callable[[Leader | None], None] | None = None) -> int:
         """Tries until this candidate leads; returns its epoch. Every attempt is bounded; etcd being
-        unreachable is logged and tried again (a standby waits for as long as it runs)."""
+        unreachable is logged and tried again (a standby waits for as long as it runs). A TLS
+        refusal (EtcdTLSError) is raised: the same certificates would be refused forever."""
         unreachable_since = None
         while True:
             try:
                 if await self.try_acquire():
                     return self.epoch
                 unreachable_since = None
+            except etcd_lib.EtcdTLSError:
+                raise
             except etcd_lib.EtcdUnavailable as exc:
                 if unreachable_since is None:
                     unreachable_since = self._clock()
@@ -201,11 +204,9 @@ class LeaseKeeper:
     thread once leadership is gone; the service's own checks (`is_leader`) need no thread: they
     compare the clock with the deadline the keeper moves forward."""
 
-    def __init__(self, election: Election, endpoints: list[str], *, call_timeout_s: float,
-                 on_lost: Callable[[str], None]) -> None:
+    def __init__(self, election: Election, etcd: etcd_lib.Etcd, *, on_lost: Callable[[str], None]) -> None:
         self._election = election
-        self._endpoints = endpoints
-        self._call_timeout_s = call_timeout_s
+        self._etcd = etcd  # the campaign's client: the keeper's own is a sibling (same endpoints and TLS)
         self._on_lost = on_lost
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
 
@@ -214,7 +215,7 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         async def hold() -> str:
-            etcd = etcd_lib.Etcd(self._endpoints, call_timeout_s=self._call_timeout_s)
+            etcd = self._etcd.sibling()
             try:
                 return await self._election.hold(etcd)
             finally:

@@ -7,14 +7,21 @@ decide what a failure means; nothing here retries forever.
 
 Only what leader election and fenced commits need: leases (grant, keep alive, revoke), reading one
 key, and transactions whose comparisons are on a key's create or mod revision.
+
+Transport: plaintext, or TLS when given gRPC channel credentials (the caller builds them from its
+certificate files, e.g. ddiloco.rpc.security.ClientSecurity; with a client certificate this is what
+an etcd started with `--client-cert-auth` requires). A handshake etcd refuses, or a server
+certificate this client cannot verify, is `EtcdTLSError`: a configuration error, on which a
+campaign gives up instead of waiting for etcd to come back (ddiloco.coord.election).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ddiloco import extras
 
@@ -30,6 +37,23 @@ class EtcdError(Exception):
 
 class EtcdUnavailable(EtcdError):
     """No endpoint answered within its deadline (the outcome of a write is then unknown)."""
+
+
+class EtcdTLSError(EtcdUnavailable):
+    """No endpoint answered, and at least one refused this client's TLS (no or an untrusted client
+    certificate) or presented a certificate this client does not trust: another attempt with the
+    same certificates fails the same way. An EtcdUnavailable, so a caller that only waits etcd out
+    (a leader's keep-alives until its deadline, a resign) treats it as one; a campaign does not."""
+
+
+# How grpc-core words a failed TLS handshake, or the alert a server sends after it (etcd with
+# --client-cert-auth refusing a missing or foreign client certificate: TSI_DATA_CORRUPTED).
+_TLS_FAILURE_MARKS = ("handshake failed", "tsi_", "ssl_error", "certificate")
+
+
+def _is_tls_failure(details: str) -> bool:
+    details = details.lower()
+    return any(mark in details for mark in _TLS_FAILURE_MARKS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,22 +83,77 @@ def _aetcd():
     return aetcd, extras.require("aetcd.exceptions", "etcd")
 
 
+_SCHEMES = ("https://", "http://")
+
+
+def endpoints_scheme(text: str) -> str:
+    """The scheme the endpoints are written with: "https", "http", or "" (bare host:port);
+    ValueError when they mix (one client speaks TLS to every endpoint, or to none)."""
+    schemes = {next((s[:-3] for s in _SCHEMES if e.strip().startswith(s)), "") for e in text.split(",") if e.strip()}
+    if len(schemes) > 1:
+        raise ValueError(f"etcd endpoints mix schemes ({', '.join(sorted(s or 'none' for s in schemes))}): "
+                         "give all of them as https:// (TLS) or none")
+    return schemes.pop() if schemes else ""
+
+
 def parse_endpoints(text: str) -> list[str]:
-    """`host:port[,host:port...]` -> the list; ValueError with the offending entry."""
+    """`[scheme://]host:port[,...]` -> the list of host:port (the scheme stripped: whether to speak
+    TLS is the client's credentials, see `endpoints_scheme`); ValueError with the offending entry."""
     endpoints = [e.strip() for e in text.split(",") if e.strip()]
     if not endpoints:
         raise ValueError("no etcd endpoint given (host:port[,host:port...])")
+    out = []
     for e in endpoints:
-        host, sep, port = e.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"etcd endpoint {e!r} is not host:port")
-    return endpoints
+        bare = next((e[len(s):] for s in _SCHEMES if e.startswith(s)), e).rstrip("/")
+        host, sep, port = bare.rpartition(":")
+        if not sep or not host or "/" in bare or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"etcd endpoint {e!r} is not [https://]host:port")
+        out.append(bare)
+    return out
+
+
+@functools.cache
+def _tls_client_class():
+    """aetcd.Client over a TLS channel. aetcd 1.0 opens plaintext channels only (its connect()
+    calls grpc.aio.insecure_channel), so connect() is replaced with the same steps on a secure
+    channel; everything else (the calls, their error mapping) is aetcd's own."""
+    import grpc  # a dependency of ddiloco itself (and of aetcd)
+
+    aetcd, _ = _aetcd()
+    rpc, watcher = extras.require("aetcd.rpc", "etcd"), extras.require("aetcd.watcher", "etcd")
+
+    class TLSClient(aetcd.Client):
+        def __init__(self, *, credentials: Any, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self._credentials = credentials
+
+        async def connect(self) -> None:
+            if self._connected.is_set():
+                return
+            # Nothing here awaits: no other task can interleave, so no connecting state is needed.
+            channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials,
+                                              options=tuple(self._options.items()))
+            self.channel = channel
+            self.kvstub = rpc.KVStub(channel)
+            self.clusterstub = rpc.ClusterStub(channel)
+            self.leasestub = rpc.LeaseStub(channel)
+            self.maintenancestub = rpc.MaintenanceStub(channel)
+            self._watcher = watcher.Watcher(rpc.WatchStub(channel), timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+
+    return TLSClient
 
 
 class Etcd:
-    """See the module docstring. One aetcd client per endpoint, connected on first use."""
+    """See the module docstring. One aetcd client per endpoint, connected on first use.
 
-    def __init__(self, endpoints: list[str], *, call_timeout_s: float = 2.0) -> None:
+    `credentials`: gRPC channel credentials (grpc.ssl_channel_credentials: etcd's CA, and this
+    client's certificate and key for an etcd that requires client certificates); None: plaintext.
+    `channel_options`: e.g. ("grpc.ssl_target_name_override", name) when etcd's certificate does
+    not name the host dialled."""
+
+    def __init__(self, endpoints: list[str], *, call_timeout_s: float = 2.0, credentials: Any = None,
+                 channel_options: tuple[tuple[str, Any], ...] = ()) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is needed")
         if call_timeout_s <= 0:
@@ -82,15 +161,29 @@ class Etcd:
         self._aetcd, self._errors = _aetcd()  # here, so a syncer without the extra fails at start
         self.endpoints = list(endpoints)
         self.call_timeout_s = call_timeout_s
+        self.credentials = credentials
+        self.channel_options = tuple(channel_options)
         self._clients: dict[str, aetcd.Client] = {}
         self._preferred = 0  # index of the endpoint that answered last
+
+    @property
+    def tls(self) -> bool:
+        return self.credentials is not None
+
+    def sibling(self) -> Etcd:
+        """A new client of the same endpoints with the same settings and none of this one's
+        connections (for another thread's event loop: a gRPC aio channel belongs to one loop)."""
+        return Etcd(self.endpoints, call_timeout_s=self.call_timeout_s, credentials=self.credentials,
+                    channel_options=self.channel_options)
 
     def _client(self, endpoint: str) -> aetcd.Client:
         client = self._clients.get(endpoint)
         if client is None:
             host, _, port = endpoint.rpartition(":")
-            client = self._aetcd.Client(host=host.strip("[]"), port=int(port), timeout=self.call_timeout_s,
-                                  connect_wait_timeout=max(1, int(self.call_timeout_s)))
+            settings = dict(host=host.strip("[]"), port=int(port), timeout=self.call_timeout_s,
+                            options=dict(self.channel_options), connect_wait_timeout=max(1, int(self.call_timeout_s)))
+            client = (_tls_client_class()(credentials=self.credentials, **settings) if self.tls
+                      else self._aetcd.Client(**settings))
             self._clients[endpoint] = client
         return client
 
@@ -98,7 +191,7 @@ class Etcd:
         """fn(client) on each endpoint at most once; the first answer wins."""
         bound_s = self.call_timeout_s if timeout_s is None else max(0.05, min(timeout_s, self.call_timeout_s))
         n = len(self.endpoints)
-        failures = []
+        failures: list[tuple[str, Exception]] = []
         for i in range(n):
             index = (self._preferred + i) % n
             endpoint = self.endpoints[index]
@@ -106,13 +199,30 @@ class Etcd:
                 result = await asyncio.wait_for(fn(self._client(endpoint)), bound_s)
             except (asyncio.TimeoutError, self._errors.ConnectionFailedError,
                     self._errors.ConnectionTimeoutError, self._errors.InternalError) as exc:
-                failures.append(f"{endpoint}: {type(exc).__name__}")
+                failures.append((endpoint, exc))
                 continue
             except self._errors.ClientError as exc:  # etcd's answer: another endpoint would say the same
                 raise EtcdError(f"etcd {what}: {exc}") from exc
             self._preferred = index
             return result
-        raise EtcdUnavailable(f"etcd {what}: no endpoint answered within {bound_s:.1f} s ({'; '.join(failures)})")
+        raise self._unanswered(what, bound_s, failures)
+
+    def _unanswered(self, what: str, bound_s: float, failures: list[tuple[str, Exception]]) -> EtcdError:
+        """The error of a call no endpoint answered: EtcdTLSError when an endpoint refused the TLS
+        handshake (or this client refused its certificate), else EtcdUnavailable."""
+        refused = [f"{endpoint}: {exc}" for endpoint, exc in failures if self.tls and _is_tls_failure(str(exc))]
+        if refused:
+            return EtcdTLSError(
+                f"etcd {what}: TLS with etcd failed ({'; '.join(refused)}): etcd refused this client's certificate "
+                "(none, or not signed by etcd's --trusted-ca-file), or this client does not trust etcd's (--cert-file), "
+                "or etcd does not serve TLS; check the etcd client certificate, key and CA (the syncer's "
+                "--coord-tls-cert, --coord-tls-key, --coord-tls-ca)")
+        # A TLS listener closes a plaintext client's connection at once: say so, it looks like etcd being down.
+        closed = not self.tls and any("socket closed" in str(exc).lower() for _, exc in failures)
+        hint = ("; this client speaks plaintext, and an etcd serving TLS (https, --client-cert-auth) closes "
+                "plaintext connections: give it etcd's CA and a client certificate" if closed else "")
+        listed = "; ".join(f"{endpoint}: {type(exc).__name__}" for endpoint, exc in failures)
+        return EtcdUnavailable(f"etcd {what}: no endpoint answered within {bound_s:.1f} s ({listed}){hint}")
 
     async def grant(self, ttl_s: int, timeout_s: float | None = None) -> tuple[int, int]:
         """A new lease: (its id, the TTL etcd granted in seconds; etcd may raise a too-small TTL)."""

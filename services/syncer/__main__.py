@@ -203,6 +203,10 @@ class _Security(NamedTuple):
         authenticator = server.authenticator()
         store = cfg.checkpoint_security()
         store.token()
+        try:  # etcd's CA and the etcd client certificate (--coord-tls-*), read again in elect()
+            cfg.coord_security().check_files()
+        except ValueError as exc:
+            raise ValueError(f"etcd client TLS (--coord-tls-*): {exc}") from None
         return cls(server, credentials, authenticator, store)
 
 
@@ -494,7 +498,7 @@ async def _lead(cfg, leadership, handle, core, client, servicer, checkpointer, m
     try:
         await leadership_lib.campaign_and_lead(leadership, on_observed=observed, become_leader=become_leader)
     except Exception as exc:
-        _LOG.error(f"could not take up leadership (restoring the committed checkpoint): {exc!r}")
+        _LOG.error(f"could not take up leadership (etcd, or restoring the committed checkpoint): {exc!r}")
         stop.set()
         raise
 

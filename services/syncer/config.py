@@ -120,6 +120,12 @@ class SyncerConfig:
     coord_prefix: str = "/ddiloco"  # etcd key prefix of this deployment's election and commit keys
     coord_advertise: str = ""  # host:port learners reach this syncer at (default: its bound address)
     coord_call_timeout_s: float = 1.0  # deadline of one etcd call
+    # TLS towards etcd (https:// endpoints; an etcd with --client-cert-auth needs the cert and key):
+    # etcd's CA, this syncer's etcd client certificate and key, the name in etcd's certificate.
+    coord_tls_ca: str = ""
+    coord_tls_cert: str = ""
+    coord_tls_key: str = ""
+    coord_tls_server_name: str = ""
     # Bad input and hostile learners.
     max_concurrent_uploads_per_learner: int = 4
     upload_idle_timeout_s: float = 60.0  # an upload stream silent this long is refused
@@ -213,6 +219,7 @@ class SyncerConfig:
                 raise bad("coord_lease_s", "must be >= 2 (etcd grants no shorter lease)")
             if self.coord_call_timeout_s <= 0 or self.coord_call_timeout_s >= self.coord_lease_s / 2:
                 raise bad("coord_call_timeout_s", "must be > 0 and below half of --coord-lease-s")
+        self._check_coord_tls()
         for name in ("norm_bound_factor", "quarantine_after", "quarantine_window_s", "quarantine_s"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")
@@ -256,6 +263,37 @@ class SyncerConfig:
             failpoints_lib.parse(self.failpoints, prefix="syncer.")
         except ValueError as exc:
             raise bad("failpoints", str(exc)) from None
+
+    def _check_coord_tls(self) -> None:
+        """--coord-tls-*: only with --coord-etcd, agreeing with the endpoints' scheme, cert with key."""
+        bad = self._bad
+        given = [n for n in ("coord_tls_ca", "coord_tls_cert", "coord_tls_key", "coord_tls_server_name")
+                 if getattr(self, n)]
+        if given and not self.coord_etcd:
+            raise bad(given[0], "is TLS towards etcd: it needs --coord-etcd")
+        if not self.coord_etcd:
+            return
+        try:
+            scheme = etcd_lib.endpoints_scheme(self.coord_etcd)
+        except ValueError as exc:
+            raise bad("coord_etcd", str(exc)) from None
+        if given and not self.coord_tls_ca:
+            raise bad(given[0], "needs --coord-tls-ca, the CA that signed etcd's server certificate")
+        if scheme == "https" and not self.coord_tls_ca:
+            raise bad("coord_etcd", "https:// endpoints need --coord-tls-ca (etcd's CA), and --coord-tls-cert/"
+                      "--coord-tls-key when etcd requires client certificates (--client-cert-auth)")
+        if scheme == "http" and self.coord_tls_ca:
+            raise bad("coord_etcd", "http:// endpoints contradict --coord-tls-ca: write them https://")
+        if bool(self.coord_tls_cert) != bool(self.coord_tls_key):
+            raise bad("coord_tls_cert" if self.coord_tls_cert else "coord_tls_key",
+                      "--coord-tls-cert and --coord-tls-key go together")
+
+    def coord_security(self) -> security.ClientSecurity:
+        """How the syncer reaches etcd: TLS with --coord-tls-ca (its own etcd client certificate when
+        given), else plaintext."""
+        return security.ClientSecurity(tls_ca=self.coord_tls_ca, tls_cert=self.coord_tls_cert,
+                                       tls_key=self.coord_tls_key, tls_server_name=self.coord_tls_server_name,
+                                       insecure=not self.coord_tls_ca)
 
     def server_security(self) -> security.ServerSecurity:
         """ValueError unless mutual TLS is fully configured or plaintext was asked for."""
@@ -438,13 +476,21 @@ _HELPS = {
                                   "the host of --checkpoint-target (e.g. checkpoint, as `ddiloco certs` names it)",
     "health_bind": "also serve gRPC health alone, in plaintext, on host:port (probes without certificates)",
     "coord_etcd": "leader election among several syncers of this run (docs/failover.md): etcd endpoints "
-                  "host:port[,host:port...]; empty: a single syncer, no election",
+                  "host:port[,host:port...] (https://host:port: TLS, see --coord-tls-ca); empty: a single "
+                  "syncer, no election",
     "coord_lease_s": "leader lease in seconds: a dead leader is replaced, and a leader cut off from etcd "
                      "stops, within about this long",
     "coord_prefix": "etcd key prefix for this deployment's leader and commit keys",
     "coord_advertise": "host:port at which learners reach this syncer, told to them by standbys "
                        "(default: the address it serves on; bound to 0.0.0.0, this host's address)",
     "coord_call_timeout_s": "deadline of one etcd call (below half of --coord-lease-s)",
+    "coord_tls_ca": "TLS towards etcd: CA bundle (PEM) that signed etcd's server certificate (etcd's "
+                    "--trusted-ca-file when one CA does both); empty: plaintext etcd",
+    "coord_tls_cert": "TLS towards etcd: this syncer's etcd client certificate (PEM), for an etcd started with "
+                      "--client-cert-auth (`ddiloco certs --etcd-names` writes etcd-client.pem)",
+    "coord_tls_key": "TLS towards etcd: the private key (PEM) of --coord-tls-cert",
+    "coord_tls_server_name": "TLS towards etcd: name expected in etcd's certificate when it differs from the "
+                             "endpoints' hosts",
     "max_concurrent_uploads_per_learner": "uploads in flight at once from one learner (RESOURCE_EXHAUSTED above)",
     "upload_idle_timeout_s": "refuse an upload stream that sends nothing for this long",
     "max_state_watchers": "WatchTrainingState streams open at once, over all callers (RESOURCE_EXHAUSTED above)",

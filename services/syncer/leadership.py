@@ -14,6 +14,10 @@ With it, each syncer of the run campaigns for the run's leader key on etcd (ddil
     not refreshed in time (cut off from etcd), or a commit is fenced, it stops at once: the gate
     closes and the process exits with EXIT_LOST_LEADERSHIP, before etcd can elect another
     leader. Its supervisor starts it again, as a standby.
+
+etcd is dialled over TLS with --coord-tls-* (etcd's CA, the syncer's etcd client certificate). A
+campaign that etcd refuses at the handshake (EtcdTLSError) ends the process the same way: waiting
+would not help, and a restart reads the certificate files again.
 """
 
 from __future__ import annotations
@@ -54,8 +58,7 @@ class Leadership:
         self.lost_reason = ""
         self.on_lost: Callable[[str], None] | None = None
         self.keeper: election_lib.LeaseKeeper | None = None
-        self.endpoints: list[str] = []  # etcd, for the keeper's own client
-        self.call_timeout_s = 1.0
+        self.etcd: etcd_lib.Etcd | None = None  # the campaign's client; the keeper makes its own sibling
         self.history = None  # the fault tests' history, attached once elected (services/syncer/history.py)
 
     @property
@@ -190,8 +193,7 @@ async def campaign_and_lead(leadership: Leadership, *, on_observed: Callable[[st
     # than a lease); the gate stays closed until `elected`.
     loop = asyncio.get_running_loop()
     leadership.keeper = election_lib.LeaseKeeper(
-        election, leadership.endpoints, call_timeout_s=leadership.call_timeout_s,
-        on_lost=lambda reason: loop.call_soon_threadsafe(leadership.lose, reason))
+        election, leadership.etcd, on_lost=lambda reason: loop.call_soon_threadsafe(leadership.lose, reason))
     leadership.keeper.start()
     try:
         await become_leader()
@@ -241,10 +243,12 @@ def elect(cfg, leadership: Leadership, address: str, instance: str) -> tuple[com
                                                                                etcd_lib.Etcd]:
     """Gives a coordinated Leadership its election (once the syncer serves at `address`), from its
     SyncerConfig; returns the commit pointer and the etcd client."""
-    etcd = etcd_lib.Etcd(etcd_lib.parse_endpoints(cfg.coord_etcd), call_timeout_s=cfg.coord_call_timeout_s)
+    security = cfg.coord_security()  # TLS towards etcd when configured (--coord-tls-*), else plaintext
+    etcd = etcd_lib.Etcd(etcd_lib.parse_endpoints(cfg.coord_etcd), call_timeout_s=cfg.coord_call_timeout_s,
+                         credentials=security.credentials(), channel_options=security.channel_options())
     key = election_lib.leader_key(cfg.coord_prefix, cfg.store_run_id)  # one election per shard
     election = election_lib.Election(etcd, key, address=cfg.coord_advertise or advertised(address), instance=instance,
                                      lease_ttl_s=cfg.coord_lease_s)
     leadership.election = election
-    leadership.endpoints, leadership.call_timeout_s = etcd.endpoints, cfg.coord_call_timeout_s
+    leadership.etcd = etcd
     return commit_lib.EtcdCommitPointer(etcd, prefix=cfg.coord_prefix, leader_key=key), etcd

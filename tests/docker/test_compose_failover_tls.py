@@ -46,7 +46,7 @@ def test_the_second_hub_speaks_tls_like_the_first(compose_env):
     services = _config(compose_env, *FILES)["services"]
     for name, service in services.items():
         if name.startswith("etcd-") or name.startswith("certs"):
-            continue  # etcd is plain HTTP on the hub networks (docs/failover.md); certs has no network
+            continue  # etcd has TLS of its own (tests/unit/test_compose_failover_tls_wiring.py); certs has no network
         env = service["environment"]
         assert env.get("DDILOCO_INSECURE", "0") == "0", name
         assert _mounts(service)["/etc/ddiloco/tls"]["read_only"], name

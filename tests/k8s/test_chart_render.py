@@ -181,16 +181,21 @@ def test_settings_cover_every_flag_and_wired_flags_are_wired(render):
     # Fragment shards' flags are set only with several shards (shard 0's Deployment is checked).
     shard_docs = render("hub", "--set", "tls.enabled=false", "--set", "tls.allowPlaintextBeyondCluster=true",
                         "--set", "syncer.shards=2")
+    # Client TLS towards etcd's flags are set only with its Secret (and a server name).
+    etcd_docs = render("hub", "--set", "syncer.settings.coordEtcd=https://etcd-0.etcd:2379", "--set",
+                       "syncer.etcdTLS.existingSecret=etcd-client", "--set", "syncer.etcdTLS.serverName=etcd")
     for component, cls in render_k8s.service_configs().items():
         wired, unsupported = set(render_k8s.WIRED[component]), render_k8s.UNSUPPORTED[component]
         wired_tls, wired_shards = render_k8s.WIRED_TLS[component], render_k8s.WIRED_SHARDS[component]
-        assert not (wired | wired_tls | wired_shards) & unsupported
+        wired_etcd = render_k8s.WIRED_ETCD_TLS[component]
+        assert not (wired | wired_tls | wired_shards | wired_etcd) & unsupported
         fields = {f.name for f in dataclasses.fields(cls)}
         settings = set(schema["properties"][component]["properties"]["settings"]["properties"])
-        expected = {render_k8s.camel(f) for f in fields - wired - wired_tls - wired_shards - unsupported}
+        expected = {render_k8s.camel(f) for f in fields - wired - wired_tls - wired_shards - wired_etcd - unsupported}
         assert settings == expected, f"{component}.settings drifted from {cls.__name__}: run `make k8s-render`"
         assert wired_tls <= fields, f"{component}: WIRED_TLS names flags {cls.__name__} does not have"
-        for rendered, names in ((docs, wired), (tls_docs, wired_tls), (shard_docs, wired_shards)):
+        for rendered, names in ((docs, wired), (tls_docs, wired_tls), (shard_docs, wired_shards),
+                                (etcd_docs, wired_etcd)):
             workload = (learner_sets(rendered)[0] if component == "learners" else
                         find(rendered, "Deployment", "ddiloco-syncer")[0] if component == "syncer" else
                         one(rendered, "StatefulSet" if component == "store" else "Deployment", component))

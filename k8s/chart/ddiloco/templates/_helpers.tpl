@@ -238,6 +238,56 @@ of it for the same reason.
 {{- end }}
 {{- end }}
 
+{{/*
+Client TLS towards etcd (syncer.etcdTLS; docs/deploy.md#etcd-client-tls): the syncer's
+DDILOCO_SYNCER_COORD_TLS_* lines, its volume (only the Secret's three keys) and mount. Only the
+syncer pods get them: nothing else talks to etcd. https:// endpoints without a Secret, or a Secret
+without endpoints, fail the render instead of a syncer that cannot reach etcd.
+*/}}
+{{- define "ddiloco.etcdTLSEnv" -}}
+{{- $etcd := .Values.syncer.etcdTLS }}
+{{- $endpoints := toString (default "" .Values.syncer.settings.coordEtcd) }}
+{{- if $etcd.existingSecret }}
+{{- if eq $endpoints "" }}
+{{- fail "syncer.etcdTLS.existingSecret is TLS towards etcd: it needs syncer.settings.coordEtcd (docs/deploy.md#etcd-client-tls)" }}
+{{- end }}
+DDILOCO_SYNCER_COORD_TLS_CA: {{ printf "%s/ca.crt" $etcd.mountPath | quote }}
+DDILOCO_SYNCER_COORD_TLS_CERT: {{ printf "%s/tls.crt" $etcd.mountPath | quote }}
+DDILOCO_SYNCER_COORD_TLS_KEY: {{ printf "%s/tls.key" $etcd.mountPath | quote }}
+{{- with $etcd.serverName }}
+DDILOCO_SYNCER_COORD_TLS_SERVER_NAME: {{ . | quote }}
+{{- end }}
+{{- else if contains "https://" $endpoints }}
+{{- fail "syncer.settings.coordEtcd has https:// endpoints: set syncer.etcdTLS.existingSecret to a Secret with etcd's CA and the etcd client certificate (docs/deploy.md#etcd-client-tls)" }}
+{{- else if $etcd.serverName }}
+{{- fail "syncer.etcdTLS.serverName needs syncer.etcdTLS.existingSecret" }}
+{{- end }}
+{{- end }}
+
+{{- define "ddiloco.etcdTLSVolume" -}}
+{{- with .Values.syncer.etcdTLS.existingSecret -}}
+- name: etcd-tls
+  secret:
+    secretName: {{ . }}
+    items:
+      - key: ca.crt
+        path: ca.crt
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{- define "ddiloco.etcdTLSVolumeMount" -}}
+{{- if .Values.syncer.etcdTLS.existingSecret -}}
+- name: etcd-tls
+  mountPath: {{ .Values.syncer.etcdTLS.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
 {{/* The port a server's probes use: its health port under TLS, else its gRPC port. */}}
 {{- define "ddiloco.probePort" -}}
 {{- if .ctx.Values.tls.enabled }}{{ get .ctx.Values.tls.healthPorts .component }}{{ else }}{{ .port }}{{ end }}
@@ -258,6 +308,7 @@ DDILOCO_CHECKPOINT_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
 {{- if and .Values.tls.enabled .Values.tls.storeServerName }}
 DDILOCO_SYNCER_CHECKPOINT_TLS_SERVER_NAME: {{ .Values.tls.storeServerName | quote }}
 {{- end }}
+{{- include "ddiloco.etcdTLSEnv" . }}
 DDILOCO_SYNCER_LOG_LEVEL: {{ .Values.run.logLevel | quote }}
 DDILOCO_SYNCER_JSON_LOGS: {{ .Values.run.jsonLogs | quote }}
 {{- include "ddiloco.settingsData" (dict "prefix" "DDILOCO_SYNCER_" "settings" .Values.syncer.settings) }}
