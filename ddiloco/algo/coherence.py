@@ -4,19 +4,25 @@ Owns `ResidualCoherence`. A learner's residual in one merge is the unit directio
 contribution minus the unit direction of the other contributions' mean (leave-one-out, on the
 direction check's sample of coordinates, `ddiloco.algo.robust.DirectionGuard.direction`). Per
 learner and fragment it keeps an exponentially weighted sum S of the residuals, the weighted sum
-Q of their squared norms, and the sums of the weights W1 and of their squares W2. For residuals of
-equal norm r_t = a + n_t (a fixed part a, a part n_t that changes direction from round to round),
-|S|^2 / Q = N (|a|^2 / |r|^2) + (1 - |a|^2 / |r|^2) with N = W1^2 / W2 the rounds the sum holds,
-so `persistent` = (|S|^2 / Q - 1) / (N - 1), the share of the residual's energy that keeps its
-direction, does not grow with the number of rounds and compares learners with different counts.
-A constant bias b added to each contribution (the hostile matrix's drift) is such a fixed part;
-an honest learner's residual, even on its own data shard, turns as the model moves.
+Q of their squared norms, and the sums of the weights W1 and of their squares W2. For residuals
+r_t = a + n_t (a fixed part a, a part n_t that changes direction from round to round), the
+`coherence` |S| / sqrt(Q) is about 1 when a = 0 and grows like sqrt(rounds) when a dominates, and
+E[|S|^2 - Q] = |a|^2 (W1^2 - W2): `persistent` = (|S|^2 - Q) / (W1^2 - W2) estimates |a|^2, the
+squared norm of the residual's fixed part in units of one contribution's (unit) direction, the same
+whatever the number of rounds. A learner adding x times its norm along one fixed direction adds
+about x^2 / (1 + x^2) to it (0.2 at x = 0.5, the hostile matrix's drift). An honest learner's
+residual has a fixed part too, on its own data shard: its update keeps pointing a little toward its
+shard's statistics; that part turns as the model moves, slowly (a 100-step run is too short to see
+much of the turn), so the audit compares learners with each other rather than with zero.
 
-Measured (ddiloco bench hostile, tiny model, 4 learners on 4 data shards, ~25 merges per
-fragment): honest learners' `persistent` per fragment 0.03-0.21 (most of it from the first
-rounds, when every learner's update still points along its shard's token frequencies); a learner
-adding 0.5 x its norm along one fixed direction every round (the bias hidden from its own rebase)
-0.5-0.7. ddiloco/cli/audit.py reads it.
+Measured (ddiloco bench hostile on a loaded 2-core machine, tiny model, 4 learners on 4 data
+shards, 5-19 residuals per learner and fragment; five runs): honest learners' `persistent`, median
+over fragments, 0.06-0.13 (single fragments 0.03-0.52, the high ones from learners whose few
+residuals came early in the run); a learner adding 0.5 x its norm along one fixed direction every
+round, its bias hidden from its own rebase (ddiloco/chaos/hostile_learner.py): 0.27-0.30, 2.5 times
+the others' median. A smaller bias, or honest learners whose data differ more, would not stand out
+this way: the test is of a bias as large as the differences between honest learners' data.
+ddiloco/cli/audit.py reads it.
 
 Memory: the sums live in a count sketch of `dims` coordinates (each sampled coordinate adds, with
 a fixed random sign, to one of `dims` buckets; the same hashing per sample length), so a state is
@@ -42,6 +48,10 @@ SKETCH_DIMS = 1024
 # run (where honest residuals are most alike from round to round) fades.
 DECAY = 0.94
 MAX_STATES = 4096
+# With fewer residuals in the sums a score says little (after one round `persistent` is 0, after two
+# it is the dot product of the two residuals), and what it says is about the start of the run, where
+# honest residuals are most alike: scores() and the audit leave such states out.
+MIN_ROUNDS = 8.0
 # A reference is the mean of at least MIN_OTHERS other learners' directions no older than
 # MAX_AGE_VERSIONS fragment versions (as the direction check's, ddiloco.algo.robust.DirectionPolicy):
 # with one other, two learners' residuals are each other's negatives and cannot tell which one is off.
@@ -54,7 +64,7 @@ class Score:
     """One learner's coherence on one fragment, after a residual was added."""
 
     coherence: float  # |S| / sqrt(Q): ~1 for residuals that turn, up to sqrt(rounds) for a fixed one
-    persistent: float  # (coherence^2 - 1) / (rounds - 1), clamped to [0, 1]; 0 below 2 rounds
+    persistent: float  # (|S|^2 - Q) / (W1^2 - W2): the fixed part's squared norm, clamped to [0, 4]; 0 below 2 rounds
     rounds: float  # W1^2 / W2: the effective number of residuals in the sums
 
 
@@ -152,14 +162,17 @@ class ResidualCoherence:
             return None
         if state.energy <= 0:
             return Score(0.0, 0.0, 0.0)
-        ratio = float(state.total @ state.total) / state.energy
-        rounds = state.w1 * state.w1 / state.w2
-        persistent = 0.0 if rounds < 2 else min(1.0, max(0.0, (ratio - 1.0) / (rounds - 1.0)))
-        return Score(math.sqrt(ratio), persistent, rounds)
+        total = float(state.total @ state.total)
+        spread = state.w1 * state.w1 - state.w2  # 0 after one round
+        persistent = 0.0 if spread <= 1e-9 else min(4.0, max(0.0, (total - state.energy) / spread))
+        return Score(math.sqrt(total / state.energy), persistent, state.w1 * state.w1 / state.w2)
 
-    def scores(self) -> dict[str, float]:
-        """Per learner, the median over its fragments of `persistent` (the metrics' gauge)."""
+    def scores(self, min_rounds: float = MIN_ROUNDS) -> dict[str, float]:
+        """Per learner, the median over its fragments of `persistent`, from sums of `min_rounds` or
+        more (the metrics' gauge)."""
         per: dict[str, list[float]] = collections.defaultdict(list)
         for learner, fragment in self._states:
-            per[learner].append(self.score(learner, fragment).persistent)
+            score = self.score(learner, fragment)
+            if score.rounds >= min_rounds:
+                per[learner].append(score.persistent)
         return {learner: float(np.median(v)) for learner, v in sorted(per.items())}
