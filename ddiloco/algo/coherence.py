@@ -128,11 +128,13 @@ class ResidualCoherence:
         while len(latest) > self.max_states:
             latest.pop(next(iter(latest)))
         out = {}
+        total = np.sum([d for _, d in latest.values()], axis=0) if latest else None
         for learner, s in sketched.items():
-            others = [d for k, (_, d) in latest.items() if k != learner]
-            if len(others) < self.min_others:
+            if len(latest) - 1 < self.min_others:
+                break
+            if learner not in latest:  # evicted (more learners in one merge than max_states)
                 continue
-            mean = np.sum(others, axis=0)
+            mean = total - latest[learner][1]  # the others' sum (each learner's latest once)
             norm = float(np.linalg.norm(mean))
             if norm > 0 and math.isfinite(norm):
                 out[learner] = self.add(learner, fragment, s - mean / norm, sketched=True)

@@ -5,9 +5,11 @@ Before the coherence module the ledger held nothing a bias changes and the audit
 
 from __future__ import annotations
 
+import asyncio
 import types
 
 import numpy as np
+import prometheus_client
 import pytest
 
 from ddiloco.algo import coherence as coherence_lib
@@ -151,3 +153,25 @@ def test_the_audit_names_a_drifting_learner_and_no_honest_one(tmp_path):
     # Too few rounds in the selection's sums: no score, no flag.
     early = audit_lib.influence(audit_lib.select(drifting, to_version=8))
     assert not any(e["flags"] for e in early.values())
+
+
+def test_the_syncer_exports_each_learners_persistent_residual(clock):
+    from services.syncer import metrics as syncer_metrics
+    from tests.fakes import make_core
+
+    async def run():
+        core = make_core(clock)
+        registry = prometheus_client.CollectorRegistry()
+        syncer_metrics.SyncerMetrics(core, registry)
+        gen = _Learners(4, seed=3, bias={3: 0.5})
+        for t in range(30):
+            core.influence.coherence.observe(0, t + 1, gen.round(t))
+        expected = core.influence.coherence.scores()
+        assert set(expected) == {f"learner-{i}" for i in range(4)}
+        # Scraped from another thread, as Prometheus does.
+        got = await asyncio.to_thread(lambda: {lid: registry.get_sample_value(
+            "ddiloco_syncer_residual_persistent_share", {"learner": lid}) for lid in expected})
+        assert got == pytest.approx(expected)
+        assert got["learner-3"] > 2 * max(v for k, v in got.items() if k != "learner-3")
+
+    asyncio.run(run())
