@@ -16,11 +16,11 @@ shard's statistics; that part turns as the model moves, slowly (a 100-step run i
 much of the turn), so the audit compares learners with each other rather than with zero.
 
 Measured (ddiloco bench hostile on a loaded 2-core machine, tiny model, 4 learners on 4 data
-shards, 5-19 residuals per learner and fragment; five runs): honest learners' `persistent`, median
-over fragments, 0.06-0.13 (single fragments 0.03-0.52, the high ones from learners whose few
-residuals came early in the run); a learner adding 0.5 x its norm along one fixed direction every
-round, its bias hidden from its own rebase (ddiloco/chaos/hostile_learner.py): 0.27-0.30, 2.5 times
-the others' median. A smaller bias, or honest learners whose data differ more, would not stand out
+shards): honest learners' `persistent`, median over fragments, 0.06-0.13 (single fragments
+0.03-0.52, the high ones from learners whose few residuals came early in the run); a learner adding
+0.5 x its norm along one fixed direction every round, its bias hidden from its own rebase
+(ddiloco/chaos/hostile_learner.py), 0.27-0.34, 2.5-3 times the others' median (300 steps: 0.34
+against 0.10-0.12; 4 honest learners alone 0.07-0.12). A smaller bias, or honest learners whose data differ more, would not stand out
 this way: the test is of a bias as large as the differences between honest learners' data.
 ddiloco/cli/audit.py reads it.
 
