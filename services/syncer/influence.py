@@ -34,6 +34,10 @@ inputs include `share_cap_min_count` (the cap applies in merges of that many or 
 `step_scaling` (how the in-merge norm clip compares contributions of different step counts). With retention on, `fold.blob` is the digest of
 the values folded in (re-anchored and clipped) stored as a blob, and the record's `blobs` lists
 them: `ddiloco audit replay` re-runs the merge from them in the recorded order, bit for bit.
+A contributor scored by the cross-round residual coherence (ddiloco.algo.coherence: the direction
+check on, two or more other learners' recent directions on the fragment) also carries
+`residual_coherence`, `residual_persistent` and `residual_rounds`: a bias kept up across rounds
+shows there (`ddiloco audit` flags an outlier), where norms, cosines and claims do not.
 """
 
 from __future__ import annotations
@@ -255,7 +259,7 @@ class Influence:
     def _coherence(self, fragment_id: int, version: int, entries: list[dict]) -> dict[str, dict]:
         """Folds each contribution's residual into its learner's cross-round sums (with the direction
         check on: its sample is what is compared); the record's `residual_coherence`, `residual_persistent`
-        (the share of the residual that keeps its direction across rounds) and `residual_rounds`."""
+        (the squared norm of the residual's part that keeps its direction across rounds) and `residual_rounds`."""
         scores = self.coherence.observe(fragment_id, version, {e["learner"]: e.get("heading") for e in entries})
         out = {}
         for learner, score in scores.items():
