@@ -70,6 +70,8 @@ CASES: dict[str, tuple[list[str] | None, int, list[str]]] = {
                                                   "--norm-clip-factor", "0"]),
     "signflip": (["--hostile", "signflip"], 4, []),
     "scaled": (["--hostile", "scale:10"], 4, []),
+    # The bias is kept out of the hostile learner's own rebase (ddiloco/chaos/hostile_learner.py): before
+    # 2026-11-27 it was not, and the bias telescoped away within a few rounds.
     "drift": (["--hostile", "drift:0.5"], 4, []),
     "replay": (["--hostile", "replay"], 4, []),
     "huge-batch": (["--hostile", "honest", "--claim-batch", "1000"], 4, []),
@@ -177,6 +179,8 @@ def measure(run: dict, hostile_id: str | None) -> dict:
         "honest_rejections": {lid: m["rejections"] for lid, m in members.items() if lid != hostile_id and m["rejections"]},
         "honest_clipped": _clipped(records, hostile_id),
         "audit_flags": {lid: e["flags"] for lid, e in audit_lib.influence(records).items() if e["flags"]},
+        # Per learner, the audit's persistent-residual score (a bias kept up across rounds; None: too few rounds).
+        "residual_persistent": {lid: round(v, 4) for lid, v in sorted(audit_lib.persistent_scores(records).items())},
     }
 
 

@@ -8,7 +8,12 @@ state stays honest, but each pseudo-gradient v is changed on its way to the wire
 encoded (`BEHAVIOURS`): "scale:<x>" sends x v, "signflip" -v, "noise:<x>" Gaussian noise of norm
 x ‖v‖, "drift:<x>" v + x ‖v‖ u with u one fixed unit vector (a small constant bias every round),
 "replay" the first pseudo-gradient it sent for a fragment of that size, again and again, and
-"honest" v itself. `--claim-steps` and `--claim-batch` inflate the claims of every upload header
+"honest" v itself. A drifting learner keeps the bias out of its own record of what it sent
+(`UploadJob.sent_values`, which the learner's rebase subtracts from its progress when the merge
+comes back): with the bias in that record, as the other behaviours have it, the next pseudo-gradient
+carries -bias and the bias telescopes (measured: the contribution's component along u fell from 0.45
+of its norm to about 0 within 4 rounds, then alternated in sign), so the model never drifts. Hidden,
+the bias reaches the model every round, as a drifting attacker would have it. `--claim-steps` and `--claim-batch` inflate the claims of every upload header
 (steps x s, tokens x s x b: a batch b times bigger over s times the steps). What the syncer must do with such a
 learner is in docs/security.md; tests/security/test_hostile_run.py and `ddiloco bench hostile`
 run it against honest ones. The production learner has no such knob: this module is the only way
@@ -18,6 +23,7 @@ to get one.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import math
 import sys
@@ -26,7 +32,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ddiloco.learner import client as client_lib
+from ddiloco.learner import uploads as uploads_lib
 from ddiloco.cli import service_names
+from ddiloco.wire import serde
 
 learner_main = service_names.load("services.learner.__main__")
 
@@ -118,8 +126,10 @@ class HostileSyncClient(client_lib.SyncClient):
 
     def __init__(self, cfg: client_lib.ClientConfig, *, factor: float = 1.0,
                  change: Callable[[np.ndarray], np.ndarray] | None = None,
-                 claim_steps: float = 1.0, claim_batch: float = 1.0) -> None:
+                 claim_steps: float = 1.0, claim_batch: float = 1.0, hide_change: bool = False) -> None:
         super().__init__(dataclasses.replace(cfg, encode=corrupting(cfg.encode, change or factor)))
+        self._honest_encode = cfg.encode
+        self.hide_change = hide_change  # sent_values: the honest values as encoded (module docstring: drift)
         self.factor = factor
         self.claim_steps = claim_steps
         self.claim_batch = claim_batch
@@ -129,6 +139,18 @@ class HostileSyncClient(client_lib.SyncClient):
             job = dataclasses.replace(job, steps=max(1, round(job.steps * self.claim_steps)),
                                       tokens=round(job.tokens * self.claim_steps * self.claim_batch))
         super().submit_upload(job)
+
+    async def _encode(self, job: uploads_lib.UploadJob) -> list | None:
+        messages = await super()._encode(job)
+        if messages is not None and self.hide_change and job.sent_values is not None:
+            # A lossy codec: the record the rebase reads is what an honest upload would have decoded
+            # to. (Lossless: sent_values stays None and the rebase reads the honest delta itself.)
+            cfg = self.run_config
+            honest = await asyncio.to_thread(self._honest_encode, job.delta, serde.codec_from_proto(cfg.upload_codec),
+                                             block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level)
+            job.sent_values = await asyncio.to_thread(serde.decode_payload, serde.payload_info_to_proto(honest),
+                                                      honest.payload)
+        return messages
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -163,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     change = transform(kind, x, seed=args.hostile_seed)
     return learner_main.main(learner_argv, lambda cfg: HostileSyncClient(
         cfg, factor=x if kind in ("scale", "signflip") else 1.0, change=change,
-        claim_steps=args.claim_steps, claim_batch=args.claim_batch))
+        claim_steps=args.claim_steps, claim_batch=args.claim_batch, hide_change=kind == "drift"))
 
 
 if __name__ == "__main__":

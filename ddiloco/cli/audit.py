@@ -8,10 +8,12 @@ Owns reading a merge ledger (`--merge-ledger` of the syncer, format `ddiloco.led
 services/syncer/influence.py), verifying its hash chain (each record's `prev` is the sha256 of
 the line before; a rotated `<file>.1` is read first), and summing it per identity over a version
 range: merges contributed to, mean and largest share of the merge's weight, claims clipped, shares
-capped, mean cosine with the merged update, refusals and quarantines. An identity is flagged as an
+capped, mean cosine with the merged update, persistent residual, refusals and quarantines. An identity is flagged as an
 outlier when its share was capped in most of its merges of three or more, its norm was clipped (or
 refused as marginally beyond the bound) in most of its contributions, its batch or step rate was
-clipped, its mean cosine is far below the others', it sent the same contribution to more than one
+clipped, its mean cosine is far below the others', its residual against the others keeps its
+direction across rounds far more than theirs do (a bias added every round: `residual_persistent`,
+PERSISTENT_RATIO), it sent the same contribution to more than one
 merge (a replay: equal contribution hashes), or any of its contributions was refused for what it was.
 Honest learners are capped and clipped now and then (bench/results/hostile.md: one with unusual
 data in up to 28 % of its contributions), hence "most", not "any".
@@ -33,6 +35,7 @@ import statistics
 import sys
 from collections.abc import Iterable, Sequence
 
+from ddiloco.algo import coherence as coherence_lib
 from ddiloco.cli import status as status_lib
 
 FORMAT = "ddiloco.ledger/1"
@@ -56,6 +59,21 @@ JUDGED_REFUSALS = frozenset({"norm_bound", "direction", "replay_mismatch", "malf
 # hostile matrix's replay case), an inflating or scaling one nearly always (60 of 60, 82 of 84).
 NORM_CLIP_SHARE = 0.5
 MIN_OUTLIER_EVENTS = 3  # fewer caps or clips than this never flag (1 of 2 merges is not a pattern)
+# A bias kept up round after round (ddiloco.algo.coherence: `residual_persistent`, the squared norm of
+# the part of a learner's residual against the others that keeps its direction across rounds, per
+# unit contribution). Honest learners on their own data shards have such a part too (measured,
+# median over fragments, 0.06-0.13; see the module), so only an outlier flags: the median over the
+# learner's fragments (each fragment's last score in the selection, from RESIDUAL_MIN_ROUNDS or more
+# residuals) at least PERSISTENT_RATIO times the median of the other learners' and at least
+# PERSISTENT_FLOOR. Twice the others' median: the learner's residual holds a fixed part as large
+# again as an honest one's, on top of its own (the honest medians measured were within 1.7 x of each
+# other). The floor: a fixed part under a third of a contribution's norm (0.1 = 0.32^2) is not called
+# a bias whatever the others have. The median over fragments: one fragment with an early burst does
+# not flag (an honest learner measured 0.52 on one fragment, 0.06-0.19 on the others).
+PERSISTENT_RATIO = 2.0
+PERSISTENT_FLOOR = 0.1
+RESIDUAL_MIN_ROUNDS = coherence_lib.MIN_ROUNDS  # with fewer residuals in the sums the score is mostly noise
+MIN_PERSISTENT_PEERS = 2  # other learners with a score needed to compare with
 
 
 class LedgerError(ValueError):
@@ -145,6 +163,9 @@ def influence(records: Sequence[dict]) -> dict[str, dict]:
             "clipped": dict(e["clipped"]), "refused": dict(e["refused"]), "quarantined_refusals": e["quarantined"],
             "replayed": e["replayed"],
         }
+    persistent = persistent_scores(records)
+    for learner, e in out.items():
+        e["residual_persistent"] = persistent.get(learner)
     for learner, e in out.items():
         others = [o["mean_cosine"] for lid, o in out.items() if lid != learner and o["mean_cosine"] is not None]
         reasons = []
@@ -168,11 +189,42 @@ def influence(records: Sequence[dict]) -> dict[str, dict]:
             reasons.append("claims or norms clipped: " + ", ".join(what))
         if e["replayed"]:
             reasons.append(f"replayed: {e['replayed']} contributions equal to one it sent to an earlier merge")
+        drift = _persistent_outlier(learner, persistent)
+        if drift:
+            reasons.append(drift)
         judged = {k: v for k, v in e["refused"].items() if k in JUDGED_REFUSALS}
         if judged:
             reasons.append("refused: " + ", ".join(f"{k} {v}" for k, v in sorted(judged.items())))
         e["flags"] = reasons
     return out
+
+
+def persistent_scores(records: Sequence[dict]) -> dict[str, float]:
+    """Per identity: the median over fragments of its last `residual_persistent` in `records` (from
+    RESIDUAL_MIN_ROUNDS or more rounds); identities without one are left out."""
+    last: dict[tuple[str, int], float] = {}
+    for record in records:
+        for c in record.get("contributors", ()):
+            if c.get("residual_persistent") is not None and (c.get("residual_rounds") or 0) >= RESIDUAL_MIN_ROUNDS:
+                last[(c["learner"], record.get("fragment"))] = float(c["residual_persistent"])
+    per: dict[str, list[float]] = collections.defaultdict(list)
+    for (learner, _), value in last.items():
+        per[learner].append(value)
+    return {learner: statistics.median(values) for learner, values in per.items()}
+
+
+def _persistent_outlier(learner: str, scores: dict[str, float]) -> str:
+    """The flag of a learner whose residual keeps its direction far more than the others' (see
+    PERSISTENT_RATIO), or ""."""
+    own = scores.get(learner)
+    others = [v for lid, v in scores.items() if lid != learner]
+    if own is None or len(others) < MIN_PERSISTENT_PEERS:
+        return ""
+    reference = statistics.median(others)
+    if own >= PERSISTENT_FLOOR and own >= PERSISTENT_RATIO * reference:
+        return (f"persistent residual {own:.2f} vs others' median {reference:.2f}: a bias kept up across rounds "
+                "(ddiloco.algo.coherence)")
+    return ""
 
 
 def _often(events: int, out_of: int) -> bool:
@@ -184,10 +236,13 @@ def _table(summary: dict[str, dict], records: Sequence[dict]) -> str:
     versions = sorted({(r["fragment"], r["version"]) for r in records})
     head = (f"{len(records)} merges over {len({f for f, _ in versions})} fragments"
             + (f", versions {min(v for _, v in versions)}-{max(v for _, v in versions)}" if versions else ""))
-    rows = [head, f"{'identity':<22} {'merges':>6} {'mean share':>10} {'max share':>9} {'mean cos':>8}  flags"]
+    rows = [head, f"{'identity':<22} {'merges':>6} {'mean share':>10} {'max share':>9} {'mean cos':>8} "
+                  f"{'persist':>7}  flags"]
     for learner, e in sorted(summary.items()):
         cos = "-" if e["mean_cosine"] is None else f"{e['mean_cosine']:+.3f}"
-        rows.append(f"{learner:<22} {e['merges']:>6} {e['mean_share']:>10.3f} {e['max_share']:>9.3f} {cos:>8}  "
+        persist = "-" if e.get("residual_persistent") is None else f"{e['residual_persistent']:.3f}"
+        rows.append(f"{learner:<22} {e['merges']:>6} {e['mean_share']:>10.3f} {e['max_share']:>9.3f} {cos:>8} "
+                    f"{persist:>7}  "
                      + ("; ".join(e["flags"]) or "-"))
     return "\n".join(rows)
 

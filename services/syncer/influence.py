@@ -34,6 +34,10 @@ inputs include `share_cap_min_count` (the cap applies in merges of that many or 
 `step_scaling` (how the in-merge norm clip compares contributions of different step counts). With retention on, `fold.blob` is the digest of
 the values folded in (re-anchored and clipped) stored as a blob, and the record's `blobs` lists
 them: `ddiloco audit replay` re-runs the merge from them in the recorded order, bit for bit.
+A contributor scored by the cross-round residual coherence (ddiloco.algo.coherence: the direction
+check on, two or more other learners' recent directions on the fragment) also carries
+`residual_coherence`, `residual_persistent` and `residual_rounds`: a bias kept up across rounds
+shows there (`ddiloco audit` flags an outlier), where norms, cosines and claims do not.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ddiloco.algo import coherence as coherence_lib
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import robust as robust_lib
 
@@ -163,6 +168,9 @@ class Influence:
             lambda: collections.deque(maxlen=_REFUSALS_KEPT))
         # Per recent merge: {learner: (share, share capped, clipped in any way)}.
         self._recent: collections.deque = collections.deque(maxlen=RECENT_MERGES)
+        # Cross-round coherence of each learner's residual (ddiloco.algo.coherence): the ledger's
+        # `residual_*` fields and ddiloco_syncer_residual_persistent_share; a constant bias shows there.
+        self.coherence = coherence_lib.ResidualCoherence()
 
     def note_refused(self, learner_id: str, fragment_id: int, reason: str, exc: BaseException | None = None) -> None:
         """A contribution was refused (admission or its checks); the fragment's next record names it.
@@ -211,6 +219,7 @@ class Influence:
                     entry["norm"] = round(entry["norm"] * scale, 9)
             self.clipped_claims["norm_in_merge"] += 1
         total = sum(e["weight"] for e in entries)
+        scores = self._coherence(record.fragment_id, record.version, entries)
         contributors = []
         for entry in entries:
             share = entry["weight"] / total if total > 0 else 1.0 / max(1, len(entries))
@@ -223,7 +232,8 @@ class Influence:
             contributors.append({**{k: v for k, v in entry.items() if k != "clipped"},
                                  "weight": _rounded(entry["weight"], 9), "share": _rounded(share),
                                  "cosine": _rounded(cosine), "clipped": clipped,
-                                 "outcome": "clipped" if clipped else "merged"})
+                                 "outcome": "clipped" if clipped else "merged",
+                                 **scores.get(entry["learner"], {})})
         out = {
             "run_id": self.run_id, "syncer_instance": self.instance, "fragment": record.fragment_id,
             "version": record.version, "round": record.round, "merged_at_unix_s": round(record.merged_at_unix_s, 3),
@@ -244,6 +254,18 @@ class Influence:
                 _LOG.error("merge ledger write failed", extra={"fields": {"path": self.ledger.path, "error": str(exc)}})
         if self.store_ledger is not None:
             self.store_ledger.append(out, blobs)  # queued: shipped in the background, never blocks a merge
+        return out
+
+    def _coherence(self, fragment_id: int, version: int, entries: list[dict]) -> dict[str, dict]:
+        """Folds each contribution's residual into its learner's cross-round sums (with the direction
+        check on: its sample is what is compared); the record's `residual_coherence`, `residual_persistent`
+        (the squared norm of the residual's part that keeps its direction across rounds) and `residual_rounds`."""
+        scores = self.coherence.observe(fragment_id, version, {e["learner"]: e.get("heading") for e in entries})
+        out = {}
+        for learner, score in scores.items():
+            out[learner] = {"residual_coherence": _rounded(score.coherence, 4),
+                            "residual_persistent": _rounded(score.persistent, 4),
+                            "residual_rounds": _rounded(score.rounds, 2)}
         return out
 
     def _accountability(self, rnd, out: dict, params_sha256: str, outer_step: int | None) -> dict[str, bytes]:

@@ -460,7 +460,7 @@ def _influence_snapshot(core) -> dict:
     influence = core.influence
     return {"share": dict(influence.last_share), "max_share": dict(influence.max_share),
             "capped": dict(influence.share_capped), "clipped": dict(influence.clipped_claims),
-            "refused": dict(influence.refused)}
+            "refused": dict(influence.refused), "persistent": influence.coherence.scores()}
 
 
 def _influence_families(snap: dict):
@@ -489,4 +489,10 @@ def _influence_families(snap: dict):
                                   "Contributions refused, per learner (any reason but load)", labels=["learner"])
     for learner, count in sorted(snap["refused"].items()):
         refused.add_metric([learner], count)
-    yield from (share, top, capped, clipped, refused)
+    persistent = GaugeMetricFamily(
+        "ddiloco_syncer_residual_persistent_share",
+        "Each learner's share of its residual against the other learners that keeps its direction across "
+        "rounds (median over fragments; ddiloco.algo.coherence): a bias added every round raises it", labels=["learner"])
+    for learner, value in sorted(snap.get("persistent", {}).items()):
+        persistent.add_metric([learner], value)
+    yield from (share, top, capped, clipped, refused, persistent)
