@@ -146,7 +146,7 @@ class SyncerCore:
         self.norm_bound = norm_bound or robust_lib.NormBoundPolicy()
         # Off unless given (the syncer service passes SyncerConfig.direction_policy, on by default).
         self.direction = direction or robust_lib.DirectionPolicy(mode="off")
-        self.directions = robust_lib.DirectionGuard(self.direction, plan.fragments)
+        self.directions = robust_lib.DirectionGuard(self.direction, [plan.fragments[f] for f in sorted(self.owned)])
         self.observers = publishing_lib.Observers()
         self.watchers = publishing_lib.Watchers()
         # Fault tests only: __main__ arms named crash points here (ddiloco.failpoints).
