@@ -10,7 +10,7 @@ Must not: hold the values after start-up (the core's slots copy them).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import numpy as np
@@ -21,13 +21,29 @@ from ddiloco.algo import fragments as fragments_lib
 
 def initial_fragments(model: models.Model, plan: fragments_lib.FragmentPlan, seed: int,
                       owned: Iterable[int]) -> dict[int, np.ndarray]:
-    """Fragment id -> its initial flat float32 values, for the fragments in `owned`."""
-    rng = jax.random.PRNGKey(seed)
+    """Fragment id -> its initial flat float32 values (as fragments.flatten_fragment lays them
+    out), for the fragments in `owned`."""
+    tensor = _tensor_source(model, jax.random.PRNGKey(seed))
     initial = {}
     for fragment_id in sorted(owned):
         fragment = plan.fragments[fragment_id]
-        # One fragment's tensors at a time: they are flattened (copied) and dropped before the next.
-        params = models.init_tensors(model, rng, [spec.name for spec in fragment.tensors])
-        initial[fragment_id] = fragments_lib.flatten_fragment(params, fragment)
-        del params
+        flat = np.empty(fragment.numel, np.float32)
+        offset = 0
+        for spec in fragment.tensors:  # one tensor at a time: written in place, then dropped
+            values = np.asarray(tensor(spec.name), dtype=np.float32)
+            if values.shape != tuple(spec.shape):
+                raise ValueError(f"the model's tensor {spec.name!r} has shape {values.shape}, the plan says {spec.shape}")
+            flat[offset:offset + values.size] = values.reshape(-1)
+            offset += values.size
+            del values
+        initial[fragment_id] = flat
     return initial
+
+
+def _tensor_source(model: models.Model, rng) -> Callable[[str], object]:
+    """name -> that tensor's initial values: built alone when the model can (init_tensors), else
+    taken from one whole init, held until the owned fragments are built."""
+    if hasattr(model, "init_tensors"):
+        return lambda name: models.init_tensors(model, rng, [name])[name]
+    params = model.init(rng)
+    return params.__getitem__

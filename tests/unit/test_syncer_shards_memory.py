@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from ddiloco import models
+from ddiloco.algo import fragments as fragments_lib
 from services.syncer import __main__ as syncer_main
 from services.syncer import config as config_lib
+from services.syncer import initial as initial_lib
 
 MAP4 = "127.0.0.1:7001,127.0.0.1:7002,127.0.0.1:7003,127.0.0.1:7004"
 _SKIP = (str, bytes, int, float, bool, type(None), type, types.ModuleType, types.FunctionType,
@@ -113,3 +115,14 @@ def test_a_model_without_init_tensors_is_initialized_whole_and_sliced():
     part = models.init_tensors(Plain(), rng, names)
     assert list(part) == names
     assert all(np.asarray(part[n]).tobytes() == np.asarray(transformer.init(rng)[n]).tobytes() for n in names)
+
+
+def test_the_initial_fragments_are_laid_out_as_flatten_fragment_lays_them():
+    model = models.get_model("transformer", {"preset": "tiny"})
+    plan = fragments_lib.plan_fragments(model.tensor_specs(), 3, 3)
+    whole = model.init(jax.random.PRNGKey(4))
+    built = initial_lib.initial_fragments(model, plan, 4, [2, 0])
+    assert sorted(built) == [0, 2]
+    for fid, values in built.items():
+        assert values.dtype == np.float32
+        assert values.tobytes() == fragments_lib.flatten_fragment(whole, plan.fragments[fid]).tobytes()
