@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ddiloco.models import transformer
@@ -30,7 +30,7 @@ _FACTORIES: dict[str, Callable[[Mapping[str, Any] | None], Model]] = {
 }
 MODEL_NAMES: tuple[str, ...] = tuple(sorted(_FACTORIES))
 
-__all__ = ["ENTRY_POINT_GROUP", "MODEL_NAMES", "Model", "Params", "get_model", "model_fingerprint"]
+__all__ = ["ENTRY_POINT_GROUP", "MODEL_NAMES", "Model", "Params", "get_model", "init_tensors", "model_fingerprint"]
 
 
 ENTRY_POINT_GROUP = "ddiloco.models"
@@ -67,6 +67,21 @@ def get_model(name: str, config: Mapping[str, Any] | None = None) -> Model:
         raise ValueError(f"model {name!r}: the factory's model says name={model.name!r}; "
                          f"set it to {name!r} so every process rebuilds the same model")
     return model
+
+
+def init_tensors(model: Model, rng, names: Iterable[str]) -> Params:
+    """The initial values of the tensors named, equal to ``model.init(rng)``'s.
+
+    A model may define ``init_tensors(rng, names)`` (the built-in transformer does) to build only
+    those tensors; for any other, the whole model is initialized and the rest dropped on return.
+    A syncer shard builds its own fragments this way (services/syncer/initial.py).
+    """
+    names = list(names)
+    own = getattr(model, "init_tensors", None)
+    if own is not None:
+        return own(rng, names)
+    params = model.init(rng)
+    return {name: params[name] for name in names}
 
 
 def _plugin_factory(name: str) -> Callable[[Mapping[str, Any] | None], Model]:

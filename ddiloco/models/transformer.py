@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -99,6 +99,21 @@ def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> 
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
 
 
+def _init_leaf(key: jax.Array, shape: tuple[int, ...], rule: str, std: float) -> jax.Array:
+    """One tensor's initial values by its rule: 1, 0, or N(0, std^2) drawn from `key`."""
+    if rule == "ones":
+        return jnp.ones(shape, PARAM_DTYPE)
+    if rule == "zeros":
+        return jnp.zeros(shape, PARAM_DTYPE)
+    return std * jax.random.normal(key, shape, PARAM_DTYPE)
+
+
+# Jitted as in Transformer._init (eager normal sampling differs in the last ulp): the shape, rule
+# and std are static, so a model compiles one program per distinct tensor shape, not per tensor.
+_init_leaf_jit = jax.jit(_init_leaf, static_argnums=(1, 2, 3))
+_split_jit = jax.jit(jax.random.split, static_argnums=1)
+
+
 class Transformer:
     """The byte-level transformer as a ``Model``; see the module docstring."""
 
@@ -179,15 +194,36 @@ class Transformer:
         std = self.cfg.init_std
         stds = {"normal": std, "residual": std / math.sqrt(2 * self.cfg.n_layers)}
         keys = jax.random.split(rng, len(self._layout))
-        params = {}
-        for key, (spec, rule) in zip(keys, self._layout):
-            if rule == "ones":
-                params[spec.name] = jnp.ones(spec.shape, PARAM_DTYPE)
-            elif rule == "zeros":
-                params[spec.name] = jnp.zeros(spec.shape, PARAM_DTYPE)
-            else:
-                params[spec.name] = stds[rule] * jax.random.normal(key, spec.shape, PARAM_DTYPE)
-        return params
+        return {spec.name: _init_leaf(key, spec.shape, rule, stds[rule] if rule in stds else 0.0)
+                for key, (spec, rule) in zip(keys, self._layout)}
+
+    def init_tensors(self, rng: jax.Array, names: Iterable[str]) -> Params:
+        """Initializes only the tensors named, each bit-identical to ``init(rng)[name]``.
+
+        A fragment shard of the syncer holds a slice of the model: it builds that slice, one
+        tensor at a time, instead of the whole model (at 1B parameters, 4 GB per shard). Every
+        tensor's key is the same split of ``rng`` as in ``init``, and its values are drawn by the
+        same jitted rule (``_init_leaf``), so a slice equals the whole model's.
+
+        Args:
+            rng: a JAX PRNG key (the one ``init`` would take).
+            names: tensor names, each a ``TensorSpec.name`` of this model.
+
+        Returns:
+            Flat float32 params of the tensors named, in spec order.
+
+        Raises:
+            ValueError: on a name the model does not have.
+        """
+        wanted = set(names)
+        unknown = wanted - {spec.name for spec, _ in self._layout}
+        if unknown:
+            raise ValueError(f"init_tensors: the model has no tensor {sorted(unknown)}")
+        std = self.cfg.init_std
+        stds = {"normal": std, "residual": std / math.sqrt(2 * self.cfg.n_layers)}
+        keys = _split_jit(rng, len(self._layout))
+        return {spec.name: _init_leaf_jit(keys[index], spec.shape, rule, stds[rule] if rule in stds else 0.0)
+                for index, (spec, rule) in enumerate(self._layout) if spec.name in wanted}
 
     def _attention(self, params: Params, block: str, x: jax.Array) -> jax.Array:
         batch, length, width = x.shape

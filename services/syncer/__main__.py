@@ -17,8 +17,6 @@ import threading
 import time
 from typing import NamedTuple
 
-import jax
-import numpy as np
 from grpc_health.v1 import health_pb2
 
 from ddiloco import checkpoint_client as checkpoint_client_lib
@@ -40,6 +38,7 @@ from . import checkpointing
 from . import config as config_lib
 from . import core as core_lib
 from . import history as history_lib
+from . import initial as initial_lib
 from . import influence as influence_lib
 from . import leadership as leadership_lib
 from . import ledger_sink as ledger_sink_lib
@@ -272,10 +271,10 @@ def _plan_fragments(cfg: config_lib.SyncerConfig, model: models.Model) -> fragme
 
 def _make_core(cfg: config_lib.SyncerConfig, model: models.Model,
                plan: fragments_lib.FragmentPlan) -> core_lib.SyncerCore:
-    """The core over the model's initial parameters (seeded by --seed), before any restore."""
+    """The core over the model's initial parameters (seeded by --seed), before any restore: a
+    fragment shard builds and holds its own fragments only (initial.py)."""
     fingerprint = models.model_fingerprint(model)
-    params = {k: np.asarray(v, dtype=np.float32) for k, v in model.init(jax.random.PRNGKey(cfg.seed)).items()}
-    initial = {f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments}
+    initial = initial_lib.initial_fragments(model, plan, cfg.seed, cfg.shard_layout.owned)
     run_config = core_lib.make_run_config(
         cfg=cfg, plan=plan, model_name=model.name, model_config_json=json.dumps(dict(model.config), sort_keys=True),
         fingerprint=fingerprint,

@@ -146,15 +146,14 @@ class SyncerCore:
         self.norm_bound = norm_bound or robust_lib.NormBoundPolicy()
         # Off unless given (the syncer service passes SyncerConfig.direction_policy, on by default).
         self.direction = direction or robust_lib.DirectionPolicy(mode="off")
-        self.directions = robust_lib.DirectionGuard(self.direction, plan.fragments)
+        self.directions = robust_lib.DirectionGuard(self.direction, [plan.fragments[f] for f in sorted(self.owned)])
         self.observers = publishing_lib.Observers()
         self.watchers = publishing_lib.Watchers()
         # Fault tests only: __main__ arms named crash points here (ddiloco.failpoints).
         self.failpoint: Callable[[str], None] = lambda name: None
         steppers = _outer_steppers(plan, outer_lr, outer_momentum, stepper_factory)
-        self.slots = [slots_lib.FragmentSlot.initial(frag, initial_params[frag.fragment_id],
-                                                     steppers[frag.fragment_id], self.norm_bound)
-                      for frag in plan.fragments]
+        # A shard builds only its own fragments' values and state (`initial_params` needs no others).
+        self.slots = slots_lib.build_slots(plan, self.owned, initial_params, steppers, self.norm_bound)
         self.publisher = publishing_lib.Publisher(download_codec=settings.download_codec,
                                                   block_size=settings.upload_block_size,
                                                   zstd_level=settings.zstd_level)
@@ -586,7 +585,7 @@ class SyncerCore:
         self.influence.restored_step = self.outer_steps  # the ledger's records name the lineage they follow
         _LOG.info("restored", extra={"fields": {"outer_step": self.outer_steps,
                                                 "versions": self.versions(),
-                                                "sha256": [s.params_sha256[:12] for s in self.slots]}})
+                                                "sha256": [s.params_sha256[:12] for s in self.owned_slots]}})
 
     @staticmethod
     def _restore_slot(slot: slots_lib.FragmentSlot, frag: state_lib.FragmentSnapshot) -> None:

@@ -89,6 +89,14 @@ class FragmentSlot:
                    history=collections.OrderedDict({0: params}), params_sha256=digest, published=params,
                    published_sha256=digest, norms=robust_lib.NormHistory(norm_bound, fragment))
 
+    @classmethod
+    def elsewhere(cls, fragment: fragments_lib.Fragment) -> FragmentSlot:
+        """A fragment another syncer shard owns: no values, no optimizer state, never a round (the
+        shard refuses its uploads and serves it nowhere; its owner does). Kept so that fragment ids
+        still index the slots."""
+        return cls(fragment=fragment, version=0, params=np.empty(0, np.float32), opt_state=[],
+                   history=collections.OrderedDict(), params_sha256="")
+
     def advance(self, params: np.ndarray, opt_state: list, published: np.ndarray, keep_versions: int) -> None:
         """The next version (a merge): new values and optimizer state, what learners will hold of
         it, at most `keep_versions` versions kept to base contributions on; the round is done."""
@@ -120,3 +128,12 @@ class FragmentSlot:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+
+def build_slots(plan: fragments_lib.FragmentPlan, owned: frozenset[int], initial_params, steppers: list,
+                norm_bound: robust_lib.NormBoundPolicy) -> list[FragmentSlot]:
+    """One slot per planned fragment, indexed by fragment id: version 0 of each fragment in `owned`
+    (its values from `initial_params`, a mapping that needs no others), an empty `elsewhere` slot
+    for each other shard's. A shard of N thus holds about 1/N of the model's bytes."""
+    return [FragmentSlot.initial(frag, initial_params[frag.fragment_id], steppers[frag.fragment_id], norm_bound)
+            if frag.fragment_id in owned else FragmentSlot.elsewhere(frag) for frag in plan.fragments]
