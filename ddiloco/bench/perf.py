@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parameters of the model-size section (default ~100M; quick: 4M)")
     parser.add_argument("--syncer-shards", default="",
                         help="fragment shard counts of the scale section, comma-separated (default 1,2; quick: 1)")
+    parser.add_argument("--saturation-step-s", type=float, default=-1.0,
+                        help="the scale section's saturation levels: the replay learners' step time, short enough "
+                             "that one shard cannot keep up with the schedule (default 0.02; quick: off); 0: off")
+    parser.add_argument("--saturation-learners", type=int, default=16,
+                        help="replay learners of the saturation levels")
     parser.add_argument("--scale-sizes", default="",
                         help="model sizes of the sizes section, comma-separated parameter counts like 0.5M,100M,1B "
                              "(default 0.5M,100M,1B; quick: none unless given)")
@@ -117,6 +122,11 @@ def _scale_sections(args: argparse.Namespace, result: dict, workdir: pathlib.Pat
                         else ([1] if quick else [1, 2]))
         result["scale"] = perf_scale.run_scale(workdir, model, captured, counts, seconds=3.0 if quick else 30.0,
                                                step_s=step_s, processes=2, shard_counts=shard_counts)
+        saturation_step_s = args.saturation_step_s if args.saturation_step_s >= 0 else (0.0 if quick else 0.02)
+        if saturation_step_s > 0:
+            result["saturation"] = perf_scale.run_saturation(
+                workdir, model, captured, args.saturation_learners, saturation_step_s,
+                seconds=3.0 if quick else 30.0, processes=2, shard_counts=shard_counts)
         print(f"[perf] scale done in {common.now() - t0:.0f} s", flush=True)
     if "sizes" in sections and _scale_sizes(args):
         t0 = common.now()
