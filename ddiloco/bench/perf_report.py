@@ -106,8 +106,10 @@ def _scale_headline(sc: dict | None, sat: dict | None = None) -> list[dict]:
                                "one shard, same learners, same run length"))
     for lv in sc["levels"]:
         if lv["learners"] == most and lv.get("offered_steps"):
+            # What the shards merged (their tokens_merged) where measured, else what they accepted.
+            merged = min(lv["accepted_steps"], lv.get("merged_steps_syncer", lv["accepted_steps"]))
             rows.append(figure(f"work merged, {most} replay learners, {lv.get('shards', 1)} shard(s)",
-                               lv["accepted_steps"], "learner-steps", lv["offered_steps"], "offered by the schedule",
+                               merged, "learner-steps", lv["offered_steps"], "offered by the schedule",
                                TARGETS["work_merged"]))
     return rows
 
@@ -328,6 +330,8 @@ def _work_cell(lv: dict) -> str:
     cell = f"{accepted / max(1, offered):.1%} ({accepted}/{offered}; {lv.get('slowed', 0)} slowed"
     if "lost_steps" in lv:
         cell += f"; {lv.get('pending_steps_end', 0)} pending, {lv['lost_steps']} lost"
+    if "merged_steps_syncer" in lv:
+        cell += f"; the shards merged {lv['merged_steps_syncer']}"
     return cell + ")"
 
 

@@ -3,7 +3,10 @@
 which send each fragment to its owner shard), a fresh syncer per learner count and shard count:
 merges per second, upload and merge latency p50/p99, uploads accepted and refused (by the syncer's
 reason) against those the schedule offered, and each shard's peak RSS (VmHWM); the speed-up of N
-shards over one at each learner count. The model-size rows (`run_sizes`) run the same level on
+shards over one at each learner count. The saturation levels (`run_saturation`) run each shard
+count at a step short enough that the schedule offers more rounds than one shard merges: merges/s
+and uploads accepted per second, each shard's and the replay processes' CPU over the measurement
+window, and the shards' CPU seconds per merge and per upload. The model-size rows (`run_sizes`) run the same level on
 synthetic models of a given number of parameters (0.5M, 100M, 1B: `model_for_params`).
 """
 
@@ -21,6 +24,7 @@ import numpy as np
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.bench import perf_common as common
+from ddiloco.bench.perf_workers import replay as replay_lib
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
@@ -101,9 +105,6 @@ def _start_replays(workdir: pathlib.Path, syncer_address: str, payload: dict, co
     return procs
 
 
-TOKENS_PER_STEP = 2048  # what a replay learner's contribution claims per step (replay._send)
-
-
 def running_path(workdir: pathlib.Path, name: str) -> pathlib.Path:
     """Where a replay process says all its learners have joined (its timed run starts)."""
     return workdir / f"{name}.running"
@@ -153,7 +154,7 @@ def _level(count: int, s0s: list, s1s: list, elapsed_s: float, finals: list, rep
         **work,
         "lost_steps": work["offered_steps"] - work["accepted_steps"] - work["pending_steps_end"],
         # What the shards report merged (their tokens_merged), in replay learner-steps.
-        "merged_steps_syncer": sum(f.tokens_merged for f in finals) // TOKENS_PER_STEP,
+        "merged_steps_syncer": sum(f.tokens_merged for f in finals) // replay_lib.TOKENS_PER_STEP,
         "hint_factor_max": max([r.get("hint_factor_max", 1.0) for r in replays], default=1.0),
         "replay_cpu_s": sum(r.get("cpu_s", 0.0) for r in replays),
         "refusals": {code: sum(r["refusals"].get(code, 0) for r in replays)
@@ -217,7 +218,14 @@ def _measure(syncers: list[cluster_lib.ServiceProcess], procs: list, count: int,
         s1s, t1 = states(256), common.now()
         cpu |= {"shards1": _cpu_s(syncers), "replays1": _cpu_s(procs)}
         replays = [common.worker_result(p, timeout_s=seconds + 300) for p in procs]
-        return _level(count, s0s, s1s, t1 - t0, states(0), replays, cpu)
+        # The last contributions accepted may sit in rounds still in their grace window: give
+        # them a bounded wait before reading what the shards merged.
+        accepted_steps, finals = sum(r["accepted_steps"] for r in replays), states(0)
+        deadline = time.monotonic() + 10.0
+        while sum(f.tokens_merged for f in finals) < accepted_steps * replay_lib.TOKENS_PER_STEP and time.monotonic() < deadline:
+            time.sleep(0.2)
+            finals = states(0)
+        return _level(count, s0s, s1s, t1 - t0, finals, replays, cpu)
     finally:
         for p in probes:
             p.close()

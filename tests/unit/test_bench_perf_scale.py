@@ -303,7 +303,7 @@ def test_a_level_says_where_the_unmerged_work_is():
     s0s = [_state(10, [], {})]
     s1s = [_state(30, [0.1], {})]
     final = _state(0, [], {"accepted": 5})
-    final.tokens_merged = 90 * perf_scale.TOKENS_PER_STEP
+    final.tokens_merged = 90 * replay.TOKENS_PER_STEP
     result = _replay_result({"0": 5}) | {"offered_steps": 100, "accepted_steps": 90, "pending_steps_end": 8}
     level = perf_scale._level(8, s0s, s1s, 2.0, [final], [result])
     assert (level["accepted_steps"], level["pending_steps_end"], level["lost_steps"]) == (90, 8, 2)

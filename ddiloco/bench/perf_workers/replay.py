@@ -9,6 +9,11 @@ per shard), watches and reports progress to each, and sends each fragment's uplo
 (`ShardedLearner.of`). Payloads: the captured pseudo-gradients (`spec["captured"]`, an .npz), or
 synthetic ones of the sizes `spec["synthetic_numels"]` gives by fragment id (the model-size rows).
 
+A replay learner reports progress at the real client's interval and counts its steps from the
+clock (several per wake-up at short step times), so the process stays cheap beside the shards.
+At the end of the timed run its watch streams stay open through the flush: work trained after a
+fragment's last contribution on the current version can only go out once the next one arrives.
+
 `python -m ddiloco.bench.perf_workers.replay SPEC_JSON RESULT_PATH` (`perf_workers.run_job`):
 the result counts uploads (accepted by shard, refused by status code, skipped), learner-steps of
 work and every upload's latency.
@@ -31,6 +36,7 @@ from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors as errors_lib
 from ddiloco.v1 import common_pb2, syncer_pb2_grpc
 
+TOKENS_PER_STEP = 2048  # what a contribution claims per step (the shards' tokens_merged counts these)
 TICK_S = 0.02  # a replay learner's loop wakes at most this often (it counts steps from the clock)
 
 
@@ -79,7 +85,7 @@ async def _send(ctx: dict, ident: perf_identity.Identity, fid: int, base: int, s
     and the syncer's back-pressure hint holds the fragment's next upload. `final`: the learner's
     last contribution of the fragment (the syncer merges its round without waiting for it)."""
     info, chunks = ctx["payloads"][fid]
-    msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * 2048, final=final)
+    msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * TOKENS_PER_STEP, final=final)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     try:
