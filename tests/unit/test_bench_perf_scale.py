@@ -350,3 +350,34 @@ def test_the_scale_out_target_is_held_to_the_saturation_levels():
     md = "\n".join(perf_report.md_saturation(sat))
     assert "50.0 rounds/s" in md and "| 2 | 30.00 (15.00 + 15.00)" in md
     assert "caps the speed-up at 1.79x" in md
+
+
+def test_a_replay_learner_honours_a_hold_as_the_real_client_does(monkeypatch):
+    # The hint alone asks for up to 31 periods (22 s at the default step, most of a timed run);
+    # a real learner honours at most 8 periods (ddiloco.learner.uploads.honoured_hold_s).
+    async def slowed(stub, msgs, timeout, pipeline_bytes=0):
+        return types.SimpleNamespace(next_upload_after_s=31 * 8 * 0.09)
+
+    monkeypatch.setattr(replay.client_lib, "send_upload", slowed)
+
+    async def run() -> tuple[float, float, dict]:
+        spec = {"address": "x", "ids": 1, "step_s": 0.09, "sync_period_steps": 8}
+        ctx = replay.make_context(spec, {0: (None, [])}, lambda address: object())
+        ident = _QuietIdentity(asyncio.Event())
+        state = {"pending": {0: 8}, "hold": {}, "sending": {}}
+        t0 = asyncio.get_running_loop().time()
+        await replay._send(ctx, ident, 0, 0, 8, state, final=False)
+        return state["hold"][0] - t0, ctx["hint_factor_max"], ctx["work"]
+
+    hold_s, factor, work = asyncio.run(run())
+    assert 8 * 8 * 0.09 - 0.5 <= hold_s <= 8 * 8 * 0.09 + 0.5  # 5.8 s, not 22 s
+    assert factor == pytest.approx(32.0) and work["slowed"] == 1
+
+
+def test_the_honoured_hold_is_capped_by_periods_and_a_minute():
+    from ddiloco.learner import uploads
+
+    assert uploads.honoured_hold_s(1.0, 8, 0.09) == pytest.approx(1.0)
+    assert uploads.honoured_hold_s(100.0, 8, 0.09) == pytest.approx(8 * 8 * 0.09)
+    assert uploads.honoured_hold_s(100.0, 8, 10.0) == pytest.approx(60.0)
+    assert uploads.honoured_hold_s(5.0, 8, 0.0) == 0.0  # no step time measured yet: no hold

@@ -32,6 +32,7 @@ import numpy as np
 from ddiloco.bench import perf_identity
 from ddiloco.bench import perf_workers
 from ddiloco.learner import client as client_lib
+from ddiloco.learner import uploads as uploads_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors as errors_lib
 from ddiloco.v1 import common_pb2, syncer_pb2_grpc
@@ -102,7 +103,10 @@ async def _send(ctx: dict, ident: perf_identity.Identity, fid: int, base: int, s
             ctx["work"]["slowed"] += 1
             # The syncer's stretch factor (LoadGauge.factor): the hint is (factor - 1) periods.
             ctx["hint_factor_max"] = max(ctx["hint_factor_max"], 1.0 + resp.next_upload_after_s / ctx["period_s"])
-            state["hold"][fid] = loop.time() + resp.next_upload_after_s
+            # Honoured as the real client honours it (at most 8 periods, 60 s): the hint alone
+            # can ask for 31 periods, 22 s at the default step, most of a timed run.
+            state["hold"][fid] = loop.time() + uploads_lib.honoured_hold_s(
+                resp.next_upload_after_s, ctx["period_steps"], ctx["period_s"] / ctx["period_steps"])
     except grpc.aio.AioRpcError as exc:  # the work stays pending: it goes in the next contribution
         ctx["counts"]["refused"] += 1
         ctx["refusals"][exc.code().name] = ctx["refusals"].get(exc.code().name, 0) + 1
@@ -229,8 +233,8 @@ def make_context(spec: dict, payloads: dict, stub_for) -> dict:
             "counts": {"accepted": 0, "refused": 0, "skipped": 0}, "refusals": {}, "accepted_by_shard": {},
             "work": {"offered_steps": 0, "accepted_steps": 0, "pending_steps_end": 0, "slowed": 0, "final_sent": 0},
             "latencies": [], "fids": fids, "offsets": {fid: (fid * period) // len(fids) for fid in fids},
-            "period_s": period * spec["step_s"], "hint_factor_max": 1.0, "joined": 0, "all_joined": asyncio.Event(),
-            "ids": spec["ids"]}
+            "period_s": period * spec["step_s"], "period_steps": period, "hint_factor_max": 1.0,
+            "joined": 0, "all_joined": asyncio.Event(), "ids": spec["ids"]}
 
 
 async def replay(spec: dict) -> dict:
