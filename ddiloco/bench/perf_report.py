@@ -356,7 +356,7 @@ def md_saturation(sat: dict) -> list[str]:
           f"{lv['uploads_accepted_per_s']:.1f}", f"{lv['slowed_share']:.0%} ({lv.get('hint_factor_max', 1.0):.1f}x)",
           _cores(lv.get("shard_cpu_share_by_shard", [])), f"{lv.get('replay_cpu_share', 0.0):.2f}",
           f"{lv.get('shard_cpu_s_per_merge', 0.0) * 1e3:.1f} ms / {lv.get('shard_cpu_s_per_upload', 0.0) * 1e3:.1f} ms",
-          "yes" if lv.get("saturated") else "NO", _work_cell(lv)] for lv in sat["levels"]]))
+          _saturation_cell(lv), _work_cell(lv)] for lv in sat["levels"]]))
     one = next((lv for lv in sat["levels"] if lv["shards"] == 1), None)
     for sp in sat.get("speedups", []):
         md.append(f"\n{sp['shards']} shards against one: merges/s {sp['merges_per_s']:.2f} / "
@@ -365,7 +365,11 @@ def md_saturation(sat: dict) -> list[str]:
                   f"{sp.get('uploads_accepted_per_s_ratio', 0.0):.2f}x; shard CPU-s per merge "
                   f"{sp.get('shard_cpu_s_per_merge_ratio', 0.0):.2f}x one shard's.")
         bound = cpu_bound_speedup(sat, sp["shards"])
-        if one is not None and bound is not None:
+        if one is not None and not one.get("cpu_bound"):
+            md.append(f"One shard was not bounded by its own CPU (it got {sum(one['shard_cpu_share_by_shard']):.2f} "
+                      "cores): this speed-up measures what the machine's other load left the shards, not their "
+                      "capacity.")
+        elif one is not None and bound is not None:
             md.append(f"What the cores allow: one shard used {sum(one['shard_cpu_share_by_shard']):.2f} cores; "
                       f"with {sp['shards']} shards the replay processes took "
                       f"{_level_of(sat, sp['shards'])['replay_cpu_share']:.2f} of {sat.get('cores', 2)}, leaving the "
@@ -376,6 +380,12 @@ def md_saturation(sat: dict) -> list[str]:
               "accepted upload cost, all the shards' CPU included. Every learner joins, watches and reports "
               "progress to every shard, so that part of a shard's work does not shrink with more shards.")
     return md
+
+
+def _saturation_cell(lv: dict) -> str:
+    if not lv.get("saturated"):
+        return "NO"
+    return "yes, CPU-bound" if lv.get("cpu_bound") else "yes, not CPU-bound"
 
 
 def _level_of(sat: dict, shards: int) -> dict:

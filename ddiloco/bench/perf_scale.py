@@ -315,6 +315,15 @@ def saturated(level: dict, offered_rounds_per_s: float) -> bool:
     return level["merges_per_s"] < 0.9 * offered_rounds_per_s and level.get("slowed_share", 0.0) > 0.0
 
 
+CPU_BOUND_CORES = 0.8  # a shard this busy (cores over the window) is bounded by its own CPU
+
+
+def cpu_bound(level: dict) -> bool:
+    """Whether a saturated level's shards were bounded by their own CPU (one at least
+    CPU_BOUND_CORES busy), rather than by what the machine's other load left them."""
+    return max(level.get("shard_cpu_share_by_shard", [0.0]), default=0.0) >= CPU_BOUND_CORES
+
+
 def run_saturation(workdir: pathlib.Path, model: dict, captured: pathlib.Path, learners: int, step_s: float,
                    seconds: float, processes: int, shard_counts: Sequence[int]) -> dict:
     """The scale-out levels: `learners` replay learners at a step time short enough that the
@@ -324,7 +333,8 @@ def run_saturation(workdir: pathlib.Path, model: dict, captured: pathlib.Path, l
            "shard_counts": list(shard_counts), **offered_rates(learners, step_s), "levels": []}
     for shards in shard_counts:
         level = _run_level(workdir, model, {"captured": str(captured)}, learners, seconds, step_s, processes, shards)
-        out["levels"].append(level | {"saturated": saturated(level, out["offered_rounds_per_s"])})
+        out["levels"].append(level | {"saturated": saturated(level, out["offered_rounds_per_s"]),
+                                      "cpu_bound": cpu_bound(level)})
     out["speedups"] = shard_speedups(out["levels"])
     return out
 

@@ -319,6 +319,8 @@ def test_offered_rates_and_what_counts_as_saturated():
     assert perf_scale.saturated({"merges_per_s": 30.0, "slowed_share": 0.4}, 50.0)
     assert not perf_scale.saturated({"merges_per_s": 48.0, "slowed_share": 0.4}, 50.0)  # the schedule's rate
     assert not perf_scale.saturated({"merges_per_s": 30.0, "slowed_share": 0.0}, 50.0)  # no back-pressure
+    assert perf_scale.cpu_bound({"shard_cpu_share_by_shard": [0.3, 0.85]})
+    assert not perf_scale.cpu_bound({"shard_cpu_share_by_shard": [0.14]})  # starved by the machine's load
 
 
 def _sat_level(shards: int, merges: float, uploads: float, shard_cores: list[float], replay_cores: float,
@@ -347,9 +349,15 @@ def test_the_scale_out_target_is_held_to_the_saturation_levels():
     # CPU per merge: at most 1.79x.
     bound = perf_report.cpu_bound_speedup(sat, 2)
     assert bound["cores_left"] == pytest.approx(1.7) and bound["speedup"] == pytest.approx(1.7 / 0.95)
+    levels[0]["cpu_bound"] = True
     md = "\n".join(perf_report.md_saturation(sat))
     assert "50.0 rounds/s" in md and "| 2 | 30.00 (15.00 + 15.00)" in md
-    assert "caps the speed-up at 1.79x" in md
+    assert "caps the speed-up at 1.79x" in md and "yes, CPU-bound" in md
+    # One shard that the machine's load starved: the speed-up is not the shards' capacity, and says so.
+    levels[0] |= {"cpu_bound": False, "shard_cpu_share_by_shard": [0.14]}
+    md = "\n".join(perf_report.md_saturation(sat))
+    assert "caps the speed-up" not in md and "not bounded by its own CPU (it got 0.14 cores)" in md
+    assert "yes, not CPU-bound" in md
 
 
 def test_a_replay_learner_honours_a_hold_as_the_real_client_does(monkeypatch):
