@@ -32,6 +32,9 @@ from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
 NUM_FRAGMENTS = 4  # the syncer's default P
 SYNC_PERIOD_STEPS = 8  # H of the replay learners (the syncer's default)
+# How long a replay learner, at the end of its timed run, keeps sending what it holds: a real
+# learner's default --finish-timeout-s (it waits that long for its final uploads to be merged).
+FLUSH_S = 30.0
 _LEVELS = itertools.count()  # names every level's processes apart within one invocation
 
 
@@ -96,7 +99,7 @@ def _start_replays(workdir: pathlib.Path, syncer_address: str, payload: dict, co
         if n == 0:
             continue
         spec = {"address": syncer_address, **payload, "ids": n, "first": first, "seconds": seconds,
-                "step_s": step_s, "sync_period_steps": SYNC_PERIOD_STEPS, "chunk_size": 512 * 1024, "flush_s": 10.0}
+                "step_s": step_s, "sync_period_steps": SYNC_PERIOD_STEPS, "chunk_size": 512 * 1024, "flush_s": FLUSH_S}
         first += n
         name = f"replay-{tag}-{i}"
         spec["running_path"] = str(running_path(workdir, name))
