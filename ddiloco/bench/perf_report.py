@@ -349,12 +349,14 @@ def md_saturation(sat: dict) -> list[str]:
               "gauge is engaged (accepted uploads slowed). CPU in cores over the measurement window "
               f"({sat.get('cores', 2)} cores on the machine).", ""]
     md.append(results_lib.markdown_table(
-        ["shards", "merges/s (by shard)", "uploads accepted/s", "slowed share (max factor)", "shard CPU, cores",
-         "replay CPU, cores", "shard CPU-s per merge / per upload", "saturated", "work merged"],
+        ["shards", "merges/s (by shard)", "uploads accepted/s", "slowed share (max factor)",
+         "shard CPU, cores (same learners, no uploads)", "replay CPU, cores", "shard CPU-s per merge / per upload", "saturated", "work merged"],
         [[lv["shards"], f"{lv['merges_per_s']:.2f}" + (" (" + _cores(lv["merges_per_s_by_shard"]) + ")"
                                                        if lv["shards"] > 1 else ""),
           f"{lv['uploads_accepted_per_s']:.1f}", f"{lv['slowed_share']:.0%} ({lv.get('hint_factor_max', 1.0):.1f}x)",
-          _cores(lv.get("shard_cpu_share_by_shard", [])), f"{lv.get('replay_cpu_share', 0.0):.2f}",
+          _cores(lv.get("shard_cpu_share_by_shard", []))
+          + (f" ({_cores(lv['idle_shard_cpu_share_by_shard'])})" if lv.get("idle_shard_cpu_share_by_shard") else ""),
+          f"{lv.get('replay_cpu_share', 0.0):.2f}",
           f"{lv.get('shard_cpu_s_per_merge', 0.0) * 1e3:.1f} ms / {lv.get('shard_cpu_s_per_upload', 0.0) * 1e3:.1f} ms",
           _saturation_cell(lv), _work_cell(lv)] for lv in sat["levels"]]))
     one = next((lv for lv in sat["levels"] if lv["shards"] == 1), None)
@@ -378,7 +380,9 @@ def md_saturation(sat: dict) -> list[str]:
     md.append("\nShard CPU-s per merge and per upload do not depend on the machine's speed-up: they are the work "
               "one merge (its contributions' fold-ins, the outer step, publishing to every watcher) and one "
               "accepted upload cost, all the shards' CPU included. Every learner joins, watches and reports "
-              "progress to every shard, so that part of a shard's work does not shrink with more shards.")
+              "progress to every shard, so that part of a shard's work does not shrink with more shards: "
+              "the CPU in brackets is the shards' with the same learners joined, watching and reporting "
+              "progress, and no uploads.")
     return md
 
 

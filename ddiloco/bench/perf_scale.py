@@ -331,13 +331,20 @@ def run_saturation(workdir: pathlib.Path, model: dict, captured: pathlib.Path, l
                    seconds: float, processes: int, shard_counts: Sequence[int]) -> dict:
     """The scale-out levels: `learners` replay learners at a step time short enough that the
     schedule offers more rounds and uploads than one shard can serve, against each shard count
-    in turn (same load): merges/s and uploads accepted per second, every process's CPU."""
+    in turn (same load): merges/s and uploads accepted per second, every process's CPU, and
+    the shards' CPU with the same learners idle (no uploads)."""
     out = {"model": model, "step_s": step_s, "seconds": seconds, "learners": learners, "cores": os.cpu_count() or 1,
            "shard_counts": list(shard_counts), **offered_rates(learners, step_s), "levels": []}
     for shards in shard_counts:
+        # The same learners joined, watching and reporting progress, without uploads: the shards'
+        # CPU that does not depend on the work merged (every learner talks to every shard).
+        idle = _run_level(workdir, model, {"captured": str(captured), "uploads": False}, learners,
+                          max(3.0, seconds / 3), step_s, processes, shards)
         level = _run_level(workdir, model, {"captured": str(captured)}, learners, seconds, step_s, processes, shards)
         out["levels"].append(level | {"saturated": saturated(level, out["offered_rounds_per_s"]),
-                                      "cpu_bound": cpu_bound(level)})
+                                      "cpu_bound": cpu_bound(level),
+                                      "idle_shard_cpu_share_by_shard": idle.get("shard_cpu_share_by_shard", []),
+                                      "idle_replay_cpu_share": idle.get("replay_cpu_share", 0.0)})
     out["speedups"] = shard_speedups(out["levels"])
     return out
 

@@ -271,6 +271,29 @@ def test_work_held_on_an_already_sent_base_goes_out_in_the_flush(monkeypatch):
     assert ident.intervals == [(0.02, 0.01)]
 
 
+def test_an_idle_replay_learner_reports_progress_and_never_uploads(monkeypatch):
+    async def never(*args, **kwargs):
+        raise AssertionError("an idle learner uploaded")
+
+    monkeypatch.setattr(replay.client_lib, "send_upload", never)
+
+    async def run() -> dict:
+        stop = asyncio.Event()
+        ident = _QuietIdentity(stop)
+        monkeypatch.setattr(replay, "ShardedLearner", lambda stub, learner_id, stub_for: _QuietLearner(ident))
+        spec = {"address": "x", "ids": 1, "first": 0, "step_s": 0.01, "sync_period_steps": 8, "flush_s": 30.0,
+                "uploads": False}
+        ctx = replay.make_context(spec, {fid: (None, []) for fid in range(4)}, lambda address: object())
+        task = asyncio.create_task(replay._learner(ctx, spec, 0, stop))
+        await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.wait_for(task, 5)  # no flush to wait for
+        return ctx
+
+    ctx = asyncio.run(run())
+    assert ctx["work"]["offered_steps"] > 0 and ctx["work"]["accepted_steps"] == 0 == ctx["work"]["final_sent"]
+
+
 def test_progress_interval_is_the_real_clients():
     assert replay.progress_interval_s(0.09, 8, 4) == pytest.approx(0.09)  # the default schedule: one per step
     assert replay.progress_interval_s(0.005, 8, 4) == pytest.approx(0.02)  # never faster than 50/s
@@ -349,8 +372,10 @@ def test_the_scale_out_target_is_held_to_the_saturation_levels():
     # CPU per merge: at most 1.79x.
     bound = perf_report.cpu_bound_speedup(sat, 2)
     assert bound["cores_left"] == pytest.approx(1.7) and bound["speedup"] == pytest.approx(1.7 / 0.95)
-    levels[0]["cpu_bound"] = True
+    levels[0] |= {"cpu_bound": True, "idle_shard_cpu_share_by_shard": [0.1]}
+    levels[1]["idle_shard_cpu_share_by_shard"] = [0.1, 0.12]
     md = "\n".join(perf_report.md_saturation(sat))
+    assert "| 0.75 + 0.75 (0.10 + 0.12) |" in md
     assert "50.0 rounds/s" in md and "| 2 | 30.00 (15.00 + 15.00)" in md
     assert "caps the speed-up at 1.79x" in md and "yes, CPU-bound" in md
     # One shard that the machine's load starved: the speed-up is not the shards' capacity, and says so.

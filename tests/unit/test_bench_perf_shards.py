@@ -81,6 +81,7 @@ def test_the_saturation_levels_measure_every_processs_cpu_against_the_offered_lo
         assert 0.0 < lv["replay_cpu_share"] < 2.5
         assert lv["window_uploads_accepted"] > 0 and lv["shard_cpu_s_per_upload"] > 0
         assert lv["lost_steps"] == 0  # refused work is sent again, never dropped
+        assert len(lv["idle_shard_cpu_share_by_shard"]) == lv["shards"]  # the same learners, no uploads
         assert isinstance(lv["saturated"], bool) and isinstance(lv["cpu_bound"], bool)
     (speedup,) = sat["speedups"]
     assert speedup["shards"] == 2 and "shard_cpu_s_per_merge_ratio" in speedup

@@ -14,6 +14,9 @@ clock (several per wake-up at short step times), so the process stays cheap besi
 At the end of the timed run its watch streams stay open through the flush: work trained after a
 fragment's last contribution on the current version can only go out once the next one arrives.
 
+`spec["uploads"]` false: the learners join, watch and report progress but never upload (the
+shards' fixed cost per learner).
+
 `python -m ddiloco.bench.perf_workers.replay SPEC_JSON RESULT_PATH` (`perf_workers.run_job`):
 the result counts uploads (accepted by shard, refused by status code, skipped), learner-steps of
 work and every upload's latency.
@@ -120,6 +123,8 @@ def _try_send(ctx: dict, learner: ShardedLearner, fid: int, state: dict, final: 
     may send one now."""
     ident = learner.of(fid)
     base = ident.versions.get(fid, 0)
+    if not ctx["uploads"]:
+        return False  # an idle level: joined, watching and reporting progress only
     if fid in state["sending"] or state["pending"][fid] <= 0 or ident.sent_base.get(fid) == base:
         return False  # one upload per fragment in flight, one contribution per base version
     if not final and asyncio.get_running_loop().time() < state["hold"].get(fid, 0.0):
@@ -175,7 +180,7 @@ async def _learner(ctx: dict, spec: dict, index: int, stop: asyncio.Event) -> No
                 _step(ctx, learner, state, step, period)
         # The end of the run: what is pending goes out once its base allows (bounded wait).
         deadline = loop.time() + spec.get("flush_s", 10.0)
-        while loop.time() < deadline and (state["sending"] or any(state["pending"].values())):
+        while ctx["uploads"] and loop.time() < deadline and (state["sending"] or any(state["pending"].values())):
             for fid in fids:
                 work["final_sent"] += _try_send(ctx, learner, fid, state, final=True)
             await asyncio.sleep(0.05)
@@ -234,7 +239,7 @@ def make_context(spec: dict, payloads: dict, stub_for) -> dict:
             "work": {"offered_steps": 0, "accepted_steps": 0, "pending_steps_end": 0, "slowed": 0, "final_sent": 0},
             "latencies": [], "fids": fids, "offsets": {fid: (fid * period) // len(fids) for fid in fids},
             "period_s": period * spec["step_s"], "period_steps": period, "hint_factor_max": 1.0,
-            "joined": 0, "all_joined": asyncio.Event(), "ids": spec["ids"]}
+            "joined": 0, "all_joined": asyncio.Event(), "ids": spec["ids"], "uploads": spec.get("uploads", True)}
 
 
 async def replay(spec: dict) -> dict:
