@@ -221,10 +221,10 @@ def _measure(syncers: list[cluster_lib.ServiceProcess], procs: list, count: int,
         s1s, t1 = states(256), common.now()
         cpu |= {"shards1": _cpu_s(syncers), "replays1": _cpu_s(procs)}
         replays = [common.worker_result(p, timeout_s=seconds + 300) for p in procs]
-        # The last contributions accepted may sit in rounds still in their grace window: give
-        # them a bounded wait before reading what the shards merged.
+        # The last contributions accepted may sit in rounds not merged yet: give them a bounded
+        # wait (a learner's finish timeout) before reading what the shards merged.
         accepted_steps, finals = sum(r["accepted_steps"] for r in replays), states(0)
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + FLUSH_S
         while sum(f.tokens_merged for f in finals) < accepted_steps * replay_lib.TOKENS_PER_STEP and time.monotonic() < deadline:
             time.sleep(0.2)
             finals = states(0)
