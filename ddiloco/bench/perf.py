@@ -30,7 +30,9 @@ Every figure is a ratio to a limit measured in the same invocation, on the same 
   peak RSS (VmHWM), a fresh syncer per learner count.
   With `--syncer-shards 1,2` every learner count runs against 1 and 2 fragment shards (the replay
   learners send each fragment to its owner shard): merges/s side by side, their ratio, and each
-  shard's peak RSS.
+  shard's peak RSS. Then the saturation levels (`--saturation-step-s`, `--saturation-learners`):
+  the same shard counts with a step short enough that the schedule offers more rounds than one
+  shard merges, with every process's CPU (docs/performance.md says what "saturated" means).
 * model size: codec, merge and transport figures for a ~100M-parameter model's fragments
   (synthetic tensors).
 * sizes: the scale section's level on synthetic models of `--scale-sizes` parameters (0.5M, 100M,
@@ -87,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parameters of the model-size section (default ~100M; quick: 4M)")
     parser.add_argument("--syncer-shards", default="",
                         help="fragment shard counts of the scale section, comma-separated (default 1,2; quick: 1)")
+    parser.add_argument("--saturation-step-s", type=float, default=-1.0,
+                        help="the scale section's saturation levels: the replay learners' step time, short enough "
+                             "that one shard cannot keep up with the schedule (default 0.005; quick: off); 0: off")
+    parser.add_argument("--saturation-learners", type=int, default=16,
+                        help="replay learners of the saturation levels")
     parser.add_argument("--scale-sizes", default="",
                         help="model sizes of the sizes section, comma-separated parameter counts like 0.5M,100M,1B "
                              "(default 0.5M,100M,1B; quick: none unless given)")
@@ -117,6 +124,11 @@ def _scale_sections(args: argparse.Namespace, result: dict, workdir: pathlib.Pat
                         else ([1] if quick else [1, 2]))
         result["scale"] = perf_scale.run_scale(workdir, model, captured, counts, seconds=3.0 if quick else 30.0,
                                                step_s=step_s, processes=2, shard_counts=shard_counts)
+        saturation_step_s = args.saturation_step_s if args.saturation_step_s >= 0 else (0.0 if quick else 0.005)
+        if saturation_step_s > 0:
+            result["saturation"] = perf_scale.run_saturation(
+                workdir, model, captured, args.saturation_learners, saturation_step_s,
+                seconds=3.0 if quick else 30.0, processes=2, shard_counts=shard_counts)
         print(f"[perf] scale done in {common.now() - t0:.0f} s", flush=True)
     if "sizes" in sections and _scale_sizes(args):
         t0 = common.now()

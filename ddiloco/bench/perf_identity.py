@@ -62,19 +62,20 @@ class Identity:
                     return
                 await asyncio.sleep(0.1)
 
-    async def report_progress(self, stop: asyncio.Event, step_s: float, steps: Callable[[], int],
-                              timeout_s: float) -> None:
-        """Reports progress every step, as a real learner's SyncClient does (its step time is what
-        the syncer's grace window is computed from; without it every upload is merged alone)."""
+    async def report_progress(self, stop: asyncio.Event, interval_s: float, steps: Callable[[], int],
+                              timeout_s: float, step_time_s: float | None = None) -> None:
+        """Reports progress every `interval_s`, as a real learner's SyncClient does, with its step
+        time (`step_time_s`, default `interval_s`: one report per step); the syncer's grace window
+        is computed from it, and without it every upload is merged alone."""
         while not stop.is_set():
             try:
                 await self.stub.ReportProgress(syncer_pb2.ReportProgressRequest(
                     protocol_version=serde.PROTOCOL_VERSION, learner_id=self.learner_id, incarnation=self.incarnation,
-                    local_step=steps(), step_time_s=step_s, held=serde.versions_to_proto(self.versions)),
-                    timeout=timeout_s)
+                    local_step=steps(), step_time_s=interval_s if step_time_s is None else step_time_s,
+                    held=serde.versions_to_proto(self.versions)), timeout=timeout_s)
             except grpc.aio.AioRpcError:  # transient, like the learner's: the next tick sends again
                 pass
-            await asyncio.sleep(step_s)
+            await asyncio.sleep(interval_s)
 
     def messages(self, fid: int, base: int, info, chunks: list[bytes], steps: int, tokens: int, final: bool = False):
         header = syncer_pb2.UploadHeader(

@@ -68,7 +68,7 @@ def headline(result: dict) -> list[dict]:
             rows.append(figure(f"upload, learner's real client through the syncer, {sec['params']:,}-param model, "
                                f"+{c['rtt_s'] * 1e3:.0f} ms RTT", c["real_bytes_per_s"] / 1e6, "MB/s wire",
                                c["bare_bytes_per_s"] / 1e6, "bare gRPC stream, same bytes", TARGETS["transport"]))
-    rows += _scale_headline(result.get("scale"))
+    rows += _scale_headline(result.get("scale"), result.get("saturation"))
     ov = result.get("overlap")
     if ov:
         for key in ("default", "capped"):
@@ -78,25 +78,38 @@ def headline(result: dict) -> list[dict]:
     return rows
 
 
-def _scale_headline(sc: dict | None) -> list[dict]:
-    """Scale-out at saturation (the most learners): N shards' merges/s against one shard's, and
-    the share of the offered work merged at each shard count."""
-    if not sc or not sc.get("levels"):
-        return []
+def _scale_headline(sc: dict | None, sat: dict | None = None) -> list[dict]:
+    """Scale-out: N shards' merges/s against one shard's, at saturation (`sat`, the saturation
+    levels: the target) and at the default schedule's most learners (no target: merges/s there is
+    the schedule's rate); the share of the offered work merged at the most learners."""
     rows = []
+    if sat and sat.get("levels"):
+        where = f"saturation ({sat['learners']} replay learners, step {sat['step_s'] * 1e3:.0f} ms)"
+        for sp in sat.get("speedups", []):
+            rows.append(figure(f"merges/s, {sp['shards']} syncer shards, {where}", sp["merges_per_s"], "merges/s",
+                               sp["one_shard_merges_per_s"], "one shard, same load",
+                               TARGETS["shard_speedup"] if sp["shards"] == 2 else None))
+            if "uploads_accepted_per_s" in sp:
+                rows.append(figure(f"uploads accepted/s, {sp['shards']} syncer shards, {where}",
+                                   sp["uploads_accepted_per_s"], "uploads/s", sp["one_shard_uploads_accepted_per_s"],
+                                   "one shard, same load"))
+    if not sc or not sc.get("levels"):
+        return rows
     most = max(lv["learners"] for lv in sc["levels"])
     for sp in sc.get("speedups", []):
         if sp["learners"] == most:
-            rows.append(figure(f"merges/s, {sp['shards']} syncer shards, {most} replay learners", sp["merges_per_s"],
-                               "merges/s", sp["one_shard_merges_per_s"], "one shard, same learners",
-                               TARGETS["shard_speedup"] if sp["shards"] == 2 else None))
+            rows.append(figure(f"merges/s, {sp['shards']} syncer shards, {most} replay learners, default schedule",
+                               sp["merges_per_s"], "merges/s", sp["one_shard_merges_per_s"], "one shard, same learners",
+                               None if sat else TARGETS["shard_speedup"] if sp["shards"] == 2 else None))
             rows.append(figure(f"uploads accepted, {sp['shards']} syncer shards, {most} replay learners",
                                sp["uploads_accepted"], "uploads", sp["one_shard_uploads_accepted"],
                                "one shard, same learners, same run length"))
     for lv in sc["levels"]:
         if lv["learners"] == most and lv.get("offered_steps"):
+            # What the shards merged (their tokens_merged) where measured, else what they accepted.
+            merged = min(lv["accepted_steps"], lv.get("merged_steps_syncer", lv["accepted_steps"]))
             rows.append(figure(f"work merged, {most} replay learners, {lv.get('shards', 1)} shard(s)",
-                               lv["accepted_steps"], "learner-steps", lv["offered_steps"], "offered by the schedule",
+                               merged, "learner-steps", lv["offered_steps"], "offered by the schedule",
                                TARGETS["work_merged"]))
     return rows
 
@@ -267,14 +280,14 @@ def _md_scale(sc: dict) -> list[str]:
     md = ["", f"## Scale: syncer shards, lightweight learners replaying captured fragments "
               f"(step {sc['step_s']:.2f} s, default fragment schedule)", ""]
     md.append(results_lib.markdown_table(
-        ["learners", "shards", "merges/s (by shard)", "work merged (steps accepted/trained; uploads slowed by back-pressure)",
+        ["learners", "shards", "merges/s (by shard)",
+         "work merged (steps accepted/trained; uploads slowed by back-pressure; steps pending at the end, lost)",
          "merge latency p50/p99 s", "upload latency p50/p99 s",
          "uploads acc/ref (offered)", "syncer RSS MiB before learners / peak, per shard"],
         [[lv["learners"], lv.get("shards", 1),
           f"{lv['merges_per_s']:.2f}" + (" (" + " + ".join(f"{m:.2f}" for m in lv["merges_per_s_by_shard"]) + ")"
                                          if len(lv.get("merges_per_s_by_shard", [])) > 1 else ""),
-          f"{lv.get('accepted_steps', 0) / max(1, lv.get('offered_steps', 0)):.1%} "
-          f"({lv.get('accepted_steps', 0)}/{lv.get('offered_steps', 0)}; {lv.get('slowed', 0)} slowed)", f"{lv['merge_latency_p50_s']:.3f} / {lv['merge_latency_p99_s']:.3f}",
+          _work_cell(lv), f"{lv['merge_latency_p50_s']:.3f} / {lv['merge_latency_p99_s']:.3f}",
           f"{lv['upload_latency_p50_s']:.3f} / {lv['upload_latency_p99_s']:.3f}",
           f"{lv['uploads_accepted']}/{lv['uploads_refused']}"
           + (f" ({lv['uploads_offered']})" if "uploads_offered" in lv else "")
@@ -294,12 +307,13 @@ def _md_scale(sc: dict) -> list[str]:
         cap = 4 / (8 * sc["step_s"])
         md.append(f"\nMerges/s cannot exceed the fragment schedule's rate, P / (H x step) = 4 / (8 x "
                   f"{sc['step_s']:.2f} s) = {cap:.2f}/s, once every round merges on time: beyond that, shards "
-                  "show as uploads accepted (fewer periods merged together by back-pressure), not as merges.")
+                  "show as uploads accepted (fewer periods merged together by back-pressure), not as merges. "
+                  "The scale-out target is held to the saturation levels (their own section).")
     md.append("\nMerge latency: round opened to merge started (quorum wait + grace used), from the syncer's merge "
               "records; upload latency: client-side UploadFragment round trip (decode and fold-in included). "
               "Uploads offered: what the fragment schedule asks of the replay learners in the run; refusals "
-              "by status code, then by the syncer's reason. The replay learners report progress every step "
-              "like real ones (the grace window is computed from their step time) and upload on the version "
+              "by status code, then by the syncer's reason. The replay learners report progress at the real "
+              "client's interval, with their step time (the grace window is computed from it), and upload on the version "
               "they last heard of; they share the 2 cores with the syncer. Peak RSS: the merge state is one "
               "accumulator per fragment whatever the number of learners; per learner the syncer holds one "
               "download chunk (at most 128 KiB, the messages of a version built once for all watchers) and "
@@ -307,6 +321,96 @@ def _md_scale(sc: dict) -> list[str]:
               "16 references per fragment; malloc arenas are capped at 2 (per-thread arenas kept ~100 MiB "
               "of freed buffers at 64 learners) and BLAS calls run single-threaded (ddiloco.runtime).")
     return md
+
+
+def _work_cell(lv: dict) -> str:
+    """Work merged of work offered, and where the rest is: still pending in the learners when the
+    run ended (kept, not sent: no round took it in the flush), or lost (neither merged nor kept)."""
+    offered, accepted = lv.get("offered_steps", 0), lv.get("accepted_steps", 0)
+    cell = f"{accepted / max(1, offered):.1%} ({accepted}/{offered}; {lv.get('slowed', 0)} slowed"
+    if "lost_steps" in lv:
+        cell += f"; {lv.get('pending_steps_end', 0)} pending, {lv['lost_steps']} lost"
+    if "merged_steps_syncer" in lv:
+        cell += f"; the shards merged {lv['merged_steps_syncer']}"
+    return cell + ")"
+
+
+def _cores(values) -> str:
+    return " + ".join(f"{v:.2f}" for v in values)
+
+
+def md_saturation(sat: dict) -> list[str]:
+    """The saturation levels: each shard count under the same load, what the schedule offered,
+    what the shards served, every process's CPU and whether the level was saturated."""
+    md = ["", f"## Scale-out at saturation: {sat['learners']} replay learners, step {sat['step_s'] * 1e3:.0f} ms",
+          "", f"The schedule offers {sat['offered_rounds_per_s']:.1f} rounds/s (P / (H x step)) and "
+              f"{sat['offered_uploads_per_s']:.0f} uploads/s (one per learner per round); a level is saturated "
+              "when its merges/s fall more than 10 % short of the rounds offered and the shards' back-pressure "
+              "gauge is engaged (accepted uploads slowed). CPU in cores over the measurement window "
+              f"({sat.get('cores', 2)} cores on the machine).", ""]
+    md.append(results_lib.markdown_table(
+        ["shards", "merges/s (by shard)", "uploads accepted/s", "slowed share (max factor)",
+         "shard CPU, cores (same learners, no uploads)", "replay CPU, cores", "shard CPU-s per merge / per upload", "saturated", "work merged"],
+        [[lv["shards"], f"{lv['merges_per_s']:.2f}" + (" (" + _cores(lv["merges_per_s_by_shard"]) + ")"
+                                                       if lv["shards"] > 1 else ""),
+          f"{lv['uploads_accepted_per_s']:.1f}", f"{lv['slowed_share']:.0%} ({lv.get('hint_factor_max', 1.0):.1f}x)",
+          _cores(lv.get("shard_cpu_share_by_shard", []))
+          + (f" ({_cores(lv['idle_shard_cpu_share_by_shard'])})" if lv.get("idle_shard_cpu_share_by_shard") else ""),
+          f"{lv.get('replay_cpu_share', 0.0):.2f}",
+          f"{lv.get('shard_cpu_s_per_merge', 0.0) * 1e3:.1f} ms / {lv.get('shard_cpu_s_per_upload', 0.0) * 1e3:.1f} ms",
+          _saturation_cell(lv), _work_cell(lv)] for lv in sat["levels"]]))
+    one = next((lv for lv in sat["levels"] if lv["shards"] == 1), None)
+    for sp in sat.get("speedups", []):
+        md.append(f"\n{sp['shards']} shards against one: merges/s {sp['merges_per_s']:.2f} / "
+                  f"{sp['one_shard_merges_per_s']:.2f} = {sp['ratio']:.2f}x (target >= "
+                  f"{TARGETS['shard_speedup']:.1f}x for 2); uploads accepted/s "
+                  f"{sp.get('uploads_accepted_per_s_ratio', 0.0):.2f}x; shard CPU-s per merge "
+                  f"{sp.get('shard_cpu_s_per_merge_ratio', 0.0):.2f}x one shard's.")
+        bound = cpu_bound_speedup(sat, sp["shards"])
+        if one is not None and not one.get("cpu_bound"):
+            md.append(f"One shard was not bounded by its own CPU (it got {sum(one['shard_cpu_share_by_shard']):.2f} "
+                      "cores): this speed-up measures what the machine's other load left the shards, not their "
+                      "capacity.")
+        elif one is not None and bound is not None:
+            md.append(f"What the cores allow: one shard used {sum(one['shard_cpu_share_by_shard']):.2f} cores; "
+                      f"with {sp['shards']} shards the replay processes took "
+                      f"{_level_of(sat, sp['shards'])['replay_cpu_share']:.2f} of {sat.get('cores', 2)}, leaving the "
+                      f"shards at most {bound['cores_left']:.2f} cores; at the CPU per merge measured with "
+                      f"{sp['shards']} shards that caps the speed-up at {bound['speedup']:.2f}x.")
+    md.append("\nShard CPU-s per merge and per upload do not depend on the machine's speed-up: they are the work "
+              "one merge (its contributions' fold-ins, the outer step, publishing to every watcher) and one "
+              "accepted upload cost, all the shards' CPU included. Every learner joins, watches and reports "
+              "progress to every shard, so that part of a shard's work does not shrink with more shards: "
+              "the CPU in brackets is the shards' with the same learners joined, watching and reporting "
+              "progress, and no uploads.")
+    return md
+
+
+def _saturation_cell(lv: dict) -> str:
+    if not lv.get("saturated"):
+        return "NO"
+    return "yes, CPU-bound" if lv.get("cpu_bound") else "yes, not CPU-bound"
+
+
+def _level_of(sat: dict, shards: int) -> dict:
+    return next(lv for lv in sat["levels"] if lv["shards"] == shards)
+
+
+def cpu_bound_speedup(sat: dict, shards: int) -> dict | None:
+    """The largest merges/s speed-up of `shards` shards over one that the machine's cores allow:
+    the cores left to the shards (all but what the replay processes took at that shard count,
+    at most one per shard) over the cores one shard used, times one shard's CPU per merge over
+    `shards` shards' (None without CPU figures)."""
+    levels = {lv["shards"]: lv for lv in sat["levels"]}
+    one, many = levels.get(1), levels.get(shards)
+    if not one or not many or "shard_cpu_share_by_shard" not in one or not many.get("shard_cpu_s_per_merge"):
+        return None
+    used_one = sum(one["shard_cpu_share_by_shard"])
+    left = min(float(shards), sat.get("cores", 2) - many.get("replay_cpu_share", 0.0))
+    if used_one <= 0:
+        return None
+    return {"cores_left": left,
+            "speedup": left / used_one * one["shard_cpu_s_per_merge"] / many["shard_cpu_s_per_merge"]}
 
 
 def markdown(result: dict) -> str:
@@ -323,6 +427,8 @@ def markdown(result: dict) -> str:
         md += _md_overlap(result["overlap"])
     if result.get("scale"):
         md += _md_scale(result["scale"])
+    if result.get("saturation"):
+        md += md_saturation(result["saturation"])
     if result.get("sizes"):
         md += md_sizes(result["sizes"], result.get("previous"))
     notes = result.get("notes")

@@ -3,7 +3,10 @@
 which send each fragment to its owner shard), a fresh syncer per learner count and shard count:
 merges per second, upload and merge latency p50/p99, uploads accepted and refused (by the syncer's
 reason) against those the schedule offered, and each shard's peak RSS (VmHWM); the speed-up of N
-shards over one at each learner count. The model-size rows (`run_sizes`) run the same level on
+shards over one at each learner count. The saturation levels (`run_saturation`) run each shard
+count at a step short enough that the schedule offers more rounds than one shard merges: merges/s
+and uploads accepted per second, each shard's and the replay processes' CPU over the measurement
+window, and the shards' CPU seconds per merge and per upload. The model-size rows (`run_sizes`) run the same level on
 synthetic models of a given number of parameters (0.5M, 100M, 1B: `model_for_params`).
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import pathlib
 import time
 from collections.abc import Sequence
@@ -20,12 +24,17 @@ import numpy as np
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.bench import perf_common as common
+from ddiloco.bench.perf_workers import replay as replay_lib
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
 NUM_FRAGMENTS = 4  # the syncer's default P
+SYNC_PERIOD_STEPS = 8  # H of the replay learners (the syncer's default)
+# How long a replay learner, at the end of its timed run, keeps sending what it holds: a real
+# learner's default --finish-timeout-s (it waits that long for its final uploads to be merged).
+FLUSH_S = 30.0
 _LEVELS = itertools.count()  # names every level's processes apart within one invocation
 
 
@@ -90,15 +99,34 @@ def _start_replays(workdir: pathlib.Path, syncer_address: str, payload: dict, co
         if n == 0:
             continue
         spec = {"address": syncer_address, **payload, "ids": n, "first": first, "seconds": seconds,
-                "step_s": step_s, "sync_period_steps": 8, "chunk_size": 512 * 1024, "flush_s": 10.0}
+                "step_s": step_s, "sync_period_steps": SYNC_PERIOD_STEPS, "chunk_size": 512 * 1024, "flush_s": FLUSH_S}
         first += n
-        procs.append(common.start_worker(workdir, f"replay-{tag}-{i}", "ddiloco.bench.perf_workers.replay", spec))
+        name = f"replay-{tag}-{i}"
+        spec["running_path"] = str(running_path(workdir, name))
+        running_path(workdir, name).unlink(missing_ok=True)
+        procs.append(common.start_worker(workdir, name, "ddiloco.bench.perf_workers.replay", spec))
     return procs
 
 
-def _level(count: int, s0s: list, s1s: list, elapsed_s: float, finals: list, replays: list[dict]) -> dict:
-    """One level's figures, from each shard's training state before, during and after, and the
-    replay processes' results."""
+def running_path(workdir: pathlib.Path, name: str) -> pathlib.Path:
+    """Where a replay process says all its learners have joined (its timed run starts)."""
+    return workdir / f"{name}.running"
+
+
+def wait_running(workdir: pathlib.Path, procs: list, timeout_s: float) -> None:
+    """Until every replay process has its learners joined (or has exited, or `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        while (not running_path(workdir, p.name).exists() and p.alive()
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+
+
+def _level(count: int, s0s: list, s1s: list, elapsed_s: float, finals: list, replays: list[dict],
+           cpu: dict | None = None) -> dict:
+    """One level's figures, from each shard's training state before, during and after, the
+    replay processes' results and (`cpu`: "shards0"/"shards1", "replays0"/"replays1", CPU seconds
+    of each process at the window's ends) what the processes spent in the window."""
     lat = [m.quorum_wait_s + m.grace_used_s for s1 in s1s for m in s1.recent_merges]
     upload_lat = [x for r in replays for x in r["latencies"]]
     merges = [(s1.outer_steps - s0.outer_steps) / elapsed_s for s0, s1 in zip(s0s, s1s, strict=True)]
@@ -110,6 +138,8 @@ def _level(count: int, s0s: list, s1s: list, elapsed_s: float, finals: list, rep
     for r in replays:
         for shard, n in r.get("accepted_by_shard", {}).items():
             by_shard[shard] = by_shard.get(shard, 0) + n
+    work = {key: sum(r[key] for r in replays) for key in
+            ("offered_steps", "accepted_steps", "pending_steps_end", "slowed", "final_sent")}
     return {
         "learners": count, "shards": len(s0s),
         "merges_per_s": sum(merges), "merges_per_s_by_shard": merges,
@@ -122,18 +152,57 @@ def _level(count: int, s0s: list, s1s: list, elapsed_s: float, finals: list, rep
         "uploads_skipped": sum(r["skipped"] for r in replays),
         "uploads_offered": sum(r["offered"] for r in replays),
         # Work in learner-steps per fragment: trained (offered), in accepted contributions
-        # (each in exactly one merge), still pending when the run ended (kept, not sent).
-        **{key: sum(r[key] for r in replays) for key in
-           ("offered_steps", "accepted_steps", "pending_steps_end", "slowed", "final_sent")},
+        # (each in exactly one merge), still pending when the run ended (kept, not sent), and
+        # what is in none of these (lost: refused and never sent again; 0 by construction).
+        **work,
+        "lost_steps": work["offered_steps"] - work["accepted_steps"] - work["pending_steps_end"],
+        # What the shards report merged (their tokens_merged), in replay learner-steps.
+        "merged_steps_syncer": sum(f.tokens_merged for f in finals) // replay_lib.TOKENS_PER_STEP,
+        "hint_factor_max": max([r.get("hint_factor_max", 1.0) for r in replays], default=1.0),
+        "replay_cpu_s": sum(r.get("cpu_s", 0.0) for r in replays),
         "refusals": {code: sum(r["refusals"].get(code, 0) for r in replays)
                      for code in sorted({c for r in replays for c in r["refusals"]})},
         "syncer_uploads": syncer_uploads,
-    }
+    } | window_figures(s0s, s1s, elapsed_s, cpu)
+
+
+def window_figures(s0s: list, s1s: list, elapsed_s: float, cpu: dict | None) -> dict:
+    """The measurement window's rates and CPU: uploads the shards accepted and slowed (their own
+    counters), merges, each shard's and the replay processes' CPU in cores, and the shards' CPU
+    seconds per merge and per accepted upload (machine-independent: the work one merge costs)."""
+    def delta(key: str) -> int:
+        return sum(s1.uploads.get(key, 0) - s0.uploads.get(key, 0) for s0, s1 in zip(s0s, s1s, strict=True))
+
+    merges = sum(s1.outer_steps - s0.outer_steps for s0, s1 in zip(s0s, s1s, strict=True))
+    accepted, slowed = delta("accepted"), delta("slowed")
+    out = {"window_s": elapsed_s, "window_merges": merges, "window_uploads_accepted": accepted,
+           "uploads_accepted_per_s": accepted / elapsed_s if elapsed_s > 0 else 0.0,
+           "slowed_share": slowed / accepted if accepted else 0.0}
+    if cpu:
+        shard_s = [b - a for a, b in zip(cpu["shards0"], cpu["shards1"], strict=True)]
+        replay_s = sum(b - a for a, b in zip(cpu["replays0"], cpu["replays1"], strict=True))
+        out |= {"shard_cpu_share_by_shard": [x / elapsed_s for x in shard_s],
+                "replay_cpu_share": replay_s / elapsed_s,
+                "shard_cpu_s_per_merge": sum(shard_s) / merges if merges else 0.0,
+                "shard_cpu_s_per_upload": sum(shard_s) / accepted if accepted else 0.0}
+    return out
+
+
+def _cpu_s(procs: list) -> list[float]:
+    """CPU seconds of each process so far (0 for one that has exited)."""
+    out = []
+    for p in procs:
+        try:
+            out.append(common.process_cpu_s(p.pid))
+        except (OSError, ValueError, IndexError):
+            out.append(0.0)
+    return out
 
 
 def _measure(syncers: list[cluster_lib.ServiceProcess], procs: list, count: int, seconds: float) -> dict:
     """Merges over the middle of the run, from every shard's training state, then the replays'
-    results and every shard's own upload counters (refusals by reason)."""
+    results and every shard's own upload counters (refusals by reason); the CPU every shard and
+    replay process spent in that window."""
     probes = [channel_lib.sync_channel(s.address) for s in syncers]
     try:
         stubs = [syncer_pb2_grpc.SyncerStub(p) for p in probes]
@@ -142,13 +211,24 @@ def _measure(syncers: list[cluster_lib.ServiceProcess], procs: list, count: int,
             return [stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=recent_merges),
                                           timeout=30).state for stub in stubs]
 
-        # Skip the joins and first uploads; measure merges over the middle of the run.
+        # Skip the start-up, joins and first uploads; measure merges over the middle of the run.
+        if procs:
+            wait_running(procs[0].workdir, procs, 120.0)
         time.sleep(min(2.0, seconds / 4))
+        cpu = {"shards0": _cpu_s(syncers), "replays0": _cpu_s(procs)}
         s0s, t0 = states(0), common.now()
         time.sleep(seconds * 0.6)
         s1s, t1 = states(256), common.now()
+        cpu |= {"shards1": _cpu_s(syncers), "replays1": _cpu_s(procs)}
         replays = [common.worker_result(p, timeout_s=seconds + 300) for p in procs]
-        return _level(count, s0s, s1s, t1 - t0, states(0), replays)
+        # The last contributions accepted may sit in rounds not merged yet: give them a bounded
+        # wait (a learner's finish timeout) before reading what the shards merged.
+        accepted_steps, finals = sum(r["accepted_steps"] for r in replays), states(0)
+        deadline = time.monotonic() + FLUSH_S
+        while sum(f.tokens_merged for f in finals) < accepted_steps * replay_lib.TOKENS_PER_STEP and time.monotonic() < deadline:
+            time.sleep(0.2)
+            finals = states(0)
+        return _level(count, s0s, s1s, t1 - t0, finals, replays, cpu)
     finally:
         for p in probes:
             p.close()
@@ -187,32 +267,84 @@ def _vm_rss_bytes(pid: int) -> int:
 
 def shard_speedups(levels: list[dict]) -> list[dict]:
     """For each learner count measured with one shard and with more: merges/s of N shards over
-    one shard's (the scale-out figure; the target is about the largest count, saturation)."""
+    one shard's, uploads accepted (whole run, and per second of the window where measured) and
+    the shards' CPU seconds per merge, each beside one shard's."""
     one = {lv["learners"]: lv for lv in levels if lv.get("shards", 1) == 1}
 
     def ratio(a: float, b: float) -> float:
         return a / b if b > 0 else 0.0
 
-    # Uploads accepted (contributions folded in, same run length): the syncer's work done. Merges/s
-    # is capped by the fragment schedule (P / (H x step) once every round merges on time).
-    return [{"learners": lv["learners"], "shards": lv["shards"], "merges_per_s": lv["merges_per_s"],
-             "one_shard_merges_per_s": one[lv["learners"]]["merges_per_s"],
-             "ratio": ratio(lv["merges_per_s"], one[lv["learners"]]["merges_per_s"]),
-             "uploads_accepted": lv.get("uploads_accepted", 0),
-             "one_shard_uploads_accepted": one[lv["learners"]].get("uploads_accepted", 0),
-             "uploads_ratio": ratio(lv.get("uploads_accepted", 0), one[lv["learners"]].get("uploads_accepted", 0))}
-            for lv in levels if lv.get("shards", 1) > 1 and lv["learners"] in one]
+    out = []
+    for lv in levels:
+        if lv.get("shards", 1) <= 1 or lv["learners"] not in one:
+            continue
+        base = one[lv["learners"]]
+        row = {"learners": lv["learners"], "shards": lv["shards"], "merges_per_s": lv["merges_per_s"],
+               "one_shard_merges_per_s": base["merges_per_s"], "ratio": ratio(lv["merges_per_s"], base["merges_per_s"]),
+               "uploads_accepted": lv.get("uploads_accepted", 0),
+               "one_shard_uploads_accepted": base.get("uploads_accepted", 0),
+               "uploads_ratio": ratio(lv.get("uploads_accepted", 0), base.get("uploads_accepted", 0))}
+        for key in ("uploads_accepted_per_s", "shard_cpu_s_per_merge", "shard_cpu_s_per_upload"):
+            if key in lv and key in base:
+                row |= {key: lv[key], f"one_shard_{key}": base[key], f"{key}_ratio": ratio(lv[key], base[key])}
+        out.append(row)
+    return out
 
 
 def run_scale(workdir: pathlib.Path, model: dict, captured: pathlib.Path, counts: list[int], seconds: float,
               step_s: float, processes: int, shard_counts: Sequence[int] = (1,)) -> dict:
     """Every learner count at every shard count (shard counts interleaved per learner count, so
-    that both see the same machine load)."""
+    that both see the same machine load), at the default schedule (`step_s`: the measured step)."""
     out = {"model": model, "step_s": step_s, "seconds": seconds, "shard_counts": list(shard_counts), "levels": []}
     for count in counts:
         for shards in shard_counts:
             out["levels"].append(_run_level(workdir, model, {"captured": str(captured)}, count, seconds, step_s,
                                             processes, shards))
+    out["speedups"] = shard_speedups(out["levels"])
+    return out
+
+
+def offered_rates(learners: int, step_s: float) -> dict:
+    """What the fragment schedule asks for at `step_s`: rounds per second (P / (H x step), the
+    most merges/s any number of shards can make) and uploads per second (one per learner per round)."""
+    rounds = NUM_FRAGMENTS / (SYNC_PERIOD_STEPS * step_s)
+    return {"offered_rounds_per_s": rounds, "offered_uploads_per_s": learners * rounds}
+
+
+def saturated(level: dict, offered_rounds_per_s: float) -> bool:
+    """Whether a level ran at saturation: its merges/s fell short of the schedule's rounds by more
+    than 10 % (the shards, not the schedule, set the rate) and the back-pressure gauge was engaged
+    (some accepted uploads were slowed)."""
+    return level["merges_per_s"] < 0.9 * offered_rounds_per_s and level.get("slowed_share", 0.0) > 0.0
+
+
+CPU_BOUND_CORES = 0.8  # a shard this busy (cores over the window) is bounded by its own CPU
+
+
+def cpu_bound(level: dict) -> bool:
+    """Whether a saturated level's shards were bounded by their own CPU (one at least
+    CPU_BOUND_CORES busy), rather than by what the machine's other load left them."""
+    return max(level.get("shard_cpu_share_by_shard", [0.0]), default=0.0) >= CPU_BOUND_CORES
+
+
+def run_saturation(workdir: pathlib.Path, model: dict, captured: pathlib.Path, learners: int, step_s: float,
+                   seconds: float, processes: int, shard_counts: Sequence[int]) -> dict:
+    """The scale-out levels: `learners` replay learners at a step time short enough that the
+    schedule offers more rounds and uploads than one shard can serve, against each shard count
+    in turn (same load): merges/s and uploads accepted per second, every process's CPU, and
+    the shards' CPU with the same learners idle (no uploads)."""
+    out = {"model": model, "step_s": step_s, "seconds": seconds, "learners": learners, "cores": os.cpu_count() or 1,
+           "shard_counts": list(shard_counts), **offered_rates(learners, step_s), "levels": []}
+    for shards in shard_counts:
+        # The same learners joined, watching and reporting progress, without uploads: the shards'
+        # CPU that does not depend on the work merged (every learner talks to every shard).
+        idle = _run_level(workdir, model, {"captured": str(captured), "uploads": False}, learners,
+                          max(3.0, seconds / 3), step_s, processes, shards)
+        level = _run_level(workdir, model, {"captured": str(captured)}, learners, seconds, step_s, processes, shards)
+        out["levels"].append(level | {"saturated": saturated(level, out["offered_rounds_per_s"]),
+                                      "cpu_bound": cpu_bound(level),
+                                      "idle_shard_cpu_share_by_shard": idle.get("shard_cpu_share_by_shard", []),
+                                      "idle_replay_cpu_share": idle.get("replay_cpu_share", 0.0)})
     out["speedups"] = shard_speedups(out["levels"])
     return out
 

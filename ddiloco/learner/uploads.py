@@ -54,6 +54,15 @@ _RESENDABLE = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RE
                          grpc.StatusCode.CANCELLED})
 
 
+def honoured_hold_s(hint_s: float, sync_period_steps: int, step_time_s: float) -> float:
+    """The hold a learner honours for a back-pressure hint (`next_upload_after_s`): at most
+    _MAX_HOLD_PERIODS of the fragment's periods at its step time and _MAX_UPLOAD_HOLD_S; none
+    without a step time. Public so that load generators hold as learners do."""
+    if step_time_s <= 0 or sync_period_steps <= 0:
+        return 0.0
+    return max(0.0, min(hint_s, _MAX_UPLOAD_HOLD_S, _MAX_HOLD_PERIODS * sync_period_steps * step_time_s))
+
+
 @dataclasses.dataclass
 class UploadJob:
     fragment_id: int
@@ -309,7 +318,7 @@ class Uploader:
         cfg = self.run_config
         if progress is None or cfg is None or progress.step_time_s <= 0 or cfg.sync_period_steps <= 0:
             return 0.0
-        return min(hint_s, _MAX_UPLOAD_HOLD_S, _MAX_HOLD_PERIODS * cfg.sync_period_steps * progress.step_time_s)
+        return honoured_hold_s(hint_s, cfg.sync_period_steps, progress.step_time_s)
 
     def _request_stream(self, messages: list):
         """The upload's messages; with the `learner.after_chunk` failpoint armed, a generator that

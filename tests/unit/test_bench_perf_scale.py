@@ -89,7 +89,7 @@ def test_owner_map_is_the_join_answers_map():
 
 def _state(outer_steps: int, merges: list[float], uploads: dict):
     return types.SimpleNamespace(
-        outer_steps=outer_steps, sync_time_s=0.5, uploads=uploads,
+        outer_steps=outer_steps, sync_time_s=0.5, uploads=uploads, tokens_merged=0,
         recent_merges=[types.SimpleNamespace(quorum_wait_s=m, grace_used_s=0.0) for m in merges])
 
 
@@ -120,7 +120,7 @@ def test_speedup_is_n_shards_over_one_at_the_same_learner_count():
         (8, 2, 1.8), (64, 2, 1.8)]
     head = perf_report._scale_headline({"levels": levels, "speedups": perf_scale.shard_speedups(levels)})
     assert [(f["name"], f["ratio"], f.get("meets_target")) for f in head] == [
-        ("merges/s, 2 syncer shards, 64 replay learners", 1.8, True),
+        ("merges/s, 2 syncer shards, 64 replay learners, default schedule", 1.8, True),  # no saturation levels
         ("uploads accepted, 2 syncer shards, 64 replay learners", 0.0, None)]  # no upload counts given
 
 
@@ -194,3 +194,223 @@ def test_the_scale_report_shows_each_shards_peak_memory_at_the_fewest_and_most_l
                                   level(64, 2, [405, 430])])
     assert md == ["\nPeak RSS per shard, 1 shard(s): 500 MiB at 8 learners, 520 MiB at 64.",
                   "\nPeak RSS per shard, 2 shard(s): 400 + 410 MiB at 8 learners, 405 + 430 MiB at 64."]
+
+
+# ---------------------------------------------------------------- replay learners: the end of a run
+
+
+class _QuietIdentity:
+    """A replay identity against no syncer: uploads are accepted at once (send_upload patched);
+    its watch moves every fragment's version on only once the run has stopped (`stopped`), so
+    that at the stop the learner holds work on a base it has already contributed on."""
+
+    def __init__(self, stopped: asyncio.Event) -> None:
+        self.stub, self.shard_index, self.pipeline_bytes = object(), 0, 0
+        self.versions: dict[int, int] = {}
+        self.sent_base: dict[int, int] = {}
+        self.stopped = stopped
+        self.intervals: list[tuple[float, float]] = []
+
+    async def watch(self, until: asyncio.Event, stream_s: float) -> None:
+        while True:  # as Identity.watch: ends as soon as `until` is set
+            await asyncio.sleep(0.02)
+            if until.is_set():
+                return
+            if self.stopped.is_set():
+                for fid in range(4):
+                    self.versions[fid] = self.versions.get(fid, 0) + 1
+
+    async def report_progress(self, until, interval_s, steps, timeout_s, step_time_s=None) -> None:
+        self.intervals.append((interval_s, step_time_s))
+        await until.wait()
+
+    def messages(self, *args, **kwargs) -> list:
+        return []
+
+
+class _QuietLearner:
+    def __init__(self, ident: _QuietIdentity) -> None:
+        self.ident, self.identities = ident, [ident]
+
+    async def join(self, timeout_s: float) -> None:
+        pass
+
+    def of(self, fid: int) -> _QuietIdentity:
+        return self.ident
+
+
+def test_work_held_on_an_already_sent_base_goes_out_in_the_flush(monkeypatch):
+    # Before the flush kept the watch open, the watch ended with the run: the versions never moved
+    # again, and the steps trained after each fragment's last contribution stayed pending (1128
+    # learner-steps at 64 learners, the whole gap to 100 % merged).
+    async def accepted(stub, msgs, timeout, pipeline_bytes=0):
+        return types.SimpleNamespace(next_upload_after_s=0.0)
+
+    monkeypatch.setattr(replay.client_lib, "send_upload", accepted)
+
+    async def run() -> tuple[dict, _QuietIdentity]:
+        stop = asyncio.Event()
+        ident = _QuietIdentity(stop)
+        monkeypatch.setattr(replay, "ShardedLearner", lambda stub, learner_id, stub_for: _QuietLearner(ident))
+        spec = {"address": "x", "ids": 1, "first": 0, "step_s": 0.01, "sync_period_steps": 8, "flush_s": 3.0}
+        payloads = {fid: (None, []) for fid in range(4)}
+        ctx = replay.make_context(spec, payloads, lambda address: object())
+        task = asyncio.create_task(replay._learner(ctx, spec, 0, stop))
+        await asyncio.sleep(0.5)  # ~50 steps: every fragment sent once on base 0, then more work
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        return ctx, ident
+
+    ctx, ident = asyncio.run(run())
+    work = ctx["work"]
+    assert work["offered_steps"] >= 4 * 8 * 2  # each fragment trained after its first contribution
+    assert work["final_sent"] >= 1
+    assert work["pending_steps_end"] == 0
+    assert work["accepted_steps"] == work["offered_steps"]
+    # Progress at the real client's interval (twice per round slot, at least 20 ms), with the step time.
+    assert ident.intervals == [(0.02, 0.01)]
+
+
+def test_an_idle_replay_learner_reports_progress_and_never_uploads(monkeypatch):
+    async def never(*args, **kwargs):
+        raise AssertionError("an idle learner uploaded")
+
+    monkeypatch.setattr(replay.client_lib, "send_upload", never)
+
+    async def run() -> dict:
+        stop = asyncio.Event()
+        ident = _QuietIdentity(stop)
+        monkeypatch.setattr(replay, "ShardedLearner", lambda stub, learner_id, stub_for: _QuietLearner(ident))
+        spec = {"address": "x", "ids": 1, "first": 0, "step_s": 0.01, "sync_period_steps": 8, "flush_s": 30.0,
+                "uploads": False}
+        ctx = replay.make_context(spec, {fid: (None, []) for fid in range(4)}, lambda address: object())
+        task = asyncio.create_task(replay._learner(ctx, spec, 0, stop))
+        await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.wait_for(task, 5)  # no flush to wait for
+        return ctx
+
+    ctx = asyncio.run(run())
+    assert ctx["work"]["offered_steps"] > 0 and ctx["work"]["accepted_steps"] == 0 == ctx["work"]["final_sent"]
+
+
+def test_progress_interval_is_the_real_clients():
+    assert replay.progress_interval_s(0.09, 8, 4) == pytest.approx(0.09)  # the default schedule: one per step
+    assert replay.progress_interval_s(0.005, 8, 4) == pytest.approx(0.02)  # never faster than 50/s
+    assert replay.progress_interval_s(1.0, 8, 4) == pytest.approx(0.25)  # never slower than 4/s
+
+
+# ---------------------------------------------------------------- saturation levels
+
+
+def _win_state(outer_steps: int, accepted: int, slowed: int):
+    return types.SimpleNamespace(outer_steps=outer_steps, uploads={"accepted": accepted, "slowed": slowed})
+
+
+def test_window_figures_are_rates_and_cpu_over_the_window():
+    s0s = [_win_state(10, 100, 0), _win_state(20, 200, 10)]
+    s1s = [_win_state(30, 150, 25), _win_state(40, 250, 35)]
+    cpu = {"shards0": [1.0, 2.0], "shards1": [9.0, 8.0], "replays0": [0.5, 0.5], "replays1": [1.5, 2.5]}
+    w = perf_scale.window_figures(s0s, s1s, 10.0, cpu)
+    assert w["window_merges"] == 40 and w["window_uploads_accepted"] == 100
+    assert w["uploads_accepted_per_s"] == pytest.approx(10.0)
+    assert w["slowed_share"] == pytest.approx(0.5)
+    assert w["shard_cpu_share_by_shard"] == pytest.approx([0.8, 0.6])
+    assert w["replay_cpu_share"] == pytest.approx(0.3)
+    assert w["shard_cpu_s_per_merge"] == pytest.approx(14.0 / 40)
+    assert w["shard_cpu_s_per_upload"] == pytest.approx(14.0 / 100)
+    assert "replay_cpu_share" not in perf_scale.window_figures(s0s, s1s, 10.0, None)
+
+
+def test_a_level_says_where_the_unmerged_work_is():
+    s0s = [_state(10, [], {})]
+    s1s = [_state(30, [0.1], {})]
+    final = _state(0, [], {"accepted": 5})
+    final.tokens_merged = 90 * replay.TOKENS_PER_STEP
+    result = _replay_result({"0": 5}) | {"offered_steps": 100, "accepted_steps": 90, "pending_steps_end": 8}
+    level = perf_scale._level(8, s0s, s1s, 2.0, [final], [result])
+    assert (level["accepted_steps"], level["pending_steps_end"], level["lost_steps"]) == (90, 8, 2)
+    assert level["merged_steps_syncer"] == 90
+    cell = perf_report._work_cell(level)
+    assert cell.startswith("90.0% (90/100") and "8 pending, 2 lost" in cell
+
+
+def test_offered_rates_and_what_counts_as_saturated():
+    rates = perf_scale.offered_rates(16, 0.01)
+    assert rates["offered_rounds_per_s"] == pytest.approx(50.0)  # P / (H x step) = 4 / 0.08
+    assert rates["offered_uploads_per_s"] == pytest.approx(800.0)
+    assert perf_scale.saturated({"merges_per_s": 30.0, "slowed_share": 0.4}, 50.0)
+    assert not perf_scale.saturated({"merges_per_s": 48.0, "slowed_share": 0.4}, 50.0)  # the schedule's rate
+    assert not perf_scale.saturated({"merges_per_s": 30.0, "slowed_share": 0.0}, 50.0)  # no back-pressure
+    assert perf_scale.cpu_bound({"shard_cpu_share_by_shard": [0.3, 0.85]})
+    assert not perf_scale.cpu_bound({"shard_cpu_share_by_shard": [0.14]})  # starved by the machine's load
+
+
+def _sat_level(shards: int, merges: float, uploads: float, shard_cores: list[float], replay_cores: float,
+               cpu_per_merge: float) -> dict:
+    return {"learners": 16, "shards": shards, "merges_per_s": merges, "merges_per_s_by_shard": [merges / shards] * shards,
+            "uploads_accepted": int(uploads * 10), "uploads_accepted_per_s": uploads, "slowed_share": 0.5,
+            "hint_factor_max": 4.0, "shard_cpu_share_by_shard": shard_cores, "replay_cpu_share": replay_cores,
+            "shard_cpu_s_per_merge": cpu_per_merge, "shard_cpu_s_per_upload": cpu_per_merge / 4,
+            "saturated": True, "offered_steps": 100, "accepted_steps": 100, "pending_steps_end": 0, "lost_steps": 0}
+
+
+def test_the_scale_out_target_is_held_to_the_saturation_levels():
+    levels = [_sat_level(1, 20.0, 80.0, [0.95], 0.2, 0.05), _sat_level(2, 30.0, 120.0, [0.75, 0.75], 0.3, 0.05)]
+    sat = {"learners": 16, "step_s": 0.01, "cores": 2, "offered_rounds_per_s": 50.0, "offered_uploads_per_s": 800.0,
+           "levels": levels, "speedups": perf_scale.shard_speedups(levels)}
+    default = [{"learners": 64, "shards": 1, "merges_per_s": 5.5}, {"learners": 64, "shards": 2, "merges_per_s": 5.4}]
+    head = perf_report._scale_headline({"levels": default, "speedups": perf_scale.shard_speedups(default)}, sat)
+    by_name = {f["name"]: f for f in head}
+    target = by_name["merges/s, 2 syncer shards, saturation (16 replay learners, step 10 ms)"]
+    assert target["ratio"] == pytest.approx(1.5) and target["meets_target"] is False
+    assert by_name["uploads accepted/s, 2 syncer shards, saturation (16 replay learners, step 10 ms)"]["ratio"] == (
+        pytest.approx(1.5))
+    # The default schedule's merges/s is the schedule's rate: shown, held to no target.
+    assert "target" not in by_name["merges/s, 2 syncer shards, 64 replay learners, default schedule"]
+    # 2 cores less the replays' 0.3 leave the shards 1.7 cores; one shard used 0.95 at the same
+    # CPU per merge: at most 1.79x.
+    bound = perf_report.cpu_bound_speedup(sat, 2)
+    assert bound["cores_left"] == pytest.approx(1.7) and bound["speedup"] == pytest.approx(1.7 / 0.95)
+    levels[0] |= {"cpu_bound": True, "idle_shard_cpu_share_by_shard": [0.1]}
+    levels[1]["idle_shard_cpu_share_by_shard"] = [0.1, 0.12]
+    md = "\n".join(perf_report.md_saturation(sat))
+    assert "| 0.75 + 0.75 (0.10 + 0.12) |" in md
+    assert "50.0 rounds/s" in md and "| 2 | 30.00 (15.00 + 15.00)" in md
+    assert "caps the speed-up at 1.79x" in md and "yes, CPU-bound" in md
+    # One shard that the machine's load starved: the speed-up is not the shards' capacity, and says so.
+    levels[0] |= {"cpu_bound": False, "shard_cpu_share_by_shard": [0.14]}
+    md = "\n".join(perf_report.md_saturation(sat))
+    assert "caps the speed-up" not in md and "not bounded by its own CPU (it got 0.14 cores)" in md
+    assert "yes, not CPU-bound" in md
+
+
+def test_a_replay_learner_honours_a_hold_as_the_real_client_does(monkeypatch):
+    # The hint alone asks for up to 31 periods (22 s at the default step, most of a timed run);
+    # a real learner honours at most 8 periods (ddiloco.learner.uploads.honoured_hold_s).
+    async def slowed(stub, msgs, timeout, pipeline_bytes=0):
+        return types.SimpleNamespace(next_upload_after_s=31 * 8 * 0.09)
+
+    monkeypatch.setattr(replay.client_lib, "send_upload", slowed)
+
+    async def run() -> tuple[float, float, dict]:
+        spec = {"address": "x", "ids": 1, "step_s": 0.09, "sync_period_steps": 8}
+        ctx = replay.make_context(spec, {0: (None, [])}, lambda address: object())
+        ident = _QuietIdentity(asyncio.Event())
+        state = {"pending": {0: 8}, "hold": {}, "sending": {}}
+        t0 = asyncio.get_running_loop().time()
+        await replay._send(ctx, ident, 0, 0, 8, state, final=False)
+        return state["hold"][0] - t0, ctx["hint_factor_max"], ctx["work"]
+
+    hold_s, factor, work = asyncio.run(run())
+    assert 8 * 8 * 0.09 - 0.5 <= hold_s <= 8 * 8 * 0.09 + 0.5  # 5.8 s, not 22 s
+    assert factor == pytest.approx(32.0) and work["slowed"] == 1
+
+
+def test_the_honoured_hold_is_capped_by_periods_and_a_minute():
+    from ddiloco.learner import uploads
+
+    assert uploads.honoured_hold_s(1.0, 8, 0.09) == pytest.approx(1.0)
+    assert uploads.honoured_hold_s(100.0, 8, 0.09) == pytest.approx(8 * 8 * 0.09)
+    assert uploads.honoured_hold_s(100.0, 8, 10.0) == pytest.approx(60.0)
+    assert uploads.honoured_hold_s(5.0, 8, 0.0) == 0.0  # no step time measured yet: no hold

@@ -1,5 +1,6 @@
 """`ddiloco bench perf --quick --sections scale,sizes`: the scale section against one syncer and two
-fragment shards in one invocation, and the model-size rows with shards, beside a previous run.
+fragment shards in one invocation (at the given step and at a saturating one), and the model-size
+rows with shards, beside a previous run.
 
 Structure and invariants only (the machine is shared: speed-ups are the benchmark's business).
 Starts real syncer shards and replay processes on 127.0.0.1 (hence the integration mark); small
@@ -31,6 +32,7 @@ def run(tmp_path_factory):
     assert bench_cli.main(["perf", "--quick", "--out-dir", str(out), "--name", "perf", "--sections", "scale,sizes",
                            "--replay-step-s", "0.25", "--learners", "3", "--syncer-shards", "1,2",
                            "--scale-sizes", "30k", "--size-shards", "2", "--size-learners", "2",
+                           "--saturation-step-s", "0.01", "--saturation-learners", "3",
                            "--previous", str(previous)]) == 0
     return json.loads((out / "perf.json").read_text()), (out / "perf.md").read_text()
 
@@ -66,3 +68,23 @@ def test_the_size_rows_run_with_shards_beside_the_previous_run(run):
     assert result["previous"]["commit"] == "0123456789abcdef"
     (line,) = [x for x in md.splitlines() if x.startswith("| 30k")]
     assert "(prev 1.25)" in line and "(prev 1 x 3)" in line  # matched by model: the previous run's tiny syncer
+
+
+def test_the_saturation_levels_measure_every_processs_cpu_against_the_offered_load(run):
+    result, md = run
+    sat = result["saturation"]
+    assert [(lv["learners"], lv["shards"]) for lv in sat["levels"]] == [(3, 1), (3, 2)]
+    assert sat["offered_rounds_per_s"] == pytest.approx(4 / (8 * 0.01))
+    for lv in sat["levels"]:
+        assert len(lv["shard_cpu_share_by_shard"]) == lv["shards"]
+        assert all(0.0 < c < 2.5 for c in lv["shard_cpu_share_by_shard"])  # measured, in cores
+        assert 0.0 < lv["replay_cpu_share"] < 2.5
+        assert lv["window_uploads_accepted"] > 0 and lv["shard_cpu_s_per_upload"] > 0
+        assert lv["lost_steps"] == 0  # refused work is sent again, never dropped
+        assert len(lv["idle_shard_cpu_share_by_shard"]) == lv["shards"]  # the same learners, no uploads
+        assert isinstance(lv["saturated"], bool) and isinstance(lv["cpu_bound"], bool)
+    (speedup,) = sat["speedups"]
+    assert speedup["shards"] == 2 and "shard_cpu_s_per_merge_ratio" in speedup
+    assert "## Scale-out at saturation: 3 replay learners, step 10 ms" in md
+    assert any(f["name"].startswith("merges/s, 2 syncer shards, saturation") and f.get("target") == 1.7
+               for f in result["headline"])

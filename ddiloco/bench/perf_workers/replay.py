@@ -9,6 +9,14 @@ per shard), watches and reports progress to each, and sends each fragment's uplo
 (`ShardedLearner.of`). Payloads: the captured pseudo-gradients (`spec["captured"]`, an .npz), or
 synthetic ones of the sizes `spec["synthetic_numels"]` gives by fragment id (the model-size rows).
 
+A replay learner reports progress at the real client's interval and counts its steps from the
+clock (several per wake-up at short step times), so the process stays cheap beside the shards.
+At the end of the timed run its watch streams stay open through the flush: work trained after a
+fragment's last contribution on the current version can only go out once the next one arrives.
+
+`spec["uploads"]` false: the learners join, watch and report progress but never upload (the
+shards' fixed cost per learner).
+
 `python -m ddiloco.bench.perf_workers.replay SPEC_JSON RESULT_PATH` (`perf_workers.run_job`):
 the result counts uploads (accepted by shard, refused by status code, skipped), learner-steps of
 work and every upload's latency.
@@ -18,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pathlib
+import time
 
 import grpc
 import numpy as np
@@ -25,9 +35,13 @@ import numpy as np
 from ddiloco.bench import perf_identity
 from ddiloco.bench import perf_workers
 from ddiloco.learner import client as client_lib
+from ddiloco.learner import uploads as uploads_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors as errors_lib
 from ddiloco.v1 import common_pb2, syncer_pb2_grpc
+
+TOKENS_PER_STEP = 2048  # what a contribution claims per step (the shards' tokens_merged counts these)
+TICK_S = 0.02  # a replay learner's loop wakes at most this often (it counts steps from the clock)
 
 
 def owner_map(shards) -> dict[int, int]:
@@ -75,7 +89,7 @@ async def _send(ctx: dict, ident: perf_identity.Identity, fid: int, base: int, s
     and the syncer's back-pressure hint holds the fragment's next upload. `final`: the learner's
     last contribution of the fragment (the syncer merges its round without waiting for it)."""
     info, chunks = ctx["payloads"][fid]
-    msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * 2048, final=final)
+    msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * TOKENS_PER_STEP, final=final)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     try:
@@ -90,7 +104,12 @@ async def _send(ctx: dict, ident: perf_identity.Identity, fid: int, base: int, s
         ident.sent_base[fid] = base
         if resp.next_upload_after_s > 0:
             ctx["work"]["slowed"] += 1
-            state["hold"][fid] = loop.time() + resp.next_upload_after_s
+            # The syncer's stretch factor (LoadGauge.factor): the hint is (factor - 1) periods.
+            ctx["hint_factor_max"] = max(ctx["hint_factor_max"], 1.0 + resp.next_upload_after_s / ctx["period_s"])
+            # Honoured as the real client honours it (at most 8 periods, 60 s): the hint alone
+            # can ask for 31 periods, 22 s at the default step, most of a timed run.
+            state["hold"][fid] = loop.time() + uploads_lib.honoured_hold_s(
+                resp.next_upload_after_s, ctx["period_steps"], ctx["period_s"] / ctx["period_steps"])
     except grpc.aio.AioRpcError as exc:  # the work stays pending: it goes in the next contribution
         ctx["counts"]["refused"] += 1
         ctx["refusals"][exc.code().name] = ctx["refusals"].get(exc.code().name, 0) + 1
@@ -104,6 +123,8 @@ def _try_send(ctx: dict, learner: ShardedLearner, fid: int, state: dict, final: 
     may send one now."""
     ident = learner.of(fid)
     base = ident.versions.get(fid, 0)
+    if not ctx["uploads"]:
+        return False  # an idle level: joined, watching and reporting progress only
     if fid in state["sending"] or state["pending"][fid] <= 0 or ident.sent_base.get(fid) == base:
         return False  # one upload per fragment in flight, one contribution per base version
     if not final and asyncio.get_running_loop().time() < state["hold"].get(fid, 0.0):
@@ -114,36 +135,52 @@ def _try_send(ctx: dict, learner: ShardedLearner, fid: int, state: dict, final: 
     return True
 
 
+def progress_interval_s(step_s: float, period: int, fragments: int) -> float:
+    """How often a replay learner reports progress: the real client's rule
+    (`SyncClient._progress_interval_s`: twice per round slot of H / P steps, within
+    [MIN_PROGRESS_INTERVAL_S, 0.25 s]), so that a short step time does not make the replay
+    processes (which share the cores with the syncer) send a report per step."""
+    slot_s = step_s * period / max(1, fragments)
+    longest_s = client_lib.ClientConfig.progress_interval_s  # the dataclass field's default
+    return min(longest_s, max(client_lib.MIN_PROGRESS_INTERVAL_S, 0.5 * slot_s))
+
+
 async def _learner(ctx: dict, spec: dict, index: int, stop: asyncio.Event) -> None:
-    """One replay learner until `stop`, then its pending work flushed (bounded wait)."""
+    """One replay learner until `stop`, then its pending work flushed (bounded wait). Its watch
+    streams stay open through the flush: the work a learner holds on a base it has already
+    contributed on goes out only once it hears of the next version."""
     fids, period, step_s, work = ctx["fids"], spec["sync_period_steps"], spec["step_s"], ctx["work"]
     learner = ShardedLearner(ctx["stub"], f"replay-{spec['first']+index}", ctx["stub_for"])
     await learner.join(30)
+    ctx["joined"] += 1
+    if ctx["joined"] >= ctx["ids"]:
+        ctx["all_joined"].set()
     step = index % period  # learners are not in phase
-    # Every shard is watched and told the progress (each counts tokens and runs its own rounds).
-    watches = [asyncio.create_task(ident.watch(stop, 60)) for ident in learner.identities]
-    progress = [asyncio.create_task(ident.report_progress(stop, step_s, lambda: step, timeout_s=10))
+    watching = asyncio.Event()  # set once the flush is over
+    watches = [asyncio.create_task(ident.watch(watching, 60)) for ident in learner.identities]
+    # Every shard is told the progress (each counts tokens and runs its own rounds).
+    report_s = progress_interval_s(step_s, period, len(fids))
+    progress = [asyncio.create_task(ident.report_progress(stop, report_s, lambda: step, timeout_s=10,
+                                                          step_time_s=step_s))
                 for ident in learner.identities]
     loop = asyncio.get_running_loop()
-    next_at = loop.time() + (index % 16) * step_s / 16
+    # Steps are counted from the clock, several per wake-up when the step time is shorter than
+    # the tick: the loop costs the same CPU whatever the step time.
+    tick_s = max(step_s, TICK_S)
+    start = loop.time() + (index % 16) * step_s / 16
+    done_steps = 0
     state = {"pending": dict.fromkeys(fids, 0), "hold": {}, "sending": {}}
     try:
         while not stop.is_set():
-            await asyncio.sleep(max(0.0, next_at - loop.time()))
-            next_at += step_s
-            step += 1
-            for fid in fids:
-                if stop.is_set():
-                    break
-                due = step % period == ctx["offsets"][fid]
-                if due:
-                    state["pending"][fid] += period  # one period of work on this fragment
-                    work["offered_steps"] += period
-                if not _try_send(ctx, learner, fid, state, final=False) and due:
-                    ctx["counts"]["skipped"] += 1  # held, in flight, or the base did not move: kept
+            await asyncio.sleep(tick_s)
+            target = int((loop.time() - start) / step_s)
+            while done_steps < target and not stop.is_set():
+                done_steps += 1
+                step += 1
+                _step(ctx, learner, state, step, period)
         # The end of the run: what is pending goes out once its base allows (bounded wait).
         deadline = loop.time() + spec.get("flush_s", 10.0)
-        while loop.time() < deadline and (state["sending"] or any(state["pending"].values())):
+        while ctx["uploads"] and loop.time() < deadline and (state["sending"] or any(state["pending"].values())):
             for fid in fids:
                 work["final_sent"] += _try_send(ctx, learner, fid, state, final=True)
             await asyncio.sleep(0.05)
@@ -152,8 +189,22 @@ async def _learner(ctx: dict, spec: dict, index: int, stop: asyncio.Event) -> No
                 await asyncio.wait_for(task, 35)
         work["pending_steps_end"] += sum(state["pending"].values())
     finally:
+        watching.set()
         for task in watches + progress:
             task.cancel()
+
+
+def _step(ctx: dict, learner: ShardedLearner, state: dict, step: int, period: int) -> None:
+    """One learner step: a fragment whose turn it is gets one period of work, and every fragment
+    with pending work is sent if it may be."""
+    work = ctx["work"]
+    for fid in ctx["fids"]:
+        due = step % period == ctx["offsets"][fid]
+        if due:
+            state["pending"][fid] += period  # one period of work on this fragment
+            work["offered_steps"] += period
+        if not _try_send(ctx, learner, fid, state, final=False) and due:
+            ctx["counts"]["skipped"] += 1  # held, in flight, or the base did not move: kept
 
 
 def _payloads(spec: dict) -> dict[int, tuple]:
@@ -179,8 +230,22 @@ def _payloads(spec: dict) -> dict[int, tuple]:
             for fid, (info, chunks) in payloads.items()}
 
 
+def make_context(spec: dict, payloads: dict, stub_for) -> dict:
+    """What a replay process's learners share: stubs, payloads, counters, the schedule."""
+    fids = sorted(payloads)
+    period = spec["sync_period_steps"]
+    return {"stub": stub_for(spec["address"]), "stub_for": stub_for, "payloads": payloads,
+            "counts": {"accepted": 0, "refused": 0, "skipped": 0}, "refusals": {}, "accepted_by_shard": {},
+            "work": {"offered_steps": 0, "accepted_steps": 0, "pending_steps_end": 0, "slowed": 0, "final_sent": 0},
+            "latencies": [], "fids": fids, "offsets": {fid: (fid * period) // len(fids) for fid in fids},
+            "period_s": period * spec["step_s"], "period_steps": period, "hint_factor_max": 1.0,
+            "joined": 0, "all_joined": asyncio.Event(), "ids": spec["ids"], "uploads": spec.get("uploads", True)}
+
+
 async def replay(spec: dict) -> dict:
-    """Runs the replay learners for `spec["seconds"]`; their counts and latencies."""
+    """Runs the replay learners for `spec["seconds"]` from the moment all of them have joined
+    (then `spec["running_path"]`, if given, is written: the bench measures from there, whatever
+    this process's start-up took on a loaded machine); their counts and latencies."""
     payloads = _payloads(spec)
     channels = {spec["address"]: channel_lib.aio_channel(spec["address"], None)}
 
@@ -190,15 +255,14 @@ async def replay(spec: dict) -> dict:
             channels[address] = channel_lib.aio_channel(address, None)
         return syncer_pb2_grpc.SyncerStub(channels[address])
 
-    fids = sorted(payloads)
-    period = spec["sync_period_steps"]
-    counts = {"accepted": 0, "refused": 0, "skipped": 0}
-    work = {"offered_steps": 0, "accepted_steps": 0, "pending_steps_end": 0, "slowed": 0, "final_sent": 0}
-    ctx = {"stub": stub_for(spec["address"]), "stub_for": stub_for, "payloads": payloads, "counts": counts,
-           "refusals": {}, "accepted_by_shard": {}, "work": work, "latencies": [], "fids": fids,
-           "offsets": {fid: (fid * period) // len(fids) for fid in fids}}
+    ctx = make_context(spec, payloads, stub_for)
+    fids, period, counts, work = ctx["fids"], spec["sync_period_steps"], ctx["counts"], ctx["work"]
     stop = asyncio.Event()
     tasks = [asyncio.create_task(_learner(ctx, spec, i, stop)) for i in range(spec["ids"])]
+    with contextlib.suppress(asyncio.TimeoutError):  # a learner that cannot join fails its task
+        await asyncio.wait_for(ctx["all_joined"].wait(), 60)
+    if spec.get("running_path"):
+        pathlib.Path(spec["running_path"]).write_text("running")
     await asyncio.sleep(spec["seconds"])
     stop.set()
     await asyncio.wait(tasks, timeout=spec.get("flush_s", 10.0) + 40)
@@ -209,7 +273,8 @@ async def replay(spec: dict) -> dict:
     # What the schedule asked for: one upload per fragment every sync period per identity.
     offered = round(spec["ids"] * len(fids) * spec["seconds"] / (spec["step_s"] * period))
     return {"latencies": ctx["latencies"], "refusals": ctx["refusals"], "offered": offered,
-            "accepted_by_shard": ctx["accepted_by_shard"], **counts, **work}
+            "accepted_by_shard": ctx["accepted_by_shard"], "hint_factor_max": ctx["hint_factor_max"],
+            "cpu_s": time.process_time(), **counts, **work}
 
 
 if __name__ == "__main__":
