@@ -65,6 +65,39 @@ def _square_sum(values: np.ndarray) -> float:
     return total
 
 
+@njit(fastmath={"reassoc"})
+def _dot_sum(a: np.ndarray, b: np.ndarray) -> float:
+    """Σ a·b in float64 (reassociated so that LLVM vectorizes it)."""
+    total = 0.0
+    for i in range(a.size):
+        total += np.float64(a[i]) * np.float64(b[i])
+    return total
+
+
+@njit()
+def piece_stats(values: np.ndarray, start: int, tensor_bounds: np.ndarray, reference: np.ndarray,
+                reference_parts: np.ndarray, index: np.ndarray, sample: np.ndarray,
+                squares: np.ndarray, dots: np.ndarray) -> int:
+    """What the syncer gathers from one decoded piece (values[i] is element start + i of a
+    contribution) while it is in cache, in one compiled call: squares[k] = Σ x² over the piece's
+    part of tensor k ([tensor_bounds[k, 0], tensor_bounds[k, 1])), dots[j] = Σ x·reference over
+    its part of reference part j ([reference_parts[j, 0], reference_parts[j, 1])), both float64,
+    and sample[j] = the element index[j] for the sorted indices inside the piece. Returns how
+    many sample entries were written. One call per piece instead of a numpy call per tensor, per
+    reference part and a scattered gather of the sample after the whole payload is in."""
+    stop = start + values.size
+    for k in range(tensor_bounds.shape[0]):
+        lo, hi = max(tensor_bounds[k, 0], start), min(tensor_bounds[k, 1], stop)
+        squares[k] = _square_sum(values[lo - start : hi - start]) if lo < hi else 0.0
+    for j in range(reference_parts.shape[0]):
+        lo, hi = max(reference_parts[j, 0], start), min(reference_parts[j, 1], stop)
+        dots[j] = _dot_sum(values[lo - start : hi - start], reference[lo:hi]) if lo < hi else 0.0
+    first, last = np.searchsorted(index, start), np.searchsorted(index, stop)
+    for j in range(first, last):
+        sample[j] = values[index[j] - start]
+    return last - first
+
+
 @njit()
 def segment_square_sums(values: np.ndarray, bounds: np.ndarray, out: np.ndarray) -> None:
     """out[k] = Σ values[bounds[k]:bounds[k+1]]² in float64 (non-finite iff a value is)."""
@@ -186,6 +219,8 @@ def warm_up() -> None:
     one = np.zeros(1, np.float32)
     whole = np.array([0, 1], np.int64)
     segment_square_sums(one, whole, np.empty(1, np.float64))
+    pairs = np.array([[0, 1]], np.int64)
+    piece_stats(one, 0, pairs, one, pairs, np.zeros(1, np.int64), np.empty(1, np.float32), np.empty(1), np.empty(1))
     fold_segments(one, whole, np.ones(1, np.float32), np.zeros(1, np.float32), np.empty(1, np.float64))
     scaled_sgd_step(
         one, np.array([0, 1], np.int64), np.ones(1, np.float32), one, one,
@@ -196,5 +231,5 @@ def warm_up() -> None:
 
 if not COMPILED:  # no numba (its extra is not installed): the same kernels in numpy, bit for bit
     from ddiloco.algo._kernels_numpy import (  # noqa: F401, F811 (re-exported in place of the loops above)
-        fold_segments, scaled_sgd_step, segment_square_sums, warm_up,
+        fold_segments, piece_stats, scaled_sgd_step, segment_square_sums, warm_up,
     )
