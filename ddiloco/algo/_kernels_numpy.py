@@ -39,10 +39,11 @@ def piece_stats(values: np.ndarray, start: int, tensor_bounds: np.ndarray, refer
     stop = start + values.size
     for k in range(tensor_bounds.shape[0]):
         lo, hi = max(int(tensor_bounds[k, 0]), start), min(int(tensor_bounds[k, 1]), stop)
-        squares[k] = _square_sum(values[lo - start : hi - start]) if lo < hi else 0.0
+        piece = values[lo - start : hi - start]
+        squares[k] = float(np.dot(piece, piece)) if lo < hi else 0.0  # float32 sums, as the compiled blocks
     for j in range(reference_parts.shape[0]):
         lo, hi = max(int(reference_parts[j, 0]), start), min(int(reference_parts[j, 1]), stop)
-        dots[j] = float(np.dot(values[lo - start : hi - start].astype(np.float64), reference[lo:hi])) if lo < hi else 0.0
+        dots[j] = float(np.dot(values[lo - start : hi - start], reference[lo:hi])) if lo < hi else 0.0
     first, last = int(np.searchsorted(index, start)), int(np.searchsorted(index, stop))
     np.take(values, index[first:last] - start, out=sample[first:last])
     return last - first
