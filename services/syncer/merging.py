@@ -41,10 +41,6 @@ _LOG = logging.getLogger("ddiloco.syncer")
 # The least time without a step of any expected learner that counts as a stalled schedule: several
 # of the learners' progress intervals (0.25 s by default), so a report in flight never counts.
 _MIN_STALL_S = 2.0
-# Contributions up to this many values are folded in on the event loop: the fold is one compiled
-# pass (~0.3 ms per million values), and a worker thread's round trip (two cross-thread wake-ups)
-# cost as much on a loaded 2-core machine. Larger ones go to a thread: the loop keeps serving.
-INLINE_FOLD_VALUES = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,10 +205,7 @@ class Rounds:
                     claims_unverified=claims_unverified))
 
         try:
-            if delta.size <= INLINE_FOLD_VALUES:
-                fold()
-            else:
-                await asyncio.to_thread(fold)
+            await asyncio.to_thread(fold)
         except ValueError as exc:
             raise errors.InvalidArgument(f"fragment {fragment_id}: {exc}", reason="nonfinite") from None
 
