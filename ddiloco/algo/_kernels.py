@@ -2,7 +2,8 @@
 
 Owns: the fused fold-in (a contribution added to the merge accumulator's sums, per segment,
 with the sums' new squared norms taken in the same pass), the per-segment squared norms of a
-contribution, and the fused outer step, which turns the accumulator's per-segment scaled sums
+contribution, what the syncer gathers from each decoded piece of an upload (per-tensor squares,
+dots with the last merge, the direction check's sample: `piece_stats`), and the fused outer step, which turns the accumulator's per-segment scaled sums
 into the outer gradient and applies SGD with (Nesterov) momentum in one pass over memory.
 Must not: validate inputs (callers do), allocate, or hold state.
 
