@@ -207,9 +207,7 @@ class DecodedStats:
         """‖Δ_t‖ of every tensor (float64), as `tensor_norms(values, fragment)` gives it.
         `values`: the decoded contribution (read again only when float32 squares overflowed or
         underflowed, where the exact path is needed)."""
-        totals = np.zeros(len(self._bounds))
-        for start in sorted(self._pieces):
-            totals += self._pieces[start][0]
+        totals = np.add.reduce([self._pieces[start][0] for start in sorted(self._pieces)] or [np.zeros(len(self._bounds))])
         norms = np.sqrt(totals)
         for index, total in enumerate(totals):
             if math.isinf(total) or total < 1e-30:  # merge.vector_norm's careful path (0 too: flushed squares)
@@ -222,9 +220,8 @@ class DecodedStats:
         without a reference or when either vector is zero."""
         if self._reference is None:
             return None
-        scales = self._reference_scales
-        dot = math.fsum(d * scales[j] for start in sorted(self._pieces)
-                        for j, d in enumerate(self._pieces[start][1].tolist()))
+        dots = np.add.reduce([self._pieces[start][1] for start in sorted(self._pieces)] or [np.zeros(1)])
+        dot = math.fsum(d * scale for d, scale in zip(dots.tolist(), self._reference_scales))
         if not math.isfinite(dot):
             dot = merge_lib.vector_dot(values, self._reference.materialize())
         norm = float(np.sqrt(np.sum(np.square(norms))))
