@@ -2,7 +2,8 @@
 
 Owns: the fused fold-in (a contribution added to the merge accumulator's sums, per segment,
 with the sums' new squared norms taken in the same pass), the per-segment squared norms of a
-contribution, and the fused outer step, which turns the accumulator's per-segment scaled sums
+contribution, what the syncer gathers from each decoded piece of an upload (per-tensor squares,
+dots with the last merge, the direction check's sample: `piece_stats`), and the fused outer step, which turns the accumulator's per-segment scaled sums
 into the outer gradient and applies SGD with (Nesterov) momentum in one pass over memory.
 Must not: validate inputs (callers do), allocate, or hold state.
 
@@ -63,6 +64,52 @@ def _square_sum(values: np.ndarray) -> float:
         v = np.float64(values[i])
         total += v * v
     return total
+
+
+@njit(fastmath={"reassoc"})
+def _block_dot32(a: np.ndarray, b: np.ndarray) -> float:
+    """Σ a·b over at most BLOCK values, accumulated in float32 (reassociated: vectorized in
+    float32 lanes, as BLAS's sdot), returned as float64 for a float64 total."""
+    total = np.float32(0)
+    for i in range(a.size):
+        total += a[i] * b[i]
+    return np.float64(total)
+
+
+@njit()
+def _blocked_dot(a: np.ndarray, b: np.ndarray) -> float:
+    """Σ a·b: float32 sums per BLOCK, float64 total. A float32 square sum overflows to inf, or
+    flushes a tiny one to 0 (callers fall back to an exact pass then); float64 lanes halve the
+    vector width and cost twice as much per value here."""
+    total = 0.0
+    for lo in range(0, a.size, BLOCK):
+        total += _block_dot32(a[lo : lo + BLOCK], b[lo : lo + BLOCK])
+    return total
+
+
+@njit()
+def piece_stats(values: np.ndarray, start: int, tensor_bounds: np.ndarray, reference: np.ndarray,
+                reference_parts: np.ndarray, index: np.ndarray, sample: np.ndarray,
+                squares: np.ndarray, dots: np.ndarray) -> int:
+    """What the syncer gathers from one decoded piece (values[i] is element start + i of a
+    contribution) while it is in cache, in one compiled call: squares[k] = Σ x² over the piece's
+    part of tensor k ([tensor_bounds[k, 0], tensor_bounds[k, 1])), dots[j] = Σ x·reference over
+    its part of reference part j ([reference_parts[j, 0], reference_parts[j, 1])) (`_blocked_dot`),
+    and sample[j] = the element index[j] for the sorted indices inside the piece. Returns how
+    many sample entries were written. One call per piece instead of a numpy call per tensor, per
+    reference part and a scattered gather of the sample after the whole payload is in."""
+    stop = start + values.size
+    for k in range(tensor_bounds.shape[0]):
+        lo, hi = max(tensor_bounds[k, 0], start), min(tensor_bounds[k, 1], stop)
+        piece = values[lo - start : hi - start]
+        squares[k] = _blocked_dot(piece, piece) if lo < hi else 0.0
+    for j in range(reference_parts.shape[0]):
+        lo, hi = max(reference_parts[j, 0], start), min(reference_parts[j, 1], stop)
+        dots[j] = _blocked_dot(values[lo - start : hi - start], reference[lo:hi]) if lo < hi else 0.0
+    first, last = np.searchsorted(index, start), np.searchsorted(index, stop)
+    for j in range(first, last):
+        sample[j] = values[index[j] - start]
+    return last - first
 
 
 @njit()
@@ -186,6 +233,8 @@ def warm_up() -> None:
     one = np.zeros(1, np.float32)
     whole = np.array([0, 1], np.int64)
     segment_square_sums(one, whole, np.empty(1, np.float64))
+    pairs = np.array([[0, 1]], np.int64)
+    piece_stats(one, 0, pairs, one, pairs, np.zeros(1, np.int64), np.empty(1, np.float32), np.empty(1), np.empty(1))
     fold_segments(one, whole, np.ones(1, np.float32), np.zeros(1, np.float32), np.empty(1, np.float64))
     scaled_sgd_step(
         one, np.array([0, 1], np.int64), np.ones(1, np.float32), one, one,
@@ -196,5 +245,5 @@ def warm_up() -> None:
 
 if not COMPILED:  # no numba (its extra is not installed): the same kernels in numpy, bit for bit
     from ddiloco.algo._kernels_numpy import (  # noqa: F401, F811 (re-exported in place of the loops above)
-        fold_segments, scaled_sgd_step, segment_square_sums, warm_up,
+        fold_segments, piece_stats, scaled_sgd_step, segment_square_sums, warm_up,
     )

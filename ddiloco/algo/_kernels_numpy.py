@@ -1,6 +1,6 @@
 """The kernels of ``ddiloco.algo._kernels`` in numpy, for an install without the `numba` extra.
 
-Owns: the same four names with the same arguments and outputs; ``_kernels`` swaps them in when
+Owns: the same five names with the same arguments and outputs; ``_kernels`` swaps them in when
 numba cannot be imported. Why: numba is an optional dependency (pyproject.toml), and its loops
 run as plain Python without it, about a thousand times slower; numpy ufuncs over chunks are a
 few times slower than the compiled pass (more passes over memory), which a run can afford.
@@ -30,6 +30,23 @@ def _square_sum(values: np.ndarray) -> float:
         # Not np.dot: BLAS's threads contend with the services' on a busy machine (10-100x slower here).
         total += float(np.square(values[lo : lo + _CHUNK], dtype=np.float64).sum())
     return total
+
+
+def piece_stats(values: np.ndarray, start: int, tensor_bounds: np.ndarray, reference: np.ndarray,
+                reference_parts: np.ndarray, index: np.ndarray, sample: np.ndarray,
+                squares: np.ndarray, dots: np.ndarray) -> int:
+    """See ``_kernels.piece_stats``."""
+    stop = start + values.size
+    for k in range(tensor_bounds.shape[0]):
+        lo, hi = max(int(tensor_bounds[k, 0]), start), min(int(tensor_bounds[k, 1]), stop)
+        piece = values[lo - start : hi - start]
+        squares[k] = float(np.dot(piece, piece)) if lo < hi else 0.0  # float32 sums, as the compiled blocks
+    for j in range(reference_parts.shape[0]):
+        lo, hi = max(int(reference_parts[j, 0]), start), min(int(reference_parts[j, 1]), stop)
+        dots[j] = float(np.dot(values[lo - start : hi - start], reference[lo:hi])) if lo < hi else 0.0
+    first, last = int(np.searchsorted(index, start)), int(np.searchsorted(index, stop))
+    np.take(values, index[first:last] - start, out=sample[first:last])
+    return last - first
 
 
 def segment_square_sums(values: np.ndarray, bounds: np.ndarray, out: np.ndarray) -> None:

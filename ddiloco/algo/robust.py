@@ -63,6 +63,7 @@ import math
 
 import numpy as np
 
+from ddiloco.algo import _kernels
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import merge as merge_lib
 
@@ -157,59 +158,56 @@ def cosine(a: np.ndarray, b: np.ndarray | None) -> float | None:
 
 class DecodedStats:
     """Per-tensor norms and the dot product with a reference, gathered while a contribution is
-    decoded: pass `update` as `codec.decode`'s `on_chunk`, then read `tensor_norms` and `cosine`.
+    decoded: pass `update` as `codec.decode`'s `on_chunk`, then read `tensor_norms` and `cosine`
+    (and `sample`: the direction check's coordinates, when given their indices).
 
     The same quantities as `tensor_norms` and `cosine`, without their passes over memory: each
-    decoded piece is squared (and dotted with the reference) while it is in cache, and the norm
-    of the contribution comes from the per-tensor sums instead of another pass. Float32 dot
-    products per piece, float64 totals (as `merge.vector_norm`): the results agree with
-    `tensor_norms` / `cosine` to about 1e-6 relative. Pieces may arrive out of order and from
-    two threads: totals are added in index order at the end, so they do not depend on timing.
-    """
+    decoded piece is squared (and dotted with the reference, and its sample coordinates copied)
+    while it is in cache, in one compiled call per piece (`_kernels.piece_stats`), and the norm
+    of the contribution comes from the per-tensor sums instead of another pass. Float64 sums: they
+    agree with `tensor_norms` / `cosine` to ~1e-6 relative. Pieces may arrive out of order and from
+    two threads: totals are added in index order at the end, so they do not depend on timing."""
 
     def __init__(self, fragment: fragments_lib.Fragment,
                  reference: np.ndarray | merge_lib.ScaledResult | None = None,
-                 reference_norm: float | None = None) -> None:
+                 reference_norm: float | None = None, sample_index: np.ndarray | None = None) -> None:
         """`reference`: the vector to take the cosine with (None: no cosine), written out or
         in the merge's factored form (the syncer keeps its last merged delta that way, never
         written out). `reference_norm`: its norm if the caller has it (it changes once per
-        merge, not per upload)."""
-        self._bounds = [(where.start, where.stop) for where in fragment.slices().values()]
+        merge, not per upload). `sample_index`: sorted coordinates to copy out (`sample`)."""
+        self._bounds = np.array([(w.start, w.stop) for w in fragment.slices().values()], np.int64).reshape(-1, 2)
         if reference is not None and not isinstance(reference, merge_lib.ScaledResult):
             whole = np.ascontiguousarray(reference, np.float32)
             reference = merge_lib.ScaledResult(whole, np.array([0, whole.size], np.int64), np.ones(1, np.float32))
         self._reference = reference
-        # (start, stop, scale) of each factor of the reference
-        self._reference_parts = [] if reference is None else [
-            (int(lo), int(hi), float(scale))
-            for lo, hi, scale in zip(reference.bounds[:-1], reference.bounds[1:], reference.scales, strict=True)
-        ]
+        bounds = np.zeros(1, np.int64) if reference is None else np.asarray(reference.bounds, np.int64)
+        self._reference_parts = np.stack([bounds[:-1], bounds[1:]], axis=1)  # [start, stop) of each factor
+        self._reference_scales = [] if reference is None else [float(x) for x in reference.scales]
+        self._reference_values = np.ascontiguousarray(np.zeros(0) if reference is None else reference.values, np.float32)
         self._reference_norm = reference_norm
-        # (start of the piece, tensor index) -> float32 sum of squares; (start, factor) -> dot product.
-        self._squares: dict[tuple[int, int], float] = {}
-        self._dots: dict[tuple[int, int], float] = {}
+        self._index = np.zeros(0, np.int64) if sample_index is None else np.ascontiguousarray(sample_index, np.int64)
+        self._sample = np.empty(self._index.size, np.float32)
+        # start of the piece -> (float64 squares per tensor, dot per reference factor, sampled count)
+        self._pieces: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
 
     def update(self, start: int, values: np.ndarray) -> None:
         """Adds one decoded piece: values[i] is element start + i of the contribution."""
-        stop = start + values.size
-        for index, (t0, t1) in enumerate(self._bounds):
-            lo, hi = max(t0, start), min(t1, stop)
-            if lo < hi:
-                piece = values[lo - start : hi - start]
-                self._squares[(start, index)] = float(np.dot(piece, piece))
-        for index, (r0, r1, scale) in enumerate(self._reference_parts):
-            lo, hi = max(r0, start), min(r1, stop)
-            if lo < hi:
-                dot = float(np.dot(values[lo - start : hi - start], self._reference.values[lo:hi]))
-                self._dots[(start, index)] = dot * scale
+        squares, dots = np.empty(len(self._bounds)), np.empty(len(self._reference_parts))
+        sampled = _kernels.piece_stats(values, start, self._bounds, self._reference_values, self._reference_parts,
+                                       self._index, self._sample, squares, dots)
+        self._pieces[start] = (squares, dots, sampled)
+
+    @property
+    def sample(self) -> np.ndarray | None:
+        """values[sample_index] of the contribution, once every piece was seen (else None)."""
+        complete = self._index.size and sum(p[2] for p in self._pieces.values()) == self._index.size
+        return self._sample if complete else None
 
     def tensor_norms(self, values: np.ndarray) -> np.ndarray:
         """‖Δ_t‖ of every tensor (float64), as `tensor_norms(values, fragment)` gives it.
         `values`: the decoded contribution (read again only when float32 squares overflowed or
         underflowed, where the exact path is needed)."""
-        totals = np.zeros(len(self._bounds))
-        for (_, index), square in sorted(self._squares.items()):
-            totals[index] += square
+        totals = np.add.reduce([self._pieces[start][0] for start in sorted(self._pieces)] or [np.zeros(len(self._bounds))])
         norms = np.sqrt(totals)
         for index, total in enumerate(totals):
             if math.isinf(total) or total < 1e-30:  # merge.vector_norm's careful path (0 too: flushed squares)
@@ -222,7 +220,8 @@ class DecodedStats:
         without a reference or when either vector is zero."""
         if self._reference is None:
             return None
-        dot = math.fsum(d for _, d in sorted(self._dots.items()))
+        dots = np.add.reduce([self._pieces[start][1] for start in sorted(self._pieces)] or [np.zeros(1)])
+        dot = math.fsum(d * scale for d, scale in zip(dots.tolist(), self._reference_scales))
         if not math.isfinite(dot):
             dot = merge_lib.vector_dot(values, self._reference.materialize())
         norm = float(np.sqrt(np.sum(np.square(norms))))
@@ -466,11 +465,12 @@ class DirectionHistory:
         self._proposed: dict[str, tuple[int, np.ndarray]] = {}
         self._first: set[str] = set()  # the first min_others + 1 learners ever accepted here
 
-    def direction(self, delta: np.ndarray) -> np.ndarray | None:
-        """The unit vector compared (float32); None for a zero or non-finite contribution."""
+    def direction(self, delta: np.ndarray, sample: np.ndarray | None = None) -> np.ndarray | None:
+        """The unit vector compared (float32); None for a zero or non-finite contribution.
+        `sample`: delta[`index`] if the caller gathered it (DecodedStats.sample)."""
         values = np.asarray(delta)
         if self._index is not None:  # sample first: no float64 copy of the whole fragment
-            values = values[self._index]
+            values = values[self._index] if sample is None else sample
         values = values.astype(np.float64)
         norm = float(np.linalg.norm(values))
         if not np.isfinite(norm) or norm == 0.0:
@@ -548,9 +548,14 @@ class DirectionGuard:
         self._histories = {f.fragment_id: DirectionHistory(policy, f, seed=seed) for f in fragments}
         self._recent: dict[str, collections.deque] = {}
 
-    def direction(self, fragment_id: int, delta: np.ndarray) -> np.ndarray | None:
-        """What `judge` and `add` take for `delta` (None when the check is off). Thread-safe."""
-        return self._histories[fragment_id].direction(delta) if self.policy.enabled else None
+    def direction(self, fragment_id: int, delta: np.ndarray, sample: np.ndarray | None = None) -> np.ndarray | None:
+        """What `judge` and `add` take for `delta` (None when the check is off). Thread-safe.
+        `sample`: delta at `sample_index(fragment_id)`, if the caller gathered it."""
+        return self._histories[fragment_id].direction(delta, sample) if self.policy.enabled else None
+
+    def sample_index(self, fragment_id: int) -> np.ndarray | None:
+        """The sorted coordinates `direction` reads (None: all of them, or the check is off)."""
+        return self._histories[fragment_id]._index if self.policy.enabled else None
 
     def judge(self, learner_id: str, fragment_id: int, direction: np.ndarray | None, version: int) -> DirectionVerdict:
         """Compares a contribution with the others' and updates the learner's score with it.

@@ -394,7 +394,8 @@ async def send_upload(stub, messages: list, timeout_s: float, *, after_chunk=Non
             if call.done():
                 break  # refused mid-stream: awaiting the call raises its status
             await call.write(msg)
-            offset_bytes += len(msg.chunk.data)
+            if not acknowledged:  # each read of a bytes field copies it: only while the window counts
+                offset_bytes += len(msg.chunk.data)
             if after_chunk is not None:
                 after_chunk()
         else:

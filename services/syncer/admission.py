@@ -334,7 +334,8 @@ class Admission:
         `close_payload`."""
         slot = self._slots[header.fragment_id]
         last, last_norm = slot.last_outer_grad or (None, None)
-        stats = robust_lib.DecodedStats(slot.fragment, last, last_norm)
+        stats = robust_lib.DecodedStats(slot.fragment, last, last_norm,
+                                        sample_index=self._directions.sample_index(header.fragment_id))
         permit = not self.decoding.locked() and header.payload.compression == "none"
         try:
             stream = serde.described_payload_stream(header.payload, on_chunk=stats.update, decode_on_arrival=permit,
@@ -370,11 +371,12 @@ class Admission:
             last, last_norm = slot.last_outer_grad or (None, None)  # read once: a merge may replace it
             # Norms and the dot with the last merge are gathered while each decoded piece is in
             # cache (one pass, not three), and the decode itself is shared with a second thread.
-            stats = robust_lib.DecodedStats(slot.fragment, last, last_norm)
+            stats = robust_lib.DecodedStats(slot.fragment, last, last_norm,
+                                            sample_index=self._directions.sample_index(header.fragment_id))
             values = serde.decode_described(info, payload, on_chunk=stats.update, executor=self._decode_helper)
             norms = stats.tensor_norms(values)
             return Decoded(values, norms, stats.cosine(values, norms),
-                           self._directions.direction(header.fragment_id, values))
+                           self._directions.direction(header.fragment_id, values, stats.sample))
 
         try:
             return await asyncio.to_thread(decode)
@@ -389,7 +391,7 @@ class Admission:
             values = incoming.stream.finish()
             norms = incoming.stats.tensor_norms(values)
             return Decoded(values, norms, incoming.stats.cosine(values, norms),
-                           self._directions.direction(header.fragment_id, values))
+                           self._directions.direction(header.fragment_id, values, incoming.stats.sample))
 
         try:
             return finish() if incoming.stream.decodes_on_arrival else await asyncio.to_thread(finish)

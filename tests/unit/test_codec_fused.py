@@ -155,3 +155,27 @@ def test_decoded_stats_extreme_magnitudes_and_zero_vectors():
     stats = robust_lib.DecodedStats(fragment, values)
     stats.update(0, zero)
     assert stats.cosine(zero, stats.tensor_norms(zero)) is None
+
+
+@pytest.mark.parametrize("codec", ["int4", "fp32"])
+@pytest.mark.parametrize("threaded", [False, True])
+def test_decoded_stats_gather_the_direction_sample_while_decoding(codec, threaded, executor):
+    """The direction check's sample is copied out of each decoded piece; the direction it gives
+    is the one of a gather from the whole decoded contribution, bit for bit."""
+    fragment = _fragment([70_000, 3, (1 << 18) + 77])
+    policy = robust_lib.DirectionPolicy(sample_size=5_000)
+    guard = robust_lib.DirectionGuard(policy, [fragment])
+    index = guard.sample_index(0)
+    assert index is not None and index.size == 5_000
+    values = (np.random.default_rng(3).standard_normal(fragment.numel) * 1e-3).astype(np.float32)
+    enc = codec_lib.encode(values, codec)
+    stats = robust_lib.DecodedStats(fragment, sample_index=index)
+    decoded = codec_lib.decode(enc.payload, **_kwargs(enc), on_chunk=stats.update,
+                               executor=executor if threaded else None)
+    assert stats.sample is not None and stats.sample.tobytes() == decoded[index].tobytes()
+    assert guard.direction(0, decoded, stats.sample).tobytes() == guard.direction(0, decoded).tobytes()
+    partial = robust_lib.DecodedStats(fragment, sample_index=index)
+    partial.update(0, decoded[:1000])  # not every piece seen: no sample to use
+    assert partial.sample is None
+    assert robust_lib.DecodedStats(fragment).sample is None
+    assert robust_lib.DirectionGuard(robust_lib.DirectionPolicy(mode="off"), [fragment]).sample_index(0) is None

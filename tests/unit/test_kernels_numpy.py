@@ -124,3 +124,25 @@ def test_fold_in_and_square_sums_give_the_compiled_bits():
     assert out["numpy"][1][1] == -1.0  # untouched, as compiled
     np.testing.assert_allclose(out["numpy"][1], out["compiled"][1], rtol=1e-12)
     np.testing.assert_allclose(out["numpy"][2], out["compiled"][2], rtol=1e-12)
+
+
+def test_piece_stats_twin_agrees_with_the_compiled_kernel():
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal(70_000).astype(np.float32)
+    reference = rng.standard_normal(200_000).astype(np.float32)
+    tensors = np.array([[0, 50_000], [50_000, 50_003], [50_003, 200_000]], np.int64)
+    parts = np.array([[0, 120_000], [120_000, 200_000]], np.int64)
+    index = np.sort(rng.choice(200_000, 3_000, replace=False)).astype(np.int64)
+    out = {}
+    for name, k in (("compiled", algo_compiled), ("numpy", algo_numpy)):
+        sample, squares, dots = np.full(index.size, np.nan, np.float32), np.empty(3), np.empty(2)
+        got = k.piece_stats(values, 40_000, tensors, reference, parts, index, sample, squares, dots)
+        out[name] = (got, sample, squares, dots)
+    inside = (index >= 40_000) & (index < 110_000)
+    for name, (got, sample, squares, dots) in out.items():
+        assert got == inside.sum(), name
+        assert sample[inside].tobytes() == values[index[inside] - 40_000].tobytes() and np.isnan(sample[~inside]).all()
+        x = values.astype(np.float64)
+        np.testing.assert_allclose(squares, [np.dot(x[:10_000], x[:10_000]), np.dot(x[10_000:10_003], x[10_000:10_003]),
+                                             np.dot(x[10_003:], x[10_003:])], rtol=1e-5)
+        np.testing.assert_allclose(dots, [np.dot(x, reference[40_000:110_000]), 0.0], rtol=1e-5, atol=0.05)
