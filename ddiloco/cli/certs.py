@@ -176,6 +176,19 @@ def _write(path: pathlib.Path, data: bytes, *, secret: bool) -> None:
     os.replace(tmp, path)
 
 
+def _ca_in(root: pathlib.Path, stem: str, common_name: str) -> tuple[bytes, bytes]:
+    """The CA `root/<stem>.pem` + `<stem>.key`: reused when both exist (re-running `certs` extends a
+    PKI instead of replacing it), else made and written. Returns (cert_pem, key_pem)."""
+    root.mkdir(parents=True, exist_ok=True)
+    ca_pem_path, ca_key_path = root / f"{stem}.pem", root / f"{stem}.key"
+    if ca_pem_path.exists() and ca_key_path.exists():
+        return ca_pem_path.read_bytes(), ca_key_path.read_bytes()
+    ca_pem, ca_key = make_ca(common_name)
+    _write(ca_key_path, ca_key, secret=True)
+    _write(ca_pem_path, ca_pem, secret=False)
+    return ca_pem, ca_key
+
+
 def write_dev_certs(
     out: str | os.PathLike,
     *,
@@ -193,14 +206,7 @@ def write_dev_certs(
     """
     _need_cryptography()  # before anything is written
     root = pathlib.Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    ca_pem_path, ca_key_path = root / "ca.pem", root / "ca.key"
-    if ca_pem_path.exists() and ca_key_path.exists():
-        ca_pem, ca_key = ca_pem_path.read_bytes(), ca_key_path.read_bytes()
-    else:
-        ca_pem, ca_key = make_ca()
-        _write(ca_key_path, ca_key, secret=True)
-        _write(ca_pem_path, ca_pem, secret=False)
+    ca_pem, ca_key = _ca_in(root, "ca", _CA_NAME)
     identities: dict[str, security.Identity] = {}
     for name in learners:
         identities[name] = security.Identity(security.KIND_LEARNER, name)
@@ -241,14 +247,8 @@ def write_etcd_certs(out: str | os.PathLike, *, names: Sequence[str], days: int 
     if not names:
         raise ValueError("the etcd server certificate needs the members' DNS names (--etcd-names)")
     root = pathlib.Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    ca_pem_path, ca_key_path = root / "etcd-ca.pem", root / "etcd-ca.key"
-    if ca_pem_path.exists() and ca_key_path.exists():
-        ca_pem, ca_key = ca_pem_path.read_bytes(), ca_key_path.read_bytes()
-    else:
-        ca_pem, ca_key = make_ca(ETCD_CA_NAME)
-        _write(ca_key_path, ca_key, secret=True)
-        _write(ca_pem_path, ca_pem, secret=False)
+    ca_pem, ca_key = _ca_in(root, "etcd-ca", ETCD_CA_NAME)
+    ca_pem_path = root / "etcd-ca.pem"
     for stem, dns_names in ((ETCD_SERVER, names), (ETCD_CLIENT, ())):
         cert, key = issue_cert(ca_pem, ca_key, stem, dns_names=dns_names, days=days)
         _write(root / f"{stem}.key", key, secret=True)
