@@ -588,12 +588,15 @@ class SyncClient(uploads_lib.Uploader):
 
     def _progress_interval_s(self, request: syncer_pb2.ReportProgressRequest | None) -> float:
         """How long until the next progress report: the syncer's round schedule advances with the
-        reports, so a learner reports at least twice per round slot (H / P steps) when its steps are
-        fast, never more often than every MIN_PROGRESS_INTERVAL_S, and at most every
-        `progress_interval_s`."""
+        reports, so a learner reports at least twice per round slot of this session's syncer when its
+        steps are fast, never more often than every MIN_PROGRESS_INTERVAL_S, and at most every
+        `progress_interval_s`. A syncer serving F of the P fragments (a fragment shard: F = P / N)
+        opens a round every H / F steps, not H / P: reporting to it at the unsharded rate would cost
+        each shard as much progress work as one syncer serving all P."""
         cfg = self.run_config
         if request is None or cfg is None or request.step_time_s <= 0 or not cfg.num_fragments:
             return self.cfg.progress_interval_s
-        slot_s = request.step_time_s * cfg.sync_period_steps / cfg.num_fragments
+        served = len(shards_lib.served_fragments(self.shards, self.shard_index, cfg)) or cfg.num_fragments
+        slot_s = request.step_time_s * cfg.sync_period_steps / served
         return min(self.cfg.progress_interval_s, max(MIN_PROGRESS_INTERVAL_S, 0.5 * slot_s))
 
