@@ -35,6 +35,7 @@ from ddiloco import failpoints as failpoints_lib
 from ddiloco import history as history_lib
 from ddiloco.algo import shards as shards_lib
 from ddiloco.learner import leader_watch as leader_watch_lib
+from ddiloco.learner.progress import MIN_PROGRESS_INTERVAL_S, progress_interval_s  # noqa: F401 (re-exported)
 from ddiloco.learner import targets as targets_lib
 from ddiloco.learner import uploads as uploads_lib
 from ddiloco.rpc import channel as channel_lib
@@ -58,7 +59,6 @@ from ddiloco.learner.uploads import (  # noqa: F401 (re-exported)
 
 _LOG = logging.getLogger("ddiloco.learner")
 
-MIN_PROGRESS_INTERVAL_S = 0.02  # the fastest a learner reports progress (see _progress_interval_s)
 
 @dataclasses.dataclass(frozen=True)
 class ClientConfig:
@@ -587,16 +587,11 @@ class SyncClient(uploads_lib.Uploader):
             await asyncio.sleep(self._progress_interval_s(request))
 
     def _progress_interval_s(self, request: syncer_pb2.ReportProgressRequest | None) -> float:
-        """How long until the next progress report: the syncer's round schedule advances with the
-        reports, so a learner reports at least twice per round slot of this session's syncer when its
-        steps are fast, never more often than every MIN_PROGRESS_INTERVAL_S, and at most every
-        `progress_interval_s`. A syncer serving F of the P fragments (a fragment shard: F = P / N)
-        opens a round every H / F steps, not H / P: reporting to it at the unsharded rate would cost
-        each shard as much progress work as one syncer serving all P."""
+        """How long until the next progress report to this session's syncer (`progress_interval_s`
+        of the fragments it serves: all P, or a shard's F)."""
         cfg = self.run_config
         if request is None or cfg is None or request.step_time_s <= 0 or not cfg.num_fragments:
             return self.cfg.progress_interval_s
         served = len(shards_lib.served_fragments(self.shards, self.shard_index, cfg)) or cfg.num_fragments
-        slot_s = request.step_time_s * cfg.sync_period_steps / served
-        return min(self.cfg.progress_interval_s, max(MIN_PROGRESS_INTERVAL_S, 0.5 * slot_s))
+        return progress_interval_s(request.step_time_s, cfg.sync_period_steps, served, self.cfg.progress_interval_s)
 

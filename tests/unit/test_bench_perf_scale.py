@@ -12,6 +12,8 @@ import pytest
 
 from ddiloco.bench import perf_report, perf_scale
 from ddiloco.bench.perf_workers import replay
+from ddiloco.learner import client as client_lib
+from ddiloco.learner import progress
 from ddiloco.v1 import syncer_pb2
 
 
@@ -230,7 +232,7 @@ class _QuietIdentity:
 
 class _QuietLearner:
     def __init__(self, ident: _QuietIdentity) -> None:
-        self.ident, self.identities = ident, [ident]
+        self.ident, self.identities, self.owner = ident, [ident], {}
 
     async def join(self, timeout_s: float) -> None:
         pass
@@ -294,10 +296,17 @@ def test_an_idle_replay_learner_reports_progress_and_never_uploads(monkeypatch):
     assert ctx["work"]["offered_steps"] > 0 and ctx["work"]["accepted_steps"] == 0 == ctx["work"]["final_sent"]
 
 
-def test_progress_interval_is_the_real_clients():
-    assert replay.progress_interval_s(0.09, 8, 4) == pytest.approx(0.09)  # the default schedule: one per step
-    assert replay.progress_interval_s(0.005, 8, 4) == pytest.approx(0.02)  # never faster than 50/s
-    assert replay.progress_interval_s(1.0, 8, 4) == pytest.approx(0.25)  # never slower than 4/s
+def test_progress_interval_is_the_real_clients_towards_each_shard():
+    fids = [0, 1, 2, 3]
+    # Unsharded: the client's rule over all P fragments.
+    assert replay.report_interval_s({}, 0, 0.09, 8, fids) == pytest.approx(0.09)  # the default schedule: one per step
+    assert replay.report_interval_s({}, 0, 0.005, 8, fids) == pytest.approx(0.02)  # never faster than 50/s
+    assert replay.report_interval_s({}, 0, 1.0, 8, fids) == pytest.approx(0.25)  # never slower than 4/s
+    # Two shards, each serving 2 of the 4 fragments: each is told twice per ITS round slot (H / 2 steps).
+    owner = {0: 0, 1: 1, 2: 0, 3: 1}
+    assert replay.report_interval_s(owner, 1, 0.02, 8, fids) == pytest.approx(0.04)
+    assert replay.report_interval_s(owner, 0, 0.02, 8, fids) == pytest.approx(
+        progress.progress_interval_s(0.02, 8, 2, client_lib.ClientConfig.progress_interval_s))
 
 
 # ---------------------------------------------------------------- saturation levels

@@ -35,6 +35,7 @@ import numpy as np
 from ddiloco.bench import perf_identity
 from ddiloco.bench import perf_workers
 from ddiloco.learner import client as client_lib
+from ddiloco.learner import progress as progress_lib
 from ddiloco.learner import uploads as uploads_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors as errors_lib
@@ -135,14 +136,12 @@ def _try_send(ctx: dict, learner: ShardedLearner, fid: int, state: dict, final: 
     return True
 
 
-def progress_interval_s(step_s: float, period: int, fragments: int) -> float:
-    """How often a replay learner reports progress: the real client's rule
-    (`SyncClient._progress_interval_s`: twice per round slot of H / P steps, within
-    [MIN_PROGRESS_INTERVAL_S, 0.25 s]), so that a short step time does not make the replay
-    processes (which share the cores with the syncer) send a report per step."""
-    slot_s = step_s * period / max(1, fragments)
-    longest_s = client_lib.ClientConfig.progress_interval_s  # the dataclass field's default
-    return min(longest_s, max(client_lib.MIN_PROGRESS_INTERVAL_S, 0.5 * slot_s))
+def report_interval_s(owner: dict[int, int], shard_index: int, step_s: float, period: int, fids) -> float:
+    """The real client's progress interval (learner.progress) towards shard `shard_index`, given
+    the fragment -> shard map `owner` ({}: unsharded, the shard serves every fragment)."""
+    served = sum(1 for fid in fids if owner.get(fid, shard_index) == shard_index)
+    return progress_lib.progress_interval_s(step_s, period, served or len(fids),
+                                            client_lib.ClientConfig.progress_interval_s)
 
 
 async def _learner(ctx: dict, spec: dict, index: int, stop: asyncio.Event) -> None:
@@ -158,10 +157,10 @@ async def _learner(ctx: dict, spec: dict, index: int, stop: asyncio.Event) -> No
     step = index % period  # learners are not in phase
     watching = asyncio.Event()  # set once the flush is over
     watches = [asyncio.create_task(ident.watch(watching, 60)) for ident in learner.identities]
-    # Every shard is told the progress (each counts tokens and runs its own rounds).
-    report_s = progress_interval_s(step_s, period, len(fids))
-    progress = [asyncio.create_task(ident.report_progress(stop, report_s, lambda: step, timeout_s=10,
-                                                          step_time_s=step_s))
+    # Every shard is told the progress (each counts tokens and runs its own rounds), at the real
+    # client's interval for the fragments that shard serves.
+    progress = [asyncio.create_task(ident.report_progress(stop, report_interval_s(learner.owner, ident.shard_index, step_s, period, fids),
+                                                          lambda: step, timeout_s=10, step_time_s=step_s))
                 for ident in learner.identities]
     loop = asyncio.get_running_loop()
     # Steps are counted from the clock, several per wake-up when the step time is shorter than
