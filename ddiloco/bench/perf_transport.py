@@ -19,7 +19,7 @@ from ddiloco.bench import perf_common as common
 from ddiloco.bench import perf_identity
 from ddiloco.bench import perf_micro
 from ddiloco.rpc import channel as channel_lib
-from ddiloco.v1 import syncer_pb2_grpc
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
 DEADLINE_S = 120.0
 
@@ -122,6 +122,18 @@ async def _first_contributions(address: str, payloads: dict[int, tuple], identit
         await channel.close()
 
 
+def _direction_judgments(address: str) -> dict[str, int]:
+    """The syncer's count of contributions its direction check held ("waited") or let through
+    without a comparison ("unjudged") so far."""
+    channel = channel_lib.sync_channel(address)
+    try:
+        state = syncer_pb2_grpc.SyncerStub(channel).GetTrainingState(
+            syncer_pb2.GetTrainingStateRequest(recent_merges=0), timeout=30).state
+        return dict(state.direction_judgments)
+    finally:
+        channel.close()
+
+
 def _rate(res: dict) -> float:
     return res["wire_bytes"] / res["seconds"] if res["seconds"] > 0 else 0.0
 
@@ -131,7 +143,6 @@ def _measure(syncer_address: str, bare_address: str, payloads: dict, payloads_fp
     """Best rates of `repeats` rounds, each running every path once, interleaved (all see the same
     machine load): servicer int4 (one at a time, `in_flight` at a time), servicer fp32, bare."""
     best = {"real": 0.0, "bare": 0.0, "fp32": 0.0, "conc": 0.0, "bare_conc": 0.0, "real_run": {}, "conc_run": {}}
-    asyncio.run(_first_contributions(syncer_address, payloads, 3, DEADLINE_S))
     # The bare stream carries the same chunks (largest fragment), as many messages.
     _info, chunks = payloads[max(payloads, key=lambda f: len(payloads[f][1]))]
     for _ in range(repeats):
@@ -187,14 +198,19 @@ def run_transport(workdir: pathlib.Path, model: dict, uploads: int, tag: str, re
             common.running_syncer(workdir, f"syncer-transport-{tag}", model,
                                   ["--min-quorum", "1000000", "--max-grace-s", "600",
                                    "--liveness-timeout-s", "600"]) as syncer:
+        asyncio.run(_first_contributions(syncer.address, payloads, 3, DEADLINE_S))
+        before = _direction_judgments(syncer.address)
         best = _measure(syncer.address, bare.address, payloads, payloads_fp32, uploads, in_flight, repeats)
+        # Measured uploads the direction check held for references (waited) or let through
+        # without a comparison (unjudged): none, once the first contributions judged each other.
+        held = {k: v - before.get(k, 0) for k, v in _direction_judgments(syncer.address).items() if v > before.get(k, 0)}
         syncer_rss = common.vm_hwm_bytes(syncer.pid)
     ceiling = _ceiling(deltas, payloads, best, repeats)
     return {"model": model, "params": sum(f.numel for f in plan.fragments),
             "fragment_numels": [f.numel for f in plan.fragments],
             "uploads": uploads, "servicer_bytes_per_s": best["real"], "bare_bytes_per_s": best["bare"],
             "ratio": best["real"] / best["bare"] if best["bare"] else 0.0, "servicer_run": best["real_run"],
-            "syncer_peak_rss_bytes": syncer_rss,
+            "syncer_peak_rss_bytes": syncer_rss, "direction_holds_while_measuring": held,
             "servicer_fp32_bytes_per_s": best["fp32"], "ratio_fp32": best["fp32"] / best["bare"] if best["bare"] else 0.0,
             **ceiling,
             "in_flight": in_flight, "servicer_concurrent_bytes_per_s": best["conc"],
