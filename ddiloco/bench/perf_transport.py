@@ -2,7 +2,9 @@
 (``python -m services.syncer``: servicer, header checks, decode, norm bound, fold-in) against a bare
 gRPC stream of bytes (`ddiloco.bench.perf_workers.bare`: no protobuf and no work), from the same
 client process, with the same chunks and number of messages, one at a time and one per fragment in
-flight; and the ceiling the syncer's own work per upload sets on any servicer.
+flight; and the ceiling the syncer's own work per upload sets on any servicer. Before measuring,
+each fragment gets the direction check's first contributions at once (they judge each other), as in
+any run past its start: no measured upload waits for references.
 """
 
 from __future__ import annotations
