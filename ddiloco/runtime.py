@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import pathlib
 
@@ -76,3 +77,14 @@ def process_age_s() -> float | None:
     # Field 22 (starttime, clock ticks after boot); the command name before it may hold spaces.
     start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
     return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def freeze_start_up_objects() -> None:
+    """Moves every object alive now out of the cyclic garbage collector's reach (``gc.freeze``):
+    called once a service has started, when what is alive is mostly the imported libraries (JAX,
+    numba, gRPC) and the service's long-lived state. Full collections then no longer traverse
+    them, and neither does the one the interpreter runs at exit: a syncer's exit after SIGTERM,
+    its state already written, spent ~0.7-1.4 s (2 busy cores) in that collection, 0.2-0.4 s with
+    the start-up objects frozen. Reference counting still frees them; a reference cycle among
+    them is never collected (what start-up leaves, once)."""
+    gc.freeze()

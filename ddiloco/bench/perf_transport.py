@@ -2,7 +2,9 @@
 (``python -m services.syncer``: servicer, header checks, decode, norm bound, fold-in) against a bare
 gRPC stream of bytes (`ddiloco.bench.perf_workers.bare`: no protobuf and no work), from the same
 client process, with the same chunks and number of messages, one at a time and one per fragment in
-flight; and the ceiling the syncer's own work per upload sets on any servicer.
+flight; and the ceiling the syncer's own work per upload sets on any servicer. Before measuring,
+each fragment gets the direction check's first contributions at once (they judge each other), as in
+any run past its start: no measured upload waits for references.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ddiloco.bench import perf_common as common
 from ddiloco.bench import perf_identity
 from ddiloco.bench import perf_micro
 from ddiloco.rpc import channel as channel_lib
-from ddiloco.v1 import syncer_pb2_grpc
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
 DEADLINE_S = 120.0
 
@@ -103,6 +105,37 @@ async def _servicer_uploads(address: str, payloads: dict[int, tuple], uploads: i
         await channel.close()
 
 
+async def _first_contributions(address: str, payloads: dict[int, tuple], identities: int, deadline_s: float) -> None:
+    """The direction check's first contributions of each fragment, sent at once so that they judge
+    each other (`ddiloco.algo.robust`), as in any run past its start. Sent one at a time, each of
+    them waited the check's judge wait (8 s) for references, and the first measured run timed
+    those waits (9 uploads: 64 s of the quick run's 70 s) instead of the servicer's work."""
+    channel = channel_lib.aio_channel(address, None)
+    stub = syncer_pb2_grpc.SyncerStub(channel)
+    try:
+        tag = os.urandom(3).hex()
+        ids = [perf_identity.Identity(stub, f"transport-first-{tag}-{i}") for i in range(identities)]
+        for ident in ids:
+            await ident.join(deadline_s)
+        await asyncio.gather(*(stub.UploadFragment(iter(ident.messages(fid, ident.versions.get(fid, 0), info, chunks,
+                                                                       steps=8, tokens=8 * 2048)), timeout=deadline_s)
+                               for ident in ids for fid, (info, chunks) in payloads.items()))
+    finally:
+        await channel.close()
+
+
+def _direction_judgments(address: str) -> dict[str, int]:
+    """The syncer's count of contributions its direction check held ("waited") or let through
+    without a comparison ("unjudged") so far."""
+    channel = channel_lib.sync_channel(address)
+    try:
+        state = syncer_pb2_grpc.SyncerStub(channel).GetTrainingState(
+            syncer_pb2.GetTrainingStateRequest(recent_merges=0), timeout=30).state
+        return dict(state.direction_judgments)
+    finally:
+        channel.close()
+
+
 def _rate(res: dict) -> float:
     return res["wire_bytes"] / res["seconds"] if res["seconds"] > 0 else 0.0
 
@@ -167,14 +200,19 @@ def run_transport(workdir: pathlib.Path, model: dict, uploads: int, tag: str, re
             common.running_syncer(workdir, f"syncer-transport-{tag}", model,
                                   ["--min-quorum", "1000000", "--max-grace-s", "600",
                                    "--liveness-timeout-s", "600"]) as syncer:
+        asyncio.run(_first_contributions(syncer.address, payloads, 3, DEADLINE_S))
+        before = _direction_judgments(syncer.address)
         best = _measure(syncer.address, bare.address, payloads, payloads_fp32, uploads, in_flight, repeats)
+        # Measured uploads the direction check held for references (waited) or let through
+        # without a comparison (unjudged): none, once the first contributions judged each other.
+        held = {k: v - before.get(k, 0) for k, v in _direction_judgments(syncer.address).items() if v > before.get(k, 0)}
         syncer_rss = common.vm_hwm_bytes(syncer.pid)
     ceiling = _ceiling(deltas, payloads, best, repeats)
     return {"model": model, "params": sum(f.numel for f in plan.fragments),
             "fragment_numels": [f.numel for f in plan.fragments],
             "uploads": uploads, "servicer_bytes_per_s": best["real"], "bare_bytes_per_s": best["bare"],
             "ratio": best["real"] / best["bare"] if best["bare"] else 0.0, "servicer_run": best["real_run"],
-            "syncer_peak_rss_bytes": syncer_rss,
+            "syncer_peak_rss_bytes": syncer_rss, "direction_holds_while_measuring": held,
             "servicer_fp32_bytes_per_s": best["fp32"], "ratio_fp32": best["fp32"] / best["bare"] if best["bare"] else 0.0,
             **ceiling,
             "in_flight": in_flight, "servicer_concurrent_bytes_per_s": best["conc"],

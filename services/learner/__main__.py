@@ -276,6 +276,8 @@ def _train(life: _Life) -> bool:
         if loop.stats.steps == 1 + loop.stats.resumed_from_step:
             life.startup.mark("first_step")  # compiled (or loaded from the compilation cache) and run
             _LOG.info("first inner step", extra={"fields": {"startup": life.startup.report()}})
+            # The train step is compiled: a prompt exit after SIGTERM, shorter full collections.
+            runtime.freeze_start_up_objects()
         if life.snapshots is not None and life.snapshots.due(loop.stats.steps):
             _write_snapshot(life)
         if loop.stats.steps % cfg.log_every_steps == 0:

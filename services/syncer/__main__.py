@@ -240,6 +240,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     initial_state = _initial_state(core)
     servicer, handle = await _start_serving(cfg, core, security, registry, leadership)
     _announce(cfg, model, plan, core, security, handle, registry, initial_state)
+    runtime.freeze_start_up_objects()  # a prompt exit after SIGTERM, shorter full collections
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -83,6 +83,10 @@ def test_transport_compares_the_servicer_with_a_bare_stream(result):
     assert t["servicer_concurrent_run"]["accepted"] == t["uploads"]
     assert t["ratio_concurrent"] == pytest.approx(t["servicer_concurrent_bytes_per_s"] / t["bare_concurrent_bytes_per_s"])
     assert len(t["servicer_concurrent_run"]["codes"]) == 0  # nothing refused while uploads overlapped
+    # What is measured is the servicer's work: the direction check held no measured upload for
+    # references (its first contributions judged each other before; sent one at a time, each
+    # waited the check's 8 s judge wait inside the measurement).
+    assert t["direction_holds_while_measuring"] == {}
 
 
 def test_overlap_measures_a_real_learner_with_and_without_a_bandwidth_cap(result):
