@@ -45,11 +45,12 @@ _Structure = tuple[list[jax.ShapeDtypeStruct], jax.tree_util.PyTreeDef]
 # allocated until the next step of a fragment of that size, instead of being freed and
 # faulted in again.
 POOL_FREE_ARRAYS = 3
-# ... and at most this many bytes of them per size: a fragment shard of a 1B-parameter model owns
-# fragments of ~1 GB, and three idle copies of each would cost more than its values and momentum
-# together. An array larger than this is never pooled (freed as soon as nobody holds it), so that
-# the pool never keeps a huge fragment's old versions alive between steps.
-POOL_FREE_BYTES = 128 * 2**20
+# ... and at most this many bytes of them per size. An array larger than this is never pooled
+# (freed as soon as nobody holds it): free arrays leave the pool only at its next take, so a pooled
+# fragment-sized array idles until that fragment's next merge. At 100M parameters x 4 shards the
+# pool held two free 100 MB arrays at a shard's peak (8 bytes per owned parameter); a 1B model's
+# fragments are ~1 GB. Memory for speed: a fragment above it faults its outputs in at each step.
+POOL_FREE_BYTES = 64 * 2**20
 # Arrays tracked per size (in use or free), to bound the scan.
 _POOL_TRACKED = 64
 # The pool trusts CPython's reference counts; a free-threaded build could race them.

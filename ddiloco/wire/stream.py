@@ -32,8 +32,10 @@ from ddiloco.wire import layout
 _POOL_SAFE = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
-# Bytes of free arrays of one size a BufferPool keeps at most (see BufferPool).
-MAX_FREE_BYTES = 128 * 2**20
+# Bytes of free arrays of one size a BufferPool keeps at most (see BufferPool). Below a 100M-parameter
+# model's fragments (25M values, 100 MB): at 100M x 4 shards the pool held three free 100 MB value
+# arrays at a shard's peak (12 bytes per owned parameter), since free arrays leave only at a take.
+MAX_FREE_BYTES = 64 * 2**20
 
 
 class BufferPool:
@@ -42,7 +44,8 @@ class BufferPool:
     buffer once. A fresh array above glibc's largest mmap threshold (32 MiB) is mapped anew and
     faulted in page by page as the payload is decoded into it: at a 100M-parameter model's
     fragments (25M values, 100 MB) that cost ~20 ms per upload on an idle 2-core VM, more under
-    load, against ~10 ms for writing an array already mapped.
+    load, against ~10 ms for writing an array already mapped; arrays that large are no longer
+    pooled (`max_free_bytes`): memory went first.
 
     An array is free when only the pool references it (CPython's reference count: a caller, a
     view or a buffer export all count). A `take` keeps at most `max_free` free arrays of its size
