@@ -45,6 +45,12 @@ _Structure = tuple[list[jax.ShapeDtypeStruct], jax.tree_util.PyTreeDef]
 # allocated until the next step of a fragment of that size, instead of being freed and
 # faulted in again.
 POOL_FREE_ARRAYS = 3
+# ... and at most this many bytes of them per size. An array larger than this is never pooled
+# (freed as soon as nobody holds it): free arrays leave the pool only at its next take, so a pooled
+# fragment-sized array idles until that fragment's next merge. At 100M parameters x 4 shards the
+# pool held two free 100 MB arrays at a shard's peak (8 bytes per owned parameter); a 1B model's
+# fragments are ~1 GB. Memory for speed: a fragment above it faults its outputs in at each step.
+POOL_FREE_BYTES = 64 * 2**20
 # Arrays tracked per size (in use or free), to bound the scan.
 _POOL_TRACKED = 64
 # The pool trusts CPython's reference counts; a free-threaded build could race them.
@@ -184,6 +190,7 @@ class OuterStepper:
         tensors: Sequence[tuple[str, tuple[int, ...]]] | None = None,
         *,
         pool_free_arrays: int = POOL_FREE_ARRAYS,
+        pool_free_bytes: int = POOL_FREE_BYTES,
     ) -> None:
         """Wraps an optimizer.
 
@@ -196,6 +203,8 @@ class OuterStepper:
                 flat vector (element-wise optimizers such as Nesterov SGD).
             pool_free_arrays: unreferenced output arrays kept per fragment size for reuse;
                 0 allocates every output anew.
+            pool_free_bytes: at most this many bytes of them per fragment size; outputs
+                larger than this are never pooled.
         """
         self._optimizer = optimizer
         # (η, μ, nesterov) when the step can run as the numpy loop (element-wise SGD).
@@ -228,6 +237,7 @@ class OuterStepper:
         self._pool: dict[int, list[np.ndarray]] = {}
         self._pool_lock = threading.Lock()
         self._pool_free_arrays = pool_free_arrays if _POOL_SAFE else 0
+        self._pool_free_bytes = pool_free_bytes
         # Δ's per-block scratch when a step need not write it out: one per thread, since the
         # syncer steps different fragments with one stepper from several threads at once.
         self._scratch_local = threading.local()
@@ -399,8 +409,10 @@ class OuterStepper:
 
     def _take(self, numel: int) -> np.ndarray:
         """An output array of ``numel`` float32 values: a pooled one that nobody else
-        references, or a new one. Trims the pool's free arrays to ``pool_free_arrays``."""
-        if self._pool_free_arrays <= 0:
+        references, or a new one. Trims the pool's free arrays to ``pool_free_arrays`` and
+        ``pool_free_bytes``; an array above ``pool_free_bytes`` is not pooled at all."""
+        keep_free = min(self._pool_free_arrays, self._pool_free_bytes // max(1, 4 * numel))
+        if keep_free <= 0:
             return np.empty(numel, np.float32)
         with self._pool_lock:
             pool = self._pool.setdefault(numel, [])
@@ -410,7 +422,7 @@ class OuterStepper:
             free = [index for index in range(len(pool)) if sys.getrefcount(pool[index]) == 2]
             if free:
                 array = pool[free[0]]
-                for index in reversed(free[self._pool_free_arrays :]):
+                for index in reversed(free[keep_free:]):
                     del pool[index]  # beyond what the next steps need: let it go
                 return array
             array = np.empty(numel, np.float32)

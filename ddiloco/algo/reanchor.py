@@ -26,4 +26,10 @@ def reanchor(delta: np.ndarray, base: np.ndarray, current: np.ndarray) -> np.nda
         raise ValueError(f"shapes differ: delta {delta.shape}, base {base.shape}, current {current.shape}")
     if base is current:
         return delta
-    return delta + (current - base)
+    # One new array, written twice: (current - base), then + delta in place. The same bits as
+    # delta + (current - base) (float addition commutes), without a second fragment-sized temporary.
+    if not delta.dtype == base.dtype == current.dtype:
+        return delta + (current - base)  # mixed precisions: numpy's promotion, as before
+    corrected = np.subtract(current, base)
+    np.add(corrected, delta, out=corrected)
+    return corrected

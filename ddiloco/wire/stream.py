@@ -32,23 +32,34 @@ from ddiloco.wire import layout
 _POOL_SAFE = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
+# Bytes of free arrays of one size a BufferPool keeps at most (see BufferPool). Below a 100M-parameter
+# model's fragments (25M values, 100 MB): at 100M x 4 shards the pool held three free 100 MB value
+# arrays at a shard's peak (12 bytes per owned parameter), since free arrays leave only at a take.
+MAX_FREE_BYTES = 64 * 2**20
+
+
 class BufferPool:
     """Arrays for payload streams (their bytes and decoded values), reused once nothing else
     references them, so that a receiver taking uploads of the same fragments allocates each
     buffer once. A fresh array above glibc's largest mmap threshold (32 MiB) is mapped anew and
     faulted in page by page as the payload is decoded into it: at a 100M-parameter model's
     fragments (25M values, 100 MB) that cost ~20 ms per upload on an idle 2-core VM, more under
-    load, against ~10 ms for writing an array already mapped.
+    load, against ~10 ms for writing an array already mapped; arrays that large are no longer
+    pooled (`max_free_bytes`): memory went first.
 
     An array is free when only the pool references it (CPython's reference count: a caller, a
     view or a buffer export all count). A `take` keeps at most `max_free` free arrays of its size
     besides the one it returns (the others go back to the allocator), and at most `max_tracked`
     arrays of a size are tracked at all (more at once are plain arrays). What the pool holds
-    beyond the arrays in use is therefore at most what the uploads in flight at once used."""
+    beyond the arrays in use is therefore at most what the uploads in flight at once used.
+    Bounded by bytes too: at most `max_free_bytes` of free arrays of a size are kept, and an array
+    larger than that is never tracked (freed as soon as its upload is done): a fragment shard of a
+    1B-parameter model decodes ~1 GB fragments, whose idle copies would outweigh its values."""
 
-    def __init__(self, max_free: int = 1, max_tracked: int = 32) -> None:
+    def __init__(self, max_free: int = 1, max_tracked: int = 32, max_free_bytes: int = MAX_FREE_BYTES) -> None:
         self._enabled = _POOL_SAFE and max_tracked > 0
         self._max_free = max_free
+        self._max_free_bytes = max_free_bytes
         self._max_tracked = max_tracked
         self._arrays: dict[tuple[int, str], list[np.ndarray]] = {}
         self._lock = threading.Lock()
@@ -56,7 +67,9 @@ class BufferPool:
     def take(self, size: int, dtype) -> np.ndarray:
         """A one-dimensional array of `size` elements of `dtype`, contents undefined."""
         dtype = np.dtype(dtype)
-        if not self._enabled:
+        # Free arrays kept besides the one returned, within the byte bound.
+        keep_free = min(1 + self._max_free, self._max_free_bytes // max(1, size * dtype.itemsize)) - 1
+        if not self._enabled or keep_free < 0:
             return np.empty(size, dtype)
         with self._lock:
             arrays = self._arrays.setdefault((size, dtype.str), [])
@@ -64,7 +77,7 @@ class BufferPool:
             free = [i for i in range(len(arrays)) if sys.getrefcount(arrays[i]) == 2]
             if free:
                 array = arrays[free[0]]
-                for i in reversed(free[1 + self._max_free:]):
+                for i in reversed(free[1 + keep_free:]):
                     del arrays[i]  # more than the next uploads need: let it go
                 return array
             array = np.empty(size, dtype)

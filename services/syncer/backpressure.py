@@ -13,6 +13,7 @@ The hint a response carries (UploadFragmentResponse.next_upload_after_s) is the 
 beyond the fragment's own period, before that learner's next upload of the fragment: the learner
 folds the periods in between into one contribution (its work is kept, never dropped). No upload
 is refused for load: uploads beyond the servicer's slots wait for one (SyncerServicer).
+Also owns `decoding_bound`: how many contributions a syncer holds decoded at once (the rest wait).
 Must not: read configuration or know about gRPC.
 """
 
@@ -74,3 +75,13 @@ class LoadGauge:
         if self.factor <= 1.0 or not math.isfinite(period_s) or period_s <= 0:
             return 0.0
         return (self.factor - 1.0) * period_s
+
+
+def decoding_bound(owned: frozenset[int], min_others: int) -> int:
+    """Contributions between decode and fold-in at once (Admission's `max_decoding`): enough for
+    each fragment this syncer owns to have one judged against `min_others` others (the direction
+    check waits for them), no more. Counted over the owned fragments, not the plan's: a shard of
+    N would otherwise let N times its share of fragment-sized decoded values in at once (at 1B
+    parameters and 4 shards, 1 GB each). Unsharded, every fragment is owned: the bound is the one
+    Admission has always used. More uploads wait for a permit; none is refused for it."""
+    return max(1, len(owned)) * (min_others + 1)

@@ -38,6 +38,7 @@ from ddiloco.algo import shards as shards_lib
 from ddiloco.rpc import errors
 from ddiloco.wire import codec as codec_lib
 from . import admission as admission_lib
+from . import backpressure as backpressure_lib
 from . import influence as influence_lib
 from . import membership as membership_lib
 from . import merging as merging_lib
@@ -167,7 +168,8 @@ class SyncerCore:
         self.admission = admission_lib.Admission(
             instance=self.instance, plan=plan, slots=self.slots, membership=self.membership,
             directions=self.directions, direction_policy=self.direction, norm_bound=self.norm_bound,
-            uploads=self.uploads, max_decoding=max_decoding, clock=clock)
+            uploads=self.uploads, clock=clock,
+            max_decoding=max_decoding or backpressure_lib.decoding_bound(self.owned, self.direction.min_others))
         self.rounds = merging_lib.Rounds(
             settings=wire_views.round_settings(run_config), plan=plan, slots=self.slots, steppers=steppers,
             scheduled=round_trigger == "schedule" and settings.sync_mode in ("", "decoupled"),

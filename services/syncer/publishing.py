@@ -10,6 +10,7 @@ Must not: decide what a version holds; the core calls `next_published` under the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 
@@ -65,6 +66,19 @@ class Publisher:
             return None
         return cached
 
+    def _exact_encoding(self, published: np.ndarray) -> codec_lib.EncodedPayload:
+        """`published` encoded as exact float32. Uncompressed, those bytes are the values'
+        own: the payload is then a read-only view of `published` (never written again: the outer
+        step's pool reuses only arrays nobody references, and the view does), not a second copy
+        of the fragment held for as long as the version is current."""
+        encoded = codec_lib.encode(published, "fp32", zstd_level=self._zstd_level,
+                                   min_zstd_ratio=codec_lib.FANOUT_MIN_ZSTD_RATIO)
+        view = memoryview(published).cast("B").toreadonly()
+        if encoded.compression == "none" and encoded.payload == view:
+            return dataclasses.replace(encoded, payload=view)
+        view.release()
+        return encoded
+
     async def encoded_payload(self, slot: slots_lib.FragmentSlot) -> tuple[int, codec_lib.EncodedPayload]:
         """The current published values of a fragment as exact float32 (cached per version).
 
@@ -75,9 +89,7 @@ class Publisher:
             version = slot.version
             if slot.encoding is None or slot.encoding[0] != version:
                 slot.encoding = (version, asyncio.ensure_future(asyncio.to_thread(
-                    codec_lib.encode, slot.published, "fp32", zstd_level=self._zstd_level,
-                    min_zstd_ratio=codec_lib.FANOUT_MIN_ZSTD_RATIO,
-                )))
+                    self._exact_encoding, slot.published)))
             pending = slot.encoding[1]
             try:
                 encoded = await asyncio.shield(pending)  # a watcher that goes away leaves it to the others

@@ -353,3 +353,27 @@ def test_a_fraction_that_is_not_a_positive_number_is_refused(fraction):
     params, grads = _vectors(8, size=300)
     with pytest.raises(ValueError, match="fraction"):
         stepper.step_scaled(params, stepper.init(params), *_one_segment(grads[0]), fraction=fraction)
+
+
+def test_pool_keeps_no_array_above_its_byte_bound():
+    # A fragment larger than the pool's byte bound: its outputs are freed as soon as nobody holds
+    # them (a shard of a 1B model must not keep old ~1 GB versions alive between steps).
+    import weakref
+
+    stepper = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(), pool_free_bytes=3999)
+    params = np.ones(1000, np.float32)  # 4000 bytes per array
+    state = stepper.init(params)
+    out = stepper.step_scaled(params, state, np.full(1000, 0.5, np.float32), np.array([0, 1000]),
+                              np.ones(1, np.float32))
+    refs = [weakref.ref(out.params), weakref.ref(out.state[0]), weakref.ref(out.outer_grad)]
+    del out
+    assert all(ref() is None for ref in refs)
+    # Within the bound, the pool keeps at most what its bytes allow: one 4000-byte array here.
+    small = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(), pool_free_bytes=4000)
+    seen = set()
+    for _ in range(6):
+        out = small.step_scaled(params, state, np.full(1000, 0.5, np.float32), np.array([0, 1000]),
+                                np.ones(1, np.float32))
+        seen |= {id(out.params), id(out.state[0]), id(out.outer_grad)}
+        del out
+    assert len(seen) <= 3 + 1

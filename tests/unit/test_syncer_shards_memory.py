@@ -78,6 +78,16 @@ def test_a_shard_of_n_holds_about_one_nth_of_the_parameter_bytes(cores):
     assert abs(sum(_array_bytes(s) for s in shards) - total_bytes) <= 0.02 * total_bytes
 
 
+def test_a_shard_decodes_at_once_only_as_many_contributions_as_its_own_fragments_need(cores):
+    # Decoded contributions are fragment-sized (1 GB each at 1B parameters): a shard bounds them by
+    # the fragments it owns, not the plan's. Before, every shard allowed the unsharded syncer's count.
+    unsharded, shards = cores
+    per_fragment = unsharded.direction.min_others + 1
+    assert unsharded.admission.max_decoding == len(unsharded.plan.fragments) * per_fragment  # as always
+    for shard in shards:
+        assert shard.admission.max_decoding == len(shard.owned) * per_fragment < unsharded.admission.max_decoding
+
+
 def test_a_shards_slice_is_the_unsharded_syncers_initial_state_and_it_holds_no_other(cores):
     unsharded, shards = cores
     for shard in shards:

@@ -168,6 +168,22 @@ def test_a_buffer_pool_hands_out_again_only_arrays_nobody_references():
     assert pool.take(1000, np.uint8).dtype == np.uint8  # sizes and dtypes have pools of their own
 
 
+def test_buffer_pool_keeps_no_array_above_its_byte_bound():
+    # Arrays larger than the pool's byte bound are plain arrays, freed once their upload is done
+    # (a 1B-parameter shard's ~1 GB fragments must not linger); smaller ones are still reused.
+    import weakref
+
+    pool = stream_lib.BufferPool(max_free=1, max_free_bytes=3999)
+    big = pool.take(1000, np.float32)  # 4000 bytes
+    ref = weakref.ref(big)
+    del big
+    assert ref() is None
+    small = pool.take(999, np.float32)
+    small_id = id(small)
+    del small
+    assert id(pool.take(999, np.float32)) == small_id
+
+
 def test_streams_sharing_a_buffer_pool_never_write_into_values_still_held():
     pool = stream_lib.BufferPool()
     encoded = [codec_lib.encode(_values(300_000, seed=s), "int4") for s in range(3)]
