@@ -349,19 +349,20 @@ def run_saturation(workdir: pathlib.Path, model: dict, captured: pathlib.Path, l
     return out
 
 
-# Peak RSS of one shard per parameter of the whole model, measured (4 shards, 99.7M parameters,
-# 4 replay learners: 3.4-3.6 GB each, 2.5-2.6 GB of it before any learner). Every shard builds
-# the whole model's initial parameters, flattens every fragment and keeps a float32 copy of each
-# (services/syncer/__main__.py, core.py: one slot per planned fragment), and the start-up
-# buffers stay resident.
-SHARD_PEAK_BYTES_PER_PARAM = 36
+# Peak RSS of one shard, measured at 100M parameters x 4 shards with 4 replay learners (s34,
+# after a shard builds and keeps only its own fragments and the pools are bounded by bytes): about
+# 0.5 GB of start-up (imports, gRPC, JAX) plus ~92 bytes per parameter the shard OWNS (values and
+# momentum ~8, at the peak of merges: history versions, the merge's sums and held contributions,
+# decodes in flight, the published encoding); each shard owns params / shards.
+SHARD_BASE_BYTES = 512 * 2**20
+SHARD_PEAK_BYTES_PER_OWNED_PARAM = 92
 
 
 def memory_needed_bytes(params: int, shards: int) -> int:
     """What a level of a `params`-parameter model with `shards` shards needs at its peak: every
-    shard's (SHARD_PEAK_BYTES_PER_PARAM), plus the replay processes' encoded payloads (about
-    1 byte a parameter)."""
-    return int(params * (SHARD_PEAK_BYTES_PER_PARAM * shards + 1))
+    shard's start-up plus its owned fragments' peak (SHARD_PEAK_BYTES_PER_OWNED_PARAM x params /
+    shards), plus the replay processes' encoded payloads (about 1 byte a parameter)."""
+    return int(shards * SHARD_BASE_BYTES + params * (SHARD_PEAK_BYTES_PER_OWNED_PARAM + 1))
 
 
 def _mem_available_bytes() -> int:
@@ -389,8 +390,8 @@ def run_sizes(workdir: pathlib.Path, sizes: list[str], shards: int, learners: in
         need_bytes, available_bytes = memory_needed_bytes(params, shards), _mem_available_bytes()
         if need_bytes > 0.9 * available_bytes:
             # Not started: the machine would swap or kill processes (it may be shared).
-            rows.append(row | {"not_run": f"needs about {need_bytes / 2**30:.1f} GiB at its peak (every shard holds "
-                                          f"every fragment), {available_bytes / 2**30:.1f} GiB available"})
+            rows.append(row | {"not_run": f"needs about {need_bytes / 2**30:.1f} GiB at its peak (each shard "
+                                          f"~{SHARD_PEAK_BYTES_PER_OWNED_PARAM} bytes per parameter it owns), {available_bytes / 2**30:.1f} GiB available"})
             continue
         level = _run_level(workdir, model, {"synthetic_numels": {str(f): n for f, n in numels.items()}}, learners,
                            seconds, step_s, processes, shards, one_at_a_time=params >= 200e6)
