@@ -10,6 +10,7 @@ any run past its start: no measured upload waits for references.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 
@@ -61,13 +62,7 @@ async def _servicer_uploads(address: str, payloads: dict[int, tuple], uploads: i
     fragments (upload n comes from identity n % identities, to fragment n % P, based on the
     version that identity last heard of). With `in_flight` up to P, uploads in flight are to
     different fragments, as one learner's are."""
-    channel = channel_lib.aio_channel(address, None)
-    stub = syncer_pb2_grpc.SyncerStub(channel)
-    try:
-        tag = os.urandom(3).hex()
-        ids = [perf_identity.Identity(stub, f"transport-{tag}-{i}") for i in range(identities)]
-        for ident in ids:
-            await ident.join(deadline_s)
+    async with _joined(address, "transport", identities, deadline_s) as (stub, ids):
         fids = sorted(payloads)
         results = {"accepted": 0, "refused": 0, "codes": {}}
         latencies = []
@@ -101,8 +96,6 @@ async def _servicer_uploads(address: str, payloads: dict[int, tuple], uploads: i
         results["wire_bytes"] = sent
         results["latency_p50_s"] = common.percentile(latencies, 50)
         return results
-    finally:
-        await channel.close()
 
 
 async def _first_contributions(address: str, payloads: dict[int, tuple], identities: int, deadline_s: float) -> None:
@@ -110,16 +103,25 @@ async def _first_contributions(address: str, payloads: dict[int, tuple], identit
     each other (`ddiloco.algo.robust`), as in any run past its start. Sent one at a time, each of
     them waited the check's judge wait (8 s) for references, and the first measured run timed
     those waits (9 uploads: 64 s of the quick run's 70 s) instead of the servicer's work."""
+    async with _joined(address, "transport-first", identities, deadline_s) as (stub, ids):
+        await asyncio.gather(*(stub.UploadFragment(iter(ident.messages(fid, ident.versions.get(fid, 0), info, chunks,
+                                                                       steps=8, tokens=8 * 2048)), timeout=deadline_s)
+                               for ident in ids for fid, (info, chunks) in payloads.items()))
+
+
+@contextlib.asynccontextmanager
+async def _joined(address: str, prefix: str, identities: int, deadline_s: float):
+    """A channel to the syncer at `address` and `identities` fresh learner identities joined
+    through it (names `<prefix>-<random tag>-<i>`, new in every call); yields (stub, identities)
+    and closes the channel."""
     channel = channel_lib.aio_channel(address, None)
     stub = syncer_pb2_grpc.SyncerStub(channel)
     try:
         tag = os.urandom(3).hex()
-        ids = [perf_identity.Identity(stub, f"transport-first-{tag}-{i}") for i in range(identities)]
+        ids = [perf_identity.Identity(stub, f"{prefix}-{tag}-{i}") for i in range(identities)]
         for ident in ids:
             await ident.join(deadline_s)
-        await asyncio.gather(*(stub.UploadFragment(iter(ident.messages(fid, ident.versions.get(fid, 0), info, chunks,
-                                                                       steps=8, tokens=8 * 2048)), timeout=deadline_s)
-                               for ident in ids for fid, (info, chunks) in payloads.items()))
+        yield stub, ids
     finally:
         await channel.close()
 
