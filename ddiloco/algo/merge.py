@@ -217,8 +217,9 @@ class MergeAccumulator:
     clipped to that many times the median of the others' (per step, with ``norm_allowance_steps``
     below the others' median step count). It is the largest per step that is held back, so with
     ``"sqrt_below_median"`` a few-step contribution held back leaves a many-step one above the
-    ratio unclipped here (the syncer's history clip still bounds that one). At most two fragments
-    more in memory: still O(fragment size).
+    ratio unclipped here (the syncer's history clip still bounds that one); one the syncer could not
+    vouch for (``claims_unverified``) at ``unverified_norm_ratio`` if lower: before any history (a
+    run's first merges) no other norm reference exists. At most two fragments more in memory.
     """
 
     def __init__(
@@ -231,6 +232,7 @@ class MergeAccumulator:
         max_norm_ratio: float = 0.0,
         share_cap_min_count: int = 1,
         step_scaling: str = "per_step",
+        unverified_norm_ratio: float = 0.0,
     ) -> None:
         """Creates an empty accumulator.
 
@@ -245,6 +247,8 @@ class MergeAccumulator:
             share_cap_min_count: the share cap applies in merges of at least this many
                 contributions, and to contributions added with ``claims_unverified`` in any merge.
             step_scaling: one of ``STEP_SCALINGS`` (``norm_allowance_steps``).
+            unverified_norm_ratio: ``max_norm_ratio`` for a contribution added with
+                ``claims_unverified``, when lower (0: the same ratio for all).
 
         Raises:
             ValueError: on an unknown rule or a share outside [0.5, 1].
@@ -265,6 +269,7 @@ class MergeAccumulator:
         self._heavy: _Entry | None = None
         self._large: _Entry | None = None
         self._max_norm_ratio = float(max_norm_ratio)
+        self._unverified_norm_ratio = float(unverified_norm_ratio)
         self._folded: list[tuple[float, int]] = []  # (‖Δ‖ / steps, steps) of each contribution folded in
         self.held_norm_scale = 1.0  # the factor the largest contribution was scaled by (clipped: < 1)
         self.norm_clipped_key = ""  # whose contribution that was
@@ -357,7 +362,7 @@ class MergeAccumulator:
         steps = max(1, int(steps))
         entry = _Entry(delta, float(weight), norms, key, steps, math.sqrt(float(np.sum(np.square(norms)))) / steps,
                        bool(claims_unverified))
-        holding = (self._max_share < 1.0, self._max_norm_ratio > 0)
+        holding = (self._max_share < 1.0, self._max_norm_ratio > 0 or self._unverified_norm_ratio > 0)
         if not any(holding):
             self._fold_entry(entry)
             return
@@ -382,11 +387,13 @@ class MergeAccumulator:
         self._heavy = self._large = None
         if large is not None:
             others = self._folded + ([(heavy.per_step, heavy.steps)] if heavy is not None and heavy is not large else [])
-            limit = 0.0
+            limit, ratio = 0.0, self._max_norm_ratio
+            if large.claims_unverified and self._unverified_norm_ratio > 0:
+                ratio = min(ratio, self._unverified_norm_ratio) if ratio > 0 else self._unverified_norm_ratio
             if others:
                 allowance = norm_allowance_steps(large.steps, float(np.median([s for _, s in others])),
                                                  self._step_scaling)
-                limit = self._max_norm_ratio * float(np.median([n for n, _ in others])) * allowance
+                limit = ratio * float(np.median([n for n, _ in others])) * allowance
             norm = large.per_step * large.steps
             if limit > 0 and norm > limit:
                 self.held_norm_scale, self.norm_clipped_key = limit / norm, large.key
@@ -535,23 +542,20 @@ def vector_dot(a: np.ndarray, b: np.ndarray) -> float:
     """a·b of two 1-D vectors: float32 dot products over chunks, added in float64."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     b = np.ascontiguousarray(b, dtype=np.float32)
-    total = 0.0  # (BLAS dot products raise no numpy floating-point warnings)
-    for start in range(0, a.size, _NORM_CHUNK):
-        total += float(np.dot(a[start : start + _NORM_CHUNK], b[start : start + _NORM_CHUNK]))
+    total = _chunked_dot(a, b)
     if not math.isfinite(total):
         return float(np.dot(a.astype(np.float64), b.astype(np.float64)))
     return total
 
 
-def _norm(vector: np.ndarray) -> float:
-    """‖x‖ of a float32 vector: float32 sums of squares over chunks, added in float64.
+def _chunked_dot(a: np.ndarray, b: np.ndarray) -> float:
+    """a·b of two float32 vectors over chunks, added in float64 (BLAS dots raise no numpy warnings)."""
+    return float(sum(float(np.dot(a[i : i + _NORM_CHUNK], b[i : i + _NORM_CHUNK])) for i in range(0, a.size, _NORM_CHUNK)))
 
-    NaN or inf if a value is; exact in float64 when the float32 squares overflow.
-    """
-    total = 0.0  # (BLAS dot products raise no numpy floating-point warnings)
-    for start in range(0, vector.size, _NORM_CHUNK):
-        piece = vector[start : start + _NORM_CHUNK]
-        total += float(np.dot(piece, piece))
+
+def _norm(vector: np.ndarray) -> float:
+    """‖x‖ of a float32 vector (NaN or inf if a value is; exact in float64 when squares overflow)."""
+    total = _chunked_dot(vector, vector)
     if math.isinf(total):
         with np.errstate(over="ignore", invalid="ignore"):
             return float(np.linalg.norm(vector.astype(np.float64)))
@@ -573,9 +577,7 @@ def _unit(vector: np.ndarray) -> np.ndarray:
     return scaled / np.linalg.norm(scaled)
 
 
-def _check_batch(
-    vectors: Sequence[np.ndarray], weights: Sequence[float]
-) -> tuple[np.ndarray, np.ndarray]:
+def _check_batch(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     """Validates a batch merge's inputs; returns them stacked as float64 and the weights
     scaled to a maximum of 1 (equal weights when they are all 0)."""
     if len(vectors) == 0:

@@ -94,6 +94,9 @@ class NormBoundPolicy:
     # reject bound above (k = 20) only catches gross updates; this keeps updates within k from
     # moving the merged norm far (RDA's norm is the weighted mean of the contributions').
     clip_factor: float = 4.0
+    # The merge's own clip (in-merge median) for contributions the syncer cannot vouch for: claims
+    # clipped or unchecked, or clipped here in norm (MergeAccumulator unverified_norm_ratio; 0: off).
+    unverified_clip_factor: float = 2.0
     # The largest share of one merge's total weight a contribution may have (MergeAccumulator
     # max_share, in [0.5, 1]; 1: no cap), in merges of at least share_min_contributors (the others
     # are a majority to compare with) and for contributions whose claims were clipped.
@@ -114,8 +117,8 @@ class NormBoundPolicy:
             raise ValueError(f"action={self.action!r} must be one of {ACTIONS}")
         if self.factor < 0 or self.min_history < 1 or self.history < self.min_history:
             raise ValueError("need factor >= 0, min_history >= 1 and history >= min_history")
-        if self.batch_factor < 0 or self.clip_factor < 0:
-            raise ValueError("need batch_factor >= 0 and clip_factor >= 0 (0: off)")
+        if min(self.batch_factor, self.clip_factor, self.unverified_clip_factor) < 0:
+            raise ValueError("need batch_factor, clip_factor and unverified_clip_factor >= 0 (0: off)")
         if not 0.5 <= self.max_share <= 1.0:
             raise ValueError(f"max_share={self.max_share} must be in [0.5, 1] (1: no cap)")
         if self.share_min_contributors < 1 or self.clip_window_versions < 0 or self.clip_step_ratio < 0:

@@ -52,7 +52,7 @@ LEARNER_PACE = ["--step-delay-s", "0.03", "--log-every-steps", "50"]
 HOSTILE_ID = "learner-3"
 # Settings that turn the influence bounds off: the calibration run measures what honest learners
 # would do without them (shares before the cap, norms before clipping), which the defaults must allow.
-UNBOUNDED = ["--max-merge-share", "1", "--norm-clip-factor", "0"]
+UNBOUNDED = ["--max-merge-share", "1", "--norm-clip-factor", "0", "--unverified-clip-factor", "0"]
 # Issue 24's attack: noise of 10x the learner's own pseudo-gradient norm, 4x the steps, a 20x batch.
 NOISE_CLAIMS = ["--hostile", "noise:10", "--claim-steps", "4", "--claim-batch", "20"]
 # Two-sided 97.5 % quantiles of Student's t by degrees of freedom (the noise margin's); beyond: ~normal.
@@ -67,7 +67,7 @@ CASES: dict[str, tuple[list[str] | None, int, list[str]]] = {
     # The same attack with the bounds of before issue 24 (no share cap, a batch up to k = 20 x the
     # median, no median-of-norms clipping): what the defaults are measured against.
     "noise-claims-undefended": (NOISE_CLAIMS, 4, ["--max-merge-share", "1", "--max-batch-ratio", "20",
-                                                  "--norm-clip-factor", "0"]),
+                                                  "--norm-clip-factor", "0", "--unverified-clip-factor", "0"]),
     "signflip": (["--hostile", "signflip"], 4, []),
     "scaled": (["--hostile", "scale:10"], 4, []),
     # The bias is kept out of the hostile learner's own rebase (ddiloco/chaos/hostile_learner.py): before

@@ -292,7 +292,8 @@ class Replay:
         accumulator = merge_lib.MergeAccumulator(
             frag.layout, rule=inputs["rule"], embedding_rule=inputs["embedding_rule"],
             max_share=inputs["max_share"], max_norm_ratio=inputs["max_norm_ratio"],
-            share_cap_min_count=inputs.get("share_cap_min_count", 1), step_scaling=inputs.get("step_scaling", "per_step"))
+            share_cap_min_count=inputs.get("share_cap_min_count", 1), step_scaling=inputs.get("step_scaling", "per_step"),
+            unverified_norm_ratio=inputs.get("unverified_norm_ratio", 0.0))
         for c in sorted(record["contributors"], key=lambda c: c["fold"]["index"]):
             fold = c["fold"]
             try:

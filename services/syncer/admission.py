@@ -41,6 +41,9 @@ _LOG = logging.getLogger("ddiloco.syncer")
 STEP_RATE_FACTOR = 4.0
 # Clips of what a contribution claims (the others, "norm", bound what it is).
 CLAIMS = ("steps", "step_rate", "batch")
+# What makes a contribution one the syncer cannot vouch for: its claims, or its norm clipped against
+# the other learners' (claims_unverified).
+UNVOUCHED = CLAIMS + ("norm",)
 RATE_WINDOW_S = 5.0  # a learner's observed rate counts once its contributions span this long
 JUDGE_POLL_S = 0.02  # how often a contribution waiting for direction references looks again
 NORM_STRIKE_RATIO = 2.0
@@ -296,11 +299,12 @@ class Admission:
         return steps
 
     def claims_unverified(self, learner_id: str, fragment_id: int) -> bool:
-        """Whether the contribution being admitted had its claimed steps or batch clipped, or its
-        batch could not be checked (no other learners' history yet): the merge's share cap then
-        applies to it in a merge of any size (MergeAccumulator.add)."""
+        """Whether the contribution being admitted had its claimed steps or batch or its norm
+        clipped, or its batch could not be checked (no other learners' history yet): the merge's
+        share cap then applies to it in a merge of any size, and its tighter norm clip
+        (MergeAccumulator.add, unverified_norm_ratio)."""
         key = (learner_id, fragment_id)
-        return key in self._unchecked or any(what in CLAIMS for what in self._clips.get(key, ()))
+        return key in self._unchecked or any(what in UNVOUCHED for what in self._clips.get(key, ()))
 
     def _clip(self, clips: list[str], what: str) -> None:
         clips.append(what)

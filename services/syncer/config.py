@@ -147,6 +147,7 @@ class SyncerConfig:
     max_merge_share: float = 0.5  # no contribution above this share of a merge's total weight; 1: no cap
     max_batch_ratio: float = 4.0  # claimed tokens per step clipped to this x the other learners' median
     norm_clip_factor: float = 4.0  # per-step norm clipped to this x the other learners' median; 0: off
+    unverified_clip_factor: float = 2.0  # the merge's clip of contributions with unverified claims or norms; 0: off
     merge_ledger: str = ""  # append one JSON record per merge (hash-chained) here; empty: off
     merge_ledger_max_bytes: int = 64 << 20  # rotate to <file>.1 beyond this (at most twice this on disk)
     store_ledger: bool = True  # with a checkpoint store: every merge record goes to its ledger too
@@ -225,7 +226,7 @@ class SyncerConfig:
                 raise bad(name, "must be >= 0")
         if not 0.5 <= self.max_merge_share <= 1.0:
             raise bad("max_merge_share", "must be in [0.5, 1] (1: no cap)")
-        for name in ("max_batch_ratio", "norm_clip_factor", "merge_ledger_max_bytes"):
+        for name in ("max_batch_ratio", "norm_clip_factor", "unverified_clip_factor", "merge_ledger_max_bytes"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")
         if self.upload_idle_timeout_s <= 0:
@@ -329,6 +330,7 @@ class SyncerConfig:
                                           min_history=self.norm_bound_min_history,
                                           history=max(16, self.norm_bound_min_history),
                                           batch_factor=self.max_batch_ratio, clip_factor=self.norm_clip_factor,
+                                          unverified_clip_factor=self.unverified_clip_factor,
                                           max_share=self.max_merge_share)
 
     @property
@@ -381,13 +383,13 @@ def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
                                    download_codec="fp32", mixing_alpha=0.0, direction_check="off",
                                    merge_rule="equal_mean", embedding_merge_rule="equal_mean",
                                    outer_step_fraction="whole", norm_clip_factor=0.0, max_merge_share=1.0,
-                                   norm_bound_action="clip")
+                                   unverified_clip_factor=0.0, norm_bound_action="clip")
     if cfg.sync_mode == "dp":
         return dataclasses.replace(cfg, num_fragments=1, sync_period_steps=1, overlap_steps=0, grace_gamma=0.0,
                                    max_grace_s=0.0, upload_codec="fp32", download_codec="fp32", mixing_alpha=0.0,
                                    merge_rule="mean", embedding_merge_rule="mean", max_staleness_versions=0,
                                    norm_bound_factor=0.0, direction_check="off", outer_step_fraction="whole",
-                                   norm_clip_factor=0.0, max_merge_share=1.0)
+                                   norm_clip_factor=0.0, unverified_clip_factor=0.0, max_merge_share=1.0)
     return cfg
 
 
@@ -528,6 +530,10 @@ _HELPS = {
                         "per step over their contributions of the last 2 versions with steps within 2x of its own "
                         "(times its steps, or sqrt(steps x their median steps) below that) is scaled down to it "
                         "(accepted, no strike); 0: off",
+    "unverified_clip_factor": "the merge clips its largest contribution (per step) to this x the median of the "
+                              "merge's others when the syncer could not vouch for it: claimed steps or batch clipped "
+                              "or not checkable yet (a run's first merges), or its norm clipped (--norm-clip-factor "
+                              "applies otherwise); 0: off",
     "merge_ledger": "append one hash-chained JSON record per merge here (contributors, claims, weights, shares, "
                     "norms, cosines, refusals); `ddiloco audit --ledger` reads it; empty: off",
     "merge_ledger_max_bytes": "rotate the merge ledger to <file>.1 beyond this size",

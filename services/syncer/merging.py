@@ -163,6 +163,7 @@ class Rounds:
         inputs = {"rule": self.settings.merge_rule, "embedding_rule": self.settings.embedding_merge_rule,
                   "max_share": policy.max_share if policy.enabled else 1.0,
                   "max_norm_ratio": policy.clip_factor if policy.enabled else 0.0,
+                  "unverified_norm_ratio": policy.unverified_clip_factor if policy.enabled else 0.0,
                   "share_cap_min_count": policy.share_min_contributors, "step_scaling": policy.step_scaling}
         slot.round = slots_lib.Round(
             accumulator=merge_lib.MergeAccumulator(slot.fragment, **inputs),
@@ -189,7 +190,8 @@ class Rounds:
         that space. Call under the slot's lock. With a ledger, the fold-in's inputs are recorded
         in the order of the adds (`decoded`: the contribution as decoded, before clipping, whose
         hash is `contribution_sha256`). `claims_unverified`: admission clipped its claimed steps or
-        batch, or could not check them (the share cap applies to it in any merge)."""
+        batch or its norm, or could not check the batch (the share cap applies to it in any merge,
+        and the merge's tighter norm clip, MergeAccumulator unverified_norm_ratio)."""
         audit = self.influence.audit_mode if self.influence is not None else ""
 
         def fold() -> None:

@@ -19,6 +19,7 @@ from ddiloco.cli import render
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
+from services.syncer import config as config_lib
 from tests.fakes import join, make_core, settle
 
 
@@ -183,3 +184,59 @@ def test_the_merge_applies_the_share_cap_by_size_or_unverified_claims():
     assert merge({"a": 1.0, "unit": 16.0}, {"unit"}).capped == ("unit", 16.0, 1.0)
     assert merge({"a": 1.0, "b": 1.0, "x": 16.0}, set()).capped == ("x", 16.0, 2.0)
     assert merge({"a": 1.0, "unit": 16.0}, {"a"}).capped is None  # a is not above the share
+
+
+def test_the_merge_clips_a_contribution_it_cannot_vouch_for_at_the_tighter_ratio():
+    """A contribution whose claims are unverified (or whose norm was clipped) is clipped at
+    unverified_norm_ratio x the median of the merge's others when that is below max_norm_ratio; a
+    verified one of the same norm is left whole (issue 24: a hostile learner's first contributions,
+    before any history, were merged at 4x the honest norm)."""
+    unit = np.zeros(64, np.float32)
+    unit[0] = 1.0
+
+    def merge(unverified: bool, **ratios) -> merge_lib.MergeAccumulator:
+        acc = merge_lib.MergeAccumulator(_fragment(), **ratios)
+        for lid in "ab":
+            acc.add(unit * 4, 1.0, key=lid, steps=4, claims_unverified=True)
+        acc.add(unit * 12, 1.0, key="x", steps=4, claims_unverified=unverified)  # 3x the others per step
+        acc.scaled_result()
+        return acc
+
+    assert merge(True, max_norm_ratio=4.0, unverified_norm_ratio=2.0).held_norm_scale == pytest.approx(2 / 3)
+    assert merge(False, max_norm_ratio=4.0, unverified_norm_ratio=2.0).held_norm_scale == 1.0
+    assert merge(True, max_norm_ratio=4.0).held_norm_scale == 1.0  # 0: the same ratio for all
+    assert merge(True, unverified_norm_ratio=2.0).norm_clipped_key == "x"  # holds without max_norm_ratio
+    assert merge(True, max_norm_ratio=1.5, unverified_norm_ratio=2.0).held_norm_scale == pytest.approx(0.5)  # the lower
+
+
+def test_a_run_s_first_merge_clips_a_large_unchecked_contribution_to_twice_the_others(clock):
+    """Through SyncerCore with the shipped defaults: in the first merge nobody's batch can be checked
+    (no history), so a contribution at 3x the others' norm is clipped to 2x their median (the merged
+    outer gradient is smaller than without the tighter clip, --unverified-clip-factor 0)."""
+    async def first_merge(**overrides) -> tuple[syncer_pb2.MergeRecord, dict]:
+        core = make_core(clock, min_quorum=3, **overrides)
+        for lid in "abx":
+            join(core, lid)
+        rng = np.random.default_rng(5)
+        n = core.plan.fragments[0].numel
+        common = rng.normal(size=n)
+        for lid, scale in (("a", 1.0), ("b", 1.0), ("x", 3.0)):
+            await _upload(core, lid, 0, 0.01 * scale * (common + 0.1 * rng.normal(size=n)), tokens_per_step=100)
+        await settle()
+        assert core.slots[0].version == 1
+        return core.merges[0], {i.learner_id: i.clipped for i in core.training_state(0).influence}
+
+    tight, tight_clipped = asyncio.run(first_merge())
+    loose, loose_clipped = asyncio.run(first_merge(norm_bound=robust_lib.NormBoundPolicy(unverified_clip_factor=0.0)))
+    assert tight_clipped == {"a": 0, "b": 0, "x": 1} and loose_clipped == {"a": 0, "b": 0, "x": 0}
+    # RDA's merged norm is the weighted mean of the norms: (1 + 1 + 3) / 3 against (1 + 1 + 2) / 3.
+    assert tight.outer_grad_norm / loose.outer_grad_norm == pytest.approx(4 / 5, rel=0.05)
+
+
+def test_the_unverified_clip_factor_flag_reaches_the_policy_and_the_baselines_turn_it_off():
+    assert config_lib.SyncerConfig().norm_bound.unverified_clip_factor == 2.0
+    assert config_lib.SyncerConfig(unverified_clip_factor=3.0).norm_bound.unverified_clip_factor == 3.0
+    for mode in ("diloco", "dp"):
+        assert config_lib.apply_sync_mode(config_lib.SyncerConfig(sync_mode=mode)).unverified_clip_factor == 0.0
+    with pytest.raises(ValueError, match="unverified_clip_factor"):
+        config_lib.SyncerConfig(unverified_clip_factor=-1.0)
