@@ -320,3 +320,38 @@ def test_a_merge_whose_blob_the_store_pruned_is_unverifiable_not_a_mismatch(cloc
         assert outcome.replayed > 0  # the other fragment still replays
 
     asyncio.run(run())
+
+
+def test_the_merge_s_tighter_clip_of_an_unvouched_contribution_is_recorded_and_replayed(clock):
+    """The first merge of a run: no history checks anyone's batch, so `loud` (3x the others' norm)
+    is clipped in the merge at unverified_norm_ratio (2) x their median. The ratio is a merge input:
+    replay reproduces the merge with it, and a record that drops it (the 4x clip) is named."""
+    async def run() -> None:
+        core = make_core(clock, min_quorum=3)
+        run_id = core.config.run_id
+        store, sink = await _ledgered(core)
+        rng = np.random.default_rng(5)
+        n = core.plan.fragments[0].numel
+        common = rng.normal(size=n)
+        for lid, scale in (("a", 1.0), ("b", 1.0), ("loud", 3.0)):
+            join(core, lid)
+            await _upload(core, lid, 0, 0, 0.01 * scale * (common + 0.1 * rng.normal(size=n)), tokens_per_step=100)
+        await settle()
+        await wait_until_async(lambda: core.slots[0].version == 1, timeout_s=30.0, what="merged")
+        assert await sink.drain(10.0)
+        await sink.close()
+        record = audit_lib.verify_lines([line.encode() for line in store.lines], from_genesis=True)[0]
+        assert record["merge_inputs"]["unverified_norm_ratio"] == 2.0
+        loud = {c["learner"]: c for c in record["contributors"]}["loud"]
+        assert "norm_in_merge" in loud["clipped"] and loud["fold"]["claims_unverified"]
+        _, outcome = await audit_replay.replay(store, run_id, 0)
+        assert (outcome.mismatch, outcome.replayed) == ("", 1)
+
+        def without(record: dict) -> None:
+            del record["merge_inputs"]["unverified_norm_ratio"]
+
+        store.rewrite(0, without)
+        _, changed = await audit_replay.replay(store, run_id, 0)
+        assert f"fragment 0 version {record['version']}" in changed.mismatch, changed
+
+    asyncio.run(run())
