@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import pytest
 
 from ddiloco.rpc import channel as channel_lib
+from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -40,8 +41,9 @@ class SyncerProbe:
     """Reads a syncer's training state through its published port on 127.0.0.1 (gRPC errors propagate:
     callers poll through tests.waits.wait_for_rpc, which counts them as "not yet")."""
 
-    def __init__(self, address: str, *, timeout_s: float = 5.0) -> None:
-        self.channel = channel_lib.sync_channel(address)
+    def __init__(self, address: str, *, timeout_s: float = 5.0,
+                 security: security_lib.ClientSecurity | None = None) -> None:
+        self.channel = channel_lib.sync_channel(address, security)
         self.stub = syncer_pb2_grpc.SyncerStub(self.channel)
         self.timeout_s = timeout_s
 

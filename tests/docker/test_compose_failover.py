@@ -1,5 +1,10 @@
 """docker-compose.failover.yml on a real Docker engine: the leading syncer's whole region is lost.
 
+Twice: in plaintext, and with mutual TLS everywhere (docker-compose.tls.yml and
+docker-compose.failover-tls.yml on top: gRPC between every service, etcd's client and peer links;
+the test reads the syncers' state with the `operator` certificate the stack's `certs` service
+issued, dialling each syncer by its compose name).
+
 Two hub regions (a syncer, a checkpoint store and an etcd member each), region-c (the third etcd
 member), one learner in each of region-a and region-b given both syncers. Steps, every wait bounded:
   1. build, up; one syncer leads (epoch > 0), the other stands by naming it; merges from both
@@ -27,6 +32,7 @@ import pytest
 
 from ddiloco import history as history_lib
 from ddiloco.chaos import invariants
+from ddiloco.rpc import security as security_lib
 from ddiloco.v1 import syncer_pb2
 from tests import ports, waits
 from tests.docker import conftest as dc
@@ -35,6 +41,8 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 FAILOVER_FILE = REPO / "docker-compose.failover.yml"
+# In this order after FAILOVER_FILE (docker-compose.failover-tls.yml's header says why).
+TLS_FILES = [REPO / "docker-compose.tls.yml", REPO / "docker-compose.failover-tls.yml"]
 FAILOVER_BOUND_S = 10.0
 # A learner logs every STEP_LOG_EVERY steps; no two such lines this far apart around the failover.
 STEP_LOG_EVERY = 5
@@ -55,8 +63,9 @@ wait_until = functools.partial(waits.wait_for_rpc, interval_s=0.25)
 record = functools.partial(dc.record_timing, "docker failover", digits=2)
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
 def test_losing_the_leaders_whole_region_the_standby_leads_within_10_s(compose_project: dc.ComposeProject,
-                                                                         tmp_path) -> None:
+                                                                         tmp_path, tls: bool) -> None:
     project = compose_project
     published = {"syncer": ports.free_port(), "syncer-b": ports.free_port()}
     project.env.update({
@@ -83,10 +92,24 @@ def test_losing_the_leaders_whole_region_the_standby_leads_within_10_s(compose_p
         **{s: {"environment": SYNCER_ENV} for s in REGIONS},
         **{s: {"environment": LEARNER_ENV} for s in LEARNER_SERVICES},
     }}))
-    project.overrides.extend([FAILOVER_FILE, override])
-    probes = {s: dc.SyncerProbe(f"127.0.0.1:{p}", timeout_s=3.0) for s, p in published.items()}
+    project.overrides.extend([FAILOVER_FILE, *(TLS_FILES if tls else []), override])
+    probes: dict[str, dc.SyncerProbe] = {}
+
+    def connect() -> dict[str, dc.SyncerProbe]:
+        """Probes of both syncers (after `up`: with TLS, the stack's certs service issued the PKI)."""
+        credentials = {s: None for s in published}
+        if tls:
+            [certs] = project.container_ids("certs")
+            project.docker("cp", f"{certs}:/tls/operator", str(tmp_path / "operator"), timeout=60)
+            credentials = {s: security_lib.ClientSecurity(
+                tls_ca=str(tmp_path / "operator" / "ca.pem"), tls_cert=str(tmp_path / "operator" / "tls.pem"),
+                tls_key=str(tmp_path / "operator" / "tls.key"), tls_server_name=s) for s in published}
+        probes.update({s: dc.SyncerProbe(f"127.0.0.1:{p}", timeout_s=3.0, security=credentials[s])
+                       for s, p in published.items()})
+        return probes
+
     try:
-        _scenario(project, probes, tmp_path)
+        _scenario(project, connect, tmp_path, tls=tls)
     except BaseException:
         dc.report_logs(project.name, project.logs(tail=100_000), tmp_path)
         raise
@@ -113,7 +136,7 @@ def _leader(probes: dict[str, dc.SyncerProbe]) -> tuple[str, syncer_pb2.Training
     return leader, states[leader], states[standby]
 
 
-def _scenario(project: dc.ComposeProject, probes: dict[str, dc.SyncerProbe], tmp_path: pathlib.Path) -> None:
+def _scenario(project: dc.ComposeProject, connect, tmp_path: pathlib.Path, *, tls: bool) -> None:
     # ---- 1. build, up, a leader, merges from both regions, a committed checkpoint ------------
     t = time.monotonic()
     project.compose("build", "checkpoint", "etcd-a", timeout=900)
@@ -121,9 +144,12 @@ def _scenario(project: dc.ComposeProject, probes: dict[str, dc.SyncerProbe], tmp
     t = time.monotonic()
     project.compose("up", "--detach", timeout=300)
     up_s = time.monotonic() - t
+    probes = connect()
     learners = {s: project.container_ids(s) for s in LEARNER_SERVICES}
     assert all(len(ids) == 1 for ids in learners.values()), learners
-    learner_ids = {f"{s.removeprefix('learner-')}-{ids[0][:12]}" for s, ids in learners.items()}
+    # A learner's id: its region and container (plaintext), or its certificate's identity (TLS:
+    # docker-compose.tls.yml issues region-a-0 and region-b-0).
+    learner_ids = {f"{s.removeprefix('learner-')}-{'0' if tls else ids[0][:12]}" for s, ids in learners.items()}
 
     def ready():
         found = _leader(probes)
@@ -137,7 +163,7 @@ def _scenario(project: dc.ComposeProject, probes: dict[str, dc.SyncerProbe], tmp
     leader, st, _ = wait_until(ready, timeout_s=300, what="a leader, a standby naming it, merges from both "
                                "regions and a committed checkpoint")
     standby = next(s for s in REGIONS if s != leader)
-    record("1-up", build_s=build_s, up_s=up_s, ready_s=time.monotonic() - t - up_s, leader=leader,
+    record("1-up", tls=tls, build_s=build_s, up_s=up_s, ready_s=time.monotonic() - t - up_s, leader=leader,
            epoch=st.epoch, outer_steps=st.outer_steps, committed=st.last_checkpoint_outer_step)
 
     # ---- 2. kill the leader's whole region; the standby leads ----------------------------------
