@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
-import math
 import uuid
 from collections.abc import Callable, Mapping
 
@@ -39,33 +37,21 @@ from ddiloco.rpc import errors
 from ddiloco.wire import codec as codec_lib
 from . import admission as admission_lib
 from . import backpressure as backpressure_lib
+from . import evals as evals_lib
 from . import influence as influence_lib
 from . import membership as membership_lib
 from . import merging as merging_lib
 from . import publishing as publishing_lib
 from . import slots as slots_lib
+from . import snapshots as snapshots_lib
 from . import state as state_lib
 from . import wire_views
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
-_EVAL_HISTORY = 512
 ROUND_TRIGGERS = ("schedule", "upload")
 
-# Names that moved to the parts, kept here for one release: tests and tools import them from core.
-params_sha256 = fragments_lib.fragment_sha256
-Member = membership_lib.Member
-FLAG_REPLAY_MISMATCH = membership_lib.FLAG_REPLAY_MISMATCH
-FLAG_MALFORMED = membership_lib.FLAG_MALFORMED
-FLAG_NORM_BOUND = membership_lib.FLAG_NORM_BOUND
-FLAG_IMPERSONATION = membership_lib.FLAG_IMPERSONATION
-FLAG_QUARANTINED = membership_lib.FLAG_QUARANTINED
-FLAG_DIRECTION = membership_lib.FLAG_DIRECTION
-STRIKE_REASONS = membership_lib.STRIKE_REASONS
-NORM_STRIKE_RATIO = admission_lib.NORM_STRIKE_RATIO
-BOOTSTRAP_STRIKE_RATIO = admission_lib.BOOTSTRAP_STRIKE_RATIO
-UploadTicket = admission_lib.UploadTicket
-SyncerSnapshot = state_lib.SyncerSnapshot
+# The RunConfig learners adopt, built from flags (wire_views.make_run_config): tools build a core with it.
 make_run_config = wire_views.make_run_config
 
 
@@ -76,24 +62,6 @@ def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int
         raise ValueError(f"outer_step_fraction={outer_step_fraction!r} is not one of {outer_lib.OUTER_STEP_FRACTIONS}")
     if token_budget < 0:
         raise ValueError(f"token_budget={token_budget} must be >= 0")
-
-
-def _outer_steppers(plan: fragments_lib.FragmentPlan, outer_lr: float, outer_momentum: float,
-                    stepper_factory: Callable[[fragments_lib.Fragment], outer_lib.OuterStepper] | None,
-                    ) -> list[outer_lib.OuterStepper]:
-    """Each fragment's outer optimizer: the factory's, or one Nesterov SGD shared by all."""
-    if stepper_factory is None:
-        shared = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(outer_lr, outer_momentum))
-        return [shared for _ in plan.fragments]
-    return [stepper_factory(frag) for frag in plan.fragments]
-
-
-def _own_layout(plan: fragments_lib.FragmentPlan, layout: shards_lib.ShardLayout | None) -> shards_lib.ShardLayout:
-    """Fragment shards: every shard plans all P fragments (the same RunConfig) and owns some of them."""
-    layout = layout or shards_lib.ShardLayout(num_fragments=plan.num_fragments)
-    if layout.num_fragments != plan.num_fragments:
-        raise ValueError(f"the shard layout is for {layout.num_fragments} fragments, the plan has {plan.num_fragments}")
-    return layout
 
 
 class SyncerCore:
@@ -135,30 +103,31 @@ class SyncerCore:
         token_budget: int = 0, shard_layout: shards_lib.ShardLayout | None = None,
     ) -> None:
         _check_knobs(round_trigger, outer_step_fraction, token_budget)
-        self.shards = _own_layout(plan, shard_layout)  # which fragments this syncer owns (fragment shards)
         self.token_budget = token_budget
         self.config = run_config
         settings = wire_views.run_settings(run_config)
         self.plan = plan
         self.instance = uuid.uuid4().hex
-        self._clock = clock
-        self._wall = wall_clock
+        self.clock = clock  # read by the views of the state (wire_views, metrics)
+        self.wall_clock = wall_clock
         self.on_merge = on_merge
         self.norm_bound = norm_bound or robust_lib.NormBoundPolicy()
         # Off unless given (the syncer service passes SyncerConfig.direction_policy, on by default).
         self.direction = direction or robust_lib.DirectionPolicy(mode="off")
-        self.directions = robust_lib.DirectionGuard(self.direction, [plan.fragments[f] for f in sorted(self.owned)])
         self.observers = publishing_lib.Observers()
         self.watchers = publishing_lib.Watchers()
         # Fault tests only: __main__ arms named crash points here (ddiloco.failpoints).
         self.failpoint: Callable[[str], None] = lambda name: None
-        steppers = _outer_steppers(plan, outer_lr, outer_momentum, stepper_factory)
+        steppers = slots_lib.outer_steppers(plan, outer_lr, outer_momentum, stepper_factory)
         # A shard builds only its own fragments' values and state (`initial_params` needs no others).
-        self.slots = slots_lib.build_slots(plan, self.owned, initial_params, steppers, self.norm_bound)
+        self.slots = slots_lib.build_slots(plan, shard_layout, initial_params, steppers, self.norm_bound)
+        self.shards = self.slots.layout  # which fragments this syncer owns (fragment shards)
+        self.owned, self.owned_slots = self.slots.owned, self.slots.owned_slots
+        self.directions = robust_lib.DirectionGuard(self.direction, [plan.fragments[f] for f in sorted(self.owned)])
         self.publisher = publishing_lib.Publisher(download_codec=settings.download_codec,
                                                   block_size=settings.upload_block_size,
                                                   zstd_level=settings.zstd_level)
-        self.evals: collections.deque[state_lib.EvalSnapshot] = collections.deque(maxlen=_EVAL_HISTORY)
+        self.evals = evals_lib.EvalLog(wall_clock)
         self.uploads: collections.Counter = collections.Counter()  # shared by the parts: never rebound
         self.membership = membership_lib.Membership(
             model_fingerprint=settings.model_fingerprint, model_name=settings.model_name,
@@ -184,20 +153,13 @@ class SyncerCore:
         # For the ledger's replayable records: the outer optimizer, when it is the shared Nesterov SGD.
         self.rounds.outer = ({"lr": outer_lr, "momentum": outer_momentum, "nesterov": True}
                              if stepper_factory is None else None)
+        self.snapshots = snapshots_lib.Snapshots(
+            slots=self.slots, owned_slots=self.owned_slots, shards=self.shards, membership=self.membership,
+            rounds=self.rounds, uploads=self.uploads, evals=self.evals, clock=clock, wall_clock=wall_clock)
         self.started_at_unix_s = wall_clock()
         self.restored_from_checkpoint = False
         self.last_checkpoint_outer_step = 0
         self.last_checkpoint_unix_s = 0.0
-
-    @functools.cached_property
-    def owned(self) -> frozenset[int]:
-        return frozenset(self.shards.owned)
-
-    @functools.cached_property
-    def owned_slots(self) -> list[slots_lib.FragmentSlot]:
-        """The slots of the fragments this syncer owns: every one, or with fragment shards its shard's
-        (rounds, watch streams, the training state and checkpoints cover these alone)."""
-        return [slot for slot in self.slots if slot.fragment.fragment_id in self.owned]
 
     # ------------------------------------------------------------------ the parts, as before
 
@@ -208,14 +170,6 @@ class SyncerCore:
     def member(self, learner_id: str) -> membership_lib.Member | None:
         """The registered member of this id (any life), None if it never joined."""
         return self.membership.members.get(learner_id)
-
-    @property
-    def _quarantine_after(self) -> int:  # tests turn quarantine off on a built core
-        return self.membership.quarantine_after
-
-    @_quarantine_after.setter
-    def _quarantine_after(self, strikes: int) -> None:
-        self.membership.quarantine_after = strikes
 
     @property
     def direction_judgments(self) -> collections.Counter:
@@ -362,15 +316,7 @@ class SyncerCore:
 
     def versions(self) -> dict[int, int]:
         """The version of each fragment this syncer (shard) owns."""
-        return {s.fragment.fragment_id: s.version for s in self.owned_slots}
-
-    def require_owned(self, fragment_id: int) -> None:
-        """FAILED_PRECONDITION naming the owner when another shard owns the fragment."""
-        if fragment_id not in self.owned and 0 <= fragment_id < len(self.slots):
-            owner = self.shards.owner_of(fragment_id)
-            raise errors.FailedPrecondition(
-                f"fragment {fragment_id} belongs to syncer shard {owner} ({'|'.join(self.shards.addresses[owner])}), "
-                f"this is {self.shards.describe()}: send it there (JoinResponse.shards)", reason="not_owner")
+        return self.slots.versions()
 
     def fragment_digest(self, fragment_id: int) -> tuple[int, str, str]:
         """(version, published_sha256, params_sha256) of a fragment now."""
@@ -382,7 +328,7 @@ class SyncerCore:
         (wire_views.upload_header; the ticket carries it). Raises ServiceError (counted)."""
         header = wire_views.upload_header(header)
         try:
-            self.require_owned(header.fragment_id)
+            self.slots.require_owned(header.fragment_id)
         except errors.ServiceError as exc:
             self.record_rejection(exc.reason, header.learner_id, exc)
             raise
@@ -521,15 +467,8 @@ class SyncerCore:
     # ---------------------------------------------------------------------------------- evals
 
     def report_eval(self, req) -> None:
-        """`req`: a ReportEvalRequest (read through wire_views)."""
-        report = wire_views.eval_report(req)
-        self.check_protocol(report.protocol_version)
-        if not math.isfinite(report.heldout_loss):
-            raise errors.InvalidArgument("heldout_loss must be finite", reason="eval")
-        self.evals.append(state_lib.EvalSnapshot(at_unix_s=self._wall(), heldout_loss=report.heldout_loss,
-                                                 tokens_merged=report.tokens_merged, outer_steps=report.outer_steps))
-        _LOG.info("held-out loss",
-                  extra={"fields": {"loss": round(report.heldout_loss, 4), "evaluator": report.evaluator_id}})
+        """`req`: a ReportEvalRequest (read through wire_views); kept in the eval log (EvalLog.report)."""
+        self.evals.report(wire_views.eval_report(req))
         self._notify()
 
     # ---------------------------------------------------------------------------------- state
@@ -539,62 +478,13 @@ class SyncerCore:
         return wire_views.training_state(self, recent_merges)
 
     async def snapshot(self) -> state_lib.SyncerSnapshot:
-        """A consistent copy of everything a restart needs (each fragment copied under its lock)."""
-        fragments = []
-        for slot in self.owned_slots:  # a shard checkpoints only its own fragments
-            async with slot.lock:
-                fragments.append(state_lib.FragmentSnapshot.of(slot, self.members))
-        return state_lib.SyncerSnapshot(
-            fragments=fragments,
-            outer_steps=self.outer_steps,
-            tokens_merged=self.tokens_merged,
-            bytes_in=self.membership.bytes_in,
-            bytes_out=self.membership.bytes_out,
-            uploads=dict(self.uploads),
-            members={m.learner_id: state_lib.MemberSnapshot.of(m, self._clock()) for m in self.members.values()},
-            evals=list(self.evals),
-            quorum_time_s=self.rounds.quorum_time.value,
-            sync_time_s=self.rounds.sync_time.value,
-            global_step=self.schedule.global_step,
-            rounds_opened=[s.rounds_opened for s in self.slots],
-        )
+        """A consistent copy of everything a restart needs (Snapshots.take)."""
+        return await self.snapshots.take()
 
-    def restore(self, state: state_lib.SyncerSnapshot | Mapping) -> None:
-        """Loads a snapshot: as `snapshot` returns it, or its checkpoint form (checkpointing.decode_snapshot)."""
-        snapshot = state if isinstance(state, state_lib.SyncerSnapshot) else state_lib.SyncerSnapshot.from_dict(state)
-        by_id = {f.fragment_id: f for f in snapshot.fragments}
-        if sorted(by_id) != sorted(self.owned):
-            raise ValueError(
-                f"checkpoint has fragments {sorted(by_id)}, but this syncer ({self.shards.describe()} of a "
-                f"{len(self.slots)}-fragment plan) owns {sorted(self.owned)}: a checkpoint of a different "
-                "fragment plan or shard layout; start with the layout it was written with, or another --run-id")
-        for slot in self.owned_slots:
-            self._restore_slot(slot, by_id[slot.fragment.fragment_id])
-        self.rounds.restore(snapshot)
-        self.membership.bytes_in = snapshot.bytes_in
-        self.membership.bytes_out = snapshot.bytes_out
-        self.uploads.clear()  # the parts hold this counter: refilled, not replaced
-        self.uploads.update(snapshot.uploads)
-        # Fencing survives restarts: a learner must come back with an incarnation at least as new.
-        for learner_id, m in snapshot.members.items():
-            self.members[learner_id] = m.restore(snapshot.fragments, now_s=self._clock(), now_unix_s=self._wall())
-            if m.quarantine_remaining_s > 0:  # quarantine survives restarts too
-                self.membership.quarantines += 1
-        for e in snapshot.evals:
-            self.evals.append(e)
+    def restore(self, snapshot: state_lib.SyncerSnapshot) -> None:
+        """Loads a snapshot: as `snapshot` returns it, or as checkpointing.load_snapshot reads it back
+        (Snapshots.restore); this life then counts as restored from that checkpoint."""
+        self.snapshots.restore(snapshot)
         self.restored_from_checkpoint = True
         self.last_checkpoint_outer_step = self.outer_steps
         self.influence.restored_step = self.outer_steps  # the ledger's records name the lineage they follow
-        _LOG.info("restored", extra={"fields": {"outer_step": self.outer_steps,
-                                                "versions": self.versions(),
-                                                "sha256": [s.params_sha256[:12] for s in self.owned_slots]}})
-
-    @staticmethod
-    def _restore_slot(slot: slots_lib.FragmentSlot, frag: state_lib.FragmentSnapshot) -> None:
-        params = np.asarray(frag.params, dtype=np.float32)
-        if params.shape != (slot.fragment.numel,):
-            raise ValueError(f"checkpoint fragment {slot.fragment.fragment_id} has shape {params.shape}")
-        digest = fragments_lib.fragment_sha256(params)
-        if digest != frag.params_sha256:
-            raise ValueError(f"checkpoint fragment {slot.fragment.fragment_id} fails its sha256 check")
-        slot.reset(params, [np.asarray(a) for a in frag.opt_state], frag.version, digest)

@@ -25,7 +25,7 @@ from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from ddiloco.learner import client as client_lib
 from services.syncer import checkpointing
-from services.syncer import core as core_lib
+from services.syncer import membership as membership_lib
 from tests.fakes import FakeClock, join, join_all, settle
 from tests.security.conftest import Harness, Learner, code_of, encoded, honest_delta
 from tests.security.conftest import hostile_core as make_core
@@ -67,7 +67,7 @@ def test_norm_bound_rejects_a_huge_update_from_the_first_round():
         assert core.slots[0].params_sha256 == before and core.slots[0].round is None
         assert core.uploads["rejected_norm_bound"] == 1
         m = member(core, "hostile")
-        assert m.rejections["norm_bound"] == 1 and m.flags & core_lib.FLAG_NORM_BOUND and not m.quarantined
+        assert m.rejections["norm_bound"] == 1 and m.flags & membership_lib.FLAG_NORM_BOUND and not m.quarantined
 
     asyncio.run(run())
 
@@ -103,7 +103,7 @@ def test_norm_bound_is_relative_to_other_learners_per_tensor():
         # Both were less than twice the bound: refused, but "marginal", so no strikes towards quarantine.
         assert core.uploads["rejected_norm_bound_marginal"] == 2 and core.uploads["rejected_norm_bound"] == 0
         m = member(core, "x")
-        assert m.flags & core_lib.FLAG_NORM_BOUND and not m.quarantined
+        assert m.flags & membership_lib.FLAG_NORM_BOUND and not m.quarantined
         with pytest.raises(errors.InvalidArgument, match="norm bound"):  # a gross one is a strike
             await upload(core, "x", 1, 1e3 * honest_delta(n, 11))
         assert core.uploads["rejected_norm_bound"] == 1
@@ -133,12 +133,12 @@ def test_clip_mode_scales_the_update_down_to_the_bound():
     async def run():
         core = make_core(FakeClock(), action="clip", min_quorum=2)
         join_all(core, ("h1", "h2", "h3", "x"))
-        core._quarantine_after = 0  # this test looks at clipping alone
+        core.membership.quarantine_after = 0  # this test looks at clipping alone
         n = core.plan.fragments[0].numel
         for r in range(2):
             for i, lid in enumerate(("h1", "h2", "h3")):
                 await upload(core, lid, 0, honest_delta(n, 10 * r + i))
-            core._clock.now_s += 100  # past the grace window: the round (K=2) merges without x
+            core.clock.now_s += 100  # past the grace window: the round (K=2) merges without x
             core.tick()
             await settle()
         reference = np.median([np.linalg.norm(honest_delta(n, s)) for s in (10, 11, 12, 0, 1, 2)])
@@ -182,7 +182,7 @@ def test_quarantine_after_repeated_rejections_is_visible_and_sticky():
             with pytest.raises(errors.InvalidArgument):
                 await upload(core, "x", 0, 1e4 * honest_delta(n, i))
         m = member(core, "x")
-        assert m.quarantined and m.flags & core_lib.FLAG_QUARANTINED and m.rejections["norm_bound"] == 3
+        assert m.quarantined and m.flags & membership_lib.FLAG_QUARANTINED and m.rejections["norm_bound"] == 3
         assert m.quarantined_until_unix_s == pytest.approx(clock.now_s + 600)
         assert core.training_state(0).quarantines == 1
         # Refused before any payload check, even a perfectly honest one; and no longer waited for:
@@ -199,10 +199,10 @@ def test_quarantine_after_repeated_rejections_is_visible_and_sticky():
             await upload(core, "x", 1, honest_delta(core.plan.fragments[1].numel, 3), incarnation=2)
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         restored = make_core(FakeClock())
-        restored._clock.now_s = clock.now_s
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.clock.now_s = clock.now_s
+        restored.restore(checkpointing.load_snapshot(blobs))
         rm = member(restored, "x")
-        assert rm.quarantined and rm.flags & core_lib.FLAG_QUARANTINED and rm.rejections["norm_bound"] == 3
+        assert rm.quarantined and rm.flags & membership_lib.FLAG_QUARANTINED and rm.rejections["norm_bound"] == 3
         # It ends after quarantine_s.
         clock.now_s += 601
         assert not member(core, "x").quarantined
@@ -265,7 +265,7 @@ def test_the_same_refused_contribution_sent_again_counts_one_strike():
             with pytest.raises(errors.InvalidArgument, match="norm bound"):
                 await upload(core, "x", 0, same)
         m = member(core, "x")
-        assert m.rejections["norm_bound"] == 4 and m.flags & core_lib.FLAG_NORM_BOUND and not m.quarantined
+        assert m.rejections["norm_bound"] == 4 and m.flags & membership_lib.FLAG_NORM_BOUND and not m.quarantined
         # Other work is other evidence: on another fragment (same content) and with other content.
         with pytest.raises(errors.InvalidArgument, match="norm bound"):
             await upload(core, "x", 1, 1e4 * honest_delta(core.plan.fragments[1].numel, 1))

@@ -26,6 +26,7 @@ from ddiloco.wire import serde
 from ddiloco.learner import client as client_lib
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
+from services.syncer import membership as membership_lib
 from services.syncer import servicer as servicer_lib
 from tests.fakes import make_core
 from tests.service.conftest import serve_syncer
@@ -220,7 +221,7 @@ def test_frames_that_are_not_messages_are_refused_as_malformed_not_internal():
             assert state.uploads["rejected_malformed"] == len(_GARBAGE_FRAMES) + 1, dict(state.uploads)
             assert "rejected_internal" not in state.uploads, dict(state.uploads)
             member = core.members["learner-0"]
-            assert member.rejections["malformed"] == 1 and member.flags & core_lib.FLAG_MALFORMED
+            assert member.rejections["malformed"] == 1 and member.flags & membership_lib.FLAG_MALFORMED
             assert [f.pending_contributions for f in state.fragments] == [0] and core.slots[0].version == 0
             response = await asyncio.wait_for(client_lib.send_upload(served.stub, good, 10.0), 15)
             assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED

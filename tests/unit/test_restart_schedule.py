@@ -147,7 +147,7 @@ def test_the_syncer_hands_a_rejoining_learner_the_steps_of_its_earlier_lives():
         # A restarted syncer keeps the count (its checkpoint): a's next life starts at 200.
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         restored = make_core(FakeClock())
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.restore(checkpointing.load_snapshot(blobs))
         assert join(restored, "a", incarnation=4).schedule_start_step == 200
         assert join(restored, "c").schedule_start_step == 0
 

@@ -64,14 +64,14 @@ def test_delta_downloads_reconstruct_published_bit_exactly_with_error_feedback(c
             delta_version, delta = core.delta_payload(slot, version - 1)
             assert delta_version == version and delta.codec == codec
             held = serde.apply_delta(held, _decode(delta))
-            assert core_lib.params_sha256(held) == slot.published_sha256  # bit-identical to the syncer
+            assert fragments_lib.fragment_sha256(held) == slot.published_sha256  # bit-identical to the syncer
             errors.append(float(np.max(np.abs(held - slot.params))))
             # The exact download is of the published values, not of the syncer's own parameters.
             _, exact = await core.encoded_payload(slot)
-            assert core_lib.params_sha256(_decode(exact)) == slot.published_sha256
+            assert fragments_lib.fragment_sha256(_decode(exact)) == slot.published_sha256
         state = core.training_state(0)
         assert state.fragments[0].published_sha256 == slot.published_sha256
-        assert state.fragments[0].params_sha256 == core_lib.params_sha256(slot.params)
+        assert state.fragments[0].params_sha256 == fragments_lib.fragment_sha256(slot.params)
         # Error feedback: the gap to the true parameters never accumulates past one step's error.
         step_bound = codec_lib.max_abs_error_bound(codec, float(np.max(np.abs(slot.params))) + 1.0)
         assert max(errors) <= step_bound

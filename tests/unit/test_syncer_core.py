@@ -126,7 +126,7 @@ def test_snapshot_round_trips_bit_exactly_through_checkpoint_blobs(clock):
         await settle()
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         restored = make_core(FakeClock())
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.restore(checkpointing.load_snapshot(blobs))
         for a, b in zip(core.slots, restored.slots):
             assert a.version == b.version and a.params.tobytes() == b.params.tobytes()
             assert all(np.array_equal(x, y) for x, y in zip(a.opt_state, b.opt_state))
@@ -294,7 +294,7 @@ def test_the_token_budget_is_the_fleets_over_every_life_and_survives_a_restore()
         assert core.training_state(0).token_budget == 1000 and core.training_state(0).tokens_processed == 1000
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         restored = make_core(FakeClock(), token_budget=1000)
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.restore(checkpointing.load_snapshot(blobs))
         assert restored.budget_reached()  # a restarted syncer does not hand out the budget again
         # No budget: never reached, whatever was processed.
         unbounded = make_core(FakeClock())
@@ -381,7 +381,7 @@ def test_data_shards_survive_a_syncer_restart():
             _join_data(core, lid)
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         restored = make_core(FakeClock())
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.restore(checkpointing.load_snapshot(blobs))
         assert _join_data(restored, "region-b-cccccccccccc", incarnation=2).data_shard == 2
         assert _shards(restored)["region-b-cccccccccccc"] == (2, True)
 

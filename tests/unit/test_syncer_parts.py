@@ -52,11 +52,16 @@ def test_the_snapshot_is_typed_and_its_checkpoint_form_round_trips():
         again = state_lib.SyncerSnapshot.from_dict(form)
         assert _plain(again.to_dict()) == _plain(form)
         assert all(np.array_equal(x.params, y.params) for x, y in zip(again.fragments, snap.fragments))
-        # Typed or in its checkpoint form, a snapshot makes the same checkpoint blobs.
-        assert checkpointing.encode_snapshot(snap) == checkpointing.encode_snapshot(form)
-        # Item access reads the checkpoint form, as the dict this replaced did.
-        assert snap["outer_steps"] == 1 and snap["fragments"][0]["params_sha256"] == snap.fragments[0].params_sha256
-        assert snap["members"]["b"]["incarnation"] == 1 and "learner_id" not in snap["members"]["b"]
+        assert form["members"]["b"]["incarnation"] == 1 and "learner_id" not in form["members"]["b"]
+        # The checkpoint's blobs read back as the typed snapshot (a syncer restores nothing else).
+        blobs, _ = checkpointing.encode_snapshot(snap)
+        loaded = checkpointing.load_snapshot(blobs)
+        assert isinstance(loaded, state_lib.SyncerSnapshot) and _plain(loaded.to_dict()) == _plain(form)
+        assert checkpointing.encode_snapshot(loaded) == (blobs, _)
+        with pytest.raises(TypeError, match="SyncerSnapshot"):
+            checkpointing.encode_snapshot(form)
+        with pytest.raises(TypeError, match="SyncerSnapshot"):
+            make_core(clock).restore(checkpointing.decode_snapshot(blobs))  # the checkpoint form is for tools
 
         restored = make_core(clock)
         restored.restore(snap)
@@ -80,7 +85,7 @@ def test_a_checkpoint_from_before_the_newer_fields_restores_with_their_defaults(
             "members": {"a": {"incarnation": 3}},
         }
         core = make_core(FakeClock())
-        core.restore(oldest)
+        core.restore(state_lib.SyncerSnapshot.from_dict(oldest))
         member = core.members["a"]
         assert (member.incarnation, member.region, member.joins, member.data_shard) == (3, "", 1, -1)
         assert not core.is_quarantined(member) and member.merged_marks == {}
@@ -93,7 +98,7 @@ def test_a_checkpoint_from_before_the_newer_fields_restores_with_their_defaults(
         # A checkpoint whose fragment fails its digest is refused.
         oldest["fragments"][0] = {**oldest["fragments"][0], "params_sha256": "0" * 64}
         with pytest.raises(ValueError, match="sha256"):
-            make_core(FakeClock()).restore(oldest)
+            make_core(FakeClock()).restore(state_lib.SyncerSnapshot.from_dict(oldest))
 
     asyncio.run(run())
 

@@ -126,13 +126,13 @@ def test_a_shard_checkpoints_and_restores_only_its_fragments_and_refuses_another
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         assert sorted(n for n in blobs if n.startswith("fragment/")) == ["fragment/1"]
         restored = _shard_core(FakeClock(), 1)
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.restore(checkpointing.load_snapshot(blobs))
         assert restored.versions() == {1: 1} and restored.restored_from_checkpoint
         assert restored.slots[1].params.tobytes() == core.slots[1].params.tobytes()
         with pytest.raises(ValueError, match="shard 0 of 2 .* owns \\[0\\].*different .*shard layout"):
-            _shard_core(FakeClock(), 0).restore(checkpointing.decode_snapshot(blobs))
+            _shard_core(FakeClock(), 0).restore(checkpointing.load_snapshot(blobs))
         with pytest.raises(ValueError, match="unsharded .* owns \\[0, 1\\]"):
-            make_core(FakeClock()).restore(checkpointing.decode_snapshot(blobs))
+            make_core(FakeClock()).restore(checkpointing.load_snapshot(blobs))
 
     asyncio.run(run())
 
