@@ -4,10 +4,12 @@ Owns the wiring of the parts and the path of an upload through them: `membership
 fencing, liveness, quarantine; membership.py), `admission` (header checks, decoding, norm bound,
 direction check; admission.py), `rounds` (merge rounds, grace window and timers, the outer step;
 merging.py), `publisher` / `watchers` / `observers` (what leaves the core; publishing.py), the
-per-fragment slots (slots.py), the eval log, and the typed snapshot it assembles from state.py's
-pieces. The parts tell the core about changes through callbacks; only the core calls across parts.
-No protobuf here either: the request messages the servicer passes in are read through their plain
-forms, and the responses and the TrainingState are built, by services/syncer/wire_views.py.
+per-fragment `slots` and which of them this syncer owns (slots.py), `evals` (the eval log;
+evals.py) and `snapshots` (the typed snapshot a restart needs; snapshots.py). The parts tell the
+core about changes through callbacks; only the core calls across parts.
+No protobuf here either: the core takes the plain forms of the requests and answers with plain
+values; the servicer makes those forms and builds every response and the TrainingState from them
+(services/syncer/wire_views.py).
 
 Concurrency: everything runs on one asyncio loop. Heavy numpy work (decode, fold-in, outer
 step, encode) runs in worker threads while the fragment's asyncio.Lock is held, so one fragment
@@ -24,6 +26,7 @@ import collections
 import logging
 import uuid
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,6 +56,21 @@ ROUND_TRIGGERS = ("schedule", "upload")
 
 # The RunConfig learners adopt, built from flags (wire_views.make_run_config): tools build a core with it.
 make_run_config = wire_views.make_run_config
+
+
+class Joined(NamedTuple):
+    """A join's result, what its JoinResponse is built from (wire_views.join_response)."""
+
+    member: membership_lib.Member
+    assign_data_shard: bool  # this syncer placed the learner on a data shard (shard 0 alone does)
+
+
+class Accepted(NamedTuple):
+    """An upload's result, what its UploadFragmentResponse is built from (wire_views.upload_response)."""
+
+    duplicate: bool
+    current_version: int
+    weight: float
 
 
 def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int) -> None:
@@ -103,13 +121,10 @@ class SyncerCore:
         token_budget: int = 0, shard_layout: shards_lib.ShardLayout | None = None,
     ) -> None:
         _check_knobs(round_trigger, outer_step_fraction, token_budget)
-        self.token_budget = token_budget
-        self.config = run_config
+        self.config, self.plan, self.token_budget = run_config, plan, token_budget
         settings = wire_views.run_settings(run_config)
-        self.plan = plan
         self.instance = uuid.uuid4().hex
-        self.clock = clock  # read by the views of the state (wire_views, metrics)
-        self.wall_clock = wall_clock
+        self.clock, self.wall_clock = clock, wall_clock  # read by the views of the state too (wire_views, metrics)
         self.on_merge = on_merge
         self.norm_bound = norm_bound or robust_lib.NormBoundPolicy()
         # Off unless given (the syncer service passes SyncerConfig.direction_policy, on by default).
@@ -125,8 +140,7 @@ class SyncerCore:
         self.owned, self.owned_slots = self.slots.owned, self.slots.owned_slots
         self.directions = robust_lib.DirectionGuard(self.direction, [plan.fragments[f] for f in sorted(self.owned)])
         self.publisher = publishing_lib.Publisher(download_codec=settings.download_codec,
-                                                  block_size=settings.upload_block_size,
-                                                  zstd_level=settings.zstd_level)
+                                                  block_size=settings.upload_block_size, zstd_level=settings.zstd_level)
         self.evals = evals_lib.EvalLog(wall_clock)
         self.uploads: collections.Counter = collections.Counter()  # shared by the parts: never rebound
         self.membership = membership_lib.Membership(
@@ -158,8 +172,8 @@ class SyncerCore:
             rounds=self.rounds, uploads=self.uploads, evals=self.evals, clock=clock, wall_clock=wall_clock)
         self.started_at_unix_s = wall_clock()
         self.restored_from_checkpoint = False
-        self.last_checkpoint_outer_step = 0
-        self.last_checkpoint_unix_s = 0.0
+        # The last committed checkpoint (__main__'s checkpointer sets them; restore too).
+        self.last_checkpoint_outer_step, self.last_checkpoint_unix_s = 0, 0.0
 
     # ------------------------------------------------------------------ the parts, as before
 
@@ -176,10 +190,6 @@ class SyncerCore:
         return self.admission.direction_judgments
 
     @property
-    def delta_downloads(self) -> bool:
-        return self.publisher.delta_downloads
-
-    @property
     def change_counter(self) -> int:
         return self.watchers.counter
 
@@ -190,10 +200,6 @@ class SyncerCore:
     @property
     def max_grace_s(self) -> float:
         return self.rounds.max_grace_s
-
-    @property
-    def scheduled(self) -> bool:
-        return self.rounds.scheduled
 
     @property
     def schedule(self) -> rounds_lib.RoundSchedule:
@@ -222,10 +228,10 @@ class SyncerCore:
     def check_protocol(self, version: int) -> None:
         membership_lib.check_protocol(version)
 
-    def join(self, req):
+    def join(self, args: membership_lib.JoinArgs) -> Joined:
         """Registers a learner; a higher incarnation replaces (fences off) the previous life.
-        `req`: a JoinRequest, read and answered (JoinResponse) through wire_views."""
-        args = wire_views.join_args(req)
+        `args`: a JoinRequest's plain form (wire_views.join_args); the answer is built from the
+        result by wire_views.join_response."""
         if self.shards.index != 0 and args.assign_data_shard:
             # Data shards are assigned by shard 0 alone (the learner joins it first); the other shards
             # record the one the learner pins, so that two shards never hand out different ones.
@@ -233,7 +239,7 @@ class SyncerCore:
         member, replaced = self.membership.join(args)
         if replaced is not None:
             self.schedule.forget((replaced.learner_id, replaced.incarnation))
-        return wire_views.join_response(self, member, assign_data_shard=args.assign_data_shard)
+        return Joined(member, args.assign_data_shard)
 
     def require_member(self, learner_id: str, incarnation: int) -> membership_lib.Member:
         """The registered member for this exact life, or FAILED_PRECONDITION."""
@@ -242,9 +248,9 @@ class SyncerCore:
     def is_current(self, learner_id: str, incarnation: int) -> bool:
         return self.membership.is_current(learner_id, incarnation)
 
-    def report_progress(self, req, wire_bytes: int):
-        """`req`: a ReportProgressRequest, read and answered (ReportProgressResponse) through wire_views."""
-        progress = wire_views.progress(req)
+    def report_progress(self, progress: membership_lib.Progress, wire_bytes: int) -> None:
+        """`progress`: a ReportProgressRequest's plain form (wire_views.progress). The answer is the
+        versions and whether the budget is spent (wire_views.progress_response)."""
         member = self.membership.seen(progress)
         if progress.finished and not member.finished:
             member.finished = True
@@ -254,15 +260,15 @@ class SyncerCore:
             # gone silent (a crash) since, and only a report or a timer brings the syncer here.
             self.tick()
         self.membership.note_step_stats(member, progress, wire_bytes)
-        if self.scheduled and not member.finished:
+        if self.rounds.scheduled and not member.finished:
             self.schedule.observe((member.learner_id, member.incarnation), progress.local_step,
                                   len(self.expected_learners()))
-            self.open_due_rounds()
-        return wire_views.progress_response(self.versions(), budget_reached=self.budget_reached())
+            self.rounds.open_due()  # the rounds the schedule says are due
 
-    def leave(self, req) -> None:
-        """`req`: a LeaveRequest (read through wire_views)."""
-        member = self.membership.leave(**wire_views.leave_args(req))
+    def leave(self, *, learner_id: str, incarnation: int, protocol_version: int) -> None:
+        """A learner life leaves the run (a LeaveRequest's fields: wire_views.leave_args)."""
+        member = self.membership.leave(learner_id=learner_id, incarnation=incarnation,
+                                       protocol_version=protocol_version)
         self.schedule.forget((member.learner_id, member.incarnation))
         self.rounds.open_if_nobody_trains()
         self._notify()
@@ -287,9 +293,6 @@ class SyncerCore:
         so the run overshoots by at most what the fleet processes in one report interval."""
         return self.token_budget > 0 and self.tokens_processed() >= self.token_budget
 
-    def is_quarantined(self, member: membership_lib.Member) -> bool:
-        return self.membership.is_quarantined(member)
-
     def record_rejection(self, reason: str, learner_id: str = "", exc: BaseException | None = None, *,
                          work: tuple | None = None) -> None:
         """Counts one refused upload by reason, once; a strike once per `work` (Membership.record_rejection)."""
@@ -297,10 +300,6 @@ class SyncerCore:
 
     def record_auth_failure(self, reason: str, *, caller: str = "", method: str = "") -> None:
         self.membership.record_auth_failure(reason, caller=caller, method=method)
-
-    def quarantine(self, member: membership_lib.Member, *, reason: str, duration_s: float | None = None) -> None:
-        """Refuses the learner's uploads for `duration_s` (default quarantine_s; 0 or inf: until restart)."""
-        self.membership.quarantine(member, reason=reason, duration_s=duration_s)
 
     def _after_quarantine(self) -> None:
         # Rounds that were waiting for this learner may now be complete, as on leave: left to their
@@ -318,15 +317,22 @@ class SyncerCore:
         """The version of each fragment this syncer (shard) owns."""
         return self.slots.versions()
 
+    async def open_payload(self, header: admission_lib.UploadHeader) -> admission_lib.IncomingPayload:
+        """The payload of a validated header, fed chunk by chunk as it arrives (Admission.open_payload)."""
+        return await self.admission.open_payload(header)
+
+    def close_payload(self, incoming: admission_lib.IncomingPayload | None) -> None:
+        """Releases what `open_payload` took, once, whatever became of the upload."""
+        self.admission.close_payload(incoming)
+
     def fragment_digest(self, fragment_id: int) -> tuple[int, str, str]:
         """(version, published_sha256, params_sha256) of a fragment now."""
         s = self.slots[fragment_id]
         return s.version, s.published_sha256, s.params_sha256
 
-    def validate_upload_header(self, header) -> admission_lib.UploadTicket:
+    def validate_upload_header(self, header: admission_lib.UploadHeader) -> admission_lib.UploadTicket:
         """All checks that need no payload (Admission.validate), on the UploadHeader's plain form
         (wire_views.upload_header; the ticket carries it). Raises ServiceError (counted)."""
-        header = wire_views.upload_header(header)
         try:
             self.slots.require_owned(header.fragment_id)
         except errors.ServiceError as exc:
@@ -335,10 +341,11 @@ class SyncerCore:
         return self.admission.validate(header)
 
     async def accept_upload(self, ticket: admission_lib.UploadTicket, payload: bytes, wire_bytes: int, *,
-                            wait_budget_s: float | None = None):
+                            wait_budget_s: float | None = None) -> Accepted:
         """Decodes, bounds, corrects to the current version and folds one contribution into its
-        round; answers with an UploadFragmentResponse (wire_views.upload_response). Raises ServiceError (counted, on the learner too). `wait_budget_s` bounds how long
-        the contribution may wait for others to be judged against (the caller's deadline)."""
+        round; the answer (wire_views.upload_response) is built from the result. Raises
+        ServiceError (counted, on the learner too). `wait_budget_s` bounds how long the
+        contribution may wait for others to be judged against (the caller's deadline)."""
         try:
             async with self.admission.decode_permit(payload):  # a payload decoded on arrival holds its own
                 return await self._accept_upload(ticket, payload, wire_bytes, wait_budget_s)
@@ -351,7 +358,7 @@ class SyncerCore:
             self.directions.withdraw(ticket.header.learner_id, ticket.header.fragment_id)
 
     async def _accept_upload(self, ticket: admission_lib.UploadTicket, payload: bytes, wire_bytes: int,
-                             wait_budget_s: float | None = None):
+                             wait_budget_s: float | None = None) -> Accepted:
         header = ticket.header
         member = self.require_member(header.learner_id, header.incarnation)
         self.count_bytes(member, inbound=wire_bytes, codec=ticket.codec)
@@ -386,11 +393,11 @@ class SyncerCore:
             version_at_accept = slot.version
         self.rounds.open_if_nobody_trains()
         self.tick()
-        return wire_views.upload_response(duplicate=False, current_version=version_at_accept, weight=weight)
+        return Accepted(duplicate=False, current_version=version_at_accept, weight=weight)
 
-    def _duplicate(self, slot: slots_lib.FragmentSlot, weight: float):
+    def _duplicate(self, slot: slots_lib.FragmentSlot, weight: float) -> Accepted:
         self.uploads["duplicate"] += 1
-        return wire_views.upload_response(duplicate=True, current_version=slot.version, weight=weight)
+        return Accepted(duplicate=True, current_version=slot.version, weight=weight)
 
     # ---------------------------------------------------------------------------------- rounds
 
@@ -406,10 +413,6 @@ class SyncerCore:
         self.rounds.open_if_nobody_trains()  # the last training learner may have gone silent
         self.rounds.decide(self.grace_window_s())
 
-    def open_due_rounds(self) -> list[int]:
-        """Opens the rounds the schedule says are due; returns their fragment ids."""
-        return self.rounds.open_due()
-
     def note_hold(self, header: admission_lib.UploadHeader, hold_s: float) -> None:
         """The back-pressure hint an accepted upload's response carries (Membership.note_hold)."""
         self.membership.note_hold(header.learner_id, header.incarnation, header.fragment_id, hold_s)
@@ -418,11 +421,11 @@ class SyncerCore:
         """The call to send this learner for the fragment's open round, if it has not contributed."""
         return self.rounds.round_call(fragment_id, learner_id)
 
-    def receipt(self, learner_id: str, incarnation: int, fragment_id: int, version: int):
-        """This learner life's MergeReceipt for a version of a fragment."""
+    def merged_through_step(self, learner_id: str, incarnation: int, fragment_id: int, version: int) -> int:
+        """How far (local step) this learner life's work on the fragment is held by `version`: its
+        MergeReceipt's mark (wire_views.merge_receipt); 0 when the version holds none of it."""
         member = self.members.get(learner_id)
-        mark = member.mark_at(fragment_id, version) if member is not None and member.incarnation == incarnation else 0
-        return wire_views.merge_receipt(fragment_id, version, mark)
+        return member.mark_at(fragment_id, version) if member is not None and member.incarnation == incarnation else 0
 
     def broadcast_sent(self, learner_id: str, fragment_id: int, version: int) -> None:
         """A watch stream sent `version` to a learner (the grace window's sync time)."""
@@ -466,16 +469,12 @@ class SyncerCore:
 
     # ---------------------------------------------------------------------------------- evals
 
-    def report_eval(self, req) -> None:
-        """`req`: a ReportEvalRequest (read through wire_views); kept in the eval log (EvalLog.report)."""
-        self.evals.report(wire_views.eval_report(req))
+    def report_eval(self, report: state_lib.EvalReport) -> None:
+        """A ReportEvalRequest's plain form (wire_views.eval_report), kept in the eval log (EvalLog.report)."""
+        self.evals.report(report)
         self._notify()
 
     # ---------------------------------------------------------------------------------- state
-
-    def training_state(self, recent_merges: int):
-        """The TrainingState now, with the last `recent_merges` merges (wire_views.training_state)."""
-        return wire_views.training_state(self, recent_merges)
 
     async def snapshot(self) -> state_lib.SyncerSnapshot:
         """A consistent copy of everything a restart needs (Snapshots.take)."""

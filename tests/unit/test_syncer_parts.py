@@ -15,6 +15,7 @@ from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 from services.syncer import checkpointing
 from services.syncer import state as state_lib
+from services.syncer import wire_views
 from tests.fakes import FakeClock, join, make_core, progress, settle, upload
 
 
@@ -30,12 +31,12 @@ def test_the_snapshot_is_typed_and_its_checkpoint_form_round_trips():
         core = make_core(clock, quarantine_after=3)
         join(core, "a")
         join(core, "b")
-        core.quarantine(core.members["b"], reason="test", duration_s=100.0)
+        core.membership.quarantine(core.members["b"], reason="test", duration_s=100.0)
         n = core.plan.fragments[0].numel
         await upload(core, "a", 0, 0, np.full(n, 0.05))
         await settle()
-        core.report_eval(syncer_pb2.ReportEvalRequest(protocol_version=serde.PROTOCOL_VERSION, heldout_loss=3.5,
-                                                      tokens_merged=200))
+        core.report_eval(wire_views.eval_report(syncer_pb2.ReportEvalRequest(
+            protocol_version=serde.PROTOCOL_VERSION, heldout_loss=3.5, tokens_merged=200)))
         clock.advance(40.0)
         snap = await core.snapshot()
         assert isinstance(snap, state_lib.SyncerSnapshot) and snap.outer_steps == 1
@@ -66,9 +67,9 @@ def test_the_snapshot_is_typed_and_its_checkpoint_form_round_trips():
         restored = make_core(clock)
         restored.restore(snap)
         b = restored.members["b"]
-        assert restored.is_quarantined(b) and b.quarantined_until_s == pytest.approx(clock.now_s + 60.0)
-        assert restored.training_state(0).quarantines == 1 and restored.outer_steps == 1
-        assert [e.heldout_loss for e in restored.training_state(0).evals] == [3.5]
+        assert restored.membership.is_quarantined(b) and b.quarantined_until_s == pytest.approx(clock.now_s + 60.0)
+        assert wire_views.training_state(restored, 0).quarantines == 1 and restored.outer_steps == 1
+        assert [e.heldout_loss for e in wire_views.training_state(restored, 0).evals] == [3.5]
 
     asyncio.run(run())
 
@@ -88,8 +89,8 @@ def test_a_checkpoint_from_before_the_newer_fields_restores_with_their_defaults(
         core.restore(state_lib.SyncerSnapshot.from_dict(oldest))
         member = core.members["a"]
         assert (member.incarnation, member.region, member.joins, member.data_shard) == (3, "", 1, -1)
-        assert not core.is_quarantined(member) and member.merged_marks == {}
-        state = core.training_state(0)
+        assert not core.membership.is_quarantined(member) and member.merged_marks == {}
+        state = wire_views.training_state(core, 0)
         assert (state.outer_steps, state.tokens_merged, state.bytes_in, dict(state.uploads)) == (7, 900, 0, {})
         assert state.restored_from_checkpoint and core.schedule.global_step == 0.0
         with pytest.raises(errors.FailedPrecondition, match="older than the registered"):
