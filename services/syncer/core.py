@@ -175,7 +175,7 @@ class SyncerCore:
         # The last committed checkpoint (__main__'s checkpointer sets them; restore too).
         self.last_checkpoint_outer_step, self.last_checkpoint_unix_s = 0, 0.0
 
-    # ------------------------------------------------------------------ the parts, as before
+    # ------------------------------------------- the parts' state, as the views and tools read it
 
     @property
     def members(self) -> dict[str, membership_lib.Member]:

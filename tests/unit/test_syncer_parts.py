@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -127,5 +128,51 @@ def test_the_facade_reports_digests_pending_work_and_cancels_grace_timers():
         assert version == 1 and core.pending_contributions() == []
         assert (published, params) == (core.slots[0].published_sha256, core.slots[0].params_sha256)
         assert published == serde.params_sha256(core.slots[0].published)
+
+    asyncio.run(run())
+
+
+class _Ref(NamedTuple):
+    name: str
+    digest: str
+
+
+class _Manifest(NamedTuple):
+    step: int
+    blobs: list[_Ref]
+
+
+class _Store:
+    """The two calls a syncer's restore makes of the checkpoint client, over one checkpoint's blobs."""
+
+    def __init__(self, step: int, blobs: dict[str, bytes]) -> None:
+        self._blobs = {f"sha-{name}": data for name, data in blobs.items()}
+        self._manifest = _Manifest(step, [_Ref(name, f"sha-{name}") for name in blobs])
+
+    async def latest_manifest(self, run_id: str) -> _Manifest:
+        return self._manifest
+
+    async def get_blob(self, digest: str) -> bytes:
+        return self._blobs[digest]
+
+
+def test_a_syncer_restores_the_typed_snapshot_it_reads_from_the_store():
+    """__main__'s restore path: the store's blobs come back as a SyncerSnapshot (never the dict
+    form), which a new core takes as it is."""
+    from services.syncer import __main__ as syncer_main
+    from services.syncer import config as config_lib
+
+    async def run():
+        core = make_core(FakeClock())
+        join(core, "a")
+        await upload(core, "a", 0, 0, np.full(core.plan.fragments[0].numel, 0.05))
+        await settle()
+        blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
+        state = await syncer_main._restore(_Store(core.outer_steps, blobs), config_lib.SyncerConfig(insecure=True))
+        assert isinstance(state, state_lib.SyncerSnapshot) and state.outer_steps == core.outer_steps == 1
+        restored = make_core(FakeClock())
+        restored.restore(state)
+        assert restored.versions() == core.versions() and restored.fragment_digest(0) == core.fragment_digest(0)
+        assert restored.members["a"].incarnation == 1 and restored.restored_from_checkpoint
 
     asyncio.run(run())
