@@ -172,7 +172,7 @@ def test_a_syncer_restores_the_typed_snapshot_it_reads_from_the_store():
         assert isinstance(state, state_lib.SyncerSnapshot) and state.outer_steps == core.outer_steps == 1
         restored = make_core(FakeClock())
         restored.restore(state)
-        assert restored.versions() == core.versions() and restored.fragment_digest(0) == core.fragment_digest(0)
+        assert restored.versions() == core.versions() and restored.slots[0].params_sha256 == core.slots[0].params_sha256
         assert restored.members["a"].incarnation == 1 and restored.restored_from_checkpoint
 
     asyncio.run(run())
