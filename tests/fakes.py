@@ -1,8 +1,9 @@
 """A SyncerCore to drive without gRPC: the fake clock the tests advance, the core factory, and the
-learner-side calls (join, join_all, progress, upload) that feed it; and, for the learner loop's tests, a
-sync client without a syncer (`RecordingSyncClient`) and a sampler for train steps that ignore
-their batch (`NullSampler`); for the codec tests, the serialization inside an encoded payload
-(`serialized`).
+learner-side calls (join, join_all, progress, upload) that feed it as the servicer does (the requests'
+plain forms in, the responses built from the results: `join_request`, `progress_request`, `accept`);
+and, for the learner loop's tests, a sync client without a syncer (`RecordingSyncClient`) and a
+sampler for train steps that ignore their batch (`NullSampler`); for the codec tests, the
+serialization inside an encoded payload (`serialized`).
 
 `make_core` is the one place that turns a test's knobs into a SyncerCore; each test module passes
 the knobs its scenario depends on, over the defaults below (those of the unit tests).
@@ -25,6 +26,7 @@ from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
+from services.syncer import wire_views
 
 
 class FakeClock:
@@ -84,8 +86,14 @@ def make_core(clock: Callable[[], float] | None = None, *, config: config_lib.Sy
 
 
 def join(core: core_lib.SyncerCore, learner_id: str, incarnation: int = 1) -> syncer_pb2.JoinResponse:
-    return core.join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id,
-                                            incarnation=incarnation))
+    return join_request(core, syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id,
+                                                     incarnation=incarnation))
+
+
+def join_request(core: core_lib.SyncerCore, request: syncer_pb2.JoinRequest) -> syncer_pb2.JoinResponse:
+    """A Join as the servicer hands it to the core: the request's plain form in, the response built from the result."""
+    joined = core.join(wire_views.join_args(request))
+    return wire_views.join_response(core, joined.member, assign_data_shard=joined.assign_data_shard)
 
 
 def join_all(core: core_lib.SyncerCore, learner_ids: Sequence[str], incarnation: int = 1) -> None:
@@ -94,9 +102,16 @@ def join_all(core: core_lib.SyncerCore, learner_ids: Sequence[str], incarnation:
 
 
 def progress(core: core_lib.SyncerCore, learner_id: str, step_time_s: float, incarnation: int = 1) -> None:
-    core.report_progress(syncer_pb2.ReportProgressRequest(
+    core.report_progress(wire_views.progress(syncer_pb2.ReportProgressRequest(
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, local_step=1,
-        step_time_s=step_time_s), wire_bytes=0)
+        step_time_s=step_time_s)), wire_bytes=0)
+
+
+def progress_request(core: core_lib.SyncerCore, request: syncer_pb2.ReportProgressRequest,
+                     wire_bytes: int = 0) -> syncer_pb2.ReportProgressResponse:
+    """A ReportProgress as the servicer hands it to the core, answered as the servicer answers it."""
+    core.report_progress(wire_views.progress(request), wire_bytes=wire_bytes)
+    return wire_views.progress_response(core.versions(), budget_reached=core.budget_reached())
 
 
 async def upload(core: core_lib.SyncerCore, learner_id: str, fid: int, base: int, delta: np.ndarray, *,
@@ -108,8 +123,15 @@ async def upload(core: core_lib.SyncerCore, learner_id: str, fid: int, base: int
         base_version=base, syncer_instance=core.instance, steps=steps, tokens=steps * 100,
         payload=serde.payload_info_to_proto(enc),
     )
-    ticket = core.validate_upload_header(header)
-    return await core.accept_upload(ticket, enc.payload, wire_bytes=len(enc.payload))
+    return await accept(core, header, enc.payload, wire_bytes=len(enc.payload))
+
+
+async def accept(core: core_lib.SyncerCore, header: syncer_pb2.UploadHeader, payload: bytes,
+                 wire_bytes: int = 0) -> syncer_pb2.UploadFragmentResponse:
+    """An upload as the servicer hands it to the core: the header's plain form in (validate_upload_header),
+    the UploadFragmentResponse built from accept_upload's result."""
+    ticket = core.validate_upload_header(wire_views.upload_header(header))
+    return wire_views.upload_response(**(await core.accept_upload(ticket, payload, wire_bytes))._asdict())
 
 
 async def settle() -> None:

@@ -44,6 +44,7 @@ from . import leadership as leadership_lib
 from . import ledger_sink as ledger_sink_lib
 from . import metrics as syncer_metrics
 from . import servicer as servicer_lib
+from . import state as state_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
@@ -141,7 +142,7 @@ async def _settle_merges(core: core_lib.SyncerCore, timeout_s: float = 10.0) -> 
         await asyncio.sleep(0.02)
 
 
-async def _restore(client, cfg: config_lib.SyncerConfig, manifest=None) -> dict | None:
+async def _restore(client, cfg: config_lib.SyncerConfig, manifest=None) -> state_lib.SyncerSnapshot | None:
     """The latest committed snapshot of this run (or that of `manifest`), None for a new run;
     raises if the store is down."""
     # The client retries transient failures for at most restore_timeout_s (see serve()).
@@ -152,7 +153,7 @@ async def _restore(client, cfg: config_lib.SyncerConfig, manifest=None) -> dict 
     blobs = {}
     for ref in manifest.blobs:
         blobs[ref.name] = await client.get_blob(ref.digest)
-    state = checkpointing.decode_snapshot(blobs)
+    state = checkpointing.load_snapshot(blobs)
     _LOG.info("restoring checkpoint", extra={"fields": {"run": cfg.store_run_id, "outer_step": manifest.step}})
     return state
 

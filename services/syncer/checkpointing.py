@@ -38,13 +38,14 @@ def describe_run(cfg, run_config, plan: fragments_lib.FragmentPlan) -> run_descr
     return run_description_lib.describe(run_config, plan, training)
 
 
-def encode_snapshot(snapshot: state_lib.SyncerSnapshot | dict,
+def encode_snapshot(snapshot: state_lib.SyncerSnapshot,
                     description: run_description_lib.RunDescription | None = None,
                     ) -> tuple[dict[str, bytes], dict]:
-    """Returns ({blob name: bytes}, metadata) for a snapshot from SyncerCore.snapshot() (or its
-    checkpoint form, SyncerSnapshot.to_dict()), with the `run` blob when a description is given."""
-    if isinstance(snapshot, state_lib.SyncerSnapshot):
-        snapshot = snapshot.to_dict()
+    """Returns ({blob name: bytes}, metadata) for a snapshot from SyncerCore.snapshot(), with the
+    `run` blob when a description is given."""
+    if not isinstance(snapshot, state_lib.SyncerSnapshot):
+        raise TypeError(f"encode_snapshot takes a SyncerSnapshot, not {type(snapshot).__name__}")
+    snapshot = snapshot.to_dict()
     blobs: dict[str, bytes] = {}
     fragments_meta = []
     for frag in snapshot["fragments"]:
@@ -72,9 +73,16 @@ def encode_snapshot(snapshot: state_lib.SyncerSnapshot | dict,
     return blobs, metadata
 
 
+def load_snapshot(blobs: dict[str, bytes]) -> state_lib.SyncerSnapshot:
+    """Inverse of encode_snapshot: the typed snapshot SyncerCore.restore takes; ValueError when the
+    checkpoint is malformed."""
+    return state_lib.SyncerSnapshot.from_dict(decode_snapshot(blobs))
+
+
 def decode_snapshot(blobs: dict[str, bytes]) -> dict:
-    """Inverse of encode_snapshot: the checkpoint form (SyncerSnapshot.from_dict reads it, and
-    SyncerCore.restore takes it as it is); ValueError when the checkpoint is malformed."""
+    """The checkpoint form of the blobs (SyncerSnapshot.to_dict's, the arrays loaded), for the tools
+    that read a checkpoint without a syncer (the chaos invariants, tests); a syncer restores
+    `load_snapshot`'s typed snapshot. ValueError when the checkpoint is malformed."""
     try:
         state = json.loads(blobs["state"])
     except (KeyError, json.JSONDecodeError) as exc:

@@ -4,10 +4,12 @@ Owns the wiring of the parts and the path of an upload through them: `membership
 fencing, liveness, quarantine; membership.py), `admission` (header checks, decoding, norm bound,
 direction check; admission.py), `rounds` (merge rounds, grace window and timers, the outer step;
 merging.py), `publisher` / `watchers` / `observers` (what leaves the core; publishing.py), the
-per-fragment slots (slots.py), the eval log, and the typed snapshot it assembles from state.py's
-pieces. The parts tell the core about changes through callbacks; only the core calls across parts.
-No protobuf here either: the request messages the servicer passes in are read through their plain
-forms, and the responses and the TrainingState are built, by services/syncer/wire_views.py.
+per-fragment `slots` and which of them this syncer owns (slots.py), `evals` (the eval log;
+evals.py) and `snapshots` (the typed snapshot a restart needs; snapshots.py). The parts tell the
+core about changes through callbacks; only the core calls across parts.
+No protobuf here either: the core takes the plain forms of the requests and answers with plain
+values; the servicer makes those forms and builds every response and the TrainingState from them
+(services/syncer/wire_views.py).
 
 Concurrency: everything runs on one asyncio loop. Heavy numpy work (decode, fold-in, outer
 step, encode) runs in worker threads while the fragment's asyncio.Lock is held, so one fragment
@@ -21,11 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
-import math
 import uuid
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,34 +40,37 @@ from ddiloco.rpc import errors
 from ddiloco.wire import codec as codec_lib
 from . import admission as admission_lib
 from . import backpressure as backpressure_lib
+from . import evals as evals_lib
 from . import influence as influence_lib
 from . import membership as membership_lib
 from . import merging as merging_lib
 from . import publishing as publishing_lib
 from . import slots as slots_lib
+from . import snapshots as snapshots_lib
 from . import state as state_lib
 from . import wire_views
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
-_EVAL_HISTORY = 512
 ROUND_TRIGGERS = ("schedule", "upload")
 
-# Names that moved to the parts, kept here for one release: tests and tools import them from core.
-params_sha256 = fragments_lib.fragment_sha256
-Member = membership_lib.Member
-FLAG_REPLAY_MISMATCH = membership_lib.FLAG_REPLAY_MISMATCH
-FLAG_MALFORMED = membership_lib.FLAG_MALFORMED
-FLAG_NORM_BOUND = membership_lib.FLAG_NORM_BOUND
-FLAG_IMPERSONATION = membership_lib.FLAG_IMPERSONATION
-FLAG_QUARANTINED = membership_lib.FLAG_QUARANTINED
-FLAG_DIRECTION = membership_lib.FLAG_DIRECTION
-STRIKE_REASONS = membership_lib.STRIKE_REASONS
-NORM_STRIKE_RATIO = admission_lib.NORM_STRIKE_RATIO
-BOOTSTRAP_STRIKE_RATIO = admission_lib.BOOTSTRAP_STRIKE_RATIO
-UploadTicket = admission_lib.UploadTicket
-SyncerSnapshot = state_lib.SyncerSnapshot
+# The RunConfig learners adopt, built from flags (wire_views.make_run_config): tools build a core with it.
 make_run_config = wire_views.make_run_config
+
+
+class Joined(NamedTuple):
+    """A join's result, what its JoinResponse is built from (wire_views.join_response)."""
+
+    member: membership_lib.Member
+    assign_data_shard: bool  # this syncer placed the learner on a data shard (shard 0 alone does)
+
+
+class Accepted(NamedTuple):
+    """An upload's result, what its UploadFragmentResponse is built from (wire_views.upload_response)."""
+
+    duplicate: bool
+    current_version: int
+    weight: float
 
 
 def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int) -> None:
@@ -76,24 +80,6 @@ def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int
         raise ValueError(f"outer_step_fraction={outer_step_fraction!r} is not one of {outer_lib.OUTER_STEP_FRACTIONS}")
     if token_budget < 0:
         raise ValueError(f"token_budget={token_budget} must be >= 0")
-
-
-def _outer_steppers(plan: fragments_lib.FragmentPlan, outer_lr: float, outer_momentum: float,
-                    stepper_factory: Callable[[fragments_lib.Fragment], outer_lib.OuterStepper] | None,
-                    ) -> list[outer_lib.OuterStepper]:
-    """Each fragment's outer optimizer: the factory's, or one Nesterov SGD shared by all."""
-    if stepper_factory is None:
-        shared = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(outer_lr, outer_momentum))
-        return [shared for _ in plan.fragments]
-    return [stepper_factory(frag) for frag in plan.fragments]
-
-
-def _own_layout(plan: fragments_lib.FragmentPlan, layout: shards_lib.ShardLayout | None) -> shards_lib.ShardLayout:
-    """Fragment shards: every shard plans all P fragments (the same RunConfig) and owns some of them."""
-    layout = layout or shards_lib.ShardLayout(num_fragments=plan.num_fragments)
-    if layout.num_fragments != plan.num_fragments:
-        raise ValueError(f"the shard layout is for {layout.num_fragments} fragments, the plan has {plan.num_fragments}")
-    return layout
 
 
 class SyncerCore:
@@ -135,30 +121,27 @@ class SyncerCore:
         token_budget: int = 0, shard_layout: shards_lib.ShardLayout | None = None,
     ) -> None:
         _check_knobs(round_trigger, outer_step_fraction, token_budget)
-        self.shards = _own_layout(plan, shard_layout)  # which fragments this syncer owns (fragment shards)
-        self.token_budget = token_budget
-        self.config = run_config
+        self.config, self.plan, self.token_budget = run_config, plan, token_budget
         settings = wire_views.run_settings(run_config)
-        self.plan = plan
         self.instance = uuid.uuid4().hex
-        self._clock = clock
-        self._wall = wall_clock
+        self.clock, self.wall_clock = clock, wall_clock  # read by the views of the state too (wire_views, metrics)
         self.on_merge = on_merge
         self.norm_bound = norm_bound or robust_lib.NormBoundPolicy()
         # Off unless given (the syncer service passes SyncerConfig.direction_policy, on by default).
         self.direction = direction or robust_lib.DirectionPolicy(mode="off")
-        self.directions = robust_lib.DirectionGuard(self.direction, [plan.fragments[f] for f in sorted(self.owned)])
         self.observers = publishing_lib.Observers()
         self.watchers = publishing_lib.Watchers()
         # Fault tests only: __main__ arms named crash points here (ddiloco.failpoints).
         self.failpoint: Callable[[str], None] = lambda name: None
-        steppers = _outer_steppers(plan, outer_lr, outer_momentum, stepper_factory)
+        steppers = slots_lib.outer_steppers(plan, outer_lr, outer_momentum, stepper_factory)
         # A shard builds only its own fragments' values and state (`initial_params` needs no others).
-        self.slots = slots_lib.build_slots(plan, self.owned, initial_params, steppers, self.norm_bound)
+        self.slots = slots_lib.build_slots(plan, shard_layout, initial_params, steppers, self.norm_bound)
+        self.shards = self.slots.layout  # which fragments this syncer owns (fragment shards)
+        self.owned, self.owned_slots = self.slots.owned, self.slots.owned_slots
+        self.directions = robust_lib.DirectionGuard(self.direction, [plan.fragments[f] for f in sorted(self.owned)])
         self.publisher = publishing_lib.Publisher(download_codec=settings.download_codec,
-                                                  block_size=settings.upload_block_size,
-                                                  zstd_level=settings.zstd_level)
-        self.evals: collections.deque[state_lib.EvalSnapshot] = collections.deque(maxlen=_EVAL_HISTORY)
+                                                  block_size=settings.upload_block_size, zstd_level=settings.zstd_level)
+        self.evals = evals_lib.EvalLog(wall_clock)
         self.uploads: collections.Counter = collections.Counter()  # shared by the parts: never rebound
         self.membership = membership_lib.Membership(
             model_fingerprint=settings.model_fingerprint, model_name=settings.model_name,
@@ -184,22 +167,15 @@ class SyncerCore:
         # For the ledger's replayable records: the outer optimizer, when it is the shared Nesterov SGD.
         self.rounds.outer = ({"lr": outer_lr, "momentum": outer_momentum, "nesterov": True}
                              if stepper_factory is None else None)
+        self.snapshots = snapshots_lib.Snapshots(
+            slots=self.slots, owned_slots=self.owned_slots, shards=self.shards, membership=self.membership,
+            rounds=self.rounds, uploads=self.uploads, evals=self.evals, clock=clock, wall_clock=wall_clock)
         self.started_at_unix_s = wall_clock()
         self.restored_from_checkpoint = False
-        self.last_checkpoint_outer_step = 0
-        self.last_checkpoint_unix_s = 0.0
+        # The last committed checkpoint (__main__'s checkpointer sets them; restore too).
+        self.last_checkpoint_outer_step, self.last_checkpoint_unix_s = 0, 0.0
 
-    @functools.cached_property
-    def owned(self) -> frozenset[int]:
-        return frozenset(self.shards.owned)
-
-    @functools.cached_property
-    def owned_slots(self) -> list[slots_lib.FragmentSlot]:
-        """The slots of the fragments this syncer owns: every one, or with fragment shards its shard's
-        (rounds, watch streams, the training state and checkpoints cover these alone)."""
-        return [slot for slot in self.slots if slot.fragment.fragment_id in self.owned]
-
-    # ------------------------------------------------------------------ the parts, as before
+    # ------------------------------------------- the parts' state, as the views and tools read it
 
     @property
     def members(self) -> dict[str, membership_lib.Member]:
@@ -210,20 +186,8 @@ class SyncerCore:
         return self.membership.members.get(learner_id)
 
     @property
-    def _quarantine_after(self) -> int:  # tests turn quarantine off on a built core
-        return self.membership.quarantine_after
-
-    @_quarantine_after.setter
-    def _quarantine_after(self, strikes: int) -> None:
-        self.membership.quarantine_after = strikes
-
-    @property
     def direction_judgments(self) -> collections.Counter:
         return self.admission.direction_judgments
-
-    @property
-    def delta_downloads(self) -> bool:
-        return self.publisher.delta_downloads
 
     @property
     def change_counter(self) -> int:
@@ -236,10 +200,6 @@ class SyncerCore:
     @property
     def max_grace_s(self) -> float:
         return self.rounds.max_grace_s
-
-    @property
-    def scheduled(self) -> bool:
-        return self.rounds.scheduled
 
     @property
     def schedule(self) -> rounds_lib.RoundSchedule:
@@ -268,10 +228,10 @@ class SyncerCore:
     def check_protocol(self, version: int) -> None:
         membership_lib.check_protocol(version)
 
-    def join(self, req):
+    def join(self, args: membership_lib.JoinArgs) -> Joined:
         """Registers a learner; a higher incarnation replaces (fences off) the previous life.
-        `req`: a JoinRequest, read and answered (JoinResponse) through wire_views."""
-        args = wire_views.join_args(req)
+        `args`: a JoinRequest's plain form (wire_views.join_args); the answer is built from the
+        result by wire_views.join_response."""
         if self.shards.index != 0 and args.assign_data_shard:
             # Data shards are assigned by shard 0 alone (the learner joins it first); the other shards
             # record the one the learner pins, so that two shards never hand out different ones.
@@ -279,7 +239,7 @@ class SyncerCore:
         member, replaced = self.membership.join(args)
         if replaced is not None:
             self.schedule.forget((replaced.learner_id, replaced.incarnation))
-        return wire_views.join_response(self, member, assign_data_shard=args.assign_data_shard)
+        return Joined(member, args.assign_data_shard)
 
     def require_member(self, learner_id: str, incarnation: int) -> membership_lib.Member:
         """The registered member for this exact life, or FAILED_PRECONDITION."""
@@ -288,9 +248,9 @@ class SyncerCore:
     def is_current(self, learner_id: str, incarnation: int) -> bool:
         return self.membership.is_current(learner_id, incarnation)
 
-    def report_progress(self, req, wire_bytes: int):
-        """`req`: a ReportProgressRequest, read and answered (ReportProgressResponse) through wire_views."""
-        progress = wire_views.progress(req)
+    def report_progress(self, progress: membership_lib.Progress, wire_bytes: int) -> None:
+        """`progress`: a ReportProgressRequest's plain form (wire_views.progress). The answer is the
+        versions and whether the budget is spent (wire_views.progress_response)."""
         member = self.membership.seen(progress)
         if progress.finished and not member.finished:
             member.finished = True
@@ -300,15 +260,15 @@ class SyncerCore:
             # gone silent (a crash) since, and only a report or a timer brings the syncer here.
             self.tick()
         self.membership.note_step_stats(member, progress, wire_bytes)
-        if self.scheduled and not member.finished:
+        if self.rounds.scheduled and not member.finished:
             self.schedule.observe((member.learner_id, member.incarnation), progress.local_step,
                                   len(self.expected_learners()))
-            self.open_due_rounds()
-        return wire_views.progress_response(self.versions(), budget_reached=self.budget_reached())
+            self.rounds.open_due()  # the rounds the schedule says are due
 
-    def leave(self, req) -> None:
-        """`req`: a LeaveRequest (read through wire_views)."""
-        member = self.membership.leave(**wire_views.leave_args(req))
+    def leave(self, *, learner_id: str, incarnation: int, protocol_version: int) -> None:
+        """A learner life leaves the run (a LeaveRequest's fields: wire_views.leave_args)."""
+        member = self.membership.leave(learner_id=learner_id, incarnation=incarnation,
+                                       protocol_version=protocol_version)
         self.schedule.forget((member.learner_id, member.incarnation))
         self.rounds.open_if_nobody_trains()
         self._notify()
@@ -333,9 +293,6 @@ class SyncerCore:
         so the run overshoots by at most what the fleet processes in one report interval."""
         return self.token_budget > 0 and self.tokens_processed() >= self.token_budget
 
-    def is_quarantined(self, member: membership_lib.Member) -> bool:
-        return self.membership.is_quarantined(member)
-
     def record_rejection(self, reason: str, learner_id: str = "", exc: BaseException | None = None, *,
                          work: tuple | None = None) -> None:
         """Counts one refused upload by reason, once; a strike once per `work` (Membership.record_rejection)."""
@@ -343,10 +300,6 @@ class SyncerCore:
 
     def record_auth_failure(self, reason: str, *, caller: str = "", method: str = "") -> None:
         self.membership.record_auth_failure(reason, caller=caller, method=method)
-
-    def quarantine(self, member: membership_lib.Member, *, reason: str, duration_s: float | None = None) -> None:
-        """Refuses the learner's uploads for `duration_s` (default quarantine_s; 0 or inf: until restart)."""
-        self.membership.quarantine(member, reason=reason, duration_s=duration_s)
 
     def _after_quarantine(self) -> None:
         # Rounds that were waiting for this learner may now be complete, as on leave: left to their
@@ -362,37 +315,37 @@ class SyncerCore:
 
     def versions(self) -> dict[int, int]:
         """The version of each fragment this syncer (shard) owns."""
-        return {s.fragment.fragment_id: s.version for s in self.owned_slots}
+        return self.slots.versions()
 
-    def require_owned(self, fragment_id: int) -> None:
-        """FAILED_PRECONDITION naming the owner when another shard owns the fragment."""
-        if fragment_id not in self.owned and 0 <= fragment_id < len(self.slots):
-            owner = self.shards.owner_of(fragment_id)
-            raise errors.FailedPrecondition(
-                f"fragment {fragment_id} belongs to syncer shard {owner} ({'|'.join(self.shards.addresses[owner])}), "
-                f"this is {self.shards.describe()}: send it there (JoinResponse.shards)", reason="not_owner")
+    async def open_payload(self, header: admission_lib.UploadHeader) -> admission_lib.IncomingPayload:
+        """The payload of a validated header, fed chunk by chunk as it arrives (Admission.open_payload)."""
+        return await self.admission.open_payload(header)
+
+    def close_payload(self, incoming: admission_lib.IncomingPayload | None) -> None:
+        """Releases what `open_payload` took, once, whatever became of the upload."""
+        self.admission.close_payload(incoming)
 
     def fragment_digest(self, fragment_id: int) -> tuple[int, str, str]:
         """(version, published_sha256, params_sha256) of a fragment now."""
         s = self.slots[fragment_id]
         return s.version, s.published_sha256, s.params_sha256
 
-    def validate_upload_header(self, header) -> admission_lib.UploadTicket:
+    def validate_upload_header(self, header: admission_lib.UploadHeader) -> admission_lib.UploadTicket:
         """All checks that need no payload (Admission.validate), on the UploadHeader's plain form
         (wire_views.upload_header; the ticket carries it). Raises ServiceError (counted)."""
-        header = wire_views.upload_header(header)
         try:
-            self.require_owned(header.fragment_id)
+            self.slots.require_owned(header.fragment_id)
         except errors.ServiceError as exc:
             self.record_rejection(exc.reason, header.learner_id, exc)
             raise
         return self.admission.validate(header)
 
     async def accept_upload(self, ticket: admission_lib.UploadTicket, payload: bytes, wire_bytes: int, *,
-                            wait_budget_s: float | None = None):
+                            wait_budget_s: float | None = None) -> Accepted:
         """Decodes, bounds, corrects to the current version and folds one contribution into its
-        round; answers with an UploadFragmentResponse (wire_views.upload_response). Raises ServiceError (counted, on the learner too). `wait_budget_s` bounds how long
-        the contribution may wait for others to be judged against (the caller's deadline)."""
+        round; the answer (wire_views.upload_response) is built from the result. Raises
+        ServiceError (counted, on the learner too). `wait_budget_s` bounds how long the
+        contribution may wait for others to be judged against (the caller's deadline)."""
         try:
             async with self.admission.decode_permit(payload):  # a payload decoded on arrival holds its own
                 return await self._accept_upload(ticket, payload, wire_bytes, wait_budget_s)
@@ -405,7 +358,7 @@ class SyncerCore:
             self.directions.withdraw(ticket.header.learner_id, ticket.header.fragment_id)
 
     async def _accept_upload(self, ticket: admission_lib.UploadTicket, payload: bytes, wire_bytes: int,
-                             wait_budget_s: float | None = None):
+                             wait_budget_s: float | None = None) -> Accepted:
         header = ticket.header
         member = self.require_member(header.learner_id, header.incarnation)
         self.count_bytes(member, inbound=wire_bytes, codec=ticket.codec)
@@ -440,11 +393,11 @@ class SyncerCore:
             version_at_accept = slot.version
         self.rounds.open_if_nobody_trains()
         self.tick()
-        return wire_views.upload_response(duplicate=False, current_version=version_at_accept, weight=weight)
+        return Accepted(duplicate=False, current_version=version_at_accept, weight=weight)
 
-    def _duplicate(self, slot: slots_lib.FragmentSlot, weight: float):
+    def _duplicate(self, slot: slots_lib.FragmentSlot, weight: float) -> Accepted:
         self.uploads["duplicate"] += 1
-        return wire_views.upload_response(duplicate=True, current_version=slot.version, weight=weight)
+        return Accepted(duplicate=True, current_version=slot.version, weight=weight)
 
     # ---------------------------------------------------------------------------------- rounds
 
@@ -460,10 +413,6 @@ class SyncerCore:
         self.rounds.open_if_nobody_trains()  # the last training learner may have gone silent
         self.rounds.decide(self.grace_window_s())
 
-    def open_due_rounds(self) -> list[int]:
-        """Opens the rounds the schedule says are due; returns their fragment ids."""
-        return self.rounds.open_due()
-
     def note_hold(self, header: admission_lib.UploadHeader, hold_s: float) -> None:
         """The back-pressure hint an accepted upload's response carries (Membership.note_hold)."""
         self.membership.note_hold(header.learner_id, header.incarnation, header.fragment_id, hold_s)
@@ -472,11 +421,11 @@ class SyncerCore:
         """The call to send this learner for the fragment's open round, if it has not contributed."""
         return self.rounds.round_call(fragment_id, learner_id)
 
-    def receipt(self, learner_id: str, incarnation: int, fragment_id: int, version: int):
-        """This learner life's MergeReceipt for a version of a fragment."""
+    def merged_through_step(self, learner_id: str, incarnation: int, fragment_id: int, version: int) -> int:
+        """How far (local step) this learner life's work on the fragment is held by `version`: its
+        MergeReceipt's mark (wire_views.merge_receipt); 0 when the version holds none of it."""
         member = self.members.get(learner_id)
-        mark = member.mark_at(fragment_id, version) if member is not None and member.incarnation == incarnation else 0
-        return wire_views.merge_receipt(fragment_id, version, mark)
+        return member.mark_at(fragment_id, version) if member is not None and member.incarnation == incarnation else 0
 
     def broadcast_sent(self, learner_id: str, fragment_id: int, version: int) -> None:
         """A watch stream sent `version` to a learner (the grace window's sync time)."""
@@ -520,81 +469,21 @@ class SyncerCore:
 
     # ---------------------------------------------------------------------------------- evals
 
-    def report_eval(self, req) -> None:
-        """`req`: a ReportEvalRequest (read through wire_views)."""
-        report = wire_views.eval_report(req)
-        self.check_protocol(report.protocol_version)
-        if not math.isfinite(report.heldout_loss):
-            raise errors.InvalidArgument("heldout_loss must be finite", reason="eval")
-        self.evals.append(state_lib.EvalSnapshot(at_unix_s=self._wall(), heldout_loss=report.heldout_loss,
-                                                 tokens_merged=report.tokens_merged, outer_steps=report.outer_steps))
-        _LOG.info("held-out loss",
-                  extra={"fields": {"loss": round(report.heldout_loss, 4), "evaluator": report.evaluator_id}})
+    def report_eval(self, report: state_lib.EvalReport) -> None:
+        """A ReportEvalRequest's plain form (wire_views.eval_report), kept in the eval log (EvalLog.report)."""
+        self.evals.report(report)
         self._notify()
 
     # ---------------------------------------------------------------------------------- state
 
-    def training_state(self, recent_merges: int):
-        """The TrainingState now, with the last `recent_merges` merges (wire_views.training_state)."""
-        return wire_views.training_state(self, recent_merges)
-
     async def snapshot(self) -> state_lib.SyncerSnapshot:
-        """A consistent copy of everything a restart needs (each fragment copied under its lock)."""
-        fragments = []
-        for slot in self.owned_slots:  # a shard checkpoints only its own fragments
-            async with slot.lock:
-                fragments.append(state_lib.FragmentSnapshot.of(slot, self.members))
-        return state_lib.SyncerSnapshot(
-            fragments=fragments,
-            outer_steps=self.outer_steps,
-            tokens_merged=self.tokens_merged,
-            bytes_in=self.membership.bytes_in,
-            bytes_out=self.membership.bytes_out,
-            uploads=dict(self.uploads),
-            members={m.learner_id: state_lib.MemberSnapshot.of(m, self._clock()) for m in self.members.values()},
-            evals=list(self.evals),
-            quorum_time_s=self.rounds.quorum_time.value,
-            sync_time_s=self.rounds.sync_time.value,
-            global_step=self.schedule.global_step,
-            rounds_opened=[s.rounds_opened for s in self.slots],
-        )
+        """A consistent copy of everything a restart needs (Snapshots.take)."""
+        return await self.snapshots.take()
 
-    def restore(self, state: state_lib.SyncerSnapshot | Mapping) -> None:
-        """Loads a snapshot: as `snapshot` returns it, or its checkpoint form (checkpointing.decode_snapshot)."""
-        snapshot = state if isinstance(state, state_lib.SyncerSnapshot) else state_lib.SyncerSnapshot.from_dict(state)
-        by_id = {f.fragment_id: f for f in snapshot.fragments}
-        if sorted(by_id) != sorted(self.owned):
-            raise ValueError(
-                f"checkpoint has fragments {sorted(by_id)}, but this syncer ({self.shards.describe()} of a "
-                f"{len(self.slots)}-fragment plan) owns {sorted(self.owned)}: a checkpoint of a different "
-                "fragment plan or shard layout; start with the layout it was written with, or another --run-id")
-        for slot in self.owned_slots:
-            self._restore_slot(slot, by_id[slot.fragment.fragment_id])
-        self.rounds.restore(snapshot)
-        self.membership.bytes_in = snapshot.bytes_in
-        self.membership.bytes_out = snapshot.bytes_out
-        self.uploads.clear()  # the parts hold this counter: refilled, not replaced
-        self.uploads.update(snapshot.uploads)
-        # Fencing survives restarts: a learner must come back with an incarnation at least as new.
-        for learner_id, m in snapshot.members.items():
-            self.members[learner_id] = m.restore(snapshot.fragments, now_s=self._clock(), now_unix_s=self._wall())
-            if m.quarantine_remaining_s > 0:  # quarantine survives restarts too
-                self.membership.quarantines += 1
-        for e in snapshot.evals:
-            self.evals.append(e)
+    def restore(self, snapshot: state_lib.SyncerSnapshot) -> None:
+        """Loads a snapshot: as `snapshot` returns it, or as checkpointing.load_snapshot reads it back
+        (Snapshots.restore); this life then counts as restored from that checkpoint."""
+        self.snapshots.restore(snapshot)
         self.restored_from_checkpoint = True
         self.last_checkpoint_outer_step = self.outer_steps
         self.influence.restored_step = self.outer_steps  # the ledger's records name the lineage they follow
-        _LOG.info("restored", extra={"fields": {"outer_step": self.outer_steps,
-                                                "versions": self.versions(),
-                                                "sha256": [s.params_sha256[:12] for s in self.owned_slots]}})
-
-    @staticmethod
-    def _restore_slot(slot: slots_lib.FragmentSlot, frag: state_lib.FragmentSnapshot) -> None:
-        params = np.asarray(frag.params, dtype=np.float32)
-        if params.shape != (slot.fragment.numel,):
-            raise ValueError(f"checkpoint fragment {slot.fragment.fragment_id} has shape {params.shape}")
-        digest = fragments_lib.fragment_sha256(params)
-        if digest != frag.params_sha256:
-            raise ValueError(f"checkpoint fragment {slot.fragment.fragment_id} fails its sha256 check")
-        slot.reset(params, [np.asarray(a) for a in frag.opt_state], frag.version, digest)

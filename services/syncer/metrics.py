@@ -24,14 +24,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ddiloco import metrics as metrics_lib
 from ddiloco import training_state as status_derived
 from ddiloco.rpc import security as security_lib
-from . import core as core_lib
 from . import membership as membership_lib
 
 # Upload results exported at 0 before their first occurrence (a series that appears only with its
 # first increment is invisible to rate() until then): the common outcomes and every refusal that
 # counts towards quarantine, which the dashboard's security panel and the alerts watch.
 KNOWN_UPLOAD_RESULTS = frozenset({"accepted", "duplicate", "rejected_quarantined"}
-                                 | {f"rejected_{reason}" for reason in core_lib.STRIKE_REASONS})
+                                 | {f"rejected_{reason}" for reason in membership_lib.STRIKE_REASONS})
 
 _STATUSES = ("active", "silent", "left")  # membership.member_status
 
@@ -78,7 +77,7 @@ class ScrapeState:
 
 def scrape_state(core) -> ScrapeState:
     """The core's state for a scrape; call on the core's loop."""
-    now = core._clock()
+    now = core.clock()
     members = tuple(
         LearnerRow(learner_id=m.learner_id, region=m.region, quarantined=now < m.quarantined_until_s,
                    status=membership_lib.member_status(m, now_s=now, liveness_timeout_s=core.liveness_timeout_s),

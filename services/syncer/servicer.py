@@ -253,20 +253,21 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         self._gauge.start()  # on the serving loop, from the first learner on (idempotent)
         try:
             security.require_learner(request.learner_id)
-            response = self._core.join(request)
+            joined = self._core.join(wire_views.join_args(request))
         except errors.ServiceError as exc:
             await self._abort(context, "Join", exc)
+        response = wire_views.join_response(self._core, joined.member, assign_data_shard=joined.assign_data_shard)
         response.upload_header_ack = True  # see UploadFragment: initial metadata once the header passed
         response.epoch = self.epoch
         response.upload_pipeline_bytes = self._pipeline_bytes
-        member = self._core.member(request.learner_id)
-        self._core.count_bytes(member, inbound=request.ByteSize(), outbound=response.ByteSize())
+        self._core.count_bytes(joined.member, inbound=request.ByteSize(), outbound=response.ByteSize())
         return response
 
     async def ReportProgress(self, request, context):
         try:
             security.require_learner(request.learner_id)
-            return self._core.report_progress(request, wire_bytes=request.ByteSize())
+            self._core.report_progress(wire_views.progress(request), wire_bytes=request.ByteSize())
+            return wire_views.progress_response(self._core.versions(), budget_reached=self._core.budget_reached())
         except errors.ServiceError as exc:
             await self._abort(context, "ReportProgress", exc)
 
@@ -310,7 +311,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         finally:
             self._upload_slots.release()
             self._uploads_running -= 1
-            self._core.admission.close_payload(scope.incoming)
+            self._core.close_payload(scope.incoming)
             if scope.counted:
                 self._in_flight[scope.learner_id] -= 1
                 if not self._in_flight[scope.learner_id]:
@@ -360,8 +361,8 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 "retry with backoff", reason="busy_learner")
         self._in_flight[header.learner_id] = self._in_flight.get(header.learner_id, 0) + 1
         scope.counted = True
-        ticket = self._core.validate_upload_header(header)
-        scope.incoming = incoming = None if ticket.duplicate else await self._core.admission.open_payload(ticket.header)
+        ticket = self._core.validate_upload_header(wire_views.upload_header(header))
+        scope.incoming = incoming = None if ticket.duplicate else await self._core.open_payload(ticket.header)
         # Acknowledge the header (the learner sends past its pipeline window only after it). Every
         # refusal so far reached a learner that was not writing: it sent at most its window, which
         # _drain_window reads before the status goes out.
@@ -407,8 +408,9 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         # A contribution may wait to be judged (direction check); never past the learner's deadline.
         remaining_s = context.time_remaining()
         budget_s = None if remaining_s is None else max(0.0, remaining_s - _DEADLINE_MARGIN_S)
-        response = await self._core.accept_upload(ticket, payload if incoming is None else incoming, wire_bytes,
+        accepted = await self._core.accept_upload(ticket, payload if incoming is None else incoming, wire_bytes,
                                                   wait_budget_s=budget_s)
+        response = wire_views.upload_response(**accepted._asdict())
         period_s = self._core.plan.sync_period_steps * self._core.step_time_s()
         response.next_upload_after_s = self._gauge.next_upload_after_s(period_s)
         if response.next_upload_after_s:
@@ -463,7 +465,8 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 messages, out_bytes = self._watch_messages.get(core.instance, fid, version, encoded,
                                                                 delta is not None, chunk_size, self.epoch)
                 if not observer:  # which of this learner's work the version holds (rebase on arrival)
-                    receipt = core.receipt(request.learner_id, request.incarnation, fid, version)
+                    receipt = wire_views.merge_receipt(
+                        fid, version, core.merged_through_step(request.learner_id, request.incarnation, fid, version))
                     yield syncer_pb2.WatchFragmentsResponse(receipt=receipt)
                     out_bytes += receipt.ByteSize()
                 for msg in messages:
@@ -476,7 +479,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
 
     async def ReportEval(self, request, context):
         try:
-            self._core.report_eval(request)
+            self._core.report_eval(wire_views.eval_report(request))
         except errors.ServiceError as exc:
             await self._abort(context, "ReportEval", exc)
         return syncer_pb2.ReportEvalResponse()
@@ -484,13 +487,13 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
     async def Leave(self, request, context):
         try:
             security.require_learner(request.learner_id)
-            self._core.leave(request)
+            self._core.leave(**wire_views.leave_args(request))
         except errors.ServiceError as exc:
             await self._abort(context, "Leave", exc)
         return syncer_pb2.LeaveResponse()
 
     def _training_state(self, recent_merges: int) -> syncer_pb2.TrainingState:
-        state = self._core.training_state(recent_merges)
+        state = wire_views.training_state(self._core, recent_merges)
         state.epoch, state.leader_address = self.epoch, self.leader_address
         return state
 

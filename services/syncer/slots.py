@@ -3,7 +3,9 @@
 Owns `FragmentSlot` (the global values and outer optimizer state of one fragment, the versions
 learners may still base contributions on, what learners hold, the caches of its encodings, its
 lock and grace timer) and `Round` (the streaming accumulator of the contributions to its next
-version), plus the two ways a slot changes version: `advance` (a merge) and `reset` (a restore).
+version), plus the two ways a slot changes version: `advance` (a merge) and `reset` (a restore); and
+`Slots`, every planned fragment's slot with which of them this syncer owns (fragment shards),
+built by `build_slots` with each fragment's outer optimizer (`outer_steppers`).
 Must not: decide when to merge, validate uploads or encode; the core does that under `lock`.
 """
 
@@ -19,6 +21,8 @@ from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import outer as outer_lib
 from ddiloco.algo import robust as robust_lib
+from ddiloco.algo import shards as shards_lib
+from ddiloco.rpc import errors
 from ddiloco.wire import codec as codec_lib
 
 
@@ -130,10 +134,49 @@ class FragmentSlot:
             self.timer = None
 
 
-def build_slots(plan: fragments_lib.FragmentPlan, owned: frozenset[int], initial_params, steppers: list,
-                norm_bound: robust_lib.NormBoundPolicy) -> list[FragmentSlot]:
-    """One slot per planned fragment, indexed by fragment id: version 0 of each fragment in `owned`
-    (its values from `initial_params`, a mapping that needs no others), an empty `elsewhere` slot
-    for each other shard's. A shard of N thus holds about 1/N of the model's bytes."""
-    return [FragmentSlot.initial(frag, initial_params[frag.fragment_id], steppers[frag.fragment_id], norm_bound)
-            if frag.fragment_id in owned else FragmentSlot.elsewhere(frag) for frag in plan.fragments]
+class Slots(list):
+    """One FragmentSlot per planned fragment, indexed by fragment id (a list, as the parts read it),
+    and which of them this syncer owns: with fragment shards, another shard's fragment is an empty
+    `elsewhere` slot, and rounds, watch streams, the training state and checkpoints cover `owned_slots`."""
+
+    def __init__(self, slots: list[FragmentSlot], layout: shards_lib.ShardLayout) -> None:
+        super().__init__(slots)
+        self.layout = layout
+        self.owned: frozenset[int] = frozenset(layout.owned)
+        self.owned_slots: list[FragmentSlot] = [slot for slot in slots if slot.fragment.fragment_id in self.owned]
+
+    def versions(self) -> dict[int, int]:
+        """The version of each fragment this syncer (shard) owns."""
+        return {s.fragment.fragment_id: s.version for s in self.owned_slots}
+
+    def require_owned(self, fragment_id: int) -> None:
+        """FAILED_PRECONDITION naming the owner when another shard owns the fragment."""
+        if fragment_id not in self.owned and 0 <= fragment_id < len(self):
+            owner = self.layout.owner_of(fragment_id)
+            raise errors.FailedPrecondition(
+                f"fragment {fragment_id} belongs to syncer shard {owner} ({'|'.join(self.layout.addresses[owner])}), "
+                f"this is {self.layout.describe()}: send it there (JoinResponse.shards)", reason="not_owner")
+
+
+def outer_steppers(plan: fragments_lib.FragmentPlan, outer_lr: float, outer_momentum: float,
+                   stepper_factory=None) -> list[outer_lib.OuterStepper]:
+    """Each fragment's outer optimizer: `stepper_factory(fragment)`'s, or one Nesterov SGD shared by all."""
+    if stepper_factory is None:
+        shared = outer_lib.OuterStepper(outer_lib.make_outer_optimizer(outer_lr, outer_momentum))
+        return [shared for _ in plan.fragments]
+    return [stepper_factory(frag) for frag in plan.fragments]
+
+
+def build_slots(plan: fragments_lib.FragmentPlan, layout: shards_lib.ShardLayout | None, initial_params,
+                steppers: list, norm_bound: robust_lib.NormBoundPolicy) -> Slots:
+    """One slot per planned fragment: version 0 of each fragment the layout gives this syncer (its
+    values from `initial_params`, a mapping that needs no others), an empty `elsewhere` slot for
+    each other shard's. A shard of N thus holds about 1/N of the model's bytes. No layout: one
+    syncer owns every fragment."""
+    # Fragment shards: every shard plans all P fragments (the same RunConfig) and owns some of them.
+    layout = layout or shards_lib.ShardLayout(num_fragments=plan.num_fragments)
+    if layout.num_fragments != plan.num_fragments:
+        raise ValueError(f"the shard layout is for {layout.num_fragments} fragments, the plan has {plan.num_fragments}")
+    owned = frozenset(layout.owned)
+    return Slots([FragmentSlot.initial(frag, initial_params[frag.fragment_id], steppers[frag.fragment_id], norm_bound)
+                  if frag.fragment_id in owned else FragmentSlot.elsewhere(frag) for frag in plan.fragments], layout)

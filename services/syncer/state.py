@@ -6,8 +6,8 @@ keeps, and its conversion to and from the checkpoint's JSON-friendly form
 the RunConfig (`RunSettings`) and of a ReportEvalRequest (`EvalReport`). The protobuf views of this
 state (RunConfig, the TrainingState rows, EvalRecord) live in services/syncer/wire_views.py, next
 to the servicer, which also makes these plain forms.
-Must not: import generated protobuf code; take locks or mutate the core (SyncerCore.snapshot and
-restore call these under the fragments' locks, on the core's loop).
+Must not: import generated protobuf code; take locks or mutate the core (snapshots.Snapshots calls
+these under the fragments' locks, on the core's loop).
 """
 
 from __future__ import annotations
@@ -166,11 +166,7 @@ class EvalSnapshot:
 
 @dataclasses.dataclass(frozen=True)
 class SyncerSnapshot:
-    """Everything a restart needs, copied consistently (SyncerCore.snapshot).
-
-    Item access (`snapshot["outer_steps"]`) reads the checkpoint form (`to_dict`), as callers of
-    the dict this replaced did; kept for one release, use the attributes.
-    """
+    """Everything a restart needs, copied consistently (SyncerCore.snapshot, services/syncer/snapshots.py)."""
 
     fragments: list[FragmentSnapshot]
     outer_steps: int
@@ -204,8 +200,8 @@ class SyncerSnapshot:
 
     @classmethod
     def from_dict(cls, state: Mapping) -> SyncerSnapshot:
-        """The inverse of `to_dict` (checkpointing.decode_snapshot's result); tolerates the fields
-        older checkpoints lack."""
+        """The inverse of `to_dict` (checkpointing.load_snapshot reads a checkpoint with it); tolerates
+        the fields older checkpoints lack."""
         return cls(
             fragments=[FragmentSnapshot.from_dict(f) for f in state["fragments"]],
             outer_steps=int(state["outer_steps"]),
@@ -220,6 +216,3 @@ class SyncerSnapshot:
             global_step=float(state.get("global_step", 0.0)),
             rounds_opened=[int(n) for n in state.get("rounds_opened", ())],
         )
-
-    def __getitem__(self, key: str):
-        return self.to_dict()[key]

@@ -219,7 +219,7 @@ def learner_influence(i: influence_lib.LearnerInfluence) -> syncer_pb2.LearnerIn
 def training_state(core, recent_merges: int) -> syncer_pb2.TrainingState:
     """The TrainingState of a SyncerCore now, with its last `recent_merges` merges (0: none).
     Call on the core's loop."""
-    now = core._clock()
+    now = core.clock()
     members = [member_state(m, now_s=now, liveness_timeout_s=core.liveness_timeout_s)
                for m in sorted(core.members.values(), key=lambda m: m.learner_id)]
     merges = list(core.merges)[-recent_merges:] if recent_merges else []
@@ -228,7 +228,7 @@ def training_state(core, recent_merges: int) -> syncer_pb2.TrainingState:
         syncer_instance=core.instance,
         build_version=build_info.version(), build_commit=build_info.commit(),
         started_at_unix_s=core.started_at_unix_s,
-        now_unix_s=core._wall(),
+        now_unix_s=core.wall_clock(),
         outer_steps=core.outer_steps,
         fragments=[fragment_state(s) for s in core.owned_slots],
         members=members,

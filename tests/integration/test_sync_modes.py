@@ -13,9 +13,9 @@ import json
 
 import pytest
 
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco.rpc import security as security_lib
 from ddiloco.learner import client as client_lib
-from services.syncer import core as core_lib
 from tests.integration.conftest import TINY, SyncerProbe, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -96,7 +96,7 @@ def test_lossy_downloads_arrive_as_deltas_and_learners_hold_the_syncers_bytes(cl
     assert stats.delta_fragments_received > 0 and stats.delta_fragments_received >= stats.fragments_received // 2
     for f in state.fragments:
         assert f.version > 0
-        assert core_lib.params_sha256(held[f.fragment_id][1]) == f.published_sha256
+        assert fragments_lib.fragment_sha256(held[f.fragment_id][1]) == f.published_sha256
     # The syncer's own parameters differ from what it published (lossy downloads), by design.
     assert any(f.params_sha256 != f.published_sha256 for f in state.fragments)
     summaries = [json.loads((cluster.workdir / f"learner-{i}.summary.json").read_text()) for i in range(2)]

@@ -37,6 +37,7 @@ from services.checkpoint import store as store_lib
 from services.syncer import config as syncer_config_lib
 from services.syncer import core as core_lib
 from services.syncer import servicer as servicer_lib
+from services.syncer import wire_views
 from tests import fakes, waits
 
 LEARNERS = ("learner-0", "learner-1", "learner-2", "learner-3")
@@ -212,7 +213,7 @@ class Harness:
 
     # -- observation
     def state(self, merges: int = 0) -> syncer_pb2.TrainingState:
-        return self.call(self.core.training_state, merges)
+        return self.call(lambda: wire_views.training_state(self.core, merges))
 
     def model(self) -> dict[int, tuple[int, str]]:
         """{fragment: (version, params sha256)}: the global model's identity."""

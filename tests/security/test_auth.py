@@ -24,7 +24,7 @@ from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import security
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc, syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
-from services.syncer import core as core_lib
+from services.syncer import membership as membership_lib
 from tests.security.conftest import Harness, Learner, client_security, code_of, encoded, honest_delta, merge_once
 from tests.waits import wait_until
 
@@ -98,7 +98,7 @@ def _assert_impersonation_denied(h: Harness, pki, me: Learner, payload, info) ->
     assert state.auth_failures["wrong_learner"] == 5 and state.auth_failures["wrong_role"] == 3
     assert state.uploads["rejected_wrong_learner"] == 1
     member = next(m for m in state.members if m.learner_id == "learner-0")
-    assert member.flags & core_lib.FLAG_IMPERSONATION and member.rejections["wrong_learner"] == 5
+    assert member.flags & membership_lib.FLAG_IMPERSONATION and member.rejections["wrong_learner"] == 5
     assert next(m for m in state.members if m.learner_id == "learner-1").flags == 0  # the victim is not flagged
     return impostor
 

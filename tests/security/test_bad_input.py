@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import zstandard
 
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.syncer import core as core_lib
+from services.syncer import membership as membership_lib
 from tests.security.conftest import (
     CHUNK, Harness, Learner, code_of, encoded, error_of, honest_delta, merge_once, raw_payload, upload_stream,
 )
@@ -94,7 +95,7 @@ def test_row15_nan_inf_and_bad_scales_are_invalid_argument(primed):
         assert error.code() == INVALID and "non-finite" in error.details(), error.details()
     assert _rejected(h)["rejected_nonfinite"] == len(cases)
     member = _member(h, "learner-1")
-    assert member.rejections["nonfinite"] == len(cases) and member.flags & core_lib.FLAG_MALFORMED
+    assert member.rejections["nonfinite"] == len(cases) and member.flags & membership_lib.FLAG_MALFORMED
     _unchanged(h, before)
 
 
@@ -329,7 +330,7 @@ def test_row19_replays_duplicates_and_chunk_order(primed):
     other_payload, other_info = encoded(honest_delta(h.numel(0), 99))
     assert code_of(lambda: honest.upload(0, 0, other_payload, other_info)) == grpc.StatusCode.ALREADY_EXISTS
     member = _member(h, "learner-0")
-    assert member.flags & core_lib.FLAG_REPLAY_MISMATCH and member.rejections["replay_mismatch"] == 1
+    assert member.flags & membership_lib.FLAG_REPLAY_MISMATCH and member.rejections["replay_mismatch"] == 1
     assert _rejected(h)["rejected_replay_mismatch"] == 1
     # Another learner replaying learner-0's upload under its own name is just a new contribution;
     # under learner-0's name (no credentials here) it is learner-0's duplicate: never applied twice.
@@ -402,7 +403,7 @@ def test_row20_fenced_stale_and_foreign_bases_then_the_learner_resyncs(tmp_path)
                 continue
             assembler.add(msg.chunk)
             if assembler.done:
-                got[header.fragment_id] = (header.version, core_lib.params_sha256(
+                got[header.fragment_id] = (header.version, fragments_lib.fragment_sha256(
                     serde.decode_payload(header.payload, assembler.payload())))
                 if len(got) == 2:
                     call.cancel()

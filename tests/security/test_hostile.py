@@ -25,8 +25,9 @@ from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from ddiloco.learner import client as client_lib
 from services.syncer import checkpointing
-from services.syncer import core as core_lib
-from tests.fakes import FakeClock, join, join_all, settle
+from services.syncer import membership as membership_lib
+from services.syncer import wire_views
+from tests.fakes import FakeClock, accept, join, join_all, settle
 from tests.security.conftest import Harness, Learner, code_of, encoded, honest_delta
 from tests.security.conftest import hostile_core as make_core
 
@@ -40,7 +41,7 @@ async def upload(core, learner_id: str, fid: int, delta: np.ndarray, *, base: in
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, fragment_id=fid,
         base_version=core.slots[fid].version if base is None else base, syncer_instance=core.instance,
         steps=steps, tokens=tokens, payload=serde.payload_info_to_proto(enc))
-    return await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=len(enc.payload))
+    return await accept(core, header, enc.payload, wire_bytes=len(enc.payload))
 
 
 async def rounds_of_honest_history(core, learners=("h1", "h2", "h3"), fid: int = 0, rounds: int = 2) -> None:
@@ -53,7 +54,7 @@ async def rounds_of_honest_history(core, learners=("h1", "h2", "h3"), fid: int =
 
 
 def member(core, learner_id: str) -> syncer_pb2.MemberState:
-    return next(m for m in core.training_state(0).members if m.learner_id == learner_id)
+    return next(m for m in wire_views.training_state(core, 0).members if m.learner_id == learner_id)
 
 
 def test_norm_bound_rejects_a_huge_update_from_the_first_round():
@@ -67,7 +68,7 @@ def test_norm_bound_rejects_a_huge_update_from_the_first_round():
         assert core.slots[0].params_sha256 == before and core.slots[0].round is None
         assert core.uploads["rejected_norm_bound"] == 1
         m = member(core, "hostile")
-        assert m.rejections["norm_bound"] == 1 and m.flags & core_lib.FLAG_NORM_BOUND and not m.quarantined
+        assert m.rejections["norm_bound"] == 1 and m.flags & membership_lib.FLAG_NORM_BOUND and not m.quarantined
 
     asyncio.run(run())
 
@@ -103,7 +104,7 @@ def test_norm_bound_is_relative_to_other_learners_per_tensor():
         # Both were less than twice the bound: refused, but "marginal", so no strikes towards quarantine.
         assert core.uploads["rejected_norm_bound_marginal"] == 2 and core.uploads["rejected_norm_bound"] == 0
         m = member(core, "x")
-        assert m.flags & core_lib.FLAG_NORM_BOUND and not m.quarantined
+        assert m.flags & membership_lib.FLAG_NORM_BOUND and not m.quarantined
         with pytest.raises(errors.InvalidArgument, match="norm bound"):  # a gross one is a strike
             await upload(core, "x", 1, 1e3 * honest_delta(n, 11))
         assert core.uploads["rejected_norm_bound"] == 1
@@ -133,12 +134,12 @@ def test_clip_mode_scales_the_update_down_to_the_bound():
     async def run():
         core = make_core(FakeClock(), action="clip", min_quorum=2)
         join_all(core, ("h1", "h2", "h3", "x"))
-        core._quarantine_after = 0  # this test looks at clipping alone
+        core.membership.quarantine_after = 0  # this test looks at clipping alone
         n = core.plan.fragments[0].numel
         for r in range(2):
             for i, lid in enumerate(("h1", "h2", "h3")):
                 await upload(core, lid, 0, honest_delta(n, 10 * r + i))
-            core._clock.now_s += 100  # past the grace window: the round (K=2) merges without x
+            core.clock.now_s += 100  # past the grace window: the round (K=2) merges without x
             core.tick()
             await settle()
         reference = np.median([np.linalg.norm(honest_delta(n, s)) for s in (10, 11, 12, 0, 1, 2)])
@@ -182,9 +183,9 @@ def test_quarantine_after_repeated_rejections_is_visible_and_sticky():
             with pytest.raises(errors.InvalidArgument):
                 await upload(core, "x", 0, 1e4 * honest_delta(n, i))
         m = member(core, "x")
-        assert m.quarantined and m.flags & core_lib.FLAG_QUARANTINED and m.rejections["norm_bound"] == 3
+        assert m.quarantined and m.flags & membership_lib.FLAG_QUARANTINED and m.rejections["norm_bound"] == 3
         assert m.quarantined_until_unix_s == pytest.approx(clock.now_s + 600)
-        assert core.training_state(0).quarantines == 1
+        assert wire_views.training_state(core, 0).quarantines == 1
         # Refused before any payload check, even a perfectly honest one; and no longer waited for:
         # h1 alone completes rounds (x would otherwise hold them for the grace window).
         with pytest.raises(errors.PermissionDenied, match="quarantined"):
@@ -199,10 +200,10 @@ def test_quarantine_after_repeated_rejections_is_visible_and_sticky():
             await upload(core, "x", 1, honest_delta(core.plan.fragments[1].numel, 3), incarnation=2)
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         restored = make_core(FakeClock())
-        restored._clock.now_s = clock.now_s
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.clock.now_s = clock.now_s
+        restored.restore(checkpointing.load_snapshot(blobs))
         rm = member(restored, "x")
-        assert rm.quarantined and rm.flags & core_lib.FLAG_QUARANTINED and rm.rejections["norm_bound"] == 3
+        assert rm.quarantined and rm.flags & membership_lib.FLAG_QUARANTINED and rm.rejections["norm_bound"] == 3
         # It ends after quarantine_s.
         clock.now_s += 601
         assert not member(core, "x").quarantined
@@ -265,29 +266,29 @@ def test_the_same_refused_contribution_sent_again_counts_one_strike():
             with pytest.raises(errors.InvalidArgument, match="norm bound"):
                 await upload(core, "x", 0, same)
         m = member(core, "x")
-        assert m.rejections["norm_bound"] == 4 and m.flags & core_lib.FLAG_NORM_BOUND and not m.quarantined
+        assert m.rejections["norm_bound"] == 4 and m.flags & membership_lib.FLAG_NORM_BOUND and not m.quarantined
         # Other work is other evidence: on another fragment (same content) and with other content.
         with pytest.raises(errors.InvalidArgument, match="norm bound"):
             await upload(core, "x", 1, 1e4 * honest_delta(core.plan.fragments[1].numel, 1))
         assert not member(core, "x").quarantined
         with pytest.raises(errors.InvalidArgument, match="norm bound"):
             await upload(core, "x", 0, 1e4 * honest_delta(n, 2))
-        assert member(core, "x").quarantined and core.training_state(0).quarantines == 1
+        assert member(core, "x").quarantined and wire_views.training_state(core, 0).quarantines == 1
 
     asyncio.run(run())
 
 
 async def _upload_at(core, learner_id: str, fid: int, delta: np.ndarray, local_step: int, steps: int = 2):
     """An upload carrying its mark (local_step), after a progress report saying the learner got there."""
-    core.report_progress(syncer_pb2.ReportProgressRequest(
+    core.report_progress(wire_views.progress(syncer_pb2.ReportProgressRequest(
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=1, local_step=local_step,
-        step_time_s=0.1), wire_bytes=0)
+        step_time_s=0.1)), wire_bytes=0)
     enc = codec_lib.encode(np.asarray(delta, dtype=np.float32), "fp32")
     header = syncer_pb2.UploadHeader(
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=1, fragment_id=fid,
         base_version=core.slots[fid].version, syncer_instance=core.instance, steps=steps, tokens=512 * steps,
         payload=serde.payload_info_to_proto(enc), local_step=local_step)
-    return await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=len(enc.payload))
+    return await accept(core, header, enc.payload, wire_bytes=len(enc.payload))
 
 
 def test_a_norm_violation_after_a_step_rate_clip_is_refused_without_a_strike():

@@ -20,7 +20,8 @@ from ddiloco.rpc import errors
 from ddiloco.v1 import common_pb2, syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from tests.fakes import FakeClock, join
+from services.syncer import wire_views
+from tests.fakes import FakeClock, join, join_request, progress_request
 from tests.security.conftest import CHUNK, Harness, Learner, encoded, honest_delta, hostile_core
 
 pytestmark = pytest.mark.timeout(300)
@@ -155,11 +156,14 @@ def _mutate(blob: bytes, data) -> bytes:
 def test_mutated_protocol_messages_parse_or_fail_and_validate_cleanly(data):
     core = _shared_core()
     for template, check in (
-        (_valid_header(core), lambda m: m.WhichOneof("kind") == "header" and core.validate_upload_header(m.header)),
-        (syncer_pb2.JoinRequest(protocol_version=1, learner_id="learner-0", incarnation=1, region="r"), core.join),
+        (_valid_header(core),
+         lambda m: m.WhichOneof("kind") == "header"
+         and core.validate_upload_header(wire_views.upload_header(m.header))),
+        (syncer_pb2.JoinRequest(protocol_version=1, learner_id="learner-0", incarnation=1, region="r"),
+         lambda m: join_request(core, m)),
         (syncer_pb2.ReportProgressRequest(protocol_version=1, learner_id="learner-0", incarnation=1, local_step=3,
                                           step_time_s=0.1, inner_loss=2.0),
-         lambda m: core.report_progress(m, wire_bytes=0)),
+         lambda m: progress_request(core, m)),
     ):
         blob = _mutate(template.SerializeToString(), data)
         try:

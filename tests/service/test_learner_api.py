@@ -15,6 +15,7 @@ import pytest
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.learner import api
+from services.syncer import wire_views
 from tests import fakes
 from tests.service.conftest import serve_syncer
 
@@ -57,7 +58,7 @@ def test_an_embedded_learner_starts_from_the_global_model_and_all_its_work_is_me
         async with serve_syncer(core) as served:
             published = {fid: core.fragment_digest(fid)[1] for fid in range(2)}
             sync, at_join = await asyncio.wait_for(asyncio.to_thread(_train, served.handle.address, 60), 90)
-            return published, sync, at_join, core.training_state(0)
+            return published, sync, at_join, wire_views.training_state(core, 0)
 
     published, sync, at_join, state = asyncio.run(scenario())
     # Joined: the global model replaced the given zeros, fragment by fragment.

@@ -31,6 +31,7 @@ from ddiloco.learner import client as client_lib
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
 from services.syncer import metrics as syncer_metrics
+from services.syncer import wire_views
 from tests import promtool
 from tests.fakes import make_core
 from tests.service.conftest import serve_syncer
@@ -110,7 +111,7 @@ async def _exercise_syncer() -> tuple[str, int, int]:
                 await asyncio.wait_for(
                     client_lib.send_upload(served.stub, _upload(core, instance="another-life"), 10.0), 15)
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            await wait_until_async(lambda: core.training_state(0).outer_steps >= 1, timeout_s=30,
+            await wait_until_async(lambda: wire_views.training_state(core, 0).outer_steps >= 1, timeout_s=30,
                                    what="the accepted upload's merge", interval_s=0.05)
             # Scrapes run on the endpoint's thread and read the core on this loop: never block it.
             return await asyncio.to_thread(_scrape, endpoint.address), watched, len(good)

@@ -26,7 +26,9 @@ from ddiloco.wire import serde
 from ddiloco.learner import client as client_lib
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
+from services.syncer import membership as membership_lib
 from services.syncer import servicer as servicer_lib
+from services.syncer import wire_views
 from tests.fakes import make_core
 from tests.service.conftest import serve_syncer
 
@@ -216,11 +218,11 @@ def test_frames_that_are_not_messages_are_refused_as_malformed_not_internal():
             frames = [good[0].SerializeToString(), _GARBAGE_FRAMES[0]]
             error = await asyncio.to_thread(_send_raw_frames, served.handle.address, frames)
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
-            state = core.training_state(0)
+            state = wire_views.training_state(core, 0)
             assert state.uploads["rejected_malformed"] == len(_GARBAGE_FRAMES) + 1, dict(state.uploads)
             assert "rejected_internal" not in state.uploads, dict(state.uploads)
             member = core.members["learner-0"]
-            assert member.rejections["malformed"] == 1 and member.flags & core_lib.FLAG_MALFORMED
+            assert member.rejections["malformed"] == 1 and member.flags & membership_lib.FLAG_MALFORMED
             assert [f.pending_contributions for f in state.fragments] == [0] and core.slots[0].version == 0
             response = await asyncio.wait_for(client_lib.send_upload(served.stub, good, 10.0), 15)
             assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED

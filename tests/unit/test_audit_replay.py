@@ -21,7 +21,7 @@ from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import checkpointing
 from services.syncer import ledger_sink
-from tests.fakes import join, make_core, settle
+from tests.fakes import accept, join, make_core, settle
 from tests.waits import wait_until_async
 
 GENESIS = "0" * 64
@@ -89,7 +89,7 @@ async def _upload(core, learner_id: str, fid: int, base: int, delta: np.ndarray,
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation, fragment_id=fid,
         base_version=base, syncer_instance=core.instance, steps=2, tokens=2 * tokens_per_step,
         payload=serde.payload_info_to_proto(enc))
-    await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=len(enc.payload))
+    await accept(core, header, enc.payload, wire_bytes=len(enc.payload))
 
 
 async def _ledgered(core) -> tuple[MemoryStore, ledger_sink.StoreLedger]:

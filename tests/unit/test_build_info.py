@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from ddiloco import build_info
+from services.syncer import wire_views
 from tests import fakes
 
 _SHA = re.compile(r"[0-9a-f]{40}|unknown")
@@ -67,6 +68,6 @@ def test_the_commit_a_build_recorded_wins_and_unknown_is_said_when_nothing_knows
 
 
 def test_the_training_state_carries_the_syncers_build():
-    state = fakes.make_core().training_state(0)
+    state = wire_views.training_state(fakes.make_core(), 0)
     assert state.build_version == importlib.metadata.version("ddiloco")
     assert state.build_commit == build_info.commit() and _SHA.fullmatch(state.build_commit)

@@ -20,7 +20,8 @@ from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import config as config_lib
-from tests.fakes import join, make_core, settle
+from services.syncer import wire_views
+from tests.fakes import accept, join, make_core, settle
 
 
 async def _upload(core, learner_id: str, base: int, delta: np.ndarray, *, tokens_per_step: int, steps: int = 2):
@@ -29,7 +30,7 @@ async def _upload(core, learner_id: str, base: int, delta: np.ndarray, *, tokens
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=1, fragment_id=0,
         base_version=base, syncer_instance=core.instance, steps=steps, tokens=steps * tokens_per_step,
         payload=serde.payload_info_to_proto(enc))
-    await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=len(enc.payload))
+    await accept(core, header, enc.payload, wire_bytes=len(enc.payload))
 
 
 async def _rounds(core, batches: dict[str, int], rounds: int) -> list[syncer_pb2.MergeRecord]:
@@ -68,14 +69,14 @@ def test_a_4x_batch_unit_keeps_its_tokens_squared_per_step_weight_in_a_merge_of_
         assert all(_shares(m)["unit"] == pytest.approx(16 / 17) for m in merges[3:])
         # Unchecked claims (the run's first merges) are capped, as any claim in a larger merge would be.
         assert _shares(merges[0])["unit"] == pytest.approx(0.5)
-        influence = {i.learner_id: i for i in core.training_state(0).influence}
+        influence = {i.learner_id: i for i in wire_views.training_state(core, 0).influence}
         unit = influence["unit"]
         capped_before = sum(_shares(m)["unit"] == pytest.approx(0.5) for m in merges)
         assert (unit.merges, unit.window_merges, unit.share_capped, unit.clipped) == (5, 5, capped_before, 0)
         assert 0 < capped_before < 5 and unit.max_share == pytest.approx(16 / 17, abs=1e-5)
         assert unit.mean_share == pytest.approx(np.mean([_shares(m)["unit"] for m in merges]), abs=1e-5)
         console = Console(width=240, record=True, color_system=None)
-        console.print(render.state_renderable(core.training_state(0)))
+        console.print(render.state_renderable(wire_views.training_state(core, 0)))
         text = console.export_text()
         assert "capped" in text and "clipped" in text and "of the last 5 merges" in text
         row = next(line for line in text.splitlines() if "unit" in line)
@@ -93,7 +94,8 @@ def test_a_hostile_claim_is_capped_in_a_merge_of_three_or_more(clock):
         for m in merges:
             assert _shares(m)["x"] == pytest.approx(0.5)
             assert _shares(m)["a"] == pytest.approx(0.25)
-        assert {i.learner_id: i.share_capped for i in core.training_state(0).influence} == {"a": 0, "b": 0, "x": 4}
+        influence = wire_views.training_state(core, 0).influence
+        assert {i.learner_id: i.share_capped for i in influence} == {"a": 0, "b": 0, "x": 4}
 
     asyncio.run(run())
 
@@ -106,7 +108,7 @@ def test_a_clipped_claim_is_capped_in_a_merge_of_two(clock):
         merges = await _rounds(core, {"a": 100, "x": 2000}, rounds=5)
         for m in merges:
             assert _shares(m)["x"] == pytest.approx(0.5)
-        clipped = {i.learner_id: (i.share_capped, i.clipped) for i in core.training_state(0).influence}
+        clipped = {i.learner_id: (i.share_capped, i.clipped) for i in wire_views.training_state(core, 0).influence}
         assert clipped["x"][0] == 5 and clipped["x"][1] >= 2 and clipped["a"] == (0, 0)  # batch clipped once checkable
 
     asyncio.run(run())
@@ -224,7 +226,7 @@ def test_a_run_s_first_merge_clips_a_large_unchecked_contribution_to_twice_the_o
             await _upload(core, lid, 0, 0.01 * scale * (common + 0.1 * rng.normal(size=n)), tokens_per_step=100)
         await settle()
         assert core.slots[0].version == 1
-        return core.merges[0], {i.learner_id: i.clipped for i in core.training_state(0).influence}
+        return core.merges[0], {i.learner_id: i.clipped for i in wire_views.training_state(core, 0).influence}
 
     tight, tight_clipped = asyncio.run(first_merge())
     loose, loose_clipped = asyncio.run(first_merge(norm_bound=robust_lib.NormBoundPolicy(unverified_clip_factor=0.0)))

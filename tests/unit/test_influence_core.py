@@ -16,7 +16,7 @@ from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import influence as influence_lib
 from services.syncer import metrics as syncer_metrics
-from tests.fakes import join, make_core, settle
+from tests.fakes import accept, join, make_core, settle
 
 
 async def _upload(core, learner_id: str, fid: int, base: int, delta: np.ndarray, *, tokens_per_step: int = 100,
@@ -26,7 +26,7 @@ async def _upload(core, learner_id: str, fid: int, base: int, delta: np.ndarray,
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=1, fragment_id=fid,
         base_version=base, syncer_instance=core.instance, steps=steps, tokens=steps * tokens_per_step,
         payload=serde.payload_info_to_proto(enc))
-    await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=len(enc.payload))
+    await accept(core, header, enc.payload, wire_bytes=len(enc.payload))
 
 
 def _sample(registry, name: str, **labels) -> float:

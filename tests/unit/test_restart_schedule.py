@@ -22,6 +22,7 @@ from services.learner import __main__ as learner_main
 from services.learner import config as config_lib
 from services.learner import train as train_lib
 from services.syncer import checkpointing
+from services.syncer import wire_views
 from tests.fakes import FakeClock, join, make_core
 
 TOTAL_STEPS = 300
@@ -126,9 +127,9 @@ def test_a_resumed_snapshot_keeps_its_counts_and_a_models_own_schedule_is_moved_
 
 
 def _report(core, learner_id: str, incarnation: int, local_step: int) -> None:
-    core.report_progress(syncer_pb2.ReportProgressRequest(
+    core.report_progress(wire_views.progress(syncer_pb2.ReportProgressRequest(
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation,
-        local_step=local_step), wire_bytes=0)
+        local_step=local_step)), wire_bytes=0)
 
 
 def test_the_syncer_hands_a_rejoining_learner_the_steps_of_its_earlier_lives():
@@ -147,7 +148,7 @@ def test_the_syncer_hands_a_rejoining_learner_the_steps_of_its_earlier_lives():
         # A restarted syncer keeps the count (its checkpoint): a's next life starts at 200.
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         restored = make_core(FakeClock())
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.restore(checkpointing.load_snapshot(blobs))
         assert join(restored, "a", incarnation=4).schedule_start_step == 200
         assert join(restored, "c").schedule_start_step == 0
 

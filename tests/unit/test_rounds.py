@@ -14,7 +14,8 @@ from ddiloco.algo import rounds as rounds_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from tests.fakes import FakeClock, join, make_core, settle
+from services.syncer import wire_views
+from tests.fakes import FakeClock, accept, join, make_core, settle
 
 # --------------------------------------------------------------------------------- schedule
 
@@ -118,9 +119,9 @@ def make_scheduled_core(clock: FakeClock, *, grace_gamma: float = 0.8, min_quoru
 
 
 def report(core, learner_id: str, step: int, *, step_time_s: float = 1.0, finished: bool = False) -> None:
-    core.report_progress(syncer_pb2.ReportProgressRequest(
+    core.report_progress(wire_views.progress(syncer_pb2.ReportProgressRequest(
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=1, local_step=step,
-        step_time_s=step_time_s, finished=finished), wire_bytes=0)
+        step_time_s=step_time_s, finished=finished)), wire_bytes=0)
 
 
 def join_all(core, learner_ids, *, step: int = 0) -> None:
@@ -137,8 +138,7 @@ async def contribute(core, learner_id: str, fid: int, *, mark: int, value: float
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=1, fragment_id=fid,
         base_version=core.slots[fid].version, syncer_instance=core.instance, steps=4, tokens=400,
         payload=serde.payload_info_to_proto(enc), local_step=mark, final=final)
-    ticket = core.validate_upload_header(header)
-    return await core.accept_upload(ticket, enc.payload, wire_bytes=0)
+    return await accept(core, header, enc.payload)
 
 
 def test_rounds_open_on_the_syncers_schedule_and_merge_every_called_learner(clock):
@@ -167,9 +167,9 @@ def test_rounds_open_on_the_syncers_schedule_and_merge_every_called_learner(cloc
         assert record.reason == "all_contributed" and len(record.contributors) == 3
         assert record.expected_contributors == 3 and record.round == 1
         assert record.quorum_wait_s == pytest.approx(0.0)  # a's early contribution met K = 1 at the call
-        assert core.receipt("b", 1, 0, 1).merged_through_step == 4
-        assert core.receipt("b", 1, 0, 0).merged_through_step == 0  # version 0 did not hold it
-        state = core.training_state(0)
+        assert core.merged_through_step("b", 1, 0, 1) == 4
+        assert core.merged_through_step("b", 1, 0, 0) == 0  # version 0 did not hold it
+        state = wire_views.training_state(core, 0)
         assert state.fragments[0].round == 1 and not state.fragments[0].round_open
         assert state.fragments[1].round_open
 
@@ -186,7 +186,7 @@ def test_quorum_time_runs_from_the_call_and_the_grace_window_closes_a_round_with
         await contribute(core, "a", 1, mark=2)
         await settle()
         assert core.slots[1].version == 0
-        assert core.training_state(0).quorum_time_s == pytest.approx(0.25)
+        assert wire_views.training_state(core, 0).quorum_time_s == pytest.approx(0.25)
         # grace = 0.5 * (4 * 1 s - 0.25 s - 0 s) = 1.875 s after quorum
         assert core.grace_window_s() == pytest.approx(1.875)
         clock.now_s += 1.8
@@ -246,7 +246,7 @@ def test_a_quorum_that_can_no_longer_form_does_not_hold_the_last_learners_work(c
         await contribute(core, "b", 0, mark=6, final=True)  # the last learner's last work merges at once
         await settle()
         assert core.slots[0].version == 2 and core.merges[-1].reason == "quorum_unreachable"
-        assert core.receipt("b", 1, 0, 2).merged_through_step == 6  # its receipt lets it stop
+        assert core.merged_through_step("b", 1, 0, 2) == 6  # its receipt lets it stop
 
     asyncio.run(run())
 
@@ -304,7 +304,7 @@ def test_learners_that_ended_before_a_syncer_restart_do_not_keep_a_quorum_reacha
         core = make_scheduled_core(clock, min_quorum=2)
         join_all(core, ("a", "b", "c"))
         report(core, "a", 3, finished=True)
-        core.leave(syncer_pb2.LeaveRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id="b", incarnation=1))
+        core.leave(learner_id="b", incarnation=1, protocol_version=serde.PROTOCOL_VERSION)
         restored = make_scheduled_core(clock, min_quorum=2)
         restored.restore(await core.snapshot())
         assert restored.membership.quorum_reachable(2, set()) is False  # only c may still contribute
@@ -319,8 +319,8 @@ def test_receipts_and_tokens_of_earlier_lives_survive_a_restart(clock):
     async def run():
         core = make_scheduled_core(clock)
         join(core, "a")
-        core.report_progress(syncer_pb2.ReportProgressRequest(
-            protocol_version=serde.PROTOCOL_VERSION, learner_id="a", incarnation=1, local_step=0, tokens_total=500),
+        core.report_progress(wire_views.progress(syncer_pb2.ReportProgressRequest(
+            protocol_version=serde.PROTOCOL_VERSION, learner_id="a", incarnation=1, local_step=0, tokens_total=500)),
             wire_bytes=0)
         await contribute(core, "a", 0, mark=3, final=True)
         await settle()
@@ -328,10 +328,10 @@ def test_receipts_and_tokens_of_earlier_lives_survive_a_restart(clock):
         snapshot = await core.snapshot()
         restored = make_scheduled_core(clock)
         restored.restore(snapshot)
-        assert restored.receipt("a", 1, 0, 1).merged_through_step == 3
+        assert restored.merged_through_step("a", 1, 0, 1) == 3
         assert restored.tokens_processed() == 500
-        restored.join(syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id="a", incarnation=2))
-        assert restored.receipt("a", 2, 0, 1).merged_through_step == 0  # a new life has no merged marks
+        join(restored, "a", incarnation=2)
+        assert restored.merged_through_step("a", 2, 0, 1) == 0  # a new life has no merged marks
         assert restored.tokens_processed() == 500  # the earlier life's tokens still count
 
     asyncio.run(run())
@@ -343,14 +343,14 @@ def test_claimed_steps_beyond_the_local_steps_since_the_last_merged_mark_are_not
         join(core, "a")
         await contribute(core, "a", 0, mark=4, final=True)  # merged at once (nobody else trains)
         await settle()
-        assert core.receipt("a", 1, 0, 1).merged_through_step == 4
+        assert core.merged_through_step("a", 1, 0, 1) == 4
         n = core.plan.fragments[0].numel
         enc = codec_lib.encode(np.full(n, 0.01, np.float32), "fp32")
         header = syncer_pb2.UploadHeader(
             protocol_version=serde.PROTOCOL_VERSION, learner_id="a", incarnation=1, fragment_id=0, base_version=1,
             syncer_instance=core.instance, steps=500, tokens=50_000, payload=serde.payload_info_to_proto(enc),
             local_step=6, final=True)  # 500 steps claimed, 2 taken since the merged mark 4
-        response = await core.accept_upload(core.validate_upload_header(header), enc.payload, wire_bytes=0)
+        response = await accept(core, header, enc.payload)
         assert core.uploads["capped_steps"] == 1
         assert response.weight == pytest.approx(2 * 100.0 ** 2)  # 2 steps of 100 tokens: tokens^2 / steps
 

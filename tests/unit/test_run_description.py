@@ -121,4 +121,4 @@ def test_checkpoint_blobs_carry_the_run_blob_and_older_ones_stay_readable():
     assert legacy_metadata == {"format": "1", "kind": "syncer"}  # what every older checkpoint holds
     for blobs in (described, legacy):
         state = checkpointing.decode_snapshot(blobs)
-        assert [f["params_sha256"] for f in state["fragments"]] == [f["params_sha256"] for f in snapshot["fragments"]]
+        assert [f["params_sha256"] for f in state["fragments"]] == [f.params_sha256 for f in snapshot.fragments]

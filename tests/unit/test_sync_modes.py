@@ -26,6 +26,7 @@ from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
+from services.syncer import wire_views
 from tests.fakes import SPECS, join, make_core, settle, upload
 
 
@@ -46,7 +47,7 @@ def test_delta_downloads_reconstruct_published_bit_exactly_with_error_feedback(c
         cfg = config_lib.SyncerConfig(num_fragments=2, sync_period_steps=2, upload_codec="fp32", download_codec=codec,
                                       min_quorum=1, grace_gamma=0.0, max_grace_s=0.0)
         core = _core(clock, cfg)
-        assert core.delta_downloads
+        assert core.publisher.delta_downloads
         join(core, "l1")
         slot = core.slots[0]
         # A learner that received version 0 exactly (the full fp32 download).
@@ -64,14 +65,14 @@ def test_delta_downloads_reconstruct_published_bit_exactly_with_error_feedback(c
             delta_version, delta = core.delta_payload(slot, version - 1)
             assert delta_version == version and delta.codec == codec
             held = serde.apply_delta(held, _decode(delta))
-            assert core_lib.params_sha256(held) == slot.published_sha256  # bit-identical to the syncer
+            assert fragments_lib.fragment_sha256(held) == slot.published_sha256  # bit-identical to the syncer
             errors.append(float(np.max(np.abs(held - slot.params))))
             # The exact download is of the published values, not of the syncer's own parameters.
             _, exact = await core.encoded_payload(slot)
-            assert core_lib.params_sha256(_decode(exact)) == slot.published_sha256
-        state = core.training_state(0)
+            assert fragments_lib.fragment_sha256(_decode(exact)) == slot.published_sha256
+        state = wire_views.training_state(core, 0)
         assert state.fragments[0].published_sha256 == slot.published_sha256
-        assert state.fragments[0].params_sha256 == core_lib.params_sha256(slot.params)
+        assert state.fragments[0].params_sha256 == fragments_lib.fragment_sha256(slot.params)
         # Error feedback: the gap to the true parameters never accumulates past one step's error.
         step_bound = codec_lib.max_abs_error_bound(codec, float(np.max(np.abs(slot.params))) + 1.0)
         assert max(errors) <= step_bound
@@ -84,7 +85,7 @@ def test_fp32_downloads_publish_the_parameters_themselves(clock):
     async def run():
         core = _core(clock, config_lib.SyncerConfig(num_fragments=2, sync_period_steps=2, upload_codec="fp32",
                                                     download_codec="fp32"))
-        assert not core.delta_downloads
+        assert not core.publisher.delta_downloads
         join(core, "l1")
         slot = core.slots[1]
         await upload(core, "l1", 1, 0, np.full(slot.fragment.numel, 0.01))

@@ -16,7 +16,9 @@ from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 from services.syncer import checkpointing
 from services.syncer import config as config_lib
-from tests.fakes import FakeClock, join, make_core, progress, settle, settle_until, upload
+from services.syncer import wire_views
+from tests.fakes import (FakeClock, join, join_request, make_core, progress, progress_request, settle, settle_until,
+                         upload)
 
 
 def test_grace_window_waits_for_stragglers_then_merges_everyone(clock):
@@ -126,7 +128,7 @@ def test_snapshot_round_trips_bit_exactly_through_checkpoint_blobs(clock):
         await settle()
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         restored = make_core(FakeClock())
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.restore(checkpointing.load_snapshot(blobs))
         for a, b in zip(core.slots, restored.slots):
             assert a.version == b.version and a.params.tobytes() == b.params.tobytes()
             assert all(np.array_equal(x, y) for x, y in zip(a.opt_state, b.opt_state))
@@ -280,9 +282,9 @@ def test_the_token_budget_is_the_fleets_over_every_life_and_survives_a_restore()
         core = make_core(FakeClock(), token_budget=1000)
 
         def report(learner_id: str, tokens: int, incarnation: int = 1) -> bool:
-            return core.report_progress(syncer_pb2.ReportProgressRequest(
+            return progress_request(core, syncer_pb2.ReportProgressRequest(
                 protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation,
-                local_step=1, tokens_total=tokens), wire_bytes=0).budget_reached
+                local_step=1, tokens_total=tokens)).budget_reached
 
         join(core, "a")
         join(core, "b")
@@ -291,17 +293,18 @@ def test_the_token_budget_is_the_fleets_over_every_life_and_survives_a_restore()
         assert not report("a", 99, incarnation=2)  # 999
         assert report("a", 100, incarnation=2)  # 1000: spent
         assert report("b", 300)  # every learner hears it
-        assert core.training_state(0).token_budget == 1000 and core.training_state(0).tokens_processed == 1000
+        state = wire_views.training_state(core, 0)
+        assert state.token_budget == 1000 and state.tokens_processed == 1000
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         restored = make_core(FakeClock(), token_budget=1000)
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.restore(checkpointing.load_snapshot(blobs))
         assert restored.budget_reached()  # a restarted syncer does not hand out the budget again
         # No budget: never reached, whatever was processed.
         unbounded = make_core(FakeClock())
         join(unbounded, "a")
-        assert not unbounded.report_progress(syncer_pb2.ReportProgressRequest(
+        assert not progress_request(unbounded, syncer_pb2.ReportProgressRequest(
             protocol_version=serde.PROTOCOL_VERSION, learner_id="a", incarnation=1, local_step=1,
-            tokens_total=10**12), wire_bytes=0).budget_reached
+            tokens_total=10**12)).budget_reached
         with pytest.raises(ValueError, match="token_budget"):
             make_core(FakeClock(), token_budget=-1)
         with pytest.raises(ValueError, match="token_budget"):
@@ -325,14 +328,14 @@ def test_the_history_start_record_holds_the_liveness_timeout_and_grace_cap(tmp_p
 
 def _join_data(core, learner_id: str, *, incarnation: int = 1, shards: int = 4, pinned: int | None = None):
     """Joins as a learner with `shards` data shards: asks the syncer for one, or pins `pinned`."""
-    return core.join(syncer_pb2.JoinRequest(
+    return join_request(core, syncer_pb2.JoinRequest(
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=incarnation,
         num_data_shards=shards, assign_data_shard=pinned is None, data_shard=pinned or 0))
 
 
 def _shards(core) -> dict[str, tuple[int, bool]]:
     """learner id -> (data shard, assigned by the syncer), from the training state (what operators see)."""
-    return {m.learner_id: (m.data_shard, m.data_shard_assigned) for m in core.training_state(0).members
+    return {m.learner_id: (m.data_shard, m.data_shard_assigned) for m in wire_views.training_state(core, 0).members
             if m.num_data_shards}
 
 
@@ -355,7 +358,7 @@ def test_learners_that_ask_get_distinct_data_shards_stable_across_their_lives(cl
         assert (pinned.data_shard, pinned.data_shard_assigned) == (3, False)
         assert _shards(core)["learner-7"] == (3, False)
         # The first learner leaves: a newcomer gets its shard.
-        core.leave(syncer_pb2.LeaveRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id=ids[0], incarnation=1))
+        core.leave(learner_id=ids[0], incarnation=1, protocol_version=serde.PROTOCOL_VERSION)
         assert _join_data(core, "region-b-feedfacecafe").data_shard == 0
         # It comes back while all four shards are trained: more learners than shards, so the
         # least-trained shard, the lowest on ties.
@@ -381,7 +384,7 @@ def test_data_shards_survive_a_syncer_restart():
             _join_data(core, lid)
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         restored = make_core(FakeClock())
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.restore(checkpointing.load_snapshot(blobs))
         assert _join_data(restored, "region-b-cccccccccccc", incarnation=2).data_shard == 2
         assert _shards(restored)["region-b-cccccccccccc"] == (2, True)
 
@@ -403,7 +406,7 @@ def test_work_merged_never_exceeds_the_work_processed_while_progress_reports_lag
         assert [s.version for s in core.slots] == [1, 1]
         assert core.tokens_merged == 800
         assert core.tokens_processed() == 400
-        state = core.training_state(0)
+        state = wire_views.training_state(core, 0)
         assert state.tokens_merged / (len(core.slots) * state.tokens_processed) == pytest.approx(1.0)
         # The next life starts from what this one is known to have processed.
         join(core, "l1", incarnation=2)

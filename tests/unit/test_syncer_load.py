@@ -20,15 +20,18 @@ from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import core as core_lib
+from services.syncer import admission as admission_lib
+from services.syncer import wire_views
 from tests.fakes import FakeClock, join, make_core, settle
 from tests.waits import wait_until_async
 
 
-def _header(core, learner_id: str, fid: int, base: int, enc: codec_lib.EncodedPayload) -> syncer_pb2.UploadHeader:
-    return syncer_pb2.UploadHeader(
+def _header(core, learner_id: str, fid: int, base: int, enc: codec_lib.EncodedPayload) -> admission_lib.UploadHeader:
+    """An UploadHeader's plain form, as the servicer passes it to the core."""
+    return wire_views.upload_header(syncer_pb2.UploadHeader(
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=1, fragment_id=fid,
         base_version=base, syncer_instance=core.instance, steps=2, tokens=200,
-        payload=serde.payload_info_to_proto(enc))
+        payload=serde.payload_info_to_proto(enc)))
 
 
 def _encode(values: np.ndarray) -> codec_lib.EncodedPayload:
@@ -52,7 +55,7 @@ def test_a_contribution_admitted_within_the_staleness_bound_is_not_refused_when_
         await settle()
         assert slot.version == 1 and 0 not in slot.history
         response = await core.accept_upload(ticket, late.payload, 0)
-        assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
+        assert not response.duplicate
         assert core.uploads["rejected_stale"] == 0
         await settle()
         assert slot.version == 2
@@ -151,7 +154,7 @@ def test_decoded_contributions_waiting_at_once_are_bounded(monkeypatch):
         assert decoding[0] == 2
         release.set()
         responses = await asyncio.wait_for(asyncio.gather(*uploads), 20)
-        assert all(r.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED for r in responses)
+        assert not any(r.duplicate for r in responses)
         assert most[0] == 2
         assert sum(len(s.round.contributions) for s in core.slots if s.round) == 5
 

@@ -22,7 +22,8 @@ from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 from services.syncer import checkpointing
 from services.syncer import config as config_lib
-from tests.fakes import FakeClock, join, make_core, settle_until, upload
+from services.syncer import wire_views
+from tests.fakes import FakeClock, join, join_request, make_core, settle_until, upload
 from tests.unit import test_learner_resend
 
 MAP = "127.0.0.1:7001|127.0.0.1:7101,127.0.0.1:7002"
@@ -94,7 +95,7 @@ def test_join_and_training_state_carry_the_map_and_only_owned_fragments():
     assert [list(s.addresses) for s in answer.shards] == [["127.0.0.1:7001", "127.0.0.1:7101"], ["127.0.0.1:7002"]]
     assert [list(s.fragment_ids) for s in answer.shards] == [[0], [1]] and answer.shard_index == 1
     assert serde.versions_from_proto(answer.fragment_versions) == {1: 0} and set(answer.published_sha256) == {1}
-    state = core.training_state(0)
+    state = wire_views.training_state(core, 0)
     assert [f.fragment_id for f in state.fragments] == [1] and state.shard_index == 1 and len(state.shards) == 2
     unsharded = join(make_core(FakeClock()), "l1")
     assert not unsharded.shards and set(unsharded.published_sha256) == {0, 1}
@@ -103,8 +104,8 @@ def test_join_and_training_state_carry_the_map_and_only_owned_fragments():
 def test_only_shard_zero_assigns_data_shards():
     request = syncer_pb2.JoinRequest(protocol_version=serde.PROTOCOL_VERSION, learner_id="l1", incarnation=1,
                                      num_data_shards=4, data_shard=2, assign_data_shard=True)
-    assert _shard_core(FakeClock(), 0).join(request).data_shard_assigned
-    other = _shard_core(FakeClock(), 1).join(request)
+    assert join_request(_shard_core(FakeClock(), 0), request).data_shard_assigned
+    other = join_request(_shard_core(FakeClock(), 1), request)
     assert not other.data_shard_assigned and other.data_shard == 2  # the learner's pinned one, recorded
 
 
@@ -113,7 +114,7 @@ def test_a_scheduled_shard_opens_rounds_only_for_its_fragments():
     join(core, "l1")
     for step in range(10):  # several periods of the schedule (H = 2): both fragments fall due
         core.rounds.schedule.observe(("l1", 1), step, 1)
-        core.open_due_rounds()
+        core.rounds.open_due()
     assert core.slots[1].rounds_opened > 0 and core.slots[0].rounds_opened == 0
 
 
@@ -126,13 +127,13 @@ def test_a_shard_checkpoints_and_restores_only_its_fragments_and_refuses_another
         blobs, _ = checkpointing.encode_snapshot(await core.snapshot())
         assert sorted(n for n in blobs if n.startswith("fragment/")) == ["fragment/1"]
         restored = _shard_core(FakeClock(), 1)
-        restored.restore(checkpointing.decode_snapshot(blobs))
+        restored.restore(checkpointing.load_snapshot(blobs))
         assert restored.versions() == {1: 1} and restored.restored_from_checkpoint
         assert restored.slots[1].params.tobytes() == core.slots[1].params.tobytes()
         with pytest.raises(ValueError, match="shard 0 of 2 .* owns \\[0\\].*different .*shard layout"):
-            _shard_core(FakeClock(), 0).restore(checkpointing.decode_snapshot(blobs))
+            _shard_core(FakeClock(), 0).restore(checkpointing.load_snapshot(blobs))
         with pytest.raises(ValueError, match="unsharded .* owns \\[0, 1\\]"):
-            make_core(FakeClock()).restore(checkpointing.decode_snapshot(blobs))
+            make_core(FakeClock()).restore(checkpointing.load_snapshot(blobs))
 
     asyncio.run(run())
 
