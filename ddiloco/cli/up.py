@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         console.print(f"[bold]ddiloco up[/]: {args.learners} learners x {args.steps} steps; logs in {workdir}/logs")
-        syncer = _start_syncer(console, args, cluster, run_id, vocab_size)
+        _start_syncer(console, args, cluster, run_id, vocab_size)
         if args.dashboard:
             dashboard = _start_dashboard(console, cluster.syncer_target(), args.dashboard_bind, cluster.client_security())
         _start_workers(args, cluster, data_flags)
