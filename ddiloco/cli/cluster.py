@@ -35,6 +35,10 @@ from ddiloco.cli.processes import ProcessControl, preset_port
 from ddiloco.rpc import security as security_lib
 
 
+# services/syncer/leadership.EXIT_LOST_LEADERSHIP (the tools do not import the services).
+EXIT_LOST_LEADERSHIP = 4
+
+
 class ServiceStartError(RuntimeError):
     """A service exited or did not announce itself in time; the message includes its log tail."""
 
@@ -253,6 +257,19 @@ class LocalCluster:
         for svc in replicas:
             svc.wait_ready(timeout_s)
         return replicas
+
+    def revive_syncer_replicas(self) -> list[str]:
+        """Starts again every failover instance that exited with EXIT_LOST_LEADERSHIP (a leader that
+        lost its lease or was fenced exits so, and is meant to come back as a standby: what its
+        supervisor does on Kubernetes or in compose); returns their names. Another exit is left to
+        the caller (a crash is not hidden by a restart)."""
+        revived = []
+        for name in self._replicas:
+            svc = self.services[name]
+            if svc.proc is not None and svc.proc.poll() == EXIT_LOST_LEADERSHIP:
+                svc.start()  # the same port: learners keep the address they were given
+                revived.append(name)
+        return revived
 
     def syncer_target(self) -> str:
         """What learners, the evaluator and tools are given: every syncer instance with failover

@@ -340,7 +340,8 @@ def _follow(console: Console, args: argparse.Namespace, cluster: cluster_lib.Loc
             reader: run_view.RunReader, target: str,
             workdir: pathlib.Path, started: float, interrupt: _Interrupt) -> None:
     """Shows the training state (and appends it to state.jsonl) until the learners exit, Ctrl-C, or
-    --timeout-s from `started` (then `interrupt.interrupted` is set)."""
+    --timeout-s from `started` (then `interrupt.interrupted` is set); with failover, restarts a
+    syncer instance that lost its leadership as a standby."""
     # Live table on a terminal; plain progress lines otherwise (CI logs, pipes).
     live = None if args.no_live or not console.is_terminal else Live(console=console, refresh_per_second=2)
     history = open(workdir / "state.jsonl", "a")
@@ -353,6 +354,9 @@ def _follow(console: Console, args: argparse.Namespace, cluster: cluster_lib.Loc
                 console.print(f"[red]timed out after {args.timeout_s:.0f} s[/]")
                 interrupt.interrupted = True
                 break
+            for name in cluster.revive_syncer_replicas():
+                console.print(f"{name} lost its leadership (exit {cluster_lib.EXIT_LOST_LEADERSHIP}): "
+                              "restarted as a standby")
             view = _view(reader)
             state = view.state if view is not None else None
             if state is not None:
