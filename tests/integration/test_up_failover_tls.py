@@ -6,7 +6,7 @@ processes (etcd from scripts/etcd_env.sh, a store, two syncers, learners, the ev
    instances is elected (the other logs it as the leader it stands by for, with its epoch), the
    learners and the evaluator follow the leader, the summary counts merges, and nothing is left
    running (etcd included). On a loaded machine a leader may lose its lease: then every later
-   election has a new epoch and `up` restarted the deposed instance as a standby.
+   election has a new epoch, after the deposed leader said it lost its leadership.
 2. The same cluster from LocalCluster, as `up` builds it: one instance leads and the other stands
    by naming it; a third syncer given etcd's CA but no client certificate cannot join the
    election: it exits with EXIT_LOST_LEADERSHIP, its log naming EtcdTLSError; neither a
@@ -72,12 +72,12 @@ def test_up_with_two_syncers_over_tls_etcd_trains_and_one_leads(tmp_path):
     _, first, epoch = leads[0]
     standby = next(name for name in logs if name != first)
     assert f"leader is {ready[first]} (epoch {epoch})" in logs[standby], logs[standby][-2000:]
-    # Later elections (a leader starved of CPU past its lease on a loaded machine) each take a new
-    # epoch, after the previous leader lost its leadership and `up` restarted it as a standby.
+    # Later elections (a leader starved of CPU past its lease on a loaded machine: seen here at load
+    # average 30) each take a new epoch, after the previous leader lost its leadership. (`up`
+    # restarts a deposed instance as a standby while learners run: tests/unit/test_up_syncer_replicas.py.)
     assert len({e for _, _, e in leads}) == len(leads), leads
     lost = sum(log.count("lost leadership") for log in logs.values())
     assert lost >= len(leads) - 1, (leads, lost)
-    assert result.stdout.count("restarted as a standby") >= len(leads) - 1, out
     assert cluster_lib.EXIT_LOST_LEADERSHIP == leadership_lib.EXIT_LOST_LEADERSHIP
     # etcd ran with client and peer TLS, each checking certificates (etcd logs its TLS settings).
     etcd_log = (workdir / "etcd" / "logs" / "etcd-0.log").read_text()
