@@ -324,7 +324,7 @@ class LocalCluster:
         epochs = {}
         for svc in syncers:
             try:
-                epochs[svc.name] = reader.fetch(svc.address).epoch if svc.alive() else -1
+                epochs[svc.name] = reader.fetch(svc.address).epoch if svc.alive() and svc.address else -1
             except grpc.RpcError:
                 epochs[svc.name] = -1
         reader.close()
