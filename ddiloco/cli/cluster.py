@@ -37,6 +37,12 @@ from ddiloco.rpc import security as security_lib
 
 # services/syncer/leadership.EXIT_LOST_LEADERSHIP (the tools do not import the services).
 EXIT_LOST_LEADERSHIP = 4
+# The failover instances' lease and etcd call deadline on one machine (the syncer's defaults, 3 s and
+# 1 s, are for hub hosts of their own): here the learners compile and step on the same cores, and a
+# leader whose keep-alive thread was starved past 2.4 s was deposed every 8-15 s of an
+# `up --syncer-replicas 2 --tls` on a loaded 2-core machine (8 merges in 4 minutes; etcd itself
+# answered a keep-alive in 2-3 ms). A dead leader is replaced within about the lease.
+LOCAL_LEASE_S, LOCAL_ETCD_CALL_TIMEOUT_S = 10, 3.0
 
 
 class ServiceStartError(RuntimeError):
@@ -239,10 +245,12 @@ class LocalCluster:
                               timeout_s: float = 120.0) -> list[ServiceProcess]:
         """`count` syncer instances of one run electing a leader through `start_etcd`'s etcd: "syncer",
         "syncer-b", "syncer-c", ...; one leads, the others stand by (redirecting clients to the
-        leader) and take over when it goes. Every instance gets every store."""
+        leader) and take over when it goes, within LOCAL_LEASE_S. Every instance gets every store;
+        `extra` comes last (it may set another lease)."""
         if count < 2:
             raise ServiceStartError(f"syncer replicas with failover must be 2 or more, got {count}")
-        coord = self.coord_args()
+        coord = [*self.coord_args(), "--coord-lease-s", str(LOCAL_LEASE_S),
+                 "--coord-call-timeout-s", str(LOCAL_ETCD_CALL_TIMEOUT_S)]
         replicas = []
         for index in range(count):
             name = "syncer" if index == 0 else f"syncer-{chr(ord('a') + index)}"

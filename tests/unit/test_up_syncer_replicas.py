@@ -41,6 +41,7 @@ def test_replicas_elect_through_the_clusters_etcd_and_clients_get_every_instance
     assert [s.name for s in replicas] == ["syncer", "syncer-b"] == [s.name for s in cluster.syncers()]
     for name, args in launches:
         assert _flag(args, "--run-id") == "r" and _flag(args, "--ready-file").endswith(f"{name}.ready.json")
+        assert _flag(args, "--coord-lease-s") == str(cluster_lib.LOCAL_LEASE_S)
         if tls:
             assert _flag(args, "--coord-etcd") == "https://127.0.0.1:2379"
             assert _flag(args, "--coord-tls-ca") == str(cluster.tls_dir / "etcd-ca.pem")
