@@ -39,7 +39,7 @@ from ddiloco.rpc import security as security_lib
 EXIT_LOST_LEADERSHIP = 4
 # The failover instances' lease and etcd call deadline on one machine (the syncer's defaults, 3 s and
 # 1 s, are for hub hosts of their own): here the learners compile and step on the same cores, and a
-# leader whose keep-alive thread was starved past 2.4 s was deposed every 8-15 s of an
+# leader whose keep-alive thread was starved past 2.4 s was deposed every 7-15 s of an
 # `up --syncer-replicas 2 --tls` on a loaded 2-core machine (8 merges in 4 minutes; etcd itself
 # answered a keep-alive in 2-3 ms). A dead leader is replaced within about the lease.
 LOCAL_LEASE_S, LOCAL_ETCD_CALL_TIMEOUT_S = 10, 3.0
