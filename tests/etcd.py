@@ -1,4 +1,4 @@
-"""A real etcd for the tests (ddiloco/chaos/etcd.py): the binary from scripts/etcd_env.sh
+"""A real etcd for the tests (ddiloco/cli/etcd_local.py, named by ddiloco/chaos/etcd.py): the binary from scripts/etcd_env.sh
 (Debian's etcd-server if missing), one single-member cluster per test in its own temporary
 directory, stopped by its PID. No etcd fails the test that asked for it: it never skips.
 

@@ -59,6 +59,10 @@ class Scenario:
     # The hub region under fire (ddiloco/chaos/hub.py): two syncers elected on a 3-member etcd,
     # two replicated stores, learners following the leader.
     hub: bool = False
+    # The hub's etcd behind TLS (hub only): clients over https with client certificates, peers over
+    # https with peer certificates, all of etcd's own CA (`ddiloco certs --etcd-names`, written to
+    # <workdir>/cluster/etcd-pki); the syncers get --coord-tls-*.
+    hub_tls: bool = False
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

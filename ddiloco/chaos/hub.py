@@ -4,7 +4,10 @@ replicated checkpoint stores and a three-member etcd, for the `hub-soak` scenari
 What it adds to `Harness` (ddiloco/chaos/harness.py), everything on 127.0.0.1, signalled by PID:
 - a local 3-member etcd cluster (`etcd.EtcdMember`, the binary from scripts/etcd_env.sh); members
   `etcd-0..2` are fault targets like any service (kill restarts a member on its own data
-  directory: it rejoins the cluster);
+  directory: it rejoins the cluster). With `Scenario.hub_tls` it runs as
+  docker-compose.failover-tls.yml runs etcd: clients over https with client certificates, peers
+  over https with peer certificates (a restarted member rejoins over peer TLS), all of etcd's own
+  CA (`ddiloco certs --etcd-names`, in <cluster>/etcd-pki), the syncers with --coord-tls-*;
 - stores `store-a`, `store-b` (each its own directory; the fault `wipe` deletes it);
 - syncers `syncer-a`, `syncer-b`, both with `--coord-etcd` and both stores, writing the one
   `syncer.jsonl` history (a syncer's life starts there when it leads); a deposed leader exits 4 and
@@ -93,10 +96,11 @@ class HubHarness(Harness):
     def _start_cluster(self) -> None:
         sc, cl = self.scenario, self.cluster
         binary = etcd_lib.etcd_binary()
+        tls, peer_tls, coord_tls = self._etcd_tls()
         ports = {name: (processes.preset_port(), processes.preset_port()) for name in ETCD_MEMBERS}
-        initial = ",".join(f"{n}=http://127.0.0.1:{peer}" for n, (_, peer) in ports.items())
+        initial = ",".join(f"{n}={etcd_lib.peer_url(peer, peer_tls)}" for n, (_, peer) in ports.items())
         for name, (client, peer) in ports.items():  # all at once: the first needs a quorum to be healthy
-            member = etcd_lib.EtcdMember(name, binary, cl.workdir, client, peer, initial)
+            member = etcd_lib.EtcdMember(name, binary, cl.workdir, client, peer, initial, tls=tls, peer_tls=peer_tls)
             cl.services[name] = member
             member.start()
             self.procs[name] = ProcessState()
@@ -111,14 +115,15 @@ class HubHarness(Harness):
         for name in STORES:
             cl.services[name].wait_ready(60)
         stores = ",".join(cl.services[n].address for n in STORES)
-        endpoints = ",".join(cl.services[n].address for n in ETCD_MEMBERS)
+        endpoints = ",".join(("https://" if tls else "") + cl.services[n].address for n in ETCD_MEMBERS)
         syncer_ports = []
         for name in SYNCERS:
             port = processes.preset_port()
             args = self._syncer_args(name)
             args[args.index("--bind") + 1] = f"127.0.0.1:{port}"
             svc = cl.add(name, "services.syncer", [*args, "--checkpoint-target", stores, "--coord-etcd", endpoints,
-                                                   "--coord-advertise", f"127.0.0.1:{port}", *sc.syncer_args])
+                                                   *coord_tls, "--coord-advertise", f"127.0.0.1:{port}",
+                                                   *sc.syncer_args])
             svc.address = f"127.0.0.1:{port}"
             svc.start()
             self.procs[name] = ProcessState()
@@ -129,6 +134,19 @@ class HubHarness(Harness):
         self._tail = HistoryTail(self._history_path("syncer"))
         self._poller = _HubPoller([cl.services[n].address for n in SYNCERS])
         self._poller.start()
+
+    def _etcd_tls(self) -> tuple[etcd_lib.ServerTLS | None, etcd_lib.PeerTLS | None, list[str]]:
+        """The members' client and peer TLS and the syncers' --coord-tls-* flags (Scenario.hub_tls);
+        None, None, [] for plain HTTP."""
+        if not self.scenario.hub_tls:
+            return None, None, []
+        from ddiloco.cli import certs
+
+        pki = self.cluster.workdir / "etcd-pki"
+        certs.write_etcd_certs(pki, names=["localhost"])
+        tls, peer_tls = etcd_lib.pki_tls(pki)
+        return tls, peer_tls, ["--coord-tls-ca", tls.ca_file, "--coord-tls-cert", tls.probe_cert_file,
+                               "--coord-tls-key", tls.probe_key_file]
 
     def _inject_one(self, ev: schedule_lib.FaultEvent) -> None:
         if ev.kind == "region":

@@ -242,6 +242,15 @@ def hub_region(seed: int):
     return base("hub-region", seed, hub=True, steps=600, step_delay_s=0.2, max_wall_s=600.0), events
 
 
+def hub_tls(seed: int):
+    """The hub's etcd behind client and peer TLS (Scenario.hub_tls, as docker-compose.failover-tls.yml
+    runs it): the leading region killed whole at 10 s (its etcd member rejoins over peer TLS, the
+    standby leads over client TLS), then another etcd member at 35 s; 200 steps per learner."""
+    events = [FaultEvent(10.0, "region", "hub-leader", {"restart_after_s": 5.0}),
+              FaultEvent(35.0, "kill", "etcd-2", {"restart_after_s": 2.0})]
+    return base("hub-tls", seed, hub=True, hub_tls=True, steps=200, step_delay_s=0.2, max_wall_s=360.0), events
+
+
 SCENARIOS: dict[str, Callable[[int], tuple[Scenario, list[FaultEvent]]]] = {
     "baseline": baseline,
     "learner-kill": learner_kill,
@@ -264,6 +273,7 @@ SCENARIOS: dict[str, Callable[[int], tuple[Scenario, list[FaultEvent]]]] = {
     "hub-soak": hub_soak,
     "hub-soak-short": hub_soak_short,
     "hub-region": hub_region,
+    "hub-tls": hub_tls,
 }
 # What tests/chaos runs: the groups (each row's test reads its group's run) and the soak.
 GROUPS = ("learner-process", "server-failpoints", "link-degraded", "link-cuts")

@@ -29,8 +29,11 @@ restart. The file is replaced atomically, so a server never reads half of it. Se
 also writes etcd's own PKI for client TLS towards etcd (docs/failover.md): `etcd-ca.pem`/`.key`, a
 CA of its own (reused when present), `etcd-server.pem`/`.key` for the etcd members (etcd's
 --cert-file/--key-file; DNS SANs the names given, localhost and IP 127.0.0.1) and
-`etcd-client.pem`/`.key`, the syncers' client certificate (their --coord-tls-cert/--coord-tls-key).
-A separate CA because etcd started with --client-cert-auth --trusted-ca-file admits every
+`etcd-client.pem`/`.key`, the syncers' client certificate (their --coord-tls-cert/--coord-tls-key),
+and `etcd-peer.pem`/`.key`, the members' certificate towards each other (etcd's --peer-cert-file/
+--peer-key-file; the same DNS SANs as the server's, common name `etcd-peer`, which the members
+require of each other with --peer-cert-allowed-cn: the syncers' client certificate, signed by the
+same CA, must not join the cluster as a member). A separate CA because etcd started with --client-cert-auth --trusted-ca-file admits every
 certificate that CA signed, with full access to the keys that fence leadership: learners'
 certificates must not chain to it.
 
@@ -236,26 +239,28 @@ def write_dev_certs(
 
 
 ETCD_CA_NAME = "ddiloco etcd CA"
-ETCD_SERVER, ETCD_CLIENT = "etcd-server", "etcd-client"  # file stems (and common names)
+ETCD_SERVER, ETCD_CLIENT, ETCD_PEER = "etcd-server", "etcd-client", "etcd-peer"  # file stems (and common names)
 
 
 def write_etcd_certs(out: str | os.PathLike, *, names: Sequence[str], days: int = 825) -> dict[str, list[pathlib.Path]]:
     """etcd's PKI in `out` (see the module docstring): reuses `etcd-ca.pem` + `etcd-ca.key` when both
-    exist, and (re)writes the server certificate for `names` and the client certificate. Returns
-    {what: paths} of the files etcd and the syncers are given."""
+    exist, and (re)writes the server and peer certificates for `names` and the client certificate.
+    Returns {what: paths} of the files etcd and the syncers are given."""
     _need_cryptography()
     if not names:
         raise ValueError("the etcd server certificate needs the members' DNS names (--etcd-names)")
     root = pathlib.Path(out)
     ca_pem, ca_key = _ca_in(root, "etcd-ca", ETCD_CA_NAME)
     ca_pem_path = root / "etcd-ca.pem"
-    for stem, dns_names in ((ETCD_SERVER, names), (ETCD_CLIENT, ())):
+    for stem, dns_names in ((ETCD_SERVER, names), (ETCD_CLIENT, ()), (ETCD_PEER, names)):
         cert, key = issue_cert(ca_pem, ca_key, stem, dns_names=dns_names, days=days)
         _write(root / f"{stem}.key", key, secret=True)
         _write(root / f"{stem}.pem", cert, secret=False)
     return {"CA (etcd --trusted-ca-file, syncer --coord-tls-ca)": [ca_pem_path],
             "server (etcd --cert-file/--key-file)": [root / f"{ETCD_SERVER}.pem", root / f"{ETCD_SERVER}.key"],
-            "client (syncer --coord-tls-cert/--coord-tls-key)": [root / f"{ETCD_CLIENT}.pem", root / f"{ETCD_CLIENT}.key"]}
+            "client (syncer --coord-tls-cert/--coord-tls-key)": [root / f"{ETCD_CLIENT}.pem", root / f"{ETCD_CLIENT}.key"],
+            f"peer (etcd --peer-cert-file/--peer-key-file, --peer-cert-allowed-cn {ETCD_PEER})":
+                [root / f"{ETCD_PEER}.pem", root / f"{ETCD_PEER}.key"]}
 
 
 def _names(text: str) -> list[str]:
@@ -372,7 +377,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra DNS SANs for the service certificates, e.g. syncer.ddiloco.svc.cluster.local")
     parser.add_argument("--etcd-names", default="",
                         help="also write etcd's own PKI for client TLS towards etcd: etcd-ca.pem/.key (a separate "
-                             "CA), etcd-server.pem/.key with these DNS names (the etcd members, e.g. "
+                             "CA), etcd-server.pem/.key and etcd-peer.pem/.key with these DNS names (the etcd members, e.g. "
                              "etcd-a,etcd-b,etcd-c) and etcd-client.pem/.key, the syncers' client certificate")
     parser.add_argument("--days", type=int, default=825, help="validity of the leaf certificates")
     parser.add_argument("--tokens", action="store_true",

@@ -8,6 +8,13 @@ Transport: plaintext by default, asked for explicitly (DDILOCO_INSECURE=1 in the
 environment: a local run on loopback). With `tls=True` the cluster writes a development PKI
 (`ddiloco certs`) under <workdir>/certs and every service and client uses mutual TLS with its own
 certificate; `client_security()` gives tools (probes, `ddiloco status`) the read-only credential.
+
+Failover (`start_etcd` + `start_syncer_replicas`): a single-member etcd for the run (stopped last)
+and syncer instances of one run electing their leader through it; learners and the evaluator are
+given every instance (`syncer_target`). With `tls=True` etcd has a PKI of its own in the same
+directory (`ddiloco certs --etcd-names`: etcd-ca.pem, a CA no learner's certificate chains to):
+clients over https with client certificates (--client-cert-auth), the peer URL over https with
+peer certificates, and the syncers get the etcd client certificate (--coord-tls-*).
 """
 
 from __future__ import annotations
@@ -22,13 +29,32 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
+from ddiloco.cli import etcd_local
 from ddiloco.cli import service_names
 from ddiloco.cli.processes import ProcessControl, preset_port
 from ddiloco.rpc import security as security_lib
 
 
+# services/syncer/leadership.EXIT_LOST_LEADERSHIP (the tools do not import the services).
+EXIT_LOST_LEADERSHIP = 4
+# The failover instances' lease and etcd call deadline on one machine (the syncer's defaults, 3 s and
+# 1 s, are for hub hosts of their own): here the learners compile and step on the same cores, and a
+# leader whose keep-alive thread was starved past 2.4 s was deposed every 7-15 s of an
+# `up --syncer-replicas 2 --tls` on a loaded 2-core machine (8 merges in 4 minutes; etcd itself
+# answered a keep-alive in 2-3 ms). A dead leader is replaced within about the lease.
+LOCAL_LEASE_S, LOCAL_ETCD_CALL_TIMEOUT_S = 10, 3.0
+
+
 class ServiceStartError(RuntimeError):
     """A service exited or did not announce itself in time; the message includes its log tail."""
+
+
+def _record_pid(workdir: pathlib.Path, name: str, pid: int) -> None:
+    # Every PID ever started, so tools and tests can check that nothing was left behind.
+    path = workdir / "pids.json"
+    pids = json.loads(path.read_text()) if path.exists() else {}
+    pids.setdefault(name, []).append(pid)
+    path.write_text(json.dumps(pids))
 
 
 @dataclasses.dataclass
@@ -66,11 +92,7 @@ class ServiceProcess(ProcessControl):
         self._record_pid()
 
     def _record_pid(self) -> None:
-        # Every PID ever started, so tools and tests can check that nothing was left behind.
-        path = self.workdir / "pids.json"
-        pids = json.loads(path.read_text()) if path.exists() else {}
-        pids.setdefault(self.name, []).append(self.proc.pid)
-        path.write_text(json.dumps(pids))
+        _record_pid(self.workdir, self.name, self.proc.pid)
 
     def wait_ready(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -112,6 +134,40 @@ class LocalCluster:
             certs_lib.write_dev_certs(self.tls_dir, services=("syncer", "checkpoint", "evaluator", "operator"))
         self.env = base_env
         self.services: dict[str, ServiceProcess] = {}
+        self.etcd: etcd_local.EtcdMember | None = None  # start_etcd
+        self._replicas: list[str] = []  # the names of start_syncer_replicas' instances
+
+    def start_etcd(self) -> etcd_local.EtcdMember:
+        """A single-member etcd for leader election, data under <workdir>/etcd, its PID in pids.json;
+        with TLS, client and peer certificates of etcd's own CA (see the module docstring)."""
+        tls = peer_tls = None
+        if self.tls_dir is not None:
+            from ddiloco.cli import certs as certs_lib  # cryptography only when TLS is asked for
+
+            if not (self.tls_dir / f"{certs_lib.ETCD_CLIENT}.pem").exists():
+                certs_lib.write_etcd_certs(self.tls_dir, names=["localhost"])
+            tls, peer_tls = etcd_local.pki_tls(self.tls_dir)
+        try:
+            self.etcd = etcd_local.start_single_member(self.workdir / "etcd", tls=tls, peer_tls=peer_tls)
+        except RuntimeError as exc:
+            raise ServiceStartError(f"etcd: {exc}") from None
+        _record_pid(self.workdir, "etcd", self.etcd.pid)
+        return self.etcd
+
+    def coord_args(self, *, client_certificate: bool = True) -> list[str]:
+        """A syncer's flags for the election through `start_etcd`'s etcd: its endpoint (https under
+        TLS), etcd's CA and, unless `client_certificate` is False, the etcd client certificate."""
+        if self.etcd is None:
+            raise ServiceStartError("no etcd: start_etcd first")
+        if self.tls_dir is None:
+            return ["--coord-etcd", self.etcd.endpoint]
+        from ddiloco.cli import certs as certs_lib
+
+        args = ["--coord-etcd", f"https://{self.etcd.endpoint}", "--coord-tls-ca", str(self.tls_dir / "etcd-ca.pem")]
+        if client_certificate:
+            args += ["--coord-tls-cert", str(self.tls_dir / f"{certs_lib.ETCD_CLIENT}.pem"),
+                     "--coord-tls-key", str(self.tls_dir / f"{certs_lib.ETCD_CLIENT}.key")]
+        return args
 
     def tls_args(self, name: str) -> list[str]:
         """`--tls-*` flags for the process holding identity `name` (its certificate is made on demand)."""
@@ -185,17 +241,63 @@ class LocalCluster:
             svc.wait_ready(timeout_s)
         return shards
 
+    def start_syncer_replicas(self, count: int, *, run_id: str, extra: Sequence[str] = (),
+                              timeout_s: float = 120.0) -> list[ServiceProcess]:
+        """`count` syncer instances of one run electing a leader through `start_etcd`'s etcd: "syncer",
+        "syncer-b", "syncer-c", ...; one leads, the others stand by (redirecting clients to the
+        leader) and take over when it goes, within LOCAL_LEASE_S. Every instance gets every store;
+        `extra` comes last (it may set another lease)."""
+        if count < 2:
+            raise ServiceStartError(f"syncer replicas with failover must be 2 or more, got {count}")
+        coord = [*self.coord_args(), "--coord-lease-s", str(LOCAL_LEASE_S),
+                 "--coord-call-timeout-s", str(LOCAL_ETCD_CALL_TIMEOUT_S)]
+        replicas = []
+        for index in range(count):
+            name = "syncer" if index == 0 else f"syncer-{chr(ord('a') + index)}"
+            args = ["--bind", "127.0.0.1:0", "--run-id", run_id, "--ready-file", str(self.workdir / f"{name}.ready.json"),
+                    "--metrics-bind", "127.0.0.1:0", *coord]
+            if self.stores():
+                args += ["--checkpoint-target", ",".join(s.address for s in self.stores())]
+            svc = self.add(name, "services.syncer", [*args, *self.tls_args("syncer"), *extra])
+            svc.start()  # all of them at once: they load the model in parallel
+            self._replicas.append(name)
+            replicas.append(svc)
+        for svc in replicas:
+            svc.wait_ready(timeout_s)
+        return replicas
+
+    def revive_syncer_replicas(self) -> list[str]:
+        """Starts again every failover instance that exited with EXIT_LOST_LEADERSHIP (a leader that
+        lost its lease or was fenced exits so, and is meant to come back as a standby: what its
+        supervisor does on Kubernetes or in compose); returns their names. Another exit is left to
+        the caller (a crash is not hidden by a restart)."""
+        revived = []
+        for name in self._replicas:
+            svc = self.services[name]
+            if svc.proc is not None and svc.proc.poll() == EXIT_LOST_LEADERSHIP:
+                svc.start()  # the same port: learners keep the address they were given
+                revived.append(name)
+        return revived
+
+    def syncer_target(self) -> str:
+        """What learners, the evaluator and tools are given: every syncer instance with failover
+        (they follow the leader), else the syncer (shard 0 with fragment shards)."""
+        if self._replicas:
+            return ",".join(self.services[n].address for n in self._replicas)
+        return self.services["syncer"].address
+
     def syncers(self) -> list[ServiceProcess]:
-        """The syncer and, with fragment shards, its other shards (syncer-<i>), in shard order."""
-        return [s for n, s in self.services.items()
-                if n == "syncer" or (n.startswith("syncer-") and n.removeprefix("syncer-").isdigit())]
+        """The syncer and, with fragment shards, its other shards (syncer-<i>), in shard order; or
+        every instance of start_syncer_replicas."""
+        return [s for n, s in self.services.items() if n == "syncer" or n in self._replicas
+                or (n.startswith("syncer-") and n.removeprefix("syncer-").isdigit())]
 
     def start_learner(self, index: int, *, region: str, extra: Sequence[str] = (),
                       module: str = "services.learner") -> ServiceProcess:
         """`module`: another program taking the learner's flags (ddiloco.chaos.hostile_learner)."""
         name = f"learner-{index}"
         svc = self.add(name, module, [
-            "--syncer", self.services["syncer"].address, "--learner-id", name, "--region", region,
+            "--syncer", self.syncer_target(), "--learner-id", name, "--region", region,
             "--summary-file", str(self.workdir / f"{name}.summary.json"),
             # Many learners share this host: each its own free health port (logged as "health on").
             "--health-bind", "127.0.0.1:0", *self.tls_args(name), *extra,
@@ -205,7 +307,7 @@ class LocalCluster:
 
     def start_evaluator(self, *, extra: Sequence[str] = ()) -> ServiceProcess:
         svc = self.add("evaluator", "services.learner.evaluator", [
-            "--syncer", self.services["syncer"].address, *self.tls_args("evaluator"), *extra,
+            "--syncer", self.syncer_target(), *self.tls_args("evaluator"), *extra,
         ])
         svc.start()
         return svc
@@ -216,8 +318,29 @@ class LocalCluster:
     def learners(self) -> list[ServiceProcess]:
         return [s for n, s in self.services.items() if n.startswith("learner-")]
 
+    def _standbys_first(self, syncers: list[ServiceProcess]) -> list[ServiceProcess]:
+        """Failover instances in the order of their epochs (standbys, epoch 0, first): a leader
+        stopped first would hand over to a standby that is stopped next, restoring and
+        checkpointing for nothing."""
+        if not self._replicas:
+            return syncers
+        import grpc
+
+        from ddiloco.cli import run_view
+
+        reader = run_view.RunReader(self.syncer_target(), self.client_security(), timeout_s=2.0, recent_merges=0)
+        epochs = {}
+        for svc in syncers:
+            try:
+                epochs[svc.name] = reader.fetch(svc.address).epoch if svc.alive() and svc.address else -1
+            except grpc.RpcError:
+                epochs[svc.name] = -1
+        reader.close()
+        return sorted(syncers, key=lambda svc: epochs[svc.name])
+
     def stop_all(self, timeout_s: float = 15.0) -> None:
-        """Stops learners and the evaluator first, then the syncer shards (they checkpoint), then the stores.
+        """Stops learners and the evaluator first, then the syncer shards (they checkpoint), then the
+        stores, then etcd (a leader commits its last checkpoint through it).
 
         The learners and the evaluator stop together: each may take up to its finish timeout
         after SIGTERM (waiting for its last contributions to be merged, longer when the syncer is
@@ -231,5 +354,7 @@ class LocalCluster:
         else:
             for svc in clients:
                 svc.stop(timeout_s)
-        for svc in syncers + stores:
+        for svc in self._standbys_first(syncers) + stores:
             svc.stop(timeout_s)
+        if self.etcd is not None:
+            self.etcd.stop(timeout_s)

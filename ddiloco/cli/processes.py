@@ -23,7 +23,7 @@ _EPHEMERAL_LOW = 32768
 class ProcessControl:
     """Starts one child process and signals, waits for and reads the log of it: `name` and
     `log_path` are the subclass's. The services of `LocalCluster` and the etcd members of the
-    chaos tools (ddiloco/chaos/etcd.py) are started, stopped and killed through it."""
+    chaos tools (ddiloco/cli/etcd_local.py) are started, stopped and killed through it."""
 
     proc: subprocess.Popen | None
     name: str

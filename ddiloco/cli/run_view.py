@@ -113,7 +113,24 @@ class RunReader:
         return self.stub(address).GetTrainingState(request, timeout=self.timeout_s).state
 
     def read(self) -> RunView:
-        return self.complete(self.fetch(self.target))
+        """The run view through `target`; a target listing several syncer instances of one run
+        (failover: `ddiloco up --syncer-replicas`) is read from the one that leads (the highest
+        epoch that answers); grpc.RpcError when none answers."""
+        addresses = [a.strip() for a in self.target.split(",") if a.strip()]
+        if len(addresses) == 1:
+            return self.complete(self.fetch(self.target))
+        best, best_address, error = None, "", None
+        for address in addresses:
+            try:
+                state = self.fetch(address)
+            except grpc.RpcError as exc:
+                error = exc
+                continue
+            if best is None or state.epoch > best.epoch:
+                best, best_address = state, address
+        if best is None:
+            raise error
+        return assemble(best, best_address, self.fetch)
 
     def complete(self, first: syncer_pb2.TrainingState) -> RunView:
         """The run view around a state already read from `target` (a WatchTrainingState snapshot)."""

@@ -8,6 +8,13 @@ checkpoint). Ctrl-C stops everything cleanly at any time.
 With `--syncer-shards N` (N > 1) the syncer is N processes, each owning every N-th fragment
 (fragment shards, docs/deploy.md): the learners and the evaluator are given shard 0 and find the
 others in its answers; the live table and the summary show the run over every shard.
+
+With `--syncer-replicas N` (N > 1) the syncer is N instances of one run with failover
+(docs/failover.md): `up` starts a single-member etcd for the run (logs/etcd-0.log, data under
+<workdir>/etcd), the instances elect their leader through it, and the learners and the evaluator
+are given every instance and follow the leader. With `--tls` etcd serves https only to client
+certificates of its own CA (<workdir>/certs/etcd-ca.pem, `ddiloco certs --etcd-names`) and its
+peer URL over TLS; the syncers get the etcd client certificate (--coord-tls-*).
 """
 
 from __future__ import annotations
@@ -68,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--syncer-shards", type=int, default=1,
                         help="syncer processes splitting the fragments between them (fragment shards: shard i owns "
                              "fragments f with f mod N = i; at most --num-fragments); 1: one syncer")
+    parser.add_argument("--syncer-replicas", type=int, default=1,
+                        help="syncer instances of the run with failover: a local etcd is started and one instance "
+                             "leads, the others stand by and take over when it goes (with --tls, etcd requires "
+                             "client certificates); 1: one syncer, no etcd")
     parser.add_argument("--dashboard", action="store_true", help="also serve the live web dashboard (prints its URL)")
     parser.add_argument("--dashboard-bind", default="127.0.0.1:8080",
                         help="HOST:PORT of the dashboard (a free port is used if this one is taken)")
@@ -164,7 +175,7 @@ def _view(reader: run_view.RunReader) -> run_view.RunView | None:
 def _final_eval(cluster: cluster_lib.LocalCluster, args, data_flags: list[str]) -> float | None:
     """Evaluates the final global parameters once (a separate evaluator process, bounded)."""
     cmd = [sys.executable, "-m", service_names.module("services.learner.evaluator"), "--once", "--syncer",
-           cluster.services["syncer"].address, "--num-shards", str(args.learners), "--log-level", "WARNING",
+           cluster.syncer_target(), "--num-shards", str(args.learners), "--log-level", "WARNING",
            *data_flags, *cluster.tls_args("evaluator")]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cluster.env, check=True).stdout
@@ -234,13 +245,13 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         console.print(f"[bold]ddiloco up[/]: {args.learners} learners x {args.steps} steps; logs in {workdir}/logs")
-        syncer = _start_syncer(console, args, cluster, run_id, vocab_size)
+        _start_syncer(console, args, cluster, run_id, vocab_size)
         if args.dashboard:
-            dashboard = _start_dashboard(console, syncer.address, args.dashboard_bind, cluster.client_security())
+            dashboard = _start_dashboard(console, cluster.syncer_target(), args.dashboard_bind, cluster.client_security())
         _start_workers(args, cluster, data_flags)
-        reader = run_view.RunReader(syncer.address, cluster.client_security(), recent_merges=8)
+        reader = run_view.RunReader(cluster.syncer_target(), cluster.client_security(), recent_merges=8)
         interrupt.in_main_loop = True
-        _follow(console, args, cluster, reader, syncer.address, workdir, started, interrupt)
+        _follow(console, args, cluster, reader, cluster.syncer_target(), workdir, started, interrupt)
         failed = [s.name for s in cluster.learners() if s.proc.returncode not in (0, None)]
         final_loss = None if interrupt.interrupted else _final_eval(cluster, args, data_flags)
         view = _view(reader)
@@ -278,22 +289,34 @@ def _start_syncer(console: Console, args: argparse.Namespace, cluster: cluster_l
     if not 1 <= shards <= args.num_fragments:
         raise cluster_lib.ServiceStartError(
             f"--syncer-shards must be between 1 and --num-fragments ({args.num_fragments}): every shard owns a fragment")
+    replicas = getattr(args, "syncer_replicas", 1)
+    if replicas < 1 or (replicas > 1 and shards > 1):
+        raise cluster_lib.ServiceStartError("--syncer-replicas must be 1 or more, and 1 with --syncer-shards")
     for index in range(args.checkpoint_stores):
         cluster.start_store(index=index)
-    syncers = cluster.start_syncer_shards(shards, run_id=run_id, extra=[
-        "--model", args.model, "--model-config", _model_config(args, vocab_size),
-        "--num-fragments", str(args.num_fragments),
-        "--sync-period-steps", str(args.sync_period_steps), "--min-quorum", str(args.min_quorum),
-        "--upload-codec", args.upload_codec,
-    ])
+    extra = ["--model", args.model, "--model-config", _model_config(args, vocab_size),
+             "--num-fragments", str(args.num_fragments),
+             "--sync-period-steps", str(args.sync_period_steps), "--min-quorum", str(args.min_quorum),
+             "--upload-codec", args.upload_codec]
+    if replicas > 1:
+        etcd = cluster.start_etcd()
+        syncers = cluster.start_syncer_replicas(replicas, run_id=run_id, extra=extra)
+        console.print(f"etcd on {'https' if etcd.tls else 'http'}://{etcd.endpoint}"
+                      + (" (client certificates of etcd's own CA: certs/etcd-ca.pem)" if etcd.tls else "")
+                      + f"; {replicas} syncer instances elect their leader through it")
+    else:
+        syncers = cluster.start_syncer_shards(shards, run_id=run_id, extra=extra)
     syncer = syncers[0]
+    target = cluster.syncer_target()
     tls_hint = ""
     if cluster.tls_dir is not None:
         certs = cluster.tls_dir
         tls_hint = f" --tls-ca {certs}/ca.pem --tls-cert {certs}/operator.pem --tls-key {certs}/operator.key"
-    console.print(f"syncer listening on [bold]{syncer.address}[/]{' (mutual TLS)' if tls_hint else ''}  "
-                  f"(watch it from another terminal: ddiloco status --watch --target {syncer.address}{tls_hint})")
-    if len(syncers) > 1:
+    console.print(f"syncer listening on [bold]{target}[/]{' (mutual TLS)' if tls_hint else ''}  "
+                  # --watch streams from one address: with failover, status reads the leader of the list.
+                  f"(watch it from another terminal: ddiloco status {'--watch ' if replicas == 1 else ''}"
+                  f"--target {target}{tls_hint})")
+    if len(syncers) > 1 and replicas == 1:
         console.print(f"{len(syncers)} syncer shards (fragment f on shard f mod {len(syncers)}): "
                       + ", ".join(f"{i}: {s.address}" for i, s in enumerate(syncers)))
     return syncer
@@ -317,7 +340,8 @@ def _follow(console: Console, args: argparse.Namespace, cluster: cluster_lib.Loc
             reader: run_view.RunReader, target: str,
             workdir: pathlib.Path, started: float, interrupt: _Interrupt) -> None:
     """Shows the training state (and appends it to state.jsonl) until the learners exit, Ctrl-C, or
-    --timeout-s from `started` (then `interrupt.interrupted` is set)."""
+    --timeout-s from `started` (then `interrupt.interrupted` is set); with failover, restarts a
+    syncer instance that lost its leadership as a standby."""
     # Live table on a terminal; plain progress lines otherwise (CI logs, pipes).
     live = None if args.no_live or not console.is_terminal else Live(console=console, refresh_per_second=2)
     history = open(workdir / "state.jsonl", "a")
@@ -330,6 +354,9 @@ def _follow(console: Console, args: argparse.Namespace, cluster: cluster_lib.Loc
                 console.print(f"[red]timed out after {args.timeout_s:.0f} s[/]")
                 interrupt.interrupted = True
                 break
+            for name in cluster.revive_syncer_replicas():
+                console.print(f"{name} lost its leadership (exit {cluster_lib.EXIT_LOST_LEADERSHIP}): "
+                              "restarted as a standby")
             view = _view(reader)
             state = view.state if view is not None else None
             if state is not None:

@@ -73,6 +73,32 @@ def test_the_second_hub_speaks_tls_like_the_first(compose_env):
     assert services["certs-failover"]["network_mode"] == "none"
 
 
+def test_etcd_peers_speak_tls_with_peer_certificates_in_the_merged_project(compose_env):
+    """Compose's own merge of the four files: every member's peer URLs are https only (listen,
+    advertise, the initial cluster), peer certificates are required (etcd's CA, common name
+    etcd-peer) and every TLS file a member is given lies in the read-only tls-etcd volume, which
+    `certs-failover` fills. The three files without the fourth leave the peers on http."""
+    services = _config(compose_env, *FILES)["services"]
+    members = ("etcd-a", "etcd-b", "etcd-c")
+    cluster = ",".join(f"{m}=https://{m}:2380" for m in members)
+    for name in members:
+        env, mounts = services[name]["environment"], _mounts(services[name])
+        assert env["ETCD_LISTEN_PEER_URLS"] == "https://0.0.0.0:2380", name
+        assert env["ETCD_INITIAL_ADVERTISE_PEER_URLS"] == f"https://{name}:2380", name
+        assert env["ETCD_INITIAL_CLUSTER"] == cluster, name
+        assert env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true" and env["ETCD_PEER_CERT_ALLOWED_CN"] == "etcd-peer", name
+        assert env["ETCD_CLIENT_CERT_AUTH"] == "true" and env["ETCD_LISTEN_CLIENT_URLS"].startswith("https://"), name
+        for key in ("ETCD_PEER_TRUSTED_CA_FILE", "ETCD_PEER_CERT_FILE", "ETCD_PEER_KEY_FILE", "ETCD_TRUSTED_CA_FILE",
+                    "ETCD_CERT_FILE", "ETCD_KEY_FILE"):
+            mount = mounts[env[key].rpartition("/")[0]]
+            assert mount["source"].endswith("tls-etcd") and mount["read_only"], (name, key)
+    written = services["certs-failover"]["command"][0]
+    for file in ("ca.pem", "peer.pem", "peer.key", "tls.pem", "tls.key"):
+        assert f"/tls/etcd/{file}" in written, file
+    plain = _config(compose_env, *FILES[:3])["services"]
+    assert all(plain[m]["environment"]["ETCD_LISTEN_PEER_URLS"].startswith("http://") for m in members)
+
+
 def _script(service: dict, root: pathlib.Path) -> str:
     script = service["command"][0].replace("$$", "$").replace("/tls/", f"{root}/tls/")
     return script.replace("chown -R 10001:10001", "true")  # not root here

@@ -184,8 +184,9 @@ def test_the_compose_files_pki_and_paths_work_with_a_real_etcd(tmp_path):
     """docker-compose.failover-tls.yml without containers: its `certs-failover` script writes the
     volumes (as directories here), a real etcd runs with the TLS files at the paths an etcd member
     is given, and a syncer's etcd client from the paths and endpoints a syncer is given elects,
-    verifying etcd's certificate by the member's compose name (etcd-a). The main CA's syncer
-    certificate (what every other ddiloco service trusts) does not open etcd."""
+    verifying etcd's certificate by the member's compose name (etcd-a). The member's peer URL is
+    https with the compose file's peer certificate settings. The main CA's syncer certificate (what
+    every other ddiloco service trusts) does not open etcd."""
     from tests.unit import test_compose_failover_tls_wiring as wiring
 
     wiring.certs_failover_runner(tmp_path)()
@@ -206,7 +207,13 @@ def test_the_compose_files_pki_and_paths_work_with_a_real_etcd(tmp_path):
         probe_key_file=local(syncer_env["DDILOCO_SYNCER_COORD_TLS_KEY"]))
     host = etcd_lib.parse_endpoints(syncer_env["DDILOCO_SYNCER_COORD_ETCD"])[0].split(":")[0]
     assert host == "etcd-a"
-    with etcd_lib_chaos.running_etcd(tmp_path / "etcd", etcd_helper.etcd_binary(), tls=server_tls) as member:
+    # Peers as the members run them: https, etcd's CA, the peer certificate, its common name required.
+    assert member_env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true"
+    peer_tls = etcd_lib_chaos.PeerTLS(
+        ca_file=local(member_env["ETCD_PEER_TRUSTED_CA_FILE"]), cert_file=local(member_env["ETCD_PEER_CERT_FILE"]),
+        key_file=local(member_env["ETCD_PEER_KEY_FILE"]), allowed_cn=member_env["ETCD_PEER_CERT_ALLOWED_CN"])
+    with etcd_lib_chaos.running_etcd(tmp_path / "etcd", etcd_helper.etcd_binary(), tls=server_tls,
+                                     peer_tls=peer_tls) as member:
         def client(cert: str, key: str) -> etcd_lib.Etcd:
             sec = security.ClientSecurity(tls_ca=local(syncer_env["DDILOCO_SYNCER_COORD_TLS_CA"]), tls_cert=cert,
                                           tls_key=key, tls_server_name=host)

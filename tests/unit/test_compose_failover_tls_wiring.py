@@ -2,11 +2,14 @@
 merged over docker-compose.yml + docker-compose.failover.yml + docker-compose.tls.yml, every etcd
 member serves its clients https only and requires client certificates signed by etcd's own CA,
 from a volume only the members mount; every syncer dials https:// endpoints with the etcd client
-certificate, from a volume only the syncers mount; and the one-shot `certs-failover` script writes
-those files (run here with a local `ddiloco`), keeping them on a second run.
+certificate, from a volume only the syncers mount; every member's peer links are https only and
+require etcd's peer certificate (its CA, common name etcd-peer) from the members' volume; and the
+one-shot `certs-failover` script writes those files (run here with a local `ddiloco`), keeping them
+on a second run, and adds the peer certificate to a PKI written before peers had TLS.
 
-Before this change the file left etcd plain HTTP without client certificates and the syncers
-without any etcd TLS setting: every test here failed.
+Before client TLS the file left etcd plain HTTP without client certificates and the syncers
+without any etcd TLS setting: every test here failed. Before peer TLS the peer URLs were plain
+HTTP and the script wrote no peer certificate: the peer tests failed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 import yaml
 from cryptography import x509
 
+from ddiloco.cli import certs
 from ddiloco.coord import etcd as etcd_lib
 from services.syncer import config as syncer_config
 
@@ -80,6 +84,24 @@ def test_every_etcd_member_requires_client_certificates_over_https() -> None:
     assert _mounting("tls-etcd") == {*ETCD, "certs-failover"}
 
 
+def test_every_etcd_member_talks_to_its_peers_over_https_with_peer_certificates() -> None:
+    expected_cluster = ",".join(f"{n}=https://{n}:2380" for n in ETCD)
+    for name in ETCD:
+        member = merged(name)
+        env = member["environment"]
+        assert env["ETCD_LISTEN_PEER_URLS"] == "https://0.0.0.0:2380", name
+        assert env["ETCD_INITIAL_ADVERTISE_PEER_URLS"] == f"https://{name}:2380", name
+        assert env["ETCD_INITIAL_CLUSTER"] == expected_cluster, name
+        assert env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true", name
+        # Only etcd's peer certificate makes a member, not the syncers' client one of the same CA.
+        assert env["ETCD_PEER_CERT_ALLOWED_CN"] == certs.ETCD_PEER, name
+        for key, file in (("ETCD_PEER_TRUSTED_CA_FILE", "ca.pem"), ("ETCD_PEER_CERT_FILE", "peer.pem"),
+                          ("ETCD_PEER_KEY_FILE", "peer.key")):
+            directory, _, base = env[key].rpartition("/")
+            assert base == file and member["volumes"][directory] == ("tls-etcd", True), (name, key)
+        assert not [k for k, v in env.items() if "PEER" in k and str(v).startswith("http://")], name
+
+
 def test_every_syncer_dials_etcd_over_https_with_its_client_certificate() -> None:
     for name in SYNCERS:
         syncer = merged(name)
@@ -137,3 +159,23 @@ def test_certs_failover_writes_etcds_pki_once(tmp_path) -> None:
     sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert set(ETCD) <= set(sans.get_values_for_type(x509.DNSName))
     assert (client_dir / "tls.key").stat().st_mode & 0o077 == 0
+
+
+def test_certs_failover_writes_the_peer_certificate_also_to_an_older_etcd_pki(tmp_path) -> None:
+    run = certs_failover_runner(tmp_path)
+    assert "etcd PKI written" in run()
+    server_dir = tmp_path / "tls" / "etcd"
+    etcd_ca_pem = (server_dir / "ca.pem").read_bytes()
+    peer = x509.load_pem_x509_certificate((server_dir / "peer.pem").read_bytes())
+    assert peer.issuer == x509.load_pem_x509_certificate(etcd_ca_pem).subject
+    assert peer.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == certs.ETCD_PEER
+    sans = peer.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert set(ETCD) <= set(sans.get_values_for_type(x509.DNSName))
+    usages = set(peer.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    assert {x509.ExtendedKeyUsageOID.SERVER_AUTH, x509.ExtendedKeyUsageOID.CLIENT_AUTH} <= usages  # both ends of a link
+    # A PKI written before peers had TLS (no peer certificate): the next run adds it, keeping etcd's CA.
+    (server_dir / "peer.pem").unlink()
+    (server_dir / "peer.key").unlink()
+    assert "etcd PKI written" in run()
+    assert (server_dir / "ca.pem").read_bytes() == etcd_ca_pem and (server_dir / "peer.pem").exists()
+    assert "etcd PKI exists: kept" in run()

@@ -53,6 +53,13 @@ def test_certs_writes_an_etcd_pki_of_its_own(tmp_path):
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert {"etcd-a", "etcd-b", "localhost"} <= set(names.get_values_for_type(x509.DNSName))
     assert (tmp_path / "etcd-client.key").stat().st_mode & 0o077 == 0
+    # The members' peer certificate: the same CA and names, its own common name (--peer-cert-allowed-cn).
+    peer = x509.load_pem_x509_certificate((tmp_path / "etcd-peer.pem").read_bytes())
+    assert peer.issuer == etcd_ca.subject
+    assert peer.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == certs.ETCD_PEER
+    peer_names = peer.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"etcd-a", "etcd-b"} <= set(peer_names.get_values_for_type(x509.DNSName))
+    assert (tmp_path / "etcd-peer.key").stat().st_mode & 0o077 == 0
     certs.write_etcd_certs(tmp_path, names=["etcd-a"])
     assert (tmp_path / "etcd-ca.pem").read_bytes() == ca
     with pytest.raises(ValueError):
