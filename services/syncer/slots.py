@@ -10,7 +10,6 @@ Must not: decide when to merge, validate uploads or encode; the core does that u
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 
 import numpy as np
@@ -20,6 +19,7 @@ from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import outer as outer_lib
 from ddiloco.algo import robust as robust_lib
 from ddiloco.wire import codec as codec_lib
+from . import versions as versions_lib
 
 
 @dataclasses.dataclass
@@ -50,7 +50,9 @@ class FragmentSlot:
     version: int
     params: np.ndarray
     opt_state: list
-    history: collections.OrderedDict  # version -> published values (current included)
+    # version -> what a contribution based on it is re-anchored from (current included): the
+    # published values, or for earlier versions with a lossy download codec the steps from them.
+    history: versions_lib.VersionHistory
     params_sha256: str
     # What learners hold for the current version: `params` itself when downloads are lossless;
     # with a lossy download codec, the reconstruction learners compute from the deltas sent so
@@ -86,7 +88,7 @@ class FragmentSlot:
         params = np.asarray(initial_params, dtype=np.float32).copy()
         digest = fragments_lib.fragment_sha256(params)
         return cls(fragment=fragment, version=0, params=params, opt_state=stepper.init(params),
-                   history=collections.OrderedDict({0: params}), params_sha256=digest, published=params,
+                   history=versions_lib.VersionHistory(0, params), params_sha256=digest, published=params,
                    published_sha256=digest, norms=robust_lib.NormHistory(norm_bound, fragment))
 
     @classmethod
@@ -95,17 +97,18 @@ class FragmentSlot:
         shard refuses its uploads and serves it nowhere; its owner does). Kept so that fragment ids
         still index the slots."""
         return cls(fragment=fragment, version=0, params=np.empty(0, np.float32), opt_state=[],
-                   history=collections.OrderedDict(), params_sha256="")
+                   history=versions_lib.VersionHistory(), params_sha256="")
 
     def advance(self, params: np.ndarray, opt_state: list, published: np.ndarray, keep_versions: int) -> None:
         """The next version (a merge): new values and optimizer state, what learners will hold of
-        it, at most `keep_versions` versions kept to base contributions on; the round is done."""
+        it, at most `keep_versions` versions kept to base contributions on (earlier ones as the
+        delta encodings learners applied, when the Publisher cached this version's); the round is
+        done."""
         self.params, self.opt_state = params, opt_state
         self.version += 1
         self.published = published
-        self.history[self.version] = published
-        while len(self.history) > keep_versions:
-            self.history.popitem(last=False)
+        step = self.delta_encoded[1] if self.delta_encoded is not None and self.delta_encoded[0] == self.version else None
+        self.history.advance(self.version, published, keep_versions, step)
         self.params_sha256 = fragments_lib.fragment_sha256(params)
         self.published_sha256 = (self.params_sha256 if published is params
                                  else fragments_lib.fragment_sha256(published))
@@ -119,7 +122,7 @@ class FragmentSlot:
         self.opt_state = opt_state
         self.version = version
         self.published, self.published_sha256, self.delta_encoded = params, digest, None
-        self.history = collections.OrderedDict({version: params})
+        self.history = versions_lib.VersionHistory(version, params)
         self.params_sha256 = digest
         self.encoded = None
         self.round = None
