@@ -86,7 +86,8 @@ class Publisher:
         Concurrent callers share one encode: at start (and after a restore) every watcher asks
         for the same uncached version at once, and one encode and one copy each per watcher made
         the syncer's peak memory grow with the number of learners."""
-        if slot.encoded is None:
+        cached = slot.encoded  # one read: a weakly held encoding (slots.FragmentSlot.encoded) may go
+        if cached is None:
             version = slot.version
             if slot.encoding is None or slot.encoding[0] != version:
                 slot.encoding = (version, asyncio.ensure_future(asyncio.to_thread(
@@ -100,7 +101,7 @@ class Publisher:
             if slot.version == version:
                 slot.encoded = encoded
             return version, encoded
-        return slot.version, slot.encoded
+        return slot.version, cached
 
 
 class Watchers:

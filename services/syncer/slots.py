@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -63,7 +64,8 @@ class FragmentSlot:
     delta_encoded: tuple[int, codec_lib.EncodedPayload] | None = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     round: Round | None = None
-    encoded: codec_lib.EncodedPayload | None = None  # current published values, float32
+    # The current published values as exact float32 (Publisher.encoded_payload); see `encoded`.
+    encoded_ref: codec_lib.EncodedPayload | weakref.ref | None = None
     # (version, the encode in progress): watchers asking at once share one encode.
     encoding: tuple[int, asyncio.Future] | None = None
     timer: asyncio.TimerHandle | None = None
@@ -79,6 +81,20 @@ class FragmentSlot:
     # The latest merge's broadcast: (version, merge start, learners it has not reached yet); sync
     # time (grace window input) is measured when the last of them was sent the version.
     broadcast: tuple[int, float, set] | None = None
+
+    @property
+    def encoded(self) -> codec_lib.EncodedPayload | None:
+        """The current version's exact float32 encoding, if cached. Held while it is a view of
+        `published` (no bytes of its own); a zstd-compressed copy (~4 bytes per value) only while
+        a watch stream or the merge that made it holds it: kept until the next merge, it was one
+        more copy of the fragment at a shard's peak, for the rare whole downloads."""
+        ref = self.encoded_ref
+        return ref() if isinstance(ref, weakref.ref) else ref
+
+    @encoded.setter
+    def encoded(self, value: codec_lib.EncodedPayload | None) -> None:
+        held = value is None or isinstance(value.payload, memoryview)
+        self.encoded_ref = value if held else weakref.ref(value)
 
     @classmethod
     def initial(cls, fragment: fragments_lib.Fragment, initial_params: np.ndarray, stepper: outer_lib.OuterStepper,
