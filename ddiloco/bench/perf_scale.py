@@ -349,13 +349,14 @@ def run_saturation(workdir: pathlib.Path, model: dict, captured: pathlib.Path, l
     return out
 
 
-# Peak RSS of one shard, measured at 100M parameters x 4 shards with 4 replay learners (s34,
-# after a shard builds and keeps only its own fragments and the pools are bounded by bytes): about
-# 0.5 GB of start-up (imports, gRPC, JAX) plus ~92 bytes per parameter the shard OWNS (values and
-# momentum ~8, at the peak of merges: history versions, the merge's sums and held contributions,
-# decodes in flight, the published encoding); each shard owns params / shards.
+# Peak RSS of one shard, measured at 100M parameters x 4 shards with 4 replay learners (s35, after
+# earlier versions are kept as int4 steps and whole-version caches only while used; s34: 92):
+# about 0.5 GB of start-up (imports, gRPC, JAX) plus ~77 bytes per parameter the shard OWNS (the
+# start-up's whole-model build, values, momentum and published ~12, at the peak of merges: the
+# outer step's new values, the merge's sums and held contributions, decodes in flight;
+# bench/results/perf-memory-s35.md); each shard owns params / shards.
 SHARD_BASE_BYTES = 512 * 2**20
-SHARD_PEAK_BYTES_PER_OWNED_PARAM = 92
+SHARD_PEAK_BYTES_PER_OWNED_PARAM = 77
 
 
 def memory_needed_bytes(params: int, shards: int) -> int:

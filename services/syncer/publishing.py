@@ -15,8 +15,8 @@ import dataclasses
 import numpy as np
 
 from ddiloco.wire import codec as codec_lib
-from ddiloco.wire import serde
 from . import slots as slots_lib
+from . import versions as versions_lib
 
 
 class Publisher:
@@ -37,16 +37,17 @@ class Publisher:
                         ) -> tuple[np.ndarray, codec_lib.EncodedPayload]:
         """Encodes new_params - published in the download codec; returns what learners will hold
         after applying it (computed exactly as they compute it) and the encoding."""
+        # One fragment-sized temporary at a time (the merge's peak): the difference, dropped once
+        # encoded, then the decoded step, which becomes the new values in place. Same bits as
+        # serde.apply_delta(published, step) (one float32 addition per value).
+        difference = np.subtract(new_params, published, dtype=np.float32)
         encoded = codec_lib.encode(
-            (new_params - published).astype(np.float32), self.download_codec,
-            block_size=self._block_size, zstd_level=self._zstd_level,
+            difference, self.download_codec, block_size=self._block_size, zstd_level=self._zstd_level,
             min_zstd_ratio=codec_lib.FANOUT_MIN_ZSTD_RATIO,  # encoded once, sent to every learner
         )
-        step = codec_lib.decode(
-            encoded.payload, codec=encoded.codec, numel=encoded.numel, raw_size_bytes=encoded.raw_size_bytes,
-            checksum=encoded.checksum, block_size=encoded.block_size,
-        )
-        return serde.apply_delta(published, step), encoded
+        del difference
+        step = versions_lib.decode_step(encoded)  # fresh and writable (codec.decode)
+        return np.add(published, step, out=step), encoded
 
     async def next_published(self, slot: slots_lib.FragmentSlot, new_params: np.ndarray) -> np.ndarray:
         """What learners will hold of the slot's next version (`new_params` itself when downloads
@@ -85,7 +86,8 @@ class Publisher:
         Concurrent callers share one encode: at start (and after a restore) every watcher asks
         for the same uncached version at once, and one encode and one copy each per watcher made
         the syncer's peak memory grow with the number of learners."""
-        if slot.encoded is None:
+        cached = slot.encoded  # one read: a weakly held encoding (slots.FragmentSlot.encoded) may go
+        if cached is None:
             version = slot.version
             if slot.encoding is None or slot.encoding[0] != version:
                 slot.encoding = (version, asyncio.ensure_future(asyncio.to_thread(
@@ -99,7 +101,7 @@ class Publisher:
             if slot.version == version:
                 slot.encoded = encoded
             return version, encoded
-        return slot.version, slot.encoded
+        return slot.version, cached
 
 
 class Watchers:

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 import grpc
@@ -156,21 +157,36 @@ class _UploadScope:
     last_seen = False
 
 
+class _Messages(list):
+    """One version's WatchFragments messages (the header, then the chunks) and their wire bytes."""
+
+    __slots__ = ("__weakref__", "encoded", "wire_bytes")
+
+
 class _WatchMessages:
     """The WatchFragments messages of each fragment's newest version, built once and shared by
     every watcher: each version goes to every learner, and building the messages per watcher
-    copied the payload three times per learner (CPU and memory grew with the learners)."""
+    copied the payload three times per learner (CPU and memory grew with the learners).
+
+    A whole version (exact float32: a join, or a learner more than one version behind) is kept
+    only while some watch stream still sends it (a weak reference): kept until the next whole
+    download, it held a copy of the fragment and pinned that version's values (8 bytes per owned
+    parameter at a shard's peak, mostly version 0's from the joins at start). Deltas (~0.5 bytes
+    per value with int4, sent to every learner at every version) stay cached."""
 
     def __init__(self) -> None:
-        # (fragment_id, delta) -> (version, encoded payload, messages, their wire bytes)
-        self._newest: dict[tuple[int, bool], tuple[int, object, tuple, int]] = {}
+        # (fragment_id, delta) -> (version, the messages: themselves for a delta, a weak reference
+        # for a whole version)
+        self._newest: dict[tuple[int, bool], tuple[int, object]] = {}
 
     def get(self, instance: str, fid: int, version: int, encoded, delta: bool,
-            chunk_size_bytes: int, epoch: int = 0) -> tuple[tuple, int]:
+            chunk_size_bytes: int, epoch: int = 0) -> tuple[list, int]:
         key = (fid, delta)
         entry = self._newest.get(key)
-        if entry is not None and entry[0] == version and entry[1] is encoded:
-            return entry[2], entry[3]
+        if entry is not None and entry[0] == version:
+            cached = entry[1] if delta else entry[1]()
+            if cached is not None and cached.encoded is encoded:
+                return cached, cached.wire_bytes
         header = syncer_pb2.WatchFragmentsResponse(
             header=syncer_pb2.GlobalFragmentHeader(
                 fragment_id=fid, version=version, syncer_instance=instance,
@@ -178,12 +194,13 @@ class _WatchMessages:
                 delta=delta, delta_base_version=version - 1 if delta else 0, epoch=epoch,
             )
         )
-        messages = (header, *(syncer_pb2.WatchFragmentsResponse(chunk=chunk)
-                              for chunk in serde.payload_chunks(encoded.payload, chunk_size_bytes)))
-        wire_bytes = sum(m.ByteSize() for m in messages)
+        messages = _Messages((header, *(syncer_pb2.WatchFragmentsResponse(chunk=chunk)
+                                        for chunk in serde.payload_chunks(encoded.payload, chunk_size_bytes))))
+        messages.encoded = encoded
+        messages.wire_bytes = sum(m.ByteSize() for m in messages)
         if entry is None or entry[0] <= version:  # a slow watcher's older version is not kept
-            self._newest[key] = (version, encoded, messages, wire_bytes)
-        return messages, wire_bytes
+            self._newest[key] = (version, messages if delta else weakref.ref(messages))
+        return messages, messages.wire_bytes
 
 
 class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
@@ -472,6 +489,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 for msg in messages:
                     yield msg
                 core.count_bytes(member, outbound=out_bytes, codec=encoded.codec)
+                messages = encoded = delta = None  # not held while this stream waits (_WatchMessages)
                 sent[fid] = version
                 if not observer:
                     core.broadcast_sent(request.learner_id, fid, version)

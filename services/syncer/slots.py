@@ -12,8 +12,8 @@ Must not: decide when to merge, validate uploads or encode; the core does that u
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from ddiloco.algo import robust as robust_lib
 from ddiloco.algo import shards as shards_lib
 from ddiloco.rpc import errors
 from ddiloco.wire import codec as codec_lib
+from . import versions as versions_lib
 
 
 @dataclasses.dataclass
@@ -54,7 +55,9 @@ class FragmentSlot:
     version: int
     params: np.ndarray
     opt_state: list
-    history: collections.OrderedDict  # version -> published values (current included)
+    # version -> what a contribution based on it is re-anchored from (current included): the
+    # published values, or for earlier versions with a lossy download codec the steps from them.
+    history: versions_lib.VersionHistory
     params_sha256: str
     # What learners hold for the current version: `params` itself when downloads are lossless;
     # with a lossy download codec, the reconstruction learners compute from the deltas sent so
@@ -65,7 +68,8 @@ class FragmentSlot:
     delta_encoded: tuple[int, codec_lib.EncodedPayload] | None = None
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     round: Round | None = None
-    encoded: codec_lib.EncodedPayload | None = None  # current published values, float32
+    # The current published values as exact float32 (Publisher.encoded_payload); see `encoded`.
+    encoded_ref: codec_lib.EncodedPayload | weakref.ref | None = None
     # (version, the encode in progress): watchers asking at once share one encode.
     encoding: tuple[int, asyncio.Future] | None = None
     timer: asyncio.TimerHandle | None = None
@@ -82,6 +86,20 @@ class FragmentSlot:
     # time (grace window input) is measured when the last of them was sent the version.
     broadcast: tuple[int, float, set] | None = None
 
+    @property
+    def encoded(self) -> codec_lib.EncodedPayload | None:
+        """The current version's exact float32 encoding, if cached. Held while it is a view of
+        `published` (no bytes of its own); a zstd-compressed copy (~4 bytes per value) only while
+        a watch stream or the merge that made it holds it: kept until the next merge, it was one
+        more copy of the fragment at a shard's peak, for the rare whole downloads."""
+        ref = self.encoded_ref
+        return ref() if isinstance(ref, weakref.ref) else ref
+
+    @encoded.setter
+    def encoded(self, value: codec_lib.EncodedPayload | None) -> None:
+        held = value is None or isinstance(value.payload, memoryview)
+        self.encoded_ref = value if held else weakref.ref(value)
+
     @classmethod
     def initial(cls, fragment: fragments_lib.Fragment, initial_params: np.ndarray, stepper: outer_lib.OuterStepper,
                 norm_bound: robust_lib.NormBoundPolicy) -> FragmentSlot:
@@ -90,7 +108,7 @@ class FragmentSlot:
         params = np.asarray(initial_params, dtype=np.float32).copy()
         digest = fragments_lib.fragment_sha256(params)
         return cls(fragment=fragment, version=0, params=params, opt_state=stepper.init(params),
-                   history=collections.OrderedDict({0: params}), params_sha256=digest, published=params,
+                   history=versions_lib.VersionHistory(0, params), params_sha256=digest, published=params,
                    published_sha256=digest, norms=robust_lib.NormHistory(norm_bound, fragment))
 
     @classmethod
@@ -99,17 +117,18 @@ class FragmentSlot:
         shard refuses its uploads and serves it nowhere; its owner does). Kept so that fragment ids
         still index the slots."""
         return cls(fragment=fragment, version=0, params=np.empty(0, np.float32), opt_state=[],
-                   history=collections.OrderedDict(), params_sha256="")
+                   history=versions_lib.VersionHistory(), params_sha256="")
 
     def advance(self, params: np.ndarray, opt_state: list, published: np.ndarray, keep_versions: int) -> None:
         """The next version (a merge): new values and optimizer state, what learners will hold of
-        it, at most `keep_versions` versions kept to base contributions on; the round is done."""
+        it, at most `keep_versions` versions kept to base contributions on (earlier ones as the
+        delta encodings learners applied, when the Publisher cached this version's); the round is
+        done."""
         self.params, self.opt_state = params, opt_state
         self.version += 1
         self.published = published
-        self.history[self.version] = published
-        while len(self.history) > keep_versions:
-            self.history.popitem(last=False)
+        step = self.delta_encoded[1] if self.delta_encoded is not None and self.delta_encoded[0] == self.version else None
+        self.history.advance(self.version, published, keep_versions, step)
         self.params_sha256 = fragments_lib.fragment_sha256(params)
         self.published_sha256 = (self.params_sha256 if published is params
                                  else fragments_lib.fragment_sha256(published))
@@ -123,7 +142,7 @@ class FragmentSlot:
         self.opt_state = opt_state
         self.version = version
         self.published, self.published_sha256, self.delta_encoded = params, digest, None
-        self.history = collections.OrderedDict({version: params})
+        self.history = versions_lib.VersionHistory(version, params)
         self.params_sha256 = digest
         self.encoded = None
         self.round = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 
 import grpc
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.v1 import syncer_pb2
+from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
@@ -92,6 +94,24 @@ def test_the_messages_of_a_version_are_built_once():
                                                 servicer_lib.WATCH_CHUNK_BYTES)[0] is newer
 
     asyncio.run(run())
+
+
+def test_a_whole_version_is_kept_only_while_a_stream_sends_it():
+    # Kept until the next whole download, a whole version's messages held a copy of the fragment
+    # and pinned its values (version 0's, from the joins at start, for the whole run).
+    cache = servicer_lib._WatchMessages()
+    values = np.linspace(-1, 1, 50_000).astype(np.float32)
+    whole = codec_lib.encode(values, "fp32", compression="none")
+    messages, _ = cache.get("i", 0, 1, whole, False, 4096)
+    assert cache.get("i", 0, 1, whole, False, 4096)[0] is messages  # shared while sent
+    whole_ref = weakref.ref(whole)
+    del messages, whole
+    assert whole_ref() is None
+    delta = codec_lib.encode(values, "int4")
+    delta_ref = weakref.ref(delta)
+    messages, _ = cache.get("i", 0, 2, delta, True, 4096)
+    del messages, delta
+    assert delta_ref() is not None  # deltas (every learner, every version) stay cached
 
 
 def test_shutdown_ends_the_watch_streams_instead_of_waiting_out_the_grace_period():

@@ -188,7 +188,7 @@ def test_the_memory_estimate_grows_with_shards_and_model_size():
     two, four = perf_scale.memory_needed_bytes(100_000_000, 2), perf_scale.memory_needed_bytes(100_000_000, 4)
     assert four - two == 2 * perf_scale.SHARD_BASE_BYTES
     assert perf_scale.memory_needed_bytes(1_000_000_000, 4) > 8 * perf_scale.memory_needed_bytes(100_000_000, 4)  # ~linear in size
-    # Measured: 100M x 4 shards fits this machine; 1B x 4 does not yet (~92 bytes per owned parameter at the peak).
+    # Measured: 100M x 4 shards fits this machine; 1B x 4 does not yet (~77 bytes per owned parameter at the peak).
     assert four < 24 * 2**30 < perf_scale.memory_needed_bytes(1_000_000_000, 4)
 
 
