@@ -18,6 +18,7 @@ from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import publishing
 from services.syncer import versions as versions_lib
+from services.syncer import wire_views
 from tests.fakes import FakeClock, join, make_core, settle_until
 
 
@@ -27,7 +28,7 @@ def _upload(core, learner_id: str, base: int, values: np.ndarray):
         protocol_version=serde.PROTOCOL_VERSION, learner_id=learner_id, incarnation=1, fragment_id=0,
         base_version=base, syncer_instance=core.instance, steps=2, tokens=200,
         payload=serde.payload_info_to_proto(enc))
-    return core.validate_upload_header(header), enc.payload
+    return core.validate_upload_header(wire_views.upload_header(header)), enc.payload
 
 
 def _array_bytes(history) -> int:
