@@ -10,6 +10,14 @@ from collections.abc import Callable
 
 import grpc
 
+# How long learners and the evaluator get after SIGTERM at a test's teardown before SIGKILL
+# (LocalCluster.stop_all's clients_timeout_s; the syncers and stores keep the full timeout). Their
+# graceful finish (their last work merged, up to their finish timeout) is not what a test asserts
+# at its teardown, and there it often cannot complete: the test stopped or killed their syncer, or
+# the rounds of their final contributions wait for learners that are stopping too. Given the 10 s
+# of the other services, those waits were most of many tests' teardowns.
+TEARDOWN_CLIENTS_S = 3.0
+
 
 def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str,
                not_yet: tuple[type[BaseException], ...] = (), interval_s: float = 0.05,

@@ -338,22 +338,25 @@ class LocalCluster:
         reader.close()
         return sorted(syncers, key=lambda svc: epochs[svc.name])
 
-    def stop_all(self, timeout_s: float = 15.0) -> None:
+    def stop_all(self, timeout_s: float = 15.0, clients_timeout_s: float | None = None) -> None:
         """Stops learners and the evaluator first, then the syncer shards (they checkpoint), then the
         stores, then etcd (a leader commits its last checkpoint through it).
 
         The learners and the evaluator stop together: each may take up to its finish timeout
         after SIGTERM (waiting for its last contributions to be merged, longer when the syncer is
         already gone), and one after the other those waits added up (a test's teardown of two
-        learners without a syncer: 2 x 10 s)."""
+        learners without a syncer: 2 x 10 s). `clients_timeout_s` (default `timeout_s`) is how
+        long they get before SIGKILL: a caller that does not need their last work merged (a
+        test's teardown) gives them less."""
         stores, syncers = self.stores(), self.syncers()
         clients = [s for s in self.services.values() if s not in syncers and s not in stores]
+        clients_s = timeout_s if clients_timeout_s is None else clients_timeout_s
         if len(clients) > 1:
             with concurrent.futures.ThreadPoolExecutor(len(clients), thread_name_prefix="stop") as pool:
-                list(pool.map(lambda svc: svc.stop(timeout_s), clients))
+                list(pool.map(lambda svc: svc.stop(clients_s), clients))
         else:
             for svc in clients:
-                svc.stop(timeout_s)
+                svc.stop(clients_s)
         for svc in self._standbys_first(syncers) + stores:
             svc.stop(timeout_s)
         if self.etcd is not None:

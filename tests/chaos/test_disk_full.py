@@ -17,6 +17,7 @@ import pytest
 from ddiloco.chaos import harness
 from ddiloco.cli import cluster as cluster_lib
 from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
+from tests.waits import TEARDOWN_CLIENTS_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -82,4 +83,4 @@ def test_row07_store_disk_full_training_goes_on_and_the_last_checkpoint_stays(tm
     finally:
         if probe is not None:
             probe.close()
-        cluster.stop_all(timeout_s=10.0)
+        cluster.stop_all(timeout_s=10.0, clients_timeout_s=TEARDOWN_CLIENTS_S)

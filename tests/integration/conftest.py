@@ -31,7 +31,7 @@ def cluster(tmp_path):
     try:
         yield c
     finally:
-        c.stop_all(timeout_s=10.0)
+        c.stop_all(timeout_s=10.0, clients_timeout_s=waits.TEARDOWN_CLIENTS_S)
 
 
 @pytest.fixture

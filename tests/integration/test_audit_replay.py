@@ -16,6 +16,7 @@ import pytest
 from ddiloco.cli import audit as audit_lib
 from ddiloco.cli import cluster as cluster_lib
 from tests.integration.conftest import LEARNER_PACE, TINY
+from tests.waits import TEARDOWN_CLIENTS_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -87,4 +88,4 @@ def test_replay_reproduces_every_published_hash_and_names_a_tampered_merge(tmp_p
             named = f"fragment {records[middle]['fragment']} version {records[middle]['version']}"
             assert named in broken.stderr and "hash chain broken" in broken.stderr, broken.stderr
     finally:
-        cluster.stop_all(timeout_s=10.0)
+        cluster.stop_all(timeout_s=10.0, clients_timeout_s=TEARDOWN_CLIENTS_S)

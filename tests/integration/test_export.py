@@ -29,6 +29,7 @@ from services.learner import config as learner_config
 from services.learner import train as train_lib
 from services.syncer import checkpointing
 from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, store_call, wait_until
+from tests.waits import TEARDOWN_CLIENTS_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -90,7 +91,7 @@ def trained(tmp_path_factory):
         yield {"cluster": cluster, "store": store.address, "state": state, "evaluation": evaluation, "out": out,
                "stdout": exported.stdout, "workdir": workdir}
     finally:
-        cluster.stop_all(timeout_s=10.0)
+        cluster.stop_all(timeout_s=10.0, clients_timeout_s=TEARDOWN_CLIENTS_S)
 
 
 def test_export_holds_the_models_tensors_and_the_syncers_global_values(trained):
@@ -293,7 +294,7 @@ def test_export_over_mutual_tls_takes_a_model_reader_not_a_reader(tmp_path):
         for name, value in params.items():
             np.testing.assert_array_equal(tensors[name], value)
     finally:
-        cluster.stop_all(timeout_s=10.0)
+        cluster.stop_all(timeout_s=10.0, clients_timeout_s=TEARDOWN_CLIENTS_S)
 
 
 def test_exporting_from_an_unreachable_store_gives_up_within_its_bound(tmp_path):

@@ -23,6 +23,7 @@ from services.learner import config as learner_config
 from services.learner import train as train_lib
 from tests.integration.conftest import LEARNER_PACE, SyncerProbe
 from tests.integration.test_export import _idle_state
+from tests.waits import TEARDOWN_CLIENTS_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -64,7 +65,7 @@ def test_a_plugin_model_trains_exports_and_reloads(tmp_path, monkeypatch, name, 
                                   capture_output=True, text=True, timeout=120, env=cluster.env)
         assert exported.returncode == 0, exported.stderr
     finally:
-        cluster.stop_all(timeout_s=10.0)
+        cluster.stop_all(timeout_s=10.0, clients_timeout_s=TEARDOWN_CLIENTS_S)
 
     # The export holds the model's own tensor names and shapes, readable with safetensors alone.
     tensors = load_file(out / "model.safetensors")

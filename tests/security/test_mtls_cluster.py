@@ -18,6 +18,7 @@ from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc, syncer_pb2, syncer_pb2_grpc
 from tests.integration.conftest import LEARNER_PACE, TINY, wait_until
+from tests.waits import TEARDOWN_CLIENTS_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -81,4 +82,4 @@ def test_a_run_under_mutual_tls(tmp_path):
                 plain_health.Check(health_pb2.HealthCheckRequest(), timeout=3)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        cluster.stop_all(timeout_s=10.0)
+        cluster.stop_all(timeout_s=10.0, clients_timeout_s=TEARDOWN_CLIENTS_S)

@@ -35,6 +35,7 @@ from ddiloco.v1 import checkpoint_pb2, checkpoint_pb2_grpc, syncer_pb2, syncer_p
 from ddiloco.wire import serde
 from tests.integration.conftest import TINY
 from tests.security.conftest import Harness, client_security, code_of, error_of
+from tests.waits import TEARDOWN_CLIENTS_S
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -263,5 +264,5 @@ def test_revoked_certificates_are_refused_by_running_servers(tmp_path):
             client.channel.close()
         assert "not reloaded" in (cluster.workdir / "logs" / "syncer.log").read_text()
     finally:
-        cluster.stop_all()
+        cluster.stop_all(timeout_s=10.0, clients_timeout_s=TEARDOWN_CLIENTS_S)
 

@@ -19,6 +19,7 @@ STOP_S = 0.5  # how long each recorded stop takes, as a learner finishing after 
 @pytest.fixture
 def recorded(monkeypatch):
     spans: dict[str, tuple[float, float]] = {}
+    timeouts: dict[str, float] = {}
     lock = threading.Lock()
 
     def wait_ready(self, timeout_s):
@@ -30,21 +31,29 @@ def recorded(monkeypatch):
         time.sleep(STOP_S)
         with lock:
             spans[self.name] = (started, time.monotonic())
+            timeouts[self.name] = timeout_s
         return 0
 
     monkeypatch.setattr(cluster_lib.ServiceProcess, "start", lambda self, extra_args=(): None)
     monkeypatch.setattr(cluster_lib.ServiceProcess, "wait_ready", wait_ready)
     monkeypatch.setattr(cluster_lib.ServiceProcess, "stop", stop)
-    return spans
+    spans_and_timeouts = spans, timeouts
+    return spans_and_timeouts
 
 
-def test_learners_stop_together_before_the_syncer_and_the_store(tmp_path, recorded):
+def _cluster(tmp_path) -> cluster_lib.LocalCluster:
     cluster = cluster_lib.LocalCluster(tmp_path)
     cluster.start_store()
     cluster.start_syncer(run_id="r")
     for i in range(3):
         cluster.start_learner(i, region="a")
     cluster.start_evaluator()
+    return cluster
+
+
+def test_learners_stop_together_before_the_syncer_and_the_store(tmp_path, recorded):
+    recorded, timeouts = recorded
+    cluster = _cluster(tmp_path)
     started = time.monotonic()
     cluster.stop_all(timeout_s=10.0)
     elapsed = time.monotonic() - started
@@ -57,3 +66,11 @@ def test_learners_stop_together_before_the_syncer_and_the_store(tmp_path, record
     # syncer (its final checkpoint) before the store.
     assert max(recorded[n][1] for n in clients) <= recorded["syncer"][0]
     assert recorded["syncer"][1] <= recorded["checkpoint"][0]
+    assert set(timeouts.values()) == {10.0}  # one timeout for all unless the clients are given theirs
+
+
+def test_the_clients_may_be_given_a_shorter_timeout_than_the_servers(tmp_path, recorded):
+    _, timeouts = recorded
+    _cluster(tmp_path).stop_all(timeout_s=10.0, clients_timeout_s=3.0)
+    assert timeouts == {"learner-0": 3.0, "learner-1": 3.0, "learner-2": 3.0, "evaluator": 3.0,
+                        "syncer": 10.0, "checkpoint": 10.0}

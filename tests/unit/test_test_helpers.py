@@ -4,6 +4,7 @@ stand on them, so their promises are checked here."""
 from __future__ import annotations
 
 import asyncio
+import json
 import errno
 import socket
 import time
@@ -93,3 +94,20 @@ def test_make_core_is_deterministic_and_routes_config_fields_and_core_knobs(cloc
         fakes.make_core(clock, config=config_lib.SyncerConfig(), min_quorum=2)
     with pytest.raises(TypeError):
         fakes.make_core(clock, no_such_knob=1)
+
+
+
+def test_child_processes_get_the_sessions_jax_compilation_cache_and_this_process_keeps_the_defaults(
+        jax_compilation_cache):
+    import subprocess
+    import sys
+
+    import jax
+
+    # This process: JAX's defaults (it read its environment before the session set the cache).
+    assert jax.config.jax_compilation_cache_dir is None
+    # A child (a syncer, an evaluator, a CLI command): the session's directory, every program cached.
+    child = ("import json, jax; c = jax.config; print(json.dumps([c.jax_compilation_cache_dir, "
+             "c.jax_persistent_cache_min_compile_time_secs, c.jax_compilation_cache_max_size]))")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == [str(jax_compilation_cache), 0.0, 512 * 2**20]
