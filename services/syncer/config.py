@@ -522,8 +522,9 @@ _HELPS = {
     "direction_min_cosine": "threshold of --direction-check (measured: honest learners' recent means >= -0.07, "
                             "sign-flipped <= -0.61)",
     "max_merge_share": "no contribution may have more than this share of a merge's total weight (the heaviest "
-                       "is lowered to it) in merges of 3 or more contributions, nor in any merge one whose claimed "
-                       "steps or batch were clipped or could not be checked yet; in [0.5, 1], 1: no cap",
+                       "is lowered to it) in merges of 3 or more contributions, nor in any merge one the syncer "
+                       "cannot vouch for (claimed steps or batch clipped or not checkable yet, or its norm clipped "
+                       "against the history); in [0.5, 1], 1: no cap",
     "max_batch_ratio": "a claimed batch (tokens per step, which sets the merge weight) above this x the other "
                        "learners' median is clipped to it; 0: --norm-bound-factor",
     "norm_clip_factor": "median-of-norms clipping: a contribution's norm above this x the other learners' median "
