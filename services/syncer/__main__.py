@@ -40,6 +40,7 @@ from . import core as core_lib
 from . import history as history_lib
 from . import initial as initial_lib
 from . import influence as influence_lib
+from . import commit_gate
 from . import leadership as leadership_lib
 from . import ledger_sink as ledger_sink_lib
 from . import metrics as syncer_metrics
@@ -68,8 +69,16 @@ class _Checkpointer:
         self.epoch = None
         # Every checkpoint says what its bytes mean (model, config, fragment plan): `ddiloco export`.
         self._description = checkpointing.describe_run(cfg, core.config, core.plan)
+        self.commit_loop: commit_gate.CommitLoop | None = None
+        if cfg.commit_before_broadcast:
+            core.commit_before_broadcast = True
+            self.commit_loop = commit_gate.CommitLoop(
+                self.save, lambda: core.outer_steps > core.last_checkpoint_outer_step)
 
     def on_merge(self) -> None:
+        if self.commit_loop is not None:  # --commit-before-broadcast: every merge, before its broadcast
+            self.commit_loop.request()
+            return
         self._merges_since += 1
         if self._merges_since >= self._cfg.checkpoint_every_merges and (self._task is None or self._task.done()):
             self._merges_since = 0
@@ -95,6 +104,7 @@ class _Checkpointer:
             self._metrics.checkpoint_write.observe(time.monotonic() - started)
         core.last_checkpoint_outer_step = snapshot.outer_steps
         core.last_checkpoint_unix_s = time.time()
+        core.mark_committed(snapshot)
         if self.on_commit is not None:
             self.on_commit(snapshot)
         _LOG.info("checkpoint committed", extra={"fields": {"outer_step": snapshot.outer_steps, "seconds": round(time.monotonic() - started, 3)}})
@@ -116,6 +126,8 @@ class _Checkpointer:
             await self.on_written(step)
 
     async def drain(self) -> None:
+        if self.commit_loop is not None:
+            await self.commit_loop.drain(self._cfg.checkpoint_timeout_s)
         if self._task is not None and not self._task.done():
             await asyncio.wait([self._task], timeout=self._cfg.checkpoint_timeout_s)
 

@@ -44,6 +44,9 @@ class SyncerConfig:
     checkpoint_repair_interval_s: float = 30.0  # replicated stores: background repair pass period
     checkpoint_every_merges: int = 16  # checkpoint after this many merges (and on SIGTERM)
     checkpoint_timeout_s: float = 30.0  # overall bound for one checkpoint write, retries included
+    # Every merge committed in a checkpoint before its version is sent (commit_gate.py): a crash or
+    # failover then loses no merge a learner received, for one checkpoint per merge.
+    commit_before_broadcast: bool = False
     restore_timeout_s: float = 30.0  # how long to wait for the store at start before giving up
     model: str = "transformer"  # model registry name
     model_config: str = '{"preset": "small"}'  # JSON overrides of the model's configuration
@@ -239,6 +242,8 @@ class SyncerConfig:
             raise bad("dp_decay_steps", "dp_decay_steps must be 0 (no decay) or exceed dp_warmup_steps")
         if not self.dp_learning_rate > 0 or self.dp_warmup_steps < 0 or self.dp_weight_decay < 0:
             raise bad("dp_learning_rate", "dp_learning_rate must be > 0, dp_warmup_steps and dp_weight_decay >= 0")
+        if self.commit_before_broadcast and not self.checkpoint_target:
+            raise bad("commit_before_broadcast", "needs --checkpoint-target (the checkpoints it commits go there)")
         if self.retain_contributions and not (self.checkpoint_target and self.store_ledger):
             raise bad("retain_contributions", "needs --checkpoint-target and --store-ledger (the blobs go there)")
         if self.norm_bound_action not in robust_lib.ACTIONS:
@@ -421,6 +426,10 @@ _HELPS = {
                                     "store missed from its peers (also run after a commit some store missed)",
     "checkpoint_every_merges": "checkpoint after this many merges (and on SIGTERM)",
     "checkpoint_timeout_s": "overall bound for writing one checkpoint, retries included",
+    "commit_before_broadcast": "send a merged fragment version to learners only once a committed checkpoint "
+                               "holds it: one checkpoint per merge (instead of every --checkpoint-every-merges), "
+                               "and a crash or failover loses no merge a learner received "
+                               "(docs/failover-stores.md); needs --checkpoint-target",
     "restore_timeout_s": "wait this long for the checkpoint store at start, then exit non-zero",
     "model": "the model: a built-in name (transformer), an installed ddiloco.models plugin or package.module:factory",
     "model_config": "JSON object overriding the model configuration",

@@ -85,6 +85,8 @@ def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int
 class SyncerCore:
     """The syncer's state machine. See the module docstring for the concurrency model."""
 
+    commit_before_broadcast = False  # set by __main__ (--commit-before-broadcast): see sendable
+
     # See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
     # `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own
     # outer optimizer (the data-parallel baseline's AdamW); by default every fragment shares
@@ -459,6 +461,19 @@ class SyncerCore:
         """The current published values of a fragment as exact float32 (cached per version)."""
         return await self.publisher.encoded_payload(slot)
 
+    def sendable(self, slot: slots_lib.FragmentSlot) -> bool:
+        """Whether the slot's current version may leave the syncer: always, except with
+        --commit-before-broadcast before a committed checkpoint holds it (commit_gate.py)."""
+        return not self.commit_before_broadcast or slot.version <= slot.committed_version
+
+    def mark_committed(self, snapshot: state_lib.SyncerSnapshot) -> None:
+        """A checkpoint of `snapshot` is committed: its versions may be sent; wakes the watchers."""
+        by_id = {f.fragment_id: f.version for f in snapshot.fragments}
+        for slot in self.owned_slots:
+            slot.committed_version = max(slot.committed_version, by_id.get(slot.fragment.fragment_id, 0))
+        if self.commit_before_broadcast:
+            self._notify()
+
     def wake_watchers(self) -> None:
         """Wakes every wait_for_change now (shutdown: watch streams end without waiting a poll)."""
         self._notify()
@@ -484,6 +499,8 @@ class SyncerCore:
         """Loads a snapshot: as `snapshot` returns it, or as checkpointing.load_snapshot reads it back
         (Snapshots.restore); this life then counts as restored from that checkpoint."""
         self.snapshots.restore(snapshot)
+        for slot in self.owned_slots:  # restored from a committed checkpoint
+            slot.committed_version = slot.version
         self.restored_from_checkpoint = True
         self.last_checkpoint_outer_step = self.outer_steps
         self.influence.restored_step = self.outer_steps  # the ledger's records name the lineage they follow

@@ -470,7 +470,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                         yield syncer_pb2.WatchFragmentsResponse(round_call=wire_views.round_call(call))
             for slot in core.owned_slots:
                 fid = slot.fragment.fragment_id
-                if slot.version <= sent[fid]:
+                if slot.version <= sent[fid] or not core.sendable(slot):
                     continue
                 # A client holding the previous version gets the (smaller) delta when the run's
                 # download codec is lossy; anyone else gets the exact float32 values.

@@ -85,6 +85,9 @@ class FragmentSlot:
     # The latest merge's broadcast: (version, merge start, learners it has not reached yet); sync
     # time (grace window input) is measured when the last of them was sent the version.
     broadcast: tuple[int, float, set] | None = None
+    # The newest version a committed checkpoint holds (a restored version counts): with
+    # --commit-before-broadcast no later version is sent (commit_gate.py).
+    committed_version: int = 0
 
     @property
     def encoded(self) -> codec_lib.EncodedPayload | None:
