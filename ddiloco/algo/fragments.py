@@ -281,6 +281,12 @@ def state_sha256(arrays) -> str:
     return digest.hexdigest()
 
 
+def apply_delta(held: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """held + step in float32: how the syncer and every learner compute a delta-encoded global
+    version (GlobalFragmentHeader.delta), so that both get bit-identical values."""
+    return np.add(held, step, dtype=np.float32)
+
+
 def fragment_sha256(values: np.ndarray) -> str:
     """sha256 (hex) of a flat fragment's values as little-endian float32 bytes: how learners, the
     syncer and checkpoints tell whether they hold the same fragment values, whatever the dtype or

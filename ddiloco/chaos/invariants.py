@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
+
+from ddiloco.algo import fragments as fragments_lib
 
 # A fragment whose last merge is this much older than the newest merge of any fragment stalled.
 STALL_S = 15.0
@@ -341,10 +342,6 @@ def check_learner_hashes(syncer_records: Sequence[dict], summaries: Mapping[str,
     return check
 
 
-def fragment_sha256(values) -> str:
-    return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").tobytes()).hexdigest()
-
-
 def check_checkpoints(syncer_records: Sequence[dict], checkpoints: Sequence[tuple[int, dict | Exception]]) -> Check:
     """I4: every retained checkpoint loads, hashes right, is finite and is a state the syncer had.
 
@@ -370,7 +367,7 @@ def check_checkpoints(syncer_records: Sequence[dict], checkpoints: Sequence[tupl
             check.fail(f"checkpoint at step {step} holds outer step {snapshot.get('outer_steps')}")
         for frag in snapshot["fragments"]:
             params = np.asarray(frag["params"])
-            digest = fragment_sha256(params)
+            digest = fragments_lib.fragment_sha256(params)
             if digest != frag["params_sha256"]:
                 good = False
                 check.fail(f"checkpoint {step} fragment {frag['fragment_id']}: sha256 {digest[:12]} != recorded "

@@ -52,7 +52,6 @@ from ddiloco.cli import audit as audit_lib
 from ddiloco.cli import status as status_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.wire import codec as codec_lib
-from ddiloco.wire import serde
 
 _CALL_TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -350,7 +349,7 @@ def _published(record: dict, held: np.ndarray | None, params: np.ndarray) -> np.
     step = codec_lib.decode(encoded.payload, codec=encoded.codec, numel=encoded.numel,
                             raw_size_bytes=encoded.raw_size_bytes, checksum=encoded.checksum,
                             block_size=encoded.block_size)
-    return serde.apply_delta(held, step)
+    return fragments_lib.apply_delta(held, step)
 
 
 async def replay(client, run_id: str, from_step: int = 0) -> tuple[int, Outcome]:

@@ -33,6 +33,7 @@ import numpy as np
 
 from ddiloco import failpoints as failpoints_lib
 from ddiloco import history as history_lib
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import shards as shards_lib
 from ddiloco.learner import leader_watch as leader_watch_lib
 from ddiloco.learner.progress import MIN_PROGRESS_INTERVAL_S, progress_interval_s  # noqa: F401 (re-exported)
@@ -541,7 +542,7 @@ class SyncClient(uploads_lib.Uploader):
                 # this stream declared or received); re-watching gets exact values.
                 raise uploads_lib.SessionBroken(f"delta for fragment {fid} against version {header.delta_base_version}, "
                                      f"but this learner holds {held}")
-            values = serde.apply_delta(base, values)
+            values = fragments_lib.apply_delta(base, values)
             self.stats.delta_fragments_received += 1
         with self._arrived:
             receipt = self._receipts.pop(fid, None)

@@ -211,12 +211,6 @@ def decode_payload(info: common_pb2.PayloadInfo, payload: bytes, *,
     return decode_described(described, payload, on_chunk=on_chunk, executor=executor)
 
 
-def apply_delta(held: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """held + step in float32: how the syncer and every learner compute a delta-encoded global
-    version (GlobalFragmentHeader.delta), so that both get bit-identical values."""
-    return np.add(held, step, dtype=np.float32)
-
-
 def payload_stream(info: common_pb2.PayloadInfo, *, on_chunk: codec_lib.ChunkVisitor | None = None,
                    decode_on_arrival: bool = True, buffers=None):
     """A stream.PayloadStream for the payload `info` describes (CodecError when it cannot be one);

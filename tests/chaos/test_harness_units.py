@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco import failpoints, history
 from ddiloco.chaos import invariants, schedule
 from ddiloco.chaos.schedule import FaultEvent, FaultSchedule
@@ -252,7 +253,7 @@ def test_i3_compares_learner_hashes_with_the_syncer_life_they_came_from():
 
 def test_i4_and_i5_checkpoints_and_loss():
     params = np.arange(4, dtype=np.float32)
-    digest = invariants.fragment_sha256(params)
+    digest = fragments_lib.fragment_sha256(params)
     syncer = [_start("A", 0, {0: 0}), _merged("A", 1, 0, 1, [("l0", 0), ("l1", 0)], sha=digest)]
     good = {"outer_steps": 1, "fragments": [{"fragment_id": 0, "version": 1, "params": params,
                                               "params_sha256": digest}]}

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ddiloco.wire import codec as codec_lib
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco.wire import serde
 from services.syncer import publishing
 
@@ -43,7 +44,7 @@ def test_the_error_fed_delta_is_compressed_and_decodes_to_what_the_learners_are_
                             block_size=encoded.block_size, compression="zstd",
                             checksum_kind=encoded.checksum_kind)
     assert info.payload_size_bytes == len(encoded.payload)
-    np.testing.assert_array_equal(serde.apply_delta(old, step), held)
+    np.testing.assert_array_equal(fragments_lib.apply_delta(old, step), held)
     # int4 with an error bound of half a level per block: close to the target, not equal.
     assert np.abs(held - new).max() < np.abs(new - old).max() / 7
 

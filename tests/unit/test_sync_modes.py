@@ -64,7 +64,7 @@ def test_delta_downloads_reconstruct_published_bit_exactly_with_error_feedback(c
             assert core.delta_payload(slot, version - 2) is None  # a gap gets the exact values instead
             delta_version, delta = core.delta_payload(slot, version - 1)
             assert delta_version == version and delta.codec == codec
-            held = serde.apply_delta(held, _decode(delta))
+            held = fragments_lib.apply_delta(held, _decode(delta))
             assert fragments_lib.fragment_sha256(held) == slot.published_sha256  # bit-identical to the syncer
             errors.append(float(np.max(np.abs(held - slot.params))))
             # The exact download is of the published values, not of the syncer's own parameters.
