@@ -281,6 +281,12 @@ def state_sha256(arrays) -> str:
     return digest.hexdigest()
 
 
+def pseudo_gradient(global_values: np.ndarray, local_values: np.ndarray) -> np.ndarray:
+    """A learner's contribution to a fragment (paper Alg. 1): the global values it last folded in
+    minus its local values, flat float32; the outer optimizer steps against its merge."""
+    return np.subtract(global_values, local_values, dtype=np.float32)
+
+
 def apply_delta(held: np.ndarray, step: np.ndarray) -> np.ndarray:
     """held + step in float32: how the syncer and every learner compute a delta-encoded global
     version (GlobalFragmentHeader.delta), so that both get bit-identical values."""

@@ -315,7 +315,8 @@ class LearnerLoop:
         if base is None or self.c_steps[fid] == 0 or fid in self.pending:
             return None
         frag = self.plan.fragments[fid]
-        delta = self.global_copy[fid] - fragments_lib.flatten_fragment(self._host_params(frag), frag)
+        delta = fragments_lib.pseudo_gradient(self.global_copy[fid],
+                                              fragments_lib.flatten_fragment(self._host_params(frag), frag))
         if not np.all(np.isfinite(delta)):
             self._reset_nonfinite(fid)
             return None
@@ -432,7 +433,7 @@ class LearnerLoop:
                 {t.name: self._train_step.to_host(grads[t.name]) for t in frag.tensors}, frag)
         else:
             local = fragments_lib.flatten_fragment(self._host_params(frag), frag)
-            delta = self.global_copy[fid] - local
+            delta = fragments_lib.pseudo_gradient(self.global_copy[fid], local)
         if not np.all(np.isfinite(delta)):
             self._reset_nonfinite(fid)
             return None
