@@ -280,6 +280,8 @@ def _md_scale(sc: dict) -> list[str]:
               f"(step {sc['step_s']:.2f} s, default fragment schedule)", ""]
     md.append(results_lib.markdown_table(
         ["learners", "shards", "merges/s (by shard)",
+         "work merged (steps merged/trained; accepted; uploads slowed by back-pressure; at the end pending, "
+         "unmerged, lost; the shards' count)" if any("merged_steps" in lv for lv in sc["levels"]) else
          "work merged (steps accepted/trained; uploads slowed by back-pressure; steps pending at the end, lost)",
          "merge latency p50/p99 s", "upload latency p50/p99 s",
          "uploads acc/ref (offered)", "syncer RSS MiB before learners / peak, per shard"],
