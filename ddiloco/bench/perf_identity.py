@@ -63,16 +63,20 @@ class Identity:
                 await asyncio.sleep(0.1)
 
     async def report_progress(self, stop: asyncio.Event, interval_s: float, steps: Callable[[], int],
-                              timeout_s: float, step_time_s: float | None = None) -> None:
+                              timeout_s: float, step_time_s: float | None = None,
+                              finished: Callable[[], bool] | None = None) -> None:
         """Reports progress every `interval_s`, as a real learner's SyncClient does, with its step
         time (`step_time_s`, default `interval_s`: one report per step); the syncer's grace window
-        is computed from it, and without it every upload is merged alone."""
+        is computed from it, and without it every upload is merged alone. `finished()` true: the
+        learner has ended its steps (ReportProgressRequest.finished) and keeps reporting while it
+        waits for its last work to merge, as a real learner's finish does."""
         while not stop.is_set():
             try:
                 await self.stub.ReportProgress(syncer_pb2.ReportProgressRequest(
                     protocol_version=serde.PROTOCOL_VERSION, learner_id=self.learner_id, incarnation=self.incarnation,
                     local_step=steps(), step_time_s=interval_s if step_time_s is None else step_time_s,
-                    held=serde.versions_to_proto(self.versions)), timeout=timeout_s)
+                    held=serde.versions_to_proto(self.versions),
+                    finished=finished is not None and finished()), timeout=timeout_s)
             except grpc.aio.AioRpcError:  # transient, like the learner's: the next tick sends again
                 pass
             await asyncio.sleep(interval_s)

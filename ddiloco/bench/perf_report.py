@@ -14,7 +14,7 @@ TARGETS = {
     "transport": 0.70,
     "overlap_max_share": 0.02,
     "shard_speedup": 1.7,  # merges/s of 2 shards over 1 at saturation (issue 21)
-    "work_merged": 0.99,  # accepted over offered learner-steps at 64 learners
+    "work_merged": 0.99,  # merged over offered learner-steps at 64 learners, the end included (_work_cell)
 }
 
 
@@ -106,11 +106,10 @@ def _scale_headline(sc: dict | None, sat: dict | None = None) -> list[dict]:
                                "one shard, same learners, same run length"))
     for lv in sc["levels"]:
         if lv["learners"] == most and lv.get("offered_steps"):
-            # What the shards merged (their tokens_merged) where measured, else what they accepted.
-            merged = min(lv["accepted_steps"], lv.get("merged_steps_syncer", lv["accepted_steps"]))
             rows.append(figure(f"work merged, {most} replay learners, {lv.get('shards', 1)} shard(s)",
-                               merged, "learner-steps", lv["offered_steps"], "offered by the schedule",
-                               TARGETS["work_merged"]))
+                               merged_steps(lv), "learner-steps", lv["offered_steps"],
+                               "trained (offered), whole run, finish included" if "merged_steps" in lv
+                               else "offered by the schedule", TARGETS["work_merged"]))
     return rows
 
 
@@ -281,6 +280,8 @@ def _md_scale(sc: dict) -> list[str]:
               f"(step {sc['step_s']:.2f} s, default fragment schedule)", ""]
     md.append(results_lib.markdown_table(
         ["learners", "shards", "merges/s (by shard)",
+         "work merged (steps merged/trained; accepted; uploads slowed by back-pressure; at the end pending, "
+         "unmerged, lost; the shards' count)" if any("merged_steps" in lv for lv in sc["levels"]) else
          "work merged (steps accepted/trained; uploads slowed by back-pressure; steps pending at the end, lost)",
          "merge latency p50/p99 s", "upload latency p50/p99 s",
          "uploads acc/ref (offered)", "syncer RSS MiB before learners / peak, per shard"],
@@ -297,6 +298,8 @@ def _md_scale(sc: dict) -> list[str]:
           _shard_rss(lv)]
          for lv in sc["levels"]]))
     md += _rss_growth(sc["levels"])
+    if any("merged_steps" in lv for lv in sc["levels"]):
+        md += _item3(sc["levels"]) + ["\n" + WORK_MERGED_DEFINITION]
     for sp in sc.get("speedups", []):
         md.append(f"\n{sp['shards']} shards against one at {sp['learners']} learners: {sp['merges_per_s']:.2f} / "
                   f"{sp['one_shard_merges_per_s']:.2f} merges/s = {sp['ratio']:.2f}x (target at saturation, the "
@@ -323,16 +326,63 @@ def _md_scale(sc: dict) -> list[str]:
     return md
 
 
+def merged_steps(lv: dict) -> int:
+    """A level's work merged, in learner-steps: what the replay learners saw merged by the end of
+    their finish ("merged_steps"); a run from before the finish (s34 and earlier) had only what the
+    shards accepted and merged, the smaller of the two."""
+    if "merged_steps" in lv:
+        return lv["merged_steps"]
+    return min(lv.get("accepted_steps", 0), lv.get("merged_steps_syncer", lv.get("accepted_steps", 0)))
+
+
+WORK_MERGED_DEFINITION = (
+    "Work merged: learner-steps (summed over the P fragments: every step is one step of work on every "
+    "fragment) in contributions the replay learner saw merged into the global model (the fragment's owner "
+    "published a version after the one the contribution was accepted on, and the watch delivered it), over "
+    "the whole run, divided by the learner-steps trained (offered), the end included: at the end of its "
+    "steps each replay learner finishes as a real one does (reports finished, contributes all remaining work "
+    "as final uploads, the steps since each fragment's last turn too, and waits at most the real learner's "
+    "finish timeout for it to merge). Back-pressure merges several periods into one contribution and loses "
+    "nothing. What is outside the global model after the finish is counted where it is: pending (never "
+    "accepted), unmerged (accepted, its round not merged), lost (in none: 0 by construction). The shards' own "
+    "count (tokens_merged / tokens per step, read after every learner finished) is the cross-check.")
+
+
 def _work_cell(lv: dict) -> str:
-    """Work merged of work offered, and where the rest is: still pending in the learners when the
-    run ended (kept, not sent: no round took it in the flush), or lost (neither merged nor kept)."""
-    offered, accepted = lv.get("offered_steps", 0), lv.get("accepted_steps", 0)
-    cell = f"{accepted / max(1, offered):.1%} ({accepted}/{offered}; {lv.get('slowed', 0)} slowed"
-    if "lost_steps" in lv:
-        cell += f"; {lv.get('pending_steps_end', 0)} pending, {lv['lost_steps']} lost"
+    """Work merged of work trained, and where the rest is at the end (WORK_MERGED_DEFINITION); a run
+    from before the finish: accepted of offered, pending and lost, as it was reported."""
+    offered = lv.get("offered_steps", 0)
+    if "merged_steps" in lv:
+        merged = lv["merged_steps"]
+        cell = (f"{merged / max(1, offered):.1%} ({merged}/{offered}; {lv.get('accepted_steps', 0)} accepted; "
+                f"{lv.get('slowed', 0)} slowed; at the end {lv.get('pending_steps_end', 0)} pending, "
+                f"{lv.get('unmerged_steps_end', 0)} unmerged, {lv.get('lost_steps', 0)} lost")
+    else:
+        accepted = lv.get("accepted_steps", 0)
+        cell = f"{accepted / max(1, offered):.1%} ({accepted}/{offered}; {lv.get('slowed', 0)} slowed"
+        if "lost_steps" in lv:
+            cell += f"; {lv.get('pending_steps_end', 0)} pending, {lv['lost_steps']} lost"
     if "merged_steps_syncer" in lv:
         cell += f"; the shards merged {lv['merged_steps_syncer']}"
     return cell + ")"
+
+
+def _item3(levels: list[dict]) -> list[str]:
+    """Issue 21 item 3 in one place, per shard count: work merged at the most learners, merge
+    latency p50/p99 and each shard's peak RSS at the fewest and the most learners."""
+    md = []
+    for shards in sorted({lv.get("shards", 1) for lv in levels}):
+        mine = sorted((lv for lv in levels if lv.get("shards", 1) == shards), key=lambda lv: lv["learners"])
+        ends = mine[:1] + mine[-1:] if len(mine) > 1 else mine
+        share = merged_steps(ends[-1]) / max(1, ends[-1].get("offered_steps", 0))
+        latency = "; ".join(f"{lv['merge_latency_p50_s']:.3f} / {lv['merge_latency_p99_s']:.3f} s at "
+                            f"{lv['learners']} learners" for lv in ends)
+        rss = "; ".join(f"{_mib(_peaks(lv))} MiB at {lv['learners']} learners" for lv in ends
+                        if "shard_peak_rss_bytes" in lv or "syncer_peak_rss_bytes" in lv)
+        md.append(f"\nDefault schedule, {shards} shard(s): work merged at {ends[-1]['learners']} learners {share:.1%} "
+                  f"(target >= {TARGETS['work_merged']:.0%}); merge latency p50/p99 {latency}; "
+                  f"peak RSS per shard {rss or 'not measured'}.")
+    return md
 
 
 def _cores(values) -> str:

@@ -32,8 +32,8 @@ from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}
 NUM_FRAGMENTS = 4  # the syncer's default P
 SYNC_PERIOD_STEPS = 8  # H of the replay learners (the syncer's default)
-# How long a replay learner, at the end of its timed run, keeps sending what it holds: a real
-# learner's default --finish-timeout-s (it waits that long for its final uploads to be merged).
+# How long a replay learner, at the end of its timed run, keeps sending what it holds and waits
+# for it to merge: a real learner's default --finish-timeout-s (its finish waits that long).
 FLUSH_S = 30.0
 _LEVELS = itertools.count()  # names every level's processes apart within one invocation
 
@@ -138,8 +138,9 @@ def _level(count: int, s0s: list, s1s: list, elapsed_s: float, finals: list, rep
     for r in replays:
         for shard, n in r.get("accepted_by_shard", {}).items():
             by_shard[shard] = by_shard.get(shard, 0) + n
-    work = {key: sum(r[key] for r in replays) for key in
-            ("offered_steps", "accepted_steps", "pending_steps_end", "slowed", "final_sent")}
+    work = {key: sum(r.get(key, 0) for r in replays) for key in
+            ("offered_steps", "accepted_steps", "merged_steps", "pending_steps_end", "unmerged_steps_end",
+             "slowed", "final_sent")}
     return {
         "learners": count, "shards": len(s0s),
         "merges_per_s": sum(merges), "merges_per_s_by_shard": merges,
@@ -151,11 +152,15 @@ def _level(count: int, s0s: list, s1s: list, elapsed_s: float, finals: list, rep
         "uploads_accepted_by_shard": dict(sorted(by_shard.items())),
         "uploads_skipped": sum(r["skipped"] for r in replays),
         "uploads_offered": sum(r["offered"] for r in replays),
-        # Work in learner-steps per fragment: trained (offered), in accepted contributions
-        # (each in exactly one merge), still pending when the run ended (kept, not sent), and
-        # what is in none of these (lost: refused and never sent again; 0 by construction).
+        # Work in learner-steps summed over fragments, over the whole run: trained (offered: every
+        # step is a step on every fragment), in accepted contributions, merged (in a contribution
+        # the learner saw merged: a later version of the fragment arrived) by the end of its finish;
+        # at the end, still outside the global model: never accepted (pending) or accepted in a
+        # round that had not merged (unmerged); lost: in none of these (0 by construction).
         **work,
-        "lost_steps": work["offered_steps"] - work["accepted_steps"] - work["pending_steps_end"],
+        "work_merged_share": work["merged_steps"] / work["offered_steps"] if work["offered_steps"] else 0.0,
+        "lost_steps": (work["offered_steps"] - work["merged_steps"] - work["unmerged_steps_end"]
+                       - work["pending_steps_end"]),
         # What the shards report merged (their tokens_merged), in replay learner-steps.
         "merged_steps_syncer": sum(f.tokens_merged for f in finals) // replay_lib.TOKENS_PER_STEP,
         "hint_factor_max": max([r.get("hint_factor_max", 1.0) for r in replays], default=1.0),
@@ -220,15 +225,12 @@ def _measure(syncers: list[cluster_lib.ServiceProcess], procs: list, count: int,
         time.sleep(seconds * 0.6)
         s1s, t1 = states(256), common.now()
         cpu |= {"shards1": _cpu_s(syncers), "replays1": _cpu_s(procs)}
-        replays = [common.worker_result(p, timeout_s=seconds + 300) for p in procs]
-        # The last contributions accepted may sit in rounds not merged yet: give them a bounded
-        # wait (a learner's finish timeout) before reading what the shards merged.
-        accepted_steps, finals = sum(r["accepted_steps"] for r in replays), states(0)
-        deadline = time.monotonic() + FLUSH_S
-        while sum(f.tokens_merged for f in finals) < accepted_steps * replay_lib.TOKENS_PER_STEP and time.monotonic() < deadline:
-            time.sleep(0.2)
-            finals = states(0)
-        return _level(count, s0s, s1s, t1 - t0, finals, replays, cpu)
+        # The replay learners end as real learners do: each finishes (final uploads, then a wait
+        # of at most FLUSH_S for its last work to merge) before its process returns its result.
+        replays = [common.worker_result(p, timeout_s=seconds + FLUSH_S + 300) for p in procs]
+        # What the shards merged once every learner has finished (no further wait: the cross-check
+        # of the learners' own count, never above it by more than merges after their deadline).
+        return _level(count, s0s, s1s, t1 - t0, states(0), replays, cpu)
     finally:
         for p in probes:
             p.close()

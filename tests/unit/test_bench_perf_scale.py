@@ -99,7 +99,7 @@ def _replay_result(accepted_by_shard: dict) -> dict:
     n = sum(accepted_by_shard.values())
     return {"latencies": [0.01, 0.02], "refusals": {}, "offered": n, "accepted": n, "refused": 0, "skipped": 0,
             "accepted_by_shard": accepted_by_shard, "offered_steps": 8 * n, "accepted_steps": 8 * n,
-            "pending_steps_end": 0, "slowed": 0, "final_sent": 0}
+            "merged_steps": 8 * n, "pending_steps_end": 0, "unmerged_steps_end": 0, "slowed": 0, "final_sent": 0}
 
 
 def test_a_levels_figures_add_up_over_its_shards():
@@ -216,6 +216,7 @@ class _QuietIdentity:
         self.sent_base: dict[int, int] = {}
         self.stopped = stopped
         self.intervals: list[tuple[float, float]] = []
+        self.finished_reported = False
 
     async def watch(self, until: asyncio.Event, stream_s: float) -> None:
         while True:  # as Identity.watch: ends as soon as `until` is set
@@ -226,12 +227,14 @@ class _QuietIdentity:
                 for fid in range(4):
                     self.versions[fid] = self.versions.get(fid, 0) + 1
 
-    async def report_progress(self, until, interval_s, steps, timeout_s, step_time_s=None) -> None:
+    async def report_progress(self, until, interval_s, steps, timeout_s, step_time_s=None, finished=None) -> None:
         self.intervals.append((interval_s, step_time_s))
-        await until.wait()
+        while not until.is_set():
+            self.finished_reported |= finished is not None and finished()
+            await asyncio.sleep(0.01)
 
-    def messages(self, *args, **kwargs) -> list:
-        return []
+    def messages(self, fid, base, *args, **kwargs) -> list:
+        return [(fid, base)]  # what the patched send_upload answers on
 
 
 class _QuietLearner:
@@ -245,12 +248,13 @@ class _QuietLearner:
         return self.ident
 
 
-def test_work_held_on_an_already_sent_base_goes_out_in_the_flush(monkeypatch):
+def test_work_held_on_an_already_sent_base_goes_out_in_the_finish(monkeypatch):
     # Before the flush kept the watch open, the watch ended with the run: the versions never moved
     # again, and the steps trained after each fragment's last contribution stayed pending (1128
     # learner-steps at 64 learners, the whole gap to 100 % merged).
     async def accepted(stub, msgs, timeout, pipeline_bytes=0):
-        return types.SimpleNamespace(next_upload_after_s=0.0)
+        (_fid, base), = msgs  # accepted into the round gathering on its base
+        return types.SimpleNamespace(next_upload_after_s=0.0, current_version=base)
 
     monkeypatch.setattr(replay.client_lib, "send_upload", accepted)
 
@@ -271,8 +275,9 @@ def test_work_held_on_an_already_sent_base_goes_out_in_the_flush(monkeypatch):
     work = ctx["work"]
     assert work["offered_steps"] >= 4 * 8 * 2  # each fragment trained after its first contribution
     assert work["final_sent"] >= 1
-    assert work["pending_steps_end"] == 0
-    assert work["accepted_steps"] == work["offered_steps"]
+    assert work["pending_steps_end"] == work["unmerged_steps_end"] == 0
+    assert work["accepted_steps"] == work["merged_steps"] == work["offered_steps"]
+    assert ident.finished_reported  # the syncer is told, as by a real learner's finish
     # Progress at the real client's interval (twice per round slot, at least 20 ms), with the step time.
     assert ident.intervals == [(0.02, 0.01)]
 
@@ -340,12 +345,17 @@ def test_a_level_says_where_the_unmerged_work_is():
     s1s = [_state(30, [0.1], {})]
     final = _state(0, [], {"accepted": 5})
     final.tokens_merged = 90 * replay.TOKENS_PER_STEP
-    result = _replay_result({"0": 5}) | {"offered_steps": 100, "accepted_steps": 90, "pending_steps_end": 8}
+    result = _replay_result({"0": 5}) | {"offered_steps": 100, "accepted_steps": 90, "merged_steps": 85,
+                                         "pending_steps_end": 8, "unmerged_steps_end": 5}
     level = perf_scale._level(8, s0s, s1s, 2.0, [final], [result])
-    assert (level["accepted_steps"], level["pending_steps_end"], level["lost_steps"]) == (90, 8, 2)
-    assert level["merged_steps_syncer"] == 90
+    assert (level["merged_steps"], level["pending_steps_end"], level["unmerged_steps_end"], level["lost_steps"]) == (
+        85, 8, 5, 2)
+    assert level["merged_steps_syncer"] == 90 and level["work_merged_share"] == pytest.approx(0.85)
     cell = perf_report._work_cell(level)
-    assert cell.startswith("90.0% (90/100") and "8 pending, 2 lost" in cell
+    assert cell.startswith("85.0% (85/100; 90 accepted") and "8 pending, 5 unmerged, 2 lost" in cell
+    # The headline's figure is the learners' merged count, not what the shards accepted.
+    head = perf_report._scale_headline({"levels": [level], "speedups": []})
+    assert head[0]["value"] == 85 and head[0]["meets_target"] is False
 
 
 def test_offered_rates_and_what_counts_as_saturated():
@@ -402,7 +412,7 @@ def test_a_replay_learner_honours_a_hold_as_the_real_client_does(monkeypatch):
     # The hint alone asks for up to 31 periods (22 s at the default step, most of a timed run);
     # a real learner honours at most 8 periods (ddiloco.learner.uploads.honoured_hold_s).
     async def slowed(stub, msgs, timeout, pipeline_bytes=0):
-        return types.SimpleNamespace(next_upload_after_s=31 * 8 * 0.09)
+        return types.SimpleNamespace(next_upload_after_s=31 * 8 * 0.09, current_version=0)
 
     monkeypatch.setattr(replay.client_lib, "send_upload", slowed)
 
@@ -410,7 +420,7 @@ def test_a_replay_learner_honours_a_hold_as_the_real_client_does(monkeypatch):
         spec = {"address": "x", "ids": 1, "step_s": 0.09, "sync_period_steps": 8}
         ctx = replay.make_context(spec, {0: (None, [])}, lambda address: object())
         ident = _QuietIdentity(asyncio.Event())
-        state = {"pending": {0: 8}, "hold": {}, "sending": {}}
+        state = {"pending": {0: 8}, "hold": {}, "sending": {}, "unmerged": {0: []}}
         t0 = asyncio.get_running_loop().time()
         await replay._send(ctx, ident, 0, 0, 8, state, final=False)
         return state["hold"][0] - t0, ctx["hint_factor_max"], ctx["work"]

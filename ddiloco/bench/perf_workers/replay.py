@@ -11,15 +11,27 @@ synthetic ones of the sizes `spec["synthetic_numels"]` gives by fragment id (the
 
 A replay learner reports progress at the real client's interval and counts its steps from the
 clock (several per wake-up at short step times), so the process stays cheap beside the shards.
-At the end of the timed run its watch streams stay open through the flush: work trained after a
-fragment's last contribution on the current version can only go out once the next one arrives.
+Every step is one step of work on every fragment (offered); a fragment's work since its last
+contribution goes out at its turn in the schedule, and is merged once the watch delivers a
+version after the one its contribution was accepted on (the round that took it has merged).
+
+The end of the timed run is a real learner's finish (`ddiloco.learner.loop.Learner.finish`): it
+reports `finished` from then on (the syncer waits for it no more and opens the rounds holding the
+last work once nobody trains), contributes all its remaining work on every fragment, marked
+final, as soon as each fragment's base allows (work trained after a contribution on the current
+version goes out once the next version arrives), and waits until the global model holds all of
+it, at most `spec["flush_s"]` (the real learner's --finish-timeout-s). Its watch streams and
+progress reports stay open through that wait. What is still outside the global model then is
+counted where it is: never accepted (`pending_steps_end`) or accepted in a round not merged
+(`unmerged_steps_end`).
 
 `spec["uploads"]` false: the learners join, watch and report progress but never upload (the
 shards' fixed cost per learner).
 
 `python -m ddiloco.bench.perf_workers.replay SPEC_JSON RESULT_PATH` (`perf_workers.run_job`):
-the result counts uploads (accepted by shard, refused by status code, skipped), learner-steps of
-work and every upload's latency.
+the result counts uploads (accepted by shard, refused by status code, skipped), work in
+learner-steps summed over fragments (offered: trained; accepted; merged: seen merged by the
+learner; and where the rest was at the end) and every upload's latency.
 """
 
 from __future__ import annotations
@@ -86,9 +98,10 @@ class ShardedLearner:
 
 async def _send(ctx: dict, ident: perf_identity.Identity, fid: int, base: int, steps: int, state: dict,
                 final: bool) -> None:
-    """One replay upload with the learner's real client; on acceptance its steps are merged work
-    and the syncer's back-pressure hint holds the fragment's next upload. `final`: the learner's
-    last contribution of the fragment (the syncer merges its round without waiting for it)."""
+    """One replay upload with the learner's real client; on acceptance its steps wait in the round
+    gathering on the version the answer names (merged once a later version arrives), and the
+    syncer's back-pressure hint holds the fragment's next upload. `final`: the learner's last
+    contribution of the fragment (the syncer waits for this learner no more)."""
     info, chunks = ctx["payloads"][fid]
     msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * TOKENS_PER_STEP, final=final)
     loop = asyncio.get_running_loop()
@@ -102,6 +115,7 @@ async def _send(ctx: dict, ident: perf_identity.Identity, fid: int, base: int, s
         by_shard[str(ident.shard_index)] = by_shard.get(str(ident.shard_index), 0) + 1
         ctx["work"]["accepted_steps"] += steps
         state["pending"][fid] -= steps
+        state["unmerged"][fid].append((resp.current_version, steps))
         ident.sent_base[fid] = base
         if resp.next_upload_after_s > 0:
             ctx["work"]["slowed"] += 1
@@ -145,22 +159,26 @@ def report_interval_s(owner: dict[int, int], shard_index: int, step_s: float, pe
 
 
 async def _learner(ctx: dict, spec: dict, index: int, stop: asyncio.Event) -> None:
-    """One replay learner until `stop`, then its pending work flushed (bounded wait). Its watch
-    streams stay open through the flush: the work a learner holds on a base it has already
-    contributed on goes out only once it hears of the next version."""
-    fids, period, step_s, work = ctx["fids"], spec["sync_period_steps"], spec["step_s"], ctx["work"]
+    """One replay learner until `stop`, then its finish (`_finish`). Its watch streams and progress
+    reports stay open until the finish is over: the work a learner holds on a base it has already
+    contributed on goes out only once it hears of the next version, and the syncer is told that
+    this learner has finished."""
+    fids, period, step_s = ctx["fids"], spec["sync_period_steps"], spec["step_s"]
     learner = ShardedLearner(ctx["stub"], f"replay-{spec['first']+index}", ctx["stub_for"])
     await learner.join(30)
     ctx["joined"] += 1
     if ctx["joined"] >= ctx["ids"]:
         ctx["all_joined"].set()
     step = index % period  # learners are not in phase
-    watching = asyncio.Event()  # set once the flush is over
-    watches = [asyncio.create_task(ident.watch(watching, 60)) for ident in learner.identities]
+    over = asyncio.Event()  # set once the finish is over
+    state = {"trained": dict.fromkeys(fids, 0), "pending": dict.fromkeys(fids, 0), "hold": {}, "sending": {},
+             "unmerged": {fid: [] for fid in fids}, "finished": False}
+    watches = [asyncio.create_task(ident.watch(over, 60)) for ident in learner.identities]
     # Every shard is told the progress (each counts tokens and runs its own rounds), at the real
     # client's interval for the fragments that shard serves.
-    progress = [asyncio.create_task(ident.report_progress(stop, report_interval_s(learner.owner, ident.shard_index, step_s, period, fids),
-                                                          lambda: step, timeout_s=10, step_time_s=step_s))
+    progress = [asyncio.create_task(ident.report_progress(over, report_interval_s(learner.owner, ident.shard_index, step_s, period, fids),
+                                                          lambda: step, timeout_s=10, step_time_s=step_s,
+                                                          finished=lambda: state["finished"]))
                 for ident in learner.identities]
     loop = asyncio.get_running_loop()
     # Steps are counted from the clock, several per wake-up when the step time is shorter than
@@ -168,7 +186,6 @@ async def _learner(ctx: dict, spec: dict, index: int, stop: asyncio.Event) -> No
     tick_s = max(step_s, TICK_S)
     start = loop.time() + (index % 16) * step_s / 16
     done_steps = 0
-    state = {"pending": dict.fromkeys(fids, 0), "hold": {}, "sending": {}}
     try:
         while not stop.is_set():
             await asyncio.sleep(tick_s)
@@ -177,31 +194,73 @@ async def _learner(ctx: dict, spec: dict, index: int, stop: asyncio.Event) -> No
                 done_steps += 1
                 step += 1
                 _step(ctx, learner, state, step, period)
-        # The end of the run: what is pending goes out once its base allows (bounded wait).
-        deadline = loop.time() + spec.get("flush_s", 10.0)
-        while ctx["uploads"] and loop.time() < deadline and (state["sending"] or any(state["pending"].values())):
-            for fid in fids:
-                work["final_sent"] += _try_send(ctx, learner, fid, state, final=True)
-            await asyncio.sleep(0.05)
-        for task in list(state["sending"].values()):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 35)
-        work["pending_steps_end"] += sum(state["pending"].values())
+            _note_merged(ctx, learner, state)
+        await _finish(ctx, learner, state, spec.get("flush_s", 10.0))
     finally:
-        watching.set()
+        over.set()
         for task in watches + progress:
             task.cancel()
 
 
+async def _finish(ctx: dict, learner: ShardedLearner, state: dict, timeout_s: float) -> None:
+    """The end of a replay learner's steps, as a real learner's finish: `finished` reported from
+    now on, all remaining work (the steps trained since each fragment's last turn too) contributed
+    as final uploads whenever the fragment's base allows, until the global model holds all of this
+    learner's work or `timeout_s`; then what is left is counted where it is. `spec["finish"]`
+    false (a test's control) skips the finish: the learner stops as the bench's learners did."""
+    fids, work = ctx["fids"], ctx["work"]
+    for fid in fids:  # all progress goes in the last contributions, as the real learner's c_steps
+        state["pending"][fid] += state["trained"][fid]
+        state["trained"][fid] = 0
+    if ctx["finish"] and ctx["uploads"]:
+        state["finished"] = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline and _outside_global(state):
+            for fid in fids:
+                work["final_sent"] += _try_send(ctx, learner, fid, state, final=True)
+            await asyncio.sleep(0.05)
+            _note_merged(ctx, learner, state)
+        for task in list(state["sending"].values()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 35)
+        _note_merged(ctx, learner, state)
+    work["pending_steps_end"] += sum(state["pending"].values())
+    work["unmerged_steps_end"] += sum(steps for fid in fids for _, steps in state["unmerged"][fid])
+
+
+def _outside_global(state: dict) -> bool:
+    """Whether some of the learner's work is not in the global model yet: being sent, never
+    accepted, or accepted in a round that has not merged."""
+    return bool(state["sending"]) or any(state["pending"].values()) or any(state["unmerged"].values())
+
+
+def _note_merged(ctx: dict, learner: ShardedLearner, state: dict) -> None:
+    """Accepted contributions whose round has merged: the fragment's owner published a version
+    after the one the contribution was accepted on (the answer's current_version), and the
+    watch delivered it. Their steps are merged work."""
+    for fid, waiting in state["unmerged"].items():
+        if not waiting:
+            continue
+        version = learner.of(fid).versions.get(fid, 0)
+        merged = [steps for accepted_on, steps in waiting if version > accepted_on]
+        if merged:
+            ctx["work"]["merged_steps"] += sum(merged)
+            state["unmerged"][fid] = [(v, n) for v, n in waiting if version <= v]
+
+
 def _step(ctx: dict, learner: ShardedLearner, state: dict, step: int, period: int) -> None:
-    """One learner step: a fragment whose turn it is gets one period of work, and every fragment
-    with pending work is sent if it may be."""
+    """One learner step: one step of work on every fragment (offered); a fragment whose turn it
+    is makes its work since its last turn ready to send, and every fragment with work ready is
+    sent if it may be."""
     work = ctx["work"]
     for fid in ctx["fids"]:
+        state["trained"][fid] += 1
+        work["offered_steps"] += 1
         due = step % period == ctx["offsets"][fid]
         if due:
-            state["pending"][fid] += period  # one period of work on this fragment
-            work["offered_steps"] += period
+            state["pending"][fid] += state["trained"][fid]
+            state["trained"][fid] = 0
         if not _try_send(ctx, learner, fid, state, final=False) and due:
             ctx["counts"]["skipped"] += 1  # held, in flight, or the base did not move: kept
 
@@ -235,10 +294,12 @@ def make_context(spec: dict, payloads: dict, stub_for) -> dict:
     period = spec["sync_period_steps"]
     return {"stub": stub_for(spec["address"]), "stub_for": stub_for, "payloads": payloads,
             "counts": {"accepted": 0, "refused": 0, "skipped": 0}, "refusals": {}, "accepted_by_shard": {},
-            "work": {"offered_steps": 0, "accepted_steps": 0, "pending_steps_end": 0, "slowed": 0, "final_sent": 0},
+            "work": {"offered_steps": 0, "accepted_steps": 0, "merged_steps": 0, "pending_steps_end": 0,
+                     "unmerged_steps_end": 0, "slowed": 0, "final_sent": 0},
             "latencies": [], "fids": fids, "offsets": {fid: (fid * period) // len(fids) for fid in fids},
             "period_s": period * spec["step_s"], "period_steps": period, "hint_factor_max": 1.0,
-            "joined": 0, "all_joined": asyncio.Event(), "ids": spec["ids"], "uploads": spec.get("uploads", True)}
+            "joined": 0, "all_joined": asyncio.Event(), "ids": spec["ids"], "uploads": spec.get("uploads", True),
+            "finish": spec.get("finish", True)}
 
 
 async def replay(spec: dict) -> dict:
