@@ -45,6 +45,7 @@ import numpy as np
 from ddiloco.algo import arrival as arrival_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import grace as grace_lib
+from ddiloco.algo import rounds as rounds_lib
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import serde
 from ddiloco.learner import client as client_lib
@@ -53,7 +54,6 @@ from ddiloco.learner import snapshot as snapshot_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
 
-SYNC_MODES = ("decoupled", "diloco", "dp")
 # Contributions sent at once (at the next steps) in answer to one round call when the syncer
 # refuses them (a norm bound, a quarantine): more would only repeat the refusal every step.
 _MAX_CALL_ANSWERS = 3
@@ -111,8 +111,8 @@ class LearnerLoop:
         a lost upload cannot deadlock a quorum that needs every learner. `on_arrival` and
         `round_trigger` come from the RunConfig (decoupled mode only; the synchronous modes
         overwrite, or mix with `mixing_alpha`, and upload on their own schedule)."""
-        if sync_mode not in SYNC_MODES:
-            raise ValueError(f"sync_mode={sync_mode!r}: this learner knows {SYNC_MODES}; upgrade it")
+        if sync_mode not in rounds_lib.SYNC_MODES:
+            raise ValueError(f"sync_mode={sync_mode!r}: this learner knows {rounds_lib.SYNC_MODES}; upgrade it")
         self.plan = plan
         self.params = train_step.place_params(params)
         self.opt_state = train_step.init_opt_state(self.params)

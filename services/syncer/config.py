@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 from ddiloco.algo import robust as robust_lib
+from ddiloco.algo import rounds as rounds_lib
 from ddiloco.algo import shards as shards_lib
 from ddiloco import failpoints as failpoints_lib
 from ddiloco import flags
@@ -15,7 +16,6 @@ from ddiloco.rpc import security
 from ddiloco.wire import codec as codec_lib
 
 _RULES = ("rda", "mean", "equal_mean")  # ddiloco.algo.merge.RULES
-SYNC_MODES = ("decoupled", "diloco", "dp")
 
 
 # ddiloco.algo.outer.OUTER_STEP_FRACTIONS (this module stays free of jax, which that one loads).
@@ -236,8 +236,8 @@ class SyncerConfig:
             raise bad("upload_idle_timeout_s", "must be > 0")
         if self.token_budget < 0:
             raise bad("token_budget", "must be >= 0 (0: no budget)")
-        if self.sync_mode not in SYNC_MODES:
-            raise bad("sync_mode", f"must be one of {SYNC_MODES}")
+        if self.sync_mode not in rounds_lib.SYNC_MODES:
+            raise bad("sync_mode", f"must be one of {rounds_lib.SYNC_MODES}")
         if self.dp_decay_steps and self.dp_decay_steps <= self.dp_warmup_steps:
             raise bad("dp_decay_steps", "dp_decay_steps must be 0 (no decay) or exceed dp_warmup_steps")
         if not self.dp_learning_rate > 0 or self.dp_warmup_steps < 0 or self.dp_weight_decay < 0:
