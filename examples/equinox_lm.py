@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ddiloco.algo.fragments import TensorSpec
 from ddiloco.algo.inner import InnerOptConfig, lr_schedule
+from ddiloco.models.pytree import PytreeModel
 
 NAME = "equinox_lm:build"  # the name every process resolves (module:factory)
 DEFAULTS = {"vocab_size": 256, "seq_len": 64, "width": 64, "heads": 4, "depth": 2, "init_seed": 0}
@@ -76,49 +76,27 @@ def _name(path) -> str:
     return ".".join(str(getattr(key, "name", getattr(key, "idx", getattr(key, "key", key)))) for key in path)
 
 
-class EquinoxModel:
+class EquinoxModel(PytreeModel):
     """The ddiloco Model protocol over an Equinox module."""
 
     name = NAME
+    defaults = DEFAULTS
+    embedding_prefixes = ("embed.", "pos.")
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
-        self.config = {**DEFAULTS, **dict(config or {})}
-        unknown = set(self.config) - set(DEFAULTS)
-        if unknown:
-            raise ValueError(f"{NAME}: unknown config keys {sorted(unknown)}")
+        super().__init__(config)
         arrays, self._static = eqx.partition(ByteLM(self.config, jax.random.PRNGKey(self.config["init_seed"])),
                                              eqx.is_inexact_array)
-        leaves_with_paths, self._treedef = jax.tree_util.tree_flatten_with_path(arrays)
-        self._names = [_name(path) for path, _ in leaves_with_paths]
-        self._shapes = [tuple(leaf.shape) for _, leaf in leaves_with_paths]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config["vocab_size"]
-
-    @property
-    def seq_len(self) -> int:
-        return self.config["seq_len"]
-
-    def tensor_specs(self) -> list[TensorSpec]:
-        return [TensorSpec(name, shape, is_embedding=name.startswith(("embed.", "pos.")))
-                for name, shape in zip(self._names, self._shapes, strict=True)]
+        self.set_layout(arrays, _name)
 
     def init(self, rng: jax.Array) -> dict[str, jax.Array]:
         if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.key_data(rng)  # equinox takes raw uint32 keys
-        arrays = eqx.filter(ByteLM(self.config, rng), eqx.is_inexact_array)
-        leaves = jax.tree_util.tree_leaves(arrays)
-        return {name: jnp.asarray(leaf, jnp.float32) for name, leaf in zip(self._names, leaves, strict=True)}
+        return self.flatten(eqx.filter(ByteLM(self.config, rng), eqx.is_inexact_array))
 
     def logits(self, params: Mapping[str, jax.Array], tokens: jax.Array) -> jax.Array:
-        arrays = jax.tree_util.tree_unflatten(self._treedef, [params[name] for name in self._names])
-        module = eqx.combine(arrays, self._static)
+        module = eqx.combine(self.unflatten(params), self._static)
         return jax.vmap(module)(tokens)
-
-    def loss(self, params: Mapping[str, jax.Array], batch: jax.Array) -> jax.Array:
-        log_probs = jax.nn.log_softmax(self.logits(params, batch[:, :-1]), axis=-1)
-        return -jnp.take_along_axis(log_probs, batch[:, 1:, None], axis=-1).mean()
 
     def inner_optimizer(self, default: InnerOptConfig) -> optax.GradientTransformation:
         """The learners' inner optimizer for this model: any optax chain. Here: the learners'

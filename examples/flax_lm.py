@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ddiloco.algo.fragments import TensorSpec
+from ddiloco.models.pytree import PytreeModel
 
 NAME = "flax_lm:build"  # the name every process resolves (module:factory)
 DEFAULTS = {"vocab_size": 256, "seq_len": 64, "width": 64, "heads": 4, "depth": 2, "init_seed": 0}
@@ -60,49 +60,28 @@ def _name(path) -> str:
     return ".".join(parts[:-1] if parts and parts[-1] == "value" else parts)
 
 
-class FlaxModel:
+class FlaxModel(PytreeModel):
     """The ddiloco Model protocol over a Flax NNX module."""
 
     name = NAME
+    defaults = DEFAULTS
+    embedding_prefixes = ("embed.", "pos.")
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
-        self.config = {**DEFAULTS, **dict(config or {})}
-        unknown = set(self.config) - set(DEFAULTS)
-        if unknown:
-            raise ValueError(f"{NAME}: unknown config keys {sorted(unknown)}")
+        super().__init__(config)
         # The graph (structure, static attributes) is fixed; only the parameters travel.
         module = ByteLM(self.config, nnx.Rngs(params=self.config["init_seed"]))
         self._graphdef, state = nnx.split(module, nnx.Param)
-        leaves_with_paths, self._treedef = jax.tree_util.tree_flatten_with_path(state)
-        self._names = [_name(path) for path, _ in leaves_with_paths]
-        self._shapes = [tuple(leaf.shape) for _, leaf in leaves_with_paths]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config["vocab_size"]
-
-    @property
-    def seq_len(self) -> int:
-        return self.config["seq_len"]
-
-    def tensor_specs(self) -> list[TensorSpec]:
-        return [TensorSpec(name, shape, is_embedding=name.startswith(("embed.", "pos.")))
-                for name, shape in zip(self._names, self._shapes, strict=True)]
+        self.set_layout(state, _name)
 
     def init(self, rng: jax.Array) -> dict[str, jax.Array]:
         if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)  # a raw uint32 key, as jax.random.PRNGKey makes
         module = ByteLM(self.config, nnx.Rngs(params=rng))
-        leaves = jax.tree_util.tree_leaves(nnx.split(module, nnx.Param)[1])
-        return {name: jnp.asarray(leaf, jnp.float32) for name, leaf in zip(self._names, leaves, strict=True)}
+        return self.flatten(nnx.split(module, nnx.Param)[1])
 
     def logits(self, params: Mapping[str, jax.Array], tokens: jax.Array) -> jax.Array:
-        state = jax.tree_util.tree_unflatten(self._treedef, [params[name] for name in self._names])
-        return nnx.merge(self._graphdef, state)(tokens)
-
-    def loss(self, params: Mapping[str, jax.Array], batch: jax.Array) -> jax.Array:
-        log_probs = jax.nn.log_softmax(self.logits(params, batch[:, :-1]), axis=-1)
-        return -jnp.take_along_axis(log_probs, batch[:, 1:, None], axis=-1).mean()
+        return nnx.merge(self._graphdef, self.unflatten(params))(tokens)
 
 
 def build(config: Mapping[str, Any] | None = None) -> FlaxModel:

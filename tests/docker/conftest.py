@@ -10,6 +10,7 @@ Every subprocess has a timeout; on a timeout its whole process group (started he
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -18,7 +19,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -163,6 +164,24 @@ class ComposeProject:
 
     def down(self) -> None:
         self.compose("down", "--volumes", "--remove-orphans", "--timeout", "5", timeout=180, check=False)
+
+    @contextlib.contextmanager
+    def logs_on_failure(self, tmp_path: pathlib.Path):
+        """Runs the body; if it raises, reports the project's logs (report_logs) before the error."""
+        try:
+            yield
+        except BaseException:
+            report_logs(self.name, self.logs(tail=100_000), tmp_path)
+            raise
+
+    def down_leaving_nothing(self, record: Callable[..., None], step: str) -> None:
+        """`down`, timed and recorded as `step` with what remains of the project; then asserts that
+        no container, network or volume of it does."""
+        started = time.monotonic()
+        self.down()
+        leftovers = self.leftovers()
+        record(step, down_s=time.monotonic() - started, **{k: len(v) for k, v in leftovers.items()})
+        assert leftovers == {"containers": [], "networks": [], "volumes": []}, leftovers
 
 
 @pytest.fixture(scope="module")

@@ -94,18 +94,12 @@ def test_compose_regional_outage_partition_and_syncer_crash(compose_project: dc.
     })
     syncer = dc.SyncerProbe(f"127.0.0.1:{port}")
     try:
-        _scenario(project, syncer)
-    except BaseException:
-        dc.report_logs(project.name, project.logs(tail=100_000), tmp_path)
-        raise
+        with project.logs_on_failure(tmp_path):
+            _scenario(project, syncer)
     finally:
         syncer.close()
     # 5. Tear down: nothing of the project may remain.
-    started = time.monotonic()
-    project.down()
-    leftovers = project.leftovers()
-    record("5-teardown", down_s=time.monotonic() - started, **{k: len(v) for k, v in leftovers.items()})
-    assert leftovers == {"containers": [], "networks": [], "volumes": []}, leftovers
+    project.down_leaving_nothing(record, "5-teardown")
 
 
 def _scenario(project: dc.ComposeProject, syncer: dc.SyncerProbe) -> None:

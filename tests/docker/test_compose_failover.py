@@ -109,18 +109,12 @@ def test_losing_the_leaders_whole_region_the_standby_leads_within_10_s(compose_p
         return probes
 
     try:
-        _scenario(project, connect, tmp_path, tls=tls)
-    except BaseException:
-        dc.report_logs(project.name, project.logs(tail=100_000), tmp_path)
-        raise
+        with project.logs_on_failure(tmp_path):
+            _scenario(project, connect, tmp_path, tls=tls)
     finally:
         for probe in probes.values():
             probe.close()
-    started = time.monotonic()
-    project.down()
-    leftovers = project.leftovers()
-    record("4-teardown", down_s=time.monotonic() - started, **{k: len(v) for k, v in leftovers.items()})
-    assert leftovers == {"containers": [], "networks": [], "volumes": []}, leftovers
+    project.down_leaving_nothing(record, "4-teardown")
 
 
 def _leader(probes: dict[str, dc.SyncerProbe]) -> tuple[str, syncer_pb2.TrainingState, syncer_pb2.TrainingState] | None:

@@ -14,6 +14,7 @@ waiting at the frozen leader.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -111,45 +112,56 @@ async def _until(predicate, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _leadership_moves() -> None:
+@contextlib.asynccontextmanager
+async def _leader_and_standby():
+    """Two fake syncers serving: `first` leads (epoch 1, version 5), `second` stands by naming it."""
     first, second = _FakeSyncer(), _FakeSyncer()
     servers = [await _serve(first), await _serve(second)]
     first.epoch, first.version = 1, 5
     second.leader_address = first.address
-    cfg = config_lib.EvaluatorConfig(syncer=f"{second.address},{first.address}", insecure=True, timeout_s=_WAIT_S,
-                                     call_timeout_s=2.0)
-    link = leader_link.LeaderLink(cfg.syncer, security_lib.ClientSecurity(insecure=True),
-                                  call_timeout_s=cfg.call_timeout_s, retry_pause_s=0.05)
-    stop = asyncio.Event()
     try:
-        # The list starts with the standby: its training state names the leader, and the link goes there.
-        state = await evaluator_lib.fetch_state(link, time.monotonic() + _WAIT_S)
-        assert (state.epoch, link.current) == (1, first.address)
-        watcher = evaluator_lib.GlobalModelWatcher(link, _NUM_FRAGMENTS)
-        watch = asyncio.create_task(watcher.keep_watching(stop, pause_s=0.05))
-        await asyncio.wait_for(watcher.complete.wait(), _WAIT_S)
-        assert watcher.versions == {0: 5, 1: 5}
-        await evaluator_lib.report(link, cfg, dict(watcher.versions), 1.5, heldout_tokens=64)
-        assert [r.heldout_loss for r in first.reports] == [1.5] and not second.reports
-
-        # Leadership moves: the second syncer leads with a newer epoch and other versions; the first
-        # stands by naming it, and its open watch stream ends with not_leader.
-        second.epoch, second.version, second.leader_address = 2, 7, ""
-        first.epoch, first.leader_address = 0, second.address
-        first.deposed.set()
-        await _until(lambda: watcher.versions == {0: 7, 1: 7}, "the new leader's fragments")
-        assert watcher.values[0].tolist() == [7.0] * 4 and watcher.instance == second.address
-        result = await evaluator_lib.report(link, cfg, dict(watcher.versions), 1.25, heldout_tokens=64)
-        assert result["tokens_merged"] == 7 and link.current == second.address and link.epoch == 2
-        assert [r.heldout_loss for r in second.reports] == [1.25]
-        assert serde.versions_from_proto(second.reports[0].evaluated) == {0: 7, 1: 7}
-        assert len(first.reports) == 1  # nothing more went to the deposed leader
-        stop.set()
-        watch.cancel()
+        yield first, second
     finally:
-        await link.close()
+        for fake in (first, second):
+            fake.thawed.set()  # let the handlers of a frozen fake end, so its server stops
         for server in servers:
             await server.stop(None)
+
+
+async def _leadership_moves() -> None:
+    async with _leader_and_standby() as (first, second):
+        cfg = config_lib.EvaluatorConfig(syncer=f"{second.address},{first.address}", insecure=True, timeout_s=_WAIT_S,
+                                         call_timeout_s=2.0)
+        link = leader_link.LeaderLink(cfg.syncer, security_lib.ClientSecurity(insecure=True),
+                                      call_timeout_s=cfg.call_timeout_s, retry_pause_s=0.05)
+        stop = asyncio.Event()
+        try:
+            # The list starts with the standby: its training state names the leader, and the link goes there.
+            state = await evaluator_lib.fetch_state(link, time.monotonic() + _WAIT_S)
+            assert (state.epoch, link.current) == (1, first.address)
+            watcher = evaluator_lib.GlobalModelWatcher(link, _NUM_FRAGMENTS)
+            watch = asyncio.create_task(watcher.keep_watching(stop, pause_s=0.05))
+            await asyncio.wait_for(watcher.complete.wait(), _WAIT_S)
+            assert watcher.versions == {0: 5, 1: 5}
+            await evaluator_lib.report(link, cfg, dict(watcher.versions), 1.5, heldout_tokens=64)
+            assert [r.heldout_loss for r in first.reports] == [1.5] and not second.reports
+
+            # Leadership moves: the second syncer leads with a newer epoch and other versions; the first
+            # stands by naming it, and its open watch stream ends with not_leader.
+            second.epoch, second.version, second.leader_address = 2, 7, ""
+            first.epoch, first.leader_address = 0, second.address
+            first.deposed.set()
+            await _until(lambda: watcher.versions == {0: 7, 1: 7}, "the new leader's fragments")
+            assert watcher.values[0].tolist() == [7.0] * 4 and watcher.instance == second.address
+            result = await evaluator_lib.report(link, cfg, dict(watcher.versions), 1.25, heldout_tokens=64)
+            assert result["tokens_merged"] == 7 and link.current == second.address and link.epoch == 2
+            assert [r.heldout_loss for r in second.reports] == [1.25]
+            assert serde.versions_from_proto(second.reports[0].evaluated) == {0: 7, 1: 7}
+            assert len(first.reports) == 1  # nothing more went to the deposed leader
+            stop.set()
+            watch.cancel()
+        finally:
+            await link.close()
 
 
 def test_the_evaluator_follows_leadership_from_one_syncer_to_the_other():
@@ -231,38 +243,33 @@ def test_a_fresh_evaluator_skips_a_frozen_head_of_its_list():
 
 
 async def _leader_freezes() -> float:
-    first, second = _FakeSyncer(), _FakeSyncer()
-    servers = [await _serve(first), await _serve(second)]
-    first.epoch, first.version = 1, 5
-    second.leader_address = first.address
-    cfg = config_lib.EvaluatorConfig(syncer=f"{first.address},{second.address}", insecure=True, timeout_s=_WAIT_S,
-                                     call_timeout_s=_CALL_TIMEOUT_S)
-    link = _link(cfg.syncer)
-    stop = asyncio.Event()
-    try:
-        watcher = evaluator_lib.GlobalModelWatcher(link, _NUM_FRAGMENTS)
-        watch = asyncio.create_task(watcher.keep_watching(stop, pause_s=0.05))  # the shipped 600 s stream deadline
-        await asyncio.wait_for(watcher.complete.wait(), _WAIT_S)
-        assert watcher.versions == {0: 5, 1: 5} and link.current == first.address
+    async with _leader_and_standby() as (first, second):
+        cfg = config_lib.EvaluatorConfig(syncer=f"{first.address},{second.address}", insecure=True, timeout_s=_WAIT_S,
+                                         call_timeout_s=_CALL_TIMEOUT_S)
+        link = _link(cfg.syncer)
+        stop = asyncio.Event()
+        try:
+            watcher = evaluator_lib.GlobalModelWatcher(link, _NUM_FRAGMENTS)
+            watch = asyncio.create_task(watcher.keep_watching(stop, pause_s=0.05))  # the shipped 600 s stream deadline
+            await asyncio.wait_for(watcher.complete.wait(), _WAIT_S)
+            assert watcher.versions == {0: 5, 1: 5} and link.current == first.address
 
-        # The leader goes silent with its watch stream open; the standby is elected (epoch 2).
-        first.thawed.clear()
-        second.epoch, second.version, second.leader_address = 2, 7, ""
-        elected = time.monotonic()
-        await _until(lambda: watcher.versions == {0: 7, 1: 7}, "the new leader's fragments")
-        followed_s = time.monotonic() - elected
-        result = await asyncio.wait_for(evaluator_lib.report(link, cfg, dict(watcher.versions), 1.0, heldout_tokens=64),
-                                        _SILENT_BOUND_S)
-        assert result["tokens_merged"] == 7 and link.current == second.address and link.epoch == 2
-        assert [r.heldout_loss for r in second.reports] == [1.0] and not first.reports
-        stop.set()
-        watch.cancel()
-    finally:
-        first.thawed.set()  # let the hanging handlers end, so the servers stop
-        await link.close()
-        for server in servers:
-            await server.stop(None)
-    return followed_s
+            # The leader goes silent with its watch stream open; the standby is elected (epoch 2).
+            first.thawed.clear()
+            second.epoch, second.version, second.leader_address = 2, 7, ""
+            elected = time.monotonic()
+            await _until(lambda: watcher.versions == {0: 7, 1: 7}, "the new leader's fragments")
+            followed_s = time.monotonic() - elected
+            result = await asyncio.wait_for(evaluator_lib.report(link, cfg, dict(watcher.versions), 1.0, heldout_tokens=64),
+                                            _SILENT_BOUND_S)
+            assert result["tokens_merged"] == 7 and link.current == second.address and link.epoch == 2
+            assert [r.heldout_loss for r in second.reports] == [1.0] and not first.reports
+            stop.set()
+            watch.cancel()
+        finally:
+            first.thawed.set()  # let the hanging handlers end before the link closes
+            await link.close()
+        return followed_s
 
 
 def test_the_evaluator_leaves_a_leader_that_froze_mid_run():

@@ -8,12 +8,14 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from ddiloco import models
 from ddiloco.algo.inner import InnerOptConfig
+from ddiloco.models.pytree import PytreeModel
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
@@ -89,6 +91,47 @@ def test_the_examples_satisfy_the_model_interface(name, monkeypatch):
     assert set(grads) == set(params) and all(np.isfinite(np.asarray(g)).all() for g in grads.values())
     with pytest.raises(ValueError, match="unknown config keys"):
         models.get_model(name, {"widht": 3})
+
+
+class _Bigram(PytreeModel):
+    """A plugin over a plain nested dict: logits = embed[token] + bias (no network library)."""
+
+    name = "bigram"
+    defaults = {"vocab_size": 5, "seq_len": 3}
+    embedding_prefixes = ("embed.",)
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.set_layout(self._tree(0.0), lambda path: ".".join(str(key.key) for key in path))
+
+    def _tree(self, fill):
+        v = self.vocab_size
+        return {"head": {"bias": jnp.full((v,), fill)}, "embed": {"weight": jnp.full((v, v), fill)}}
+
+    def init(self, rng):
+        return self.flatten(self._tree(0.0))
+
+    def logits(self, params, tokens):
+        tree = self.unflatten(params)
+        return tree["embed"]["weight"][tokens] + tree["head"]["bias"]
+
+
+def test_a_pytree_model_names_its_tensors_by_path_and_scores_next_tokens():
+    model = _Bigram({"vocab_size": 4})
+    assert [(s.name, s.shape, s.is_embedding) for s in model.tensor_specs()] == [
+        ("embed.weight", (4, 4), True), ("head.bias", (4,), False)]  # flattening order: sorted dict keys
+    assert (model.vocab_size, model.seq_len, model.config) == (4, 3, {"vocab_size": 4, "seq_len": 3})
+    params = model.init(jax.random.PRNGKey(0))
+    assert list(params) == ["embed.weight", "head.bias"] and all(v.dtype == np.float32 for v in params.values())
+    batch = jnp.array([[0, 1, 2, 3]], jnp.int32)
+    assert np.isclose(float(jax.jit(model.loss)(params, batch)), np.log(4))  # uniform logits
+    # The bias favours token 3, which no target is: the loss grows; token 3 is no input, so its row gets no gradient.
+    params["head.bias"] = jnp.array([0.0, 0.0, 0.0, 2.0])
+    grads = jax.grad(model.loss)(params, batch)
+    assert float(model.loss(params, batch)) > np.log(4) and np.asarray(grads["embed.weight"])[3].tolist() == [0.0] * 4
+    assert np.allclose(np.asarray(model.unflatten(params)["head"]["bias"]), [0, 0, 0, 2])
+    with pytest.raises(ValueError, match=r"bigram: unknown config keys \['vocab'\]"):
+        _Bigram({"vocab": 3})
 
 
 def test_a_model_may_bring_its_own_inner_optimizer(monkeypatch):
