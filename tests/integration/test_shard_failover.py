@@ -45,7 +45,7 @@ SHIPPED_COORD = ["--coord-lease-s", "3", "--coord-call-timeout-s", "1.0"]
 # Shard 0's longest gap between merges from the kill until shard 1 merges again: at most this many
 # times its longest gap between merges in the BEFORE_WINDOW_S before the kill, plus the slack (the
 # scheduling noise of a shared machine, where a new leader's restore takes CPU from everyone).
-GAP_FACTOR, GAP_SLACK_S = 2.0, 1.0
+GAP_FACTOR, GAP_SLACK_S = 2.0, 1.5
 BEFORE_WINDOW_S = 15.0
 
 
