@@ -103,6 +103,41 @@ def _committed(etcd_endpoint: str, shard: int):
     return asyncio.run(pointer.latest(store_run_id))
 
 
+def _check_no_upload_applied_twice(cluster, by_shard, learner_records: dict[str, list[dict]]) -> None:
+    """No upload applied twice, every acknowledged upload accounted for, versions +1 per merge from
+    durable states: per shard, over its instances' histories and the learners' records of its fragments."""
+    for index, shard in enumerate(by_shard):
+        syncer_records = sorted((r for svc in shard for r in _history(cluster, svc.name)), key=lambda r: r["t"])
+        mine = {n: [r for r in records if "fragment" not in r or int(r["fragment"]) % SHARDS == index]
+                for n, records in learner_records.items()}
+        uploads = invariants.check_uploads(syncer_records, mine)
+        versions = invariants.check_versions(syncer_records)
+        print(f"shard {index}: uploads {uploads.figures}; versions {versions.figures}")
+        assert uploads.ok and not uploads.figures["double_applied"], uploads.violations
+        assert versions.ok, versions.violations
+
+
+def _check_learners(cluster, learner_records: dict[str, list[dict]], killed_at: float, resumed_at: float,
+                    epoch_0: int, epochs_1: tuple[int, int]) -> None:
+    """Learners stepped throughout, and folded in shard 1's versions of its leaders' epochs
+    (`epochs_1`: old, new) only, never an older after a newer; shard 0's of its one leader."""
+    for name, records in learner_records.items():
+        times = [t for t in _step_times(cluster, name) if killed_at - 5 <= t <= resumed_at]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert times and max(gaps, default=0) < 3.0, (name, gaps)
+        newest, shard_1_epochs = 0, set()
+        for record in records:
+            if record["event"] != "version":
+                continue
+            if int(record["fragment"]) % SHARDS == 0:
+                assert record["epoch"] == epoch_0, (name, record)
+                continue
+            assert record["epoch"] in epochs_1 and record["epoch"] >= newest, (name, record, newest)
+            newest = record["epoch"]
+            shard_1_epochs.add(record["epoch"])
+        assert shard_1_epochs == set(epochs_1), (name, shard_1_epochs)
+
+
 def test_sigkill_of_one_shards_leader_its_standby_takes_over_and_the_other_shard_merges_on(cluster):
     etcd = cluster.start_etcd()
     cluster.start_store()
@@ -165,33 +200,6 @@ def test_sigkill_of_one_shards_leader_its_standby_takes_over_and_the_other_shard
     assert sum(killed_at < t <= resumed_at for t in merges_0) >= 2
     assert _state(leader_0.address).epoch == epoch_0
 
-    # No upload applied twice, every acknowledged upload accounted for, versions +1 per merge from
-    # durable states: per shard, over its instances' histories and the learners' records of its fragments.
     learner_records = {n: _history(cluster, n) for n in learners}
-    for index, shard in enumerate(by_shard):
-        syncer_records = sorted((r for svc in shard for r in _history(cluster, svc.name)), key=lambda r: r["t"])
-        mine = {n: [r for r in records if "fragment" not in r or int(r["fragment"]) % SHARDS == index]
-                for n, records in learner_records.items()}
-        uploads = invariants.check_uploads(syncer_records, mine)
-        versions = invariants.check_versions(syncer_records)
-        print(f"shard {index}: uploads {uploads.figures}; versions {versions.figures}")
-        assert uploads.ok and not uploads.figures["double_applied"], uploads.violations
-        assert versions.ok, versions.violations
-
-    # Learners stepped throughout, and folded in shard 1's versions of its leaders' epochs only,
-    # never an older after a newer; shard 0's of its one leader.
-    for name in learners:
-        times = [t for t in _step_times(cluster, name) if killed_at - 5 <= t <= resumed_at]
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        assert times and max(gaps, default=0) < 3.0, (name, gaps)
-        newest, shard_1_epochs = 0, set()
-        for record in learner_records[name]:
-            if record["event"] != "version":
-                continue
-            if int(record["fragment"]) % SHARDS == 0:
-                assert record["epoch"] == epoch_0, (name, record)
-                continue
-            assert record["epoch"] in (epoch_1, new_epoch_1) and record["epoch"] >= newest, (name, record, newest)
-            newest = record["epoch"]
-            shard_1_epochs.add(record["epoch"])
-        assert shard_1_epochs == {epoch_1, new_epoch_1}, (name, shard_1_epochs)
+    _check_no_upload_applied_twice(cluster, by_shard, learner_records)
+    _check_learners(cluster, learner_records, killed_at, resumed_at, epoch_0, (epoch_1, new_epoch_1))
