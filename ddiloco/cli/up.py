@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--syncer-replicas", type=int, default=1,
                         help="syncer instances of the run with failover: a local etcd is started and one instance "
                              "leads, the others stand by and take over when it goes (with --tls, etcd requires "
-                             "client certificates); 1: one syncer, no etcd")
+                             "client certificates); with --syncer-shards, this many instances of every shard, each "
+                             "shard electing its own leader; 1: one syncer, no etcd")
     parser.add_argument("--dashboard", action="store_true", help="also serve the live web dashboard (prints its URL)")
     parser.add_argument("--dashboard-bind", default="127.0.0.1:8080",
                         help="HOST:PORT of the dashboard (a free port is used if this one is taken)")
