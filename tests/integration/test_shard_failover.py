@@ -17,6 +17,9 @@ leader is SIGKILLed:
 
 Every setting is the shipped default (lease 3 s, its 1 s etcd call deadline, a checkpoint every
 16 merges) but the tiny model and the learners' pace. `-s` prints the timings.
+
+Before this change LocalCluster could not start shards with standbys (`up` refused the two flags
+together; start_syncer_replicas had no `shards`): the test failed at its start.
 """
 
 from __future__ import annotations
