@@ -11,7 +11,8 @@ certificate; `client_security()` gives tools (probes, `ddiloco status`) the read
 
 Failover (`start_etcd` + `start_syncer_replicas`): a single-member etcd for the run (stopped last)
 and syncer instances of one run electing their leader through it; learners and the evaluator are
-given every instance (`syncer_target`). With `tls=True` etcd has a PKI of its own in the same
+given every instance (`syncer_target`). With fragment shards too, every shard has its instances
+and its own leader, and learners are given shard 0's instances. With `tls=True` etcd has a PKI of its own in the same
 directory (`ddiloco certs --etcd-names`: etcd-ca.pem, a CA no learner's certificate chains to):
 clients over https with client certificates (--client-cert-auth), the peer URL over https with
 peer certificates, and the syncers get the etcd client certificate (--coord-tls-*).
@@ -27,7 +28,7 @@ import pathlib
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ddiloco.cli import etcd_local
 from ddiloco.cli import service_names
@@ -136,6 +137,7 @@ class LocalCluster:
         self.services: dict[str, ServiceProcess] = {}
         self.etcd: etcd_local.EtcdMember | None = None  # start_etcd
         self._replicas: list[str] = []  # the names of start_syncer_replicas' instances
+        self._target_replicas: list[str] = []  # ... of its shard 0 (syncer_target)
 
     def start_etcd(self) -> etcd_local.EtcdMember:
         """A single-member etcd for leader election, data under <workdir>/etcd, its PID in pids.json;
@@ -241,30 +243,57 @@ class LocalCluster:
             svc.wait_ready(timeout_s)
         return shards
 
-    def start_syncer_replicas(self, count: int, *, run_id: str, extra: Sequence[str] = (),
+    def start_syncer_replicas(self, count: int, *, run_id: str, shards: int = 1, extra: Sequence[str] = (),
+                              instance_extra: Callable[[str], Sequence[str]] | None = None,
                               timeout_s: float = 120.0) -> list[ServiceProcess]:
         """`count` syncer instances of one run electing a leader through `start_etcd`'s etcd: "syncer",
         "syncer-b", "syncer-c", ...; one leads, the others stand by (redirecting clients to the
         leader) and take over when it goes, within LOCAL_LEASE_S. Every instance gets every store;
-        `extra` comes last (it may set another lease)."""
+        `extra` comes last (it may set another lease), then `instance_extra(name)` (a test's
+        per-instance files).
+
+        With `shards` > 1 (fragment shards x failover): `count` instances per shard, each shard
+        electing its own leader (the election key and commit pointer are per shard: the syncer's
+        `<run>.shard-I-of-N`). Shard 0's instances are named as above, shard i's "syncer-<i>",
+        "syncer-<i>-b", ...; every instance gets the same map, a shard's instances joined by '|'
+        (`a0|b0,a1|b1`), so their ports are chosen before any starts. Returned (and in
+        `syncers()`) shard by shard; learners and tools are given shard 0's instances."""
         if count < 2:
             raise ServiceStartError(f"syncer replicas with failover must be 2 or more, got {count}")
+        if shards < 1:
+            raise ServiceStartError(f"syncer shards must be 1 or more, got {shards}")
         coord = [*self.coord_args(), "--coord-lease-s", str(LOCAL_LEASE_S),
                  "--coord-call-timeout-s", str(LOCAL_ETCD_CALL_TIMEOUT_S)]
+        names = [[self.replica_name(shard, index) for index in range(count)] for shard in range(shards)]
+        binds = [["127.0.0.1:0" if shards == 1 else f"127.0.0.1:{preset_port()}" for _ in row] for row in names]
+        shard_args = []
+        if shards > 1:
+            shard_map = ",".join("|".join(row) for row in binds)
+            shard_args = [["--fragment-shard", str(shard), "--fragment-shards", shard_map] for shard in range(shards)]
         replicas = []
-        for index in range(count):
-            name = "syncer" if index == 0 else f"syncer-{chr(ord('a') + index)}"
-            args = ["--bind", "127.0.0.1:0", "--run-id", run_id, "--ready-file", str(self.workdir / f"{name}.ready.json"),
-                    "--metrics-bind", "127.0.0.1:0", *coord]
-            if self.stores():
-                args += ["--checkpoint-target", ",".join(s.address for s in self.stores())]
-            svc = self.add(name, "services.syncer", [*args, *self.tls_args("syncer"), *extra])
-            svc.start()  # all of them at once: they load the model in parallel
-            self._replicas.append(name)
-            replicas.append(svc)
+        for shard, row in enumerate(names):
+            for name, bind in zip(row, binds[shard]):
+                args = ["--bind", bind, "--run-id", run_id, "--ready-file", str(self.workdir / f"{name}.ready.json"),
+                        "--metrics-bind", "127.0.0.1:0", *coord, *(shard_args[shard] if shard_args else [])]
+                if self.stores():
+                    args += ["--checkpoint-target", ",".join(s.address for s in self.stores())]
+                per_instance = list(instance_extra(name)) if instance_extra is not None else []
+                svc = self.add(name, "services.syncer", [*args, *self.tls_args("syncer"), *extra, *per_instance])
+                svc.start()  # all of them at once: they load the model in parallel
+                self._replicas.append(name)
+                replicas.append(svc)
+        self._target_replicas = names[0]
         for svc in replicas:
             svc.wait_ready(timeout_s)
         return replicas
+
+    @staticmethod
+    def replica_name(shard: int, index: int) -> str:
+        """start_syncer_replicas' name of instance `index` of fragment shard `shard`: "syncer",
+        "syncer-b", ... for shard 0 (as without shards), "syncer-<shard>", "syncer-<shard>-b", ...
+        for the others."""
+        base = "syncer" if shard == 0 else f"syncer-{shard}"
+        return base if index == 0 else f"{base}-{chr(ord('a') + index)}"
 
     def revive_syncer_replicas(self) -> list[str]:
         """Starts again every failover instance that exited with EXIT_LOST_LEADERSHIP (a leader that
@@ -281,14 +310,15 @@ class LocalCluster:
 
     def syncer_target(self) -> str:
         """What learners, the evaluator and tools are given: every syncer instance with failover
-        (they follow the leader), else the syncer (shard 0 with fragment shards)."""
+        (they follow the leader; with fragment shards too, shard 0's instances: the others are in
+        its answers), else the syncer (shard 0 with fragment shards)."""
         if self._replicas:
-            return ",".join(self.services[n].address for n in self._replicas)
+            return ",".join(self.services[n].address for n in self._target_replicas)
         return self.services["syncer"].address
 
     def syncers(self) -> list[ServiceProcess]:
         """The syncer and, with fragment shards, its other shards (syncer-<i>), in shard order; or
-        every instance of start_syncer_replicas."""
+        every instance of start_syncer_replicas (shard by shard)."""
         return [s for n, s in self.services.items() if n == "syncer" or n in self._replicas
                 or (n.startswith("syncer-") and n.removeprefix("syncer-").isdigit())]
 

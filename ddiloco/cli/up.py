@@ -12,7 +12,9 @@ others in its answers; the live table and the summary show the run over every sh
 With `--syncer-replicas N` (N > 1) the syncer is N instances of one run with failover
 (docs/failover.md): `up` starts a single-member etcd for the run (logs/etcd-0.log, data under
 <workdir>/etcd), the instances elect their leader through it, and the learners and the evaluator
-are given every instance and follow the leader. With `--tls` etcd serves https only to client
+are given every instance and follow the leader. Both together: every shard has N instances and
+its own leader (`syncer`, `syncer-b` for shard 0, `syncer-1`, `syncer-1-b` for shard 1, ...), and
+learners are given shard 0's instances. With `--tls` etcd serves https only to client
 certificates of its own CA (<workdir>/certs/etcd-ca.pem, `ddiloco certs --etcd-names`) and its
 peer URL over TLS; the syncers get the etcd client certificate (--coord-tls-*).
 """
@@ -78,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--syncer-replicas", type=int, default=1,
                         help="syncer instances of the run with failover: a local etcd is started and one instance "
                              "leads, the others stand by and take over when it goes (with --tls, etcd requires "
-                             "client certificates); 1: one syncer, no etcd")
+                             "client certificates); with --syncer-shards, this many instances of every shard, each "
+                             "shard electing its own leader; 1: one syncer, no etcd")
     parser.add_argument("--dashboard", action="store_true", help="also serve the live web dashboard (prints its URL)")
     parser.add_argument("--dashboard-bind", default="127.0.0.1:8080",
                         help="HOST:PORT of the dashboard (a free port is used if this one is taken)")
@@ -290,8 +293,8 @@ def _start_syncer(console: Console, args: argparse.Namespace, cluster: cluster_l
         raise cluster_lib.ServiceStartError(
             f"--syncer-shards must be between 1 and --num-fragments ({args.num_fragments}): every shard owns a fragment")
     replicas = getattr(args, "syncer_replicas", 1)
-    if replicas < 1 or (replicas > 1 and shards > 1):
-        raise cluster_lib.ServiceStartError("--syncer-replicas must be 1 or more, and 1 with --syncer-shards")
+    if replicas < 1:
+        raise cluster_lib.ServiceStartError(f"--syncer-replicas must be 1 or more, got {replicas}")
     for index in range(args.checkpoint_stores):
         cluster.start_store(index=index)
     extra = ["--model", args.model, "--model-config", _model_config(args, vocab_size),
@@ -300,10 +303,11 @@ def _start_syncer(console: Console, args: argparse.Namespace, cluster: cluster_l
              "--upload-codec", args.upload_codec]
     if replicas > 1:
         etcd = cluster.start_etcd()
-        syncers = cluster.start_syncer_replicas(replicas, run_id=run_id, extra=extra)
+        syncers = cluster.start_syncer_replicas(replicas, run_id=run_id, shards=shards, extra=extra)
         console.print(f"etcd on {'https' if etcd.tls else 'http'}://{etcd.endpoint}"
                       + (" (client certificates of etcd's own CA: certs/etcd-ca.pem)" if etcd.tls else "")
-                      + f"; {replicas} syncer instances elect their leader through it")
+                      + (f"; {replicas} syncer instances elect their leader through it" if shards == 1 else
+                         f"; each of {shards} syncer shards has {replicas} instances electing the shard's leader"))
     else:
         syncers = cluster.start_syncer_shards(shards, run_id=run_id, extra=extra)
     syncer = syncers[0]
@@ -316,9 +320,9 @@ def _start_syncer(console: Console, args: argparse.Namespace, cluster: cluster_l
                   # --watch streams from one address: with failover, status reads the leader of the list.
                   f"(watch it from another terminal: ddiloco status {'--watch ' if replicas == 1 else ''}"
                   f"--target {target}{tls_hint})")
-    if len(syncers) > 1 and replicas == 1:
-        console.print(f"{len(syncers)} syncer shards (fragment f on shard f mod {len(syncers)}): "
-                      + ", ".join(f"{i}: {s.address}" for i, s in enumerate(syncers)))
+    if shards > 1:
+        console.print(f"{shards} syncer shards (fragment f on shard f mod {shards}): " + ", ".join(
+            f"{i}: {'|'.join(s.address for s in syncers[i * replicas:(i + 1) * replicas])}" for i in range(shards)))
     return syncer
 
 

@@ -92,3 +92,45 @@ def test_shard_values_that_cannot_work_are_refused(tools, tmp_path, values, comp
     bad.write_text(json.dumps(values))
     proc = tools.helm_run("template", "ddiloco", str(CHART), "--values", str(bad), check=False)
     assert proc.returncode != 0 and complaint in proc.stdout + proc.stderr, proc.stderr
+
+
+def test_shards_with_standbys_each_shard_elects_its_own_leader_behind_its_own_service(render, k8s_versions):
+    """syncer.shards=2 with replicas=2 and settings.coordEtcd (issue 23 per shard): each shard's
+    Deployment runs 2 pods that elect a leader through the etcd, under the shard's own election key
+    and commit pointer (the syncer's `<run>.shard-I-of-N`, from the index the pods are given), and
+    rolls one pod at a time. The map names each shard by its Service, which selects both of its
+    pods and no other shard's: a learner's session to a shard lands on either pod, and a standby
+    refuses it naming its leader's pod IP (each pod advertises its own), so the session follows
+    to the shard's leader; when that leader dies, the session dials the Service again."""
+    from ddiloco.coord import election as election_lib
+    from services.syncer import config as syncer_config
+
+    docs = render("default", "--set", "syncer.shards=2", "--set", "syncer.replicas=2",
+                  "--set", "syncer.settings.coordEtcd=etcd-0.etcd:2379\\,etcd-1.etcd:2379")
+    problems = validate_strictly(docs, k8s_versions)
+    assert not problems, "\n".join(problems)
+    deployments = {d["metadata"]["name"]: d for d in _syncer(docs, "Deployment")}
+    services = {s["metadata"]["name"]: s for s in _syncer(docs, "Service")}
+    names = ["ddiloco-syncer", "ddiloco-syncer-1"]
+    assert sorted(deployments) == sorted(services) == names
+    port = services[names[0]]["spec"]["ports"][0]["port"]
+    keys, maps = set(), set()
+    for index, name in enumerate(names):
+        deployment = deployments[name]
+        assert deployment["spec"]["replicas"] == 2
+        assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                                  "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+        for other in names:
+            labels = deployments[other]["spec"]["template"]["metadata"]["labels"]
+            assert selects({"matchLabels": services[name]["spec"]["selector"]}, labels) == (other == name)
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        env = container_env(docs, deployment, container, first_pod_name(deployment))
+        assert env["DDILOCO_SYNCER_COORD_ETCD"] == "etcd-0.etcd:2379,etcd-1.etcd:2379"
+        assert "DDILOCO_SYNCER_COORD_ADVERTISE" not in env  # each pod advertises its own IP to learners
+        cfg = syncer_config.parse_config([], env)
+        assert cfg.fragment_shard == index
+        keys.add(election_lib.leader_key(cfg.coord_prefix, cfg.store_run_id))
+        maps.add(env["DDILOCO_SYNCER_FRAGMENT_SHARDS"])
+    assert len(keys) == 2  # one election (and commit pointer) per shard
+    (shard_map,) = maps  # the same map on every pod of every shard: one Service per shard
+    assert shard_map.split(",") == [f"{n}:{port}" for n in names]

@@ -60,14 +60,15 @@ def test_replicas_elect_through_the_clusters_etcd_and_clients_get_every_instance
         assert "--coord-tls-ca" in bare and "--coord-tls-cert" not in bare and "--coord-tls-key" not in bare
 
 
-def test_one_replica_and_replicas_with_shards_are_refused(tmp_path, launches):  # noqa: F811
+def test_one_replica_and_no_replicas_are_refused(tmp_path, launches):  # noqa: F811
     cluster = cluster_lib.LocalCluster(tmp_path)
     with pytest.raises(cluster_lib.ServiceStartError):
         cluster.coord_args()  # no etcd yet
     _with_etcd(cluster, tls=False)
     with pytest.raises(cluster_lib.ServiceStartError):
         cluster.start_syncer_replicas(1, run_id="r")
-    args = argparse.Namespace(checkpoint_stores=1, syncer_shards=2, num_fragments=4, syncer_replicas=2)
+    # (with --syncer-shards they combine: tests/unit/test_up_syncer_shard_replicas.py)
+    args = argparse.Namespace(checkpoint_stores=1, syncer_shards=2, num_fragments=4, syncer_replicas=0)
     with pytest.raises(cluster_lib.ServiceStartError, match="--syncer-replicas"):
         up_lib._start_syncer(Console(), args, cluster, "r", 256)
     assert launches == []  # refused before anything started
