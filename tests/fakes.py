@@ -75,14 +75,13 @@ def make_core(clock: Callable[[], float] | None = None, *, config: config_lib.Sy
     elif fields:
         raise TypeError(f"give either a config or its fields, not both: {sorted(fields)}")
     plan = fragments_lib.plan_fragments(specs, config.num_fragments, config.sync_period_steps, staggered=staggered)
-    run_config = core_lib.make_run_config(cfg=config, plan=plan, model_name=model_name, model_config_json="{}",
-                                          fingerprint="f" * 64)
+    run = core_lib.make_run_settings(config, model_name=model_name, model_config_json="{}", fingerprint="f" * 64)
     rng = np.random.default_rng(0)
     initial = {f.fragment_id: (initial_std * rng.standard_normal(f.numel)).astype(np.float32) if initial_std
                else np.zeros(f.numel, np.float32) for f in plan.fragments}
     clocks = {"clock": clock, "wall_clock": clock} if clock is not None else {"clock": time.monotonic,
                                                                               "wall_clock": time.time}
-    return core_lib.SyncerCore(run_config=run_config, plan=plan, initial_params=initial, **clocks, **core_kwargs)
+    return core_lib.SyncerCore(run=run, plan=plan, initial_params=initial, **clocks, **core_kwargs)
 
 
 def join(core: core_lib.SyncerCore, learner_id: str, incarnation: int = 1) -> syncer_pb2.JoinResponse:

@@ -39,6 +39,7 @@ from ddiloco.cli import service_names
 checkpointing = service_names.load("services.syncer.checkpointing")
 config_lib = service_names.load("services.syncer.config")
 core_lib = service_names.load("services.syncer.core")
+wire_views = service_names.load("services.syncer.wire_views")
 
 _DEFAULT_OUT = pathlib.Path("bench/results/checkpoint-cost")
 
@@ -57,15 +58,15 @@ def _core(cfg: config_lib.SyncerConfig) -> tuple[core_lib.SyncerCore, object]:
                                         staggered=True)
     params = {k: np.asarray(v, dtype=np.float32) for k, v in model.init(jax.random.PRNGKey(cfg.seed)).items()}
     initial = {f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments}
-    run_config = core_lib.make_run_config(
-        cfg=cfg, plan=plan, model_name=model.name, fingerprint=models.model_fingerprint(model),
+    run = core_lib.make_run_settings(
+        cfg, model_name=model.name, fingerprint=models.model_fingerprint(model),
         model_config_json=json.dumps(dict(model.config), sort_keys=True))
     core = core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
+        run=run, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
         liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
         clock=time.monotonic, wall_clock=time.time)
-    return core, checkpointing.describe_run(cfg, core.config, plan)
+    return core, checkpointing.describe_run(cfg, wire_views.run_config(core.run, plan), plan)
 
 
 def _client(addresses: list[str]):

@@ -45,6 +45,7 @@ from . import ledger_sink as ledger_sink_lib
 from . import metrics as syncer_metrics
 from . import servicer as servicer_lib
 from . import state as state_lib
+from . import wire_views
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
@@ -67,7 +68,7 @@ class _Checkpointer:
         # With election: the leader's epoch, written into each manifest (the store keeps one lineage).
         self.epoch = None
         # Every checkpoint says what its bytes mean (model, config, fragment plan): `ddiloco export`.
-        self._description = checkpointing.describe_run(cfg, core.config, core.plan)
+        self._description = checkpointing.describe_run(cfg, wire_views.run_config(core.run, core.plan), core.plan)
 
     def on_merge(self) -> None:
         self._merges_since += 1
@@ -277,12 +278,12 @@ def _make_core(cfg: config_lib.SyncerConfig, model: models.Model,
     fragment shard builds and holds its own fragments only (initial.py)."""
     fingerprint = models.model_fingerprint(model)
     initial = initial_lib.initial_fragments(model, plan, cfg.seed, cfg.shard_layout.owned)
-    run_config = core_lib.make_run_config(
-        cfg=cfg, plan=plan, model_name=model.name, model_config_json=json.dumps(dict(model.config), sort_keys=True),
+    run = core_lib.make_run_settings(
+        cfg, model_name=model.name, model_config_json=json.dumps(dict(model.config), sort_keys=True),
         fingerprint=fingerprint,
     )
     return core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
+        run=run, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
         outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
         liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
         clock=time.monotonic, wall_clock=time.time, norm_bound=cfg.norm_bound,

@@ -33,7 +33,7 @@ _TRAINING_FIELDS = ("sync_mode", "seed", "outer_lr", "outer_momentum", "outer_st
 
 def describe_run(cfg, run_config, plan: fragments_lib.FragmentPlan) -> run_description_lib.RunDescription:
     """The `run` blob's record for a syncer started with `cfg` (a SyncerConfig); `run_config` is the
-    RunConfig learners adopt (wire_views.make_run_config), passed through to the library unread."""
+    RunConfig learners adopt (wire_views.run_config), passed through to the library unread."""
     training = {name: getattr(cfg, name) for name in _TRAINING_FIELDS if hasattr(cfg, name)}
     return run_description_lib.describe(run_config, plan, training)
 

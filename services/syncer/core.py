@@ -48,14 +48,13 @@ from . import publishing as publishing_lib
 from . import slots as slots_lib
 from . import snapshots as snapshots_lib
 from . import state as state_lib
-from . import wire_views
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
 ROUND_TRIGGERS = ("schedule", "upload")
 
-# The RunConfig learners adopt, built from flags (wire_views.make_run_config): tools build a core with it.
-make_run_config = wire_views.make_run_config
+# The run's configuration learners adopt, in plain values, from the flags: tools build a core with it.
+make_run_settings = state_lib.RunSettings.of
 
 
 class Joined(NamedTuple):
@@ -82,6 +81,12 @@ def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int
         raise ValueError(f"token_budget={token_budget} must be >= 0")
 
 
+def _round_settings(run: state_lib.RunSettings) -> merging_lib.RoundSettings:
+    return merging_lib.RoundSettings(
+        merge_rule=run.merge_rule, embedding_merge_rule=run.embedding_merge_rule, overlap_steps=run.overlap_steps,
+        min_quorum=run.min_quorum, max_staleness_versions=run.max_staleness_versions)
+
+
 class SyncerCore:
     """The syncer's state machine. See the module docstring for the concurrency model."""
 
@@ -97,7 +102,7 @@ class SyncerCore:
     def __init__(
         self,
         *,
-        run_config,  # the RunConfig learners adopt (make_run_config): held for the responses, read as RunSettings
+        run: state_lib.RunSettings,  # the run's configuration learners adopt (make_run_settings)
         plan: fragments_lib.FragmentPlan,
         initial_params: Mapping[int, np.ndarray],
         outer_lr: float,
@@ -121,8 +126,7 @@ class SyncerCore:
         token_budget: int = 0, shard_layout: shards_lib.ShardLayout | None = None,
     ) -> None:
         _check_knobs(round_trigger, outer_step_fraction, token_budget)
-        self.config, self.plan, self.token_budget = run_config, plan, token_budget
-        settings = wire_views.run_settings(run_config)
+        self.run, self.plan, self.token_budget = run, plan, token_budget
         self.instance = uuid.uuid4().hex
         self.clock, self.wall_clock = clock, wall_clock  # read by the views of the state too (wire_views, metrics)
         self.on_merge = on_merge
@@ -139,12 +143,12 @@ class SyncerCore:
         self.shards = self.slots.layout  # which fragments this syncer owns (fragment shards)
         self.owned, self.owned_slots = self.slots.owned, self.slots.owned_slots
         self.directions = robust_lib.DirectionGuard(self.direction, [plan.fragments[f] for f in sorted(self.owned)])
-        self.publisher = publishing_lib.Publisher(download_codec=settings.download_codec,
-                                                  block_size=settings.upload_block_size, zstd_level=settings.zstd_level)
+        self.publisher = publishing_lib.Publisher(download_codec=run.download_codec,
+                                                  block_size=run.upload_block_size, zstd_level=run.zstd_level)
         self.evals = evals_lib.EvalLog(wall_clock)
         self.uploads: collections.Counter = collections.Counter()  # shared by the parts: never rebound
         self.membership = membership_lib.Membership(
-            model_fingerprint=settings.model_fingerprint, model_name=settings.model_name,
+            model_fingerprint=run.model_fingerprint, model_name=run.model_name,
             clock=clock, wall_clock=wall_clock, liveness_timeout_s=liveness_timeout_s,
             quarantine_after=quarantine_after, quarantine_window_s=quarantine_window_s, quarantine_s=quarantine_s,
             uploads=self.uploads, emit=self._emit, on_change=self._notify, on_quarantine=self._after_quarantine)
@@ -154,14 +158,14 @@ class SyncerCore:
             uploads=self.uploads, clock=clock,
             max_decoding=max_decoding or backpressure_lib.decoding_bound(self.owned, self.direction.min_others))
         self.rounds = merging_lib.Rounds(
-            settings=wire_views.round_settings(run_config), plan=plan, slots=self.slots, steppers=steppers,
-            scheduled=round_trigger == "schedule" and settings.sync_mode in ("", "decoupled"),
+            settings=_round_settings(run), plan=plan, slots=self.slots, steppers=steppers,
+            scheduled=round_trigger == "schedule" and run.sync_mode in ("", "decoupled"),
             outer_step_fraction=outer_step_fraction, merge_history=merge_history, grace_gamma=grace_gamma,
             max_grace_s=max_grace_s, uploads=self.uploads, clock=clock, wall_clock=wall_clock,
             membership=self.membership, publisher=self.publisher, tick=lambda: self.tick(), notify=self._notify,
             emit=self._emit, failpoint=lambda name: self.failpoint(name), merged=self._merged, owned=self.owned)
         # Who influenced each merge (services/syncer/influence.py); __main__ gives it the ledger.
-        self.influence = influence_lib.Influence(run_id=settings.run_id, instance=self.instance,
+        self.influence = influence_lib.Influence(run_id=run.run_id, instance=self.instance,
                                                  directions=self.directions)
         self.admission.influence = self.rounds.influence = self.influence
         # For the ledger's replayable records: the outer optimizer, when it is the shared Nesterov SGD.

@@ -387,7 +387,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         scope.acknowledged = True
         wire_bytes = first.ByteSize()
         assembler = serde.ChunkAssembler(header.payload.payload_size_bytes,
-                                         max_chunk_bytes=self._core.config.chunk_size_bytes, keep=incoming is None)
+                                         max_chunk_bytes=self._core.run.chunk_size_bytes, keep=incoming is None)
         while not assembler.done:
             try:
                 msg = await _next_request(iterator, self._upload_idle_timeout_s)
@@ -452,7 +452,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         held = serde.versions_from_proto(request.held) if request.syncer_instance == core.instance else {}
         # A shard streams (and calls learners to) only the fragments it owns.
         sent = {s.fragment.fragment_id: held.get(s.fragment.fragment_id, -1) for s in core.owned_slots}
-        chunk_size = min(core.config.chunk_size_bytes, WATCH_CHUNK_BYTES)
+        chunk_size = min(core.run.chunk_size_bytes, WATCH_CHUNK_BYTES)
         member = core.member(request.learner_id)
         called = {s.fragment.fragment_id: 0 for s in core.owned_slots}  # the last round this learner was called to
         seen = -1

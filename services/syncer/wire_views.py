@@ -1,8 +1,7 @@
 """The protobuf views of the syncer's plain state: the one place below the servicer that builds
 syncer_pb2 messages from the parts' Python values.
 
-Owns `make_run_config` (the RunConfig learners adopt) and the part of it the rounds read
-(`round_settings`), the TrainingState (`training_state`) and its rows (`member_state`,
+Owns the RunConfig learners adopt (`run_config`, of the core's plain RunSettings), the TrainingState (`training_state`) and its rows (`member_state`,
 `fragment_state`, `merge_record`, `learner_influence`, `eval_record`), the RoundCall of a watch
 stream (`round_call`), and the plain forms of the requests membership reads (`join_args`,
 `progress`) and of the upload header admission reads (`upload_header`).
@@ -14,6 +13,7 @@ Must not: hold state, take locks or mutate the core; called on the core's loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ddiloco import build_info
 from ddiloco.algo import fragments as fragments_lib
@@ -60,19 +60,11 @@ def eval_report(req: syncer_pb2.ReportEvalRequest) -> state_lib.EvalReport:
                                 outer_steps=sum(v.version for v in req.evaluated))
 
 
-def run_settings(run_config: syncer_pb2.RunConfig) -> state_lib.RunSettings:
-    """What the core reads of the RunConfig."""
-    return state_lib.RunSettings(
-        run_id=run_config.run_id, model_name=run_config.model_name, model_fingerprint=run_config.model_fingerprint,
-        sync_mode=run_config.sync_mode, download_codec=serde.codec_from_proto(run_config.download_codec),
-        upload_block_size=run_config.upload_block_size, zstd_level=run_config.zstd_level)
-
-
 def join_response(core, member: membership_lib.Member, *, assign_data_shard: bool) -> syncer_pb2.JoinResponse:
     """A joined learner's answer: the run's config, the versions and digests, its data shard, and
     whether the run's token budget is already spent."""
     return syncer_pb2.JoinResponse(
-        config=core.config,
+        config=_run_config(core.run, core.plan),
         fragment_versions=serde.versions_to_proto(core.versions()),
         syncer_instance=core.instance,
         published_sha256={s.fragment.fragment_id: s.published_sha256 for s in core.owned_slots},
@@ -154,42 +146,41 @@ def fragment_state(s: slots_lib.FragmentSlot) -> syncer_pb2.FragmentState:
     )
 
 
-def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, model_config_json: str,
-                    fingerprint: str) -> syncer_pb2.RunConfig:
-    """The RunConfig learners adopt, from the syncer's configuration and fragment plan."""
+def run_config(run: state_lib.RunSettings, plan: fragments_lib.FragmentPlan) -> syncer_pb2.RunConfig:
+    """The RunConfig learners adopt, from the run's settings and the fragment plan (the core's
+    `run` and `plan`): a copy of its own."""
+    config = syncer_pb2.RunConfig()
+    config.CopyFrom(_run_config(run, plan))
+    return config
+
+
+@functools.lru_cache(maxsize=4)  # one run a syncer; its plan may list thousands of tensors. Shared: read only
+def _run_config(run: state_lib.RunSettings, plan: fragments_lib.FragmentPlan) -> syncer_pb2.RunConfig:
     return syncer_pb2.RunConfig(
-        run_id=cfg.run_id,
-        model_name=model_name,
-        model_config_json=model_config_json,
-        model_fingerprint=fingerprint,
+        run_id=run.run_id,
+        model_name=run.model_name,
+        model_config_json=run.model_config_json,
+        model_fingerprint=run.model_fingerprint,
         num_fragments=plan.num_fragments,
         sync_period_steps=plan.sync_period_steps,
-        overlap_steps=cfg.overlap_steps,
-        min_quorum=cfg.min_quorum,
-        upload_codec=serde.codec_to_proto(cfg.upload_codec),
-        upload_block_size=cfg.upload_block_size,
-        download_codec=serde.codec_to_proto(cfg.download_codec),
-        chunk_size_bytes=cfg.chunk_size_bytes,
-        max_staleness_versions=cfg.max_staleness_versions,
-        mixing_alpha=cfg.mixing_alpha,
-        on_arrival=cfg.on_arrival,
-        round_trigger=cfg.round_trigger,
+        overlap_steps=run.overlap_steps,
+        min_quorum=run.min_quorum,
+        upload_codec=serde.codec_to_proto(run.upload_codec),
+        upload_block_size=run.upload_block_size,
+        download_codec=serde.codec_to_proto(run.download_codec),
+        chunk_size_bytes=run.chunk_size_bytes,
+        max_staleness_versions=run.max_staleness_versions,
+        mixing_alpha=run.mixing_alpha,
+        on_arrival=run.on_arrival,
+        round_trigger=run.round_trigger,
         fragments=serde.plan_to_proto(plan),
-        zstd_level=cfg.zstd_level,
-        merge_rule=cfg.merge_rule,
-        embedding_merge_rule=cfg.embedding_merge_rule,
+        zstd_level=run.zstd_level,
+        merge_rule=run.merge_rule,
+        embedding_merge_rule=run.embedding_merge_rule,
         protocol_version=serde.PROTOCOL_VERSION,
-        sync_mode=cfg.sync_mode,
-        init_seed=cfg.seed,
+        sync_mode=run.sync_mode,
+        init_seed=run.init_seed,
     )
-
-
-def round_settings(run_config: syncer_pb2.RunConfig) -> merging_lib.RoundSettings:
-    """What the rounds read of the RunConfig."""
-    return merging_lib.RoundSettings(
-        merge_rule=run_config.merge_rule, embedding_merge_rule=run_config.embedding_merge_rule,
-        overlap_steps=run_config.overlap_steps, min_quorum=run_config.min_quorum,
-        max_staleness_versions=run_config.max_staleness_versions)
 
 
 def round_call(call: merging_lib.RoundCall) -> syncer_pb2.RoundCall:
@@ -224,7 +215,7 @@ def training_state(core, recent_merges: int) -> syncer_pb2.TrainingState:
                for m in sorted(core.members.values(), key=lambda m: m.learner_id)]
     merges = list(core.merges)[-recent_merges:] if recent_merges else []
     return syncer_pb2.TrainingState(
-        run_id=core.config.run_id,
+        run_id=core.run.run_id,
         syncer_instance=core.instance,
         build_version=build_info.version(), build_commit=build_info.commit(),
         started_at_unix_s=core.started_at_unix_s,
@@ -240,7 +231,7 @@ def training_state(core, recent_merges: int) -> syncer_pb2.TrainingState:
         last_checkpoint_outer_step=core.last_checkpoint_outer_step,
         last_checkpoint_unix_s=core.last_checkpoint_unix_s,
         restored_from_checkpoint=core.restored_from_checkpoint,
-        config=core.config,
+        config=_run_config(core.run, core.plan),
         uploads=dict(core.uploads),
         grace_window_s=core.grace_window_s(),
         step_time_s=core.step_time_s(),
