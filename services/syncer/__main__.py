@@ -94,8 +94,7 @@ class _Checkpointer:
             return False
         if self._metrics is not None:
             self._metrics.checkpoint_write.observe(time.monotonic() - started)
-        core.last_checkpoint_outer_step = snapshot.outer_steps
-        core.last_checkpoint_unix_s = time.time()
+        core.note_checkpoint(snapshot.outer_steps, time.time())
         if self.on_commit is not None:
             self.on_commit(snapshot)
         _LOG.info("checkpoint committed", extra={"fields": {"outer_step": snapshot.outer_steps, "seconds": round(time.monotonic() - started, 3)}})
@@ -233,7 +232,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     # With election a syncer's life (for the history) starts when it leads, once restored (_lead).
     history = None if leadership.coordinated else history_lib.attach(core, cfg.history_file)
     if cfg.merge_ledger:  # one hash-chained record per merge (ddiloco audit)
-        core.influence.ledger = influence_lib.MergeLedger(cfg.merge_ledger, max_bytes=cfg.merge_ledger_max_bytes)
+        core.attach_ledgers(ledger=influence_lib.MergeLedger(cfg.merge_ledger, max_bytes=cfg.merge_ledger_max_bytes))
     store_ledger = await _start_store_ledger(cfg, core, client, leadership)
     if store_ledger is not None:
         metrics.watch_ledger(store_ledger)
@@ -445,9 +444,8 @@ async def _start_store_ledger(cfg, core, client, leadership) -> ledger_sink_lib.
         return None
     sink = ledger_sink_lib.StoreLedger(client, cfg.store_run_id, call_timeout_s=10.0,
                                        blob_timeout_s=cfg.checkpoint_timeout_s)
-    core.influence.store_ledger = sink
-    core.influence.retain_contributions = cfg.retain_contributions
-    core.influence.epoch = lambda: leadership.epoch
+    core.attach_ledgers(store_ledger=sink, retain_contributions=cfg.retain_contributions,
+                        epoch=lambda: leadership.epoch)
     if not leadership.coordinated:
         try:
             await sink.resume()

@@ -72,6 +72,42 @@ class Accepted(NamedTuple):
     weight: float
 
 
+class Status(NamedTuple):
+    """The syncer's state now in plain values, what the TrainingState is built from
+    (wire_views.training_state)."""
+
+    run: state_lib.RunSettings
+    plan: fragments_lib.FragmentPlan
+    instance: str
+    shards: shards_lib.ShardLayout
+    started_at_unix_s: float
+    now_s: float  # the core's clock: the members' status is judged at it
+    now_unix_s: float
+    liveness_timeout_s: float
+    outer_steps: int
+    tokens_merged: int
+    tokens_processed: int
+    token_budget: int
+    fragments: list[slots_lib.FragmentStatus]  # the owned ones
+    members: list[membership_lib.Member]  # by learner id; read only
+    recent_merges: list[merging_lib.MergeRecord]
+    evals: list[state_lib.EvalSnapshot]
+    influence: list[influence_lib.LearnerInfluence]
+    bytes_in: int
+    bytes_out: int
+    uploads: dict[str, int]
+    auth_failures: dict[str, int]
+    quarantines: int
+    direction_judgments: dict[str, int]
+    grace_window_s: float
+    step_time_s: float
+    quorum_time_s: float
+    sync_time_s: float
+    last_checkpoint_outer_step: int
+    last_checkpoint_unix_s: float
+    restored_from_checkpoint: bool
+
+
 def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int) -> None:
     if round_trigger not in ROUND_TRIGGERS:
         raise ValueError(f"round_trigger={round_trigger!r} is not one of {ROUND_TRIGGERS}")
@@ -302,6 +338,14 @@ class SyncerCore:
         """Counts one refused upload by reason, once; a strike once per `work` (Membership.record_rejection)."""
         self.membership.record_rejection(reason, learner_id, exc, work=work)
 
+    def count_upload(self, event: str) -> None:
+        """Counts an upload event the servicer sees (TrainingState.uploads): "waited_for_slot", "slowed"."""
+        self.uploads[event] += 1
+
+    def note_watch_refused(self, rpc: str, limit: str) -> None:
+        """A watch stream refused at its cap (ddiloco_syncer_watch_refusals_total)."""
+        self._emit("watch_refused", rpc, limit)
+
     def record_auth_failure(self, reason: str, *, caller: str = "", method: str = "") -> None:
         self.membership.record_auth_failure(reason, caller=caller, method=method)
 
@@ -463,6 +507,28 @@ class SyncerCore:
         """The current published values of a fragment as exact float32 (cached per version)."""
         return await self.publisher.encoded_payload(slot)
 
+    def owned_fragment_ids(self) -> list[int]:
+        """The fragments this syncer (shard) owns, in order: those it streams and calls rounds of."""
+        return [s.fragment.fragment_id for s in self.owned_slots]
+
+    def published_sha256(self) -> dict[int, str]:
+        """What learners hold of each owned fragment's current version, by digest."""
+        return {s.fragment.fragment_id: s.published_sha256 for s in self.owned_slots}
+
+    async def download(self, fragment_id: int, held_version: int, *,
+                       accept_delta: bool) -> tuple[int, codec_lib.EncodedPayload, bool] | None:
+        """(version, payload, is_delta) of an owned fragment for a watcher holding `held_version`
+        (-1: none), None when it holds the current one. A watcher holding the previous version that
+        accepts deltas gets the (smaller) delta when the download codec is lossy; anyone else gets
+        the exact float32 values."""
+        slot = self.slots[fragment_id]
+        if slot.version <= held_version:
+            return None
+        delta = self.delta_payload(slot, held_version) if accept_delta else None
+        if delta is not None:
+            return (*delta, True)
+        return (*(await self.encoded_payload(slot)), False)
+
     def wake_watchers(self) -> None:
         """Wakes every wait_for_change now (shutdown: watch streams end without waiting a poll)."""
         self._notify()
@@ -479,6 +545,40 @@ class SyncerCore:
         self._notify()
 
     # ---------------------------------------------------------------------------------- state
+
+    def status(self, recent_merges: int) -> Status:
+        """The state now, with the last `recent_merges` merges (0: none): the TrainingState's values."""
+        membership, rounds = self.membership, self.rounds
+        return Status(
+            run=self.run, plan=self.plan, instance=self.instance, shards=self.shards,
+            started_at_unix_s=self.started_at_unix_s, now_s=self.clock(), now_unix_s=self.wall_clock(),
+            liveness_timeout_s=membership.liveness_timeout_s, outer_steps=rounds.outer_steps,
+            tokens_merged=rounds.tokens_merged, tokens_processed=self.tokens_processed(),
+            token_budget=self.token_budget, fragments=[s.status() for s in self.owned_slots],
+            members=sorted(membership.members.values(), key=lambda m: m.learner_id),
+            recent_merges=list(rounds.merges)[-recent_merges:] if recent_merges else [],
+            evals=list(self.evals), influence=self.influence.summary(),
+            bytes_in=membership.bytes_in, bytes_out=membership.bytes_out, uploads=dict(self.uploads),
+            auth_failures=dict(membership.auth_failures), quarantines=membership.quarantines,
+            direction_judgments=dict(self.admission.direction_judgments), grace_window_s=self.grace_window_s(),
+            step_time_s=self.step_time_s(), quorum_time_s=rounds.quorum_time.value or 0.0,
+            sync_time_s=rounds.sync_time.value or 0.0, last_checkpoint_outer_step=self.last_checkpoint_outer_step,
+            last_checkpoint_unix_s=self.last_checkpoint_unix_s, restored_from_checkpoint=self.restored_from_checkpoint)
+
+    def note_checkpoint(self, outer_step: int, unix_s: float) -> None:
+        """A checkpoint of the state at `outer_step` was committed at `unix_s` (__main__'s checkpointer)."""
+        self.last_checkpoint_outer_step, self.last_checkpoint_unix_s = outer_step, unix_s
+
+    def attach_ledgers(self, *, ledger=None, store_ledger=None, retain_contributions: bool = False,
+                       epoch: Callable[[], int] | None = None) -> None:
+        """Where the merges' influence records go (Influence): a local MergeLedger file, and/or the
+        checkpoint store's ledger with the contributions retained or not and the leader's epoch."""
+        if ledger is not None:
+            self.influence.ledger = ledger
+        if store_ledger is not None:
+            self.influence.store_ledger, self.influence.retain_contributions = store_ledger, retain_contributions
+        if epoch is not None:
+            self.influence.epoch = epoch
 
     async def snapshot(self) -> state_lib.SyncerSnapshot:
         """A consistent copy of everything a restart needs (Snapshots.take)."""

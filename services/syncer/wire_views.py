@@ -67,7 +67,7 @@ def join_response(core, member: membership_lib.Member, *, assign_data_shard: boo
         config=_run_config(core.run, core.plan),
         fragment_versions=serde.versions_to_proto(core.versions()),
         syncer_instance=core.instance,
-        published_sha256={s.fragment.fragment_id: s.published_sha256 for s in core.owned_slots},
+        published_sha256=core.published_sha256(),
         data_shard=max(member.data_shard, 0),
         data_shard_assigned=member.data_shard_assigned and assign_data_shard,
         schedule_start_step=member.steps_prev_lives,
@@ -134,16 +134,9 @@ def member_state(m: membership_lib.Member, *, now_s: float, liveness_timeout_s: 
     )
 
 
-def fragment_state(s: slots_lib.FragmentSlot) -> syncer_pb2.FragmentState:
+def fragment_state(s: slots_lib.FragmentStatus) -> syncer_pb2.FragmentState:
     """One fragment's row of the TrainingState."""
-    return syncer_pb2.FragmentState(
-        fragment_id=s.fragment.fragment_id, version=s.version, numel=s.fragment.numel,
-        pending_contributions=len(s.round.contributions) if s.round else 0,
-        params_sha256=s.params_sha256,
-        published_sha256=s.published_sha256,
-        round=s.rounds_opened,
-        round_open=bool(s.round is not None and s.round.open),
-    )
+    return syncer_pb2.FragmentState(**s._asdict())
 
 
 def run_config(run: state_lib.RunSettings, plan: fragments_lib.FragmentPlan) -> syncer_pb2.RunConfig:
@@ -208,41 +201,38 @@ def learner_influence(i: influence_lib.LearnerInfluence) -> syncer_pb2.LearnerIn
 
 
 def training_state(core, recent_merges: int) -> syncer_pb2.TrainingState:
-    """The TrainingState of a SyncerCore now, with its last `recent_merges` merges (0: none).
-    Call on the core's loop."""
-    now = core.clock()
-    members = [member_state(m, now_s=now, liveness_timeout_s=core.liveness_timeout_s)
-               for m in sorted(core.members.values(), key=lambda m: m.learner_id)]
-    merges = list(core.merges)[-recent_merges:] if recent_merges else []
+    """The TrainingState of a SyncerCore now (SyncerCore.status), with its last `recent_merges`
+    merges (0: none). Call on the core's loop."""
+    st = core.status(recent_merges)
     return syncer_pb2.TrainingState(
-        run_id=core.run.run_id,
-        syncer_instance=core.instance,
+        run_id=st.run.run_id,
+        syncer_instance=st.instance,
         build_version=build_info.version(), build_commit=build_info.commit(),
-        started_at_unix_s=core.started_at_unix_s,
-        now_unix_s=core.wall_clock(),
-        outer_steps=core.outer_steps,
-        fragments=[fragment_state(s) for s in core.owned_slots],
-        members=members,
-        recent_merges=[merge_record(r) for r in merges],
-        tokens_merged=core.tokens_merged,
-        bytes_in=core.membership.bytes_in,
-        bytes_out=core.membership.bytes_out,
-        evals=[eval_record(e) for e in core.evals],
-        last_checkpoint_outer_step=core.last_checkpoint_outer_step,
-        last_checkpoint_unix_s=core.last_checkpoint_unix_s,
-        restored_from_checkpoint=core.restored_from_checkpoint,
-        config=_run_config(core.run, core.plan),
-        uploads=dict(core.uploads),
-        grace_window_s=core.grace_window_s(),
-        step_time_s=core.step_time_s(),
-        quorum_time_s=core.rounds.quorum_time.value or 0.0,
-        sync_time_s=core.rounds.sync_time.value or 0.0,
-        auth_failures=dict(core.membership.auth_failures),
-        quarantines=core.membership.quarantines,
-        direction_judgments=dict(core.direction_judgments),
-        tokens_processed=core.tokens_processed(),
-        token_budget=core.token_budget,
-        influence=[learner_influence(i) for i in core.influence.summary()],
-        shards=shard_map(core.shards),
-        shard_index=core.shards.index,
+        started_at_unix_s=st.started_at_unix_s,
+        now_unix_s=st.now_unix_s,
+        outer_steps=st.outer_steps,
+        fragments=[fragment_state(s) for s in st.fragments],
+        members=[member_state(m, now_s=st.now_s, liveness_timeout_s=st.liveness_timeout_s) for m in st.members],
+        recent_merges=[merge_record(r) for r in st.recent_merges],
+        tokens_merged=st.tokens_merged,
+        bytes_in=st.bytes_in,
+        bytes_out=st.bytes_out,
+        evals=[eval_record(e) for e in st.evals],
+        last_checkpoint_outer_step=st.last_checkpoint_outer_step,
+        last_checkpoint_unix_s=st.last_checkpoint_unix_s,
+        restored_from_checkpoint=st.restored_from_checkpoint,
+        config=_run_config(st.run, st.plan),
+        uploads=st.uploads,
+        grace_window_s=st.grace_window_s,
+        step_time_s=st.step_time_s,
+        quorum_time_s=st.quorum_time_s,
+        sync_time_s=st.sync_time_s,
+        auth_failures=st.auth_failures,
+        quarantines=st.quarantines,
+        direction_judgments=st.direction_judgments,
+        tokens_processed=st.tokens_processed,
+        token_budget=st.token_budget,
+        influence=[learner_influence(i) for i in st.influence],
+        shards=shard_map(st.shards),
+        shard_index=st.shards.index,
     )
