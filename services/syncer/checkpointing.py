@@ -74,15 +74,13 @@ def encode_snapshot(snapshot: state_lib.SyncerSnapshot,
 
 
 def load_snapshot(blobs: dict[str, bytes]) -> state_lib.SyncerSnapshot:
-    """Inverse of encode_snapshot: the typed snapshot SyncerCore.restore takes; ValueError when the
-    checkpoint is malformed."""
-    return state_lib.SyncerSnapshot.from_dict(decode_snapshot(blobs))
+    """Inverse of encode_snapshot: the typed snapshot SyncerCore.restore takes, and the tools read
+    without a syncer (the chaos invariants, tests); ValueError when the checkpoint is malformed."""
+    return state_lib.SyncerSnapshot.from_dict(_checkpoint_form(blobs))
 
 
-def decode_snapshot(blobs: dict[str, bytes]) -> dict:
-    """The checkpoint form of the blobs (SyncerSnapshot.to_dict's, the arrays loaded), for the tools
-    that read a checkpoint without a syncer (the chaos invariants, tests); a syncer restores
-    `load_snapshot`'s typed snapshot. ValueError when the checkpoint is malformed."""
+def _checkpoint_form(blobs: dict[str, bytes]) -> dict:
+    """The blobs as SyncerSnapshot.to_dict's form, the arrays loaded."""
     try:
         state = json.loads(blobs["state"])
     except (KeyError, json.JSONDecodeError) as exc:

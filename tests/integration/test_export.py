@@ -161,11 +161,11 @@ def test_export_of_an_earlier_step_matches_that_checkpoint(trained):
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "config.json").read_text())["step"] == step
     tensors = load_file(out / "model.safetensors")
-    snapshot = checkpointing.decode_snapshot(blobs)
+    snapshot = checkpointing.load_snapshot(blobs)
     plan = serde.plan_from_proto(trained["state"].config.fragments, trained["state"].config.sync_period_steps)
     for frag in plan.fragments:
-        expected = snapshot["fragments"][frag.fragment_id]
-        np.testing.assert_array_equal(fragments_lib.flatten_fragment(tensors, frag), expected["params"])
+        expected = snapshot.fragments[frag.fragment_id]
+        np.testing.assert_array_equal(fragments_lib.flatten_fragment(tensors, frag), expected.params)
     # An existing export is never overwritten silently.
     again = _ddiloco(["export", "--store", trained["store"], "--run-id", RUN_ID, "--step", str(step),
                       "--out", str(out)], trained["cluster"].env)
@@ -197,7 +197,7 @@ def test_a_checkpoint_without_a_run_record_stays_readable_but_cannot_be_exported
         return blobs
 
     blobs = store_call(trained["store"], commit_legacy)
-    assert checkpointing.decode_snapshot(blobs)["outer_steps"] == trained["state"].outer_steps
+    assert checkpointing.load_snapshot(blobs).outer_steps == trained["state"].outer_steps
     out = trained["workdir"] / "legacy"
     result = _ddiloco(["export", "--store", trained["store"], "--run-id", "legacy-run", "--out", str(out)],
                       trained["cluster"].env)

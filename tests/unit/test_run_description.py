@@ -123,5 +123,5 @@ def test_checkpoint_blobs_carry_the_run_blob_and_older_ones_stay_readable():
     assert set(described) == set(legacy) | {rd.BLOB_NAME} and metadata["model"] == "transformer"
     assert legacy_metadata == {"format": "1", "kind": "syncer"}  # what every older checkpoint holds
     for blobs in (described, legacy):
-        state = checkpointing.decode_snapshot(blobs)
-        assert [f["params_sha256"] for f in state["fragments"]] == [f.params_sha256 for f in snapshot.fragments]
+        state = checkpointing.load_snapshot(blobs)
+        assert [f.params_sha256 for f in state.fragments] == [f.params_sha256 for f in snapshot.fragments]
