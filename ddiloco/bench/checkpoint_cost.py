@@ -62,9 +62,7 @@ def _core(cfg: config_lib.SyncerConfig) -> tuple[core_lib.SyncerCore, object]:
         cfg, model_name=model.name, fingerprint=models.model_fingerprint(model),
         model_config_json=json.dumps(dict(model.config), sort_keys=True))
     core = core_lib.SyncerCore(
-        run=run, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
-        liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
+        run=run, plan=plan, initial_params=initial, settings=core_lib.CoreSettings.of(cfg),
         clock=time.monotonic, wall_clock=time.time)
     return core, checkpointing.describe_run(cfg, wire_views.run_config(core.run, plan), plan)
 

@@ -282,14 +282,9 @@ def _make_core(cfg: config_lib.SyncerConfig, model: models.Model,
         fingerprint=fingerprint,
     )
     return core_lib.SyncerCore(
-        run=run, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
-        liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
-        clock=time.monotonic, wall_clock=time.time, norm_bound=cfg.norm_bound,
-        quarantine_after=cfg.quarantine_after, quarantine_window_s=cfg.quarantine_window_s,
-        quarantine_s=cfg.quarantine_s, direction=cfg.direction_policy, stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == "dp" else None,
-        round_trigger=cfg.round_trigger, outer_step_fraction=cfg.outer_step_fraction,
-        token_budget=cfg.token_budget, shard_layout=cfg.shard_layout,
+        run=run, plan=plan, initial_params=initial, settings=core_lib.CoreSettings.of(cfg),
+        clock=time.monotonic, wall_clock=time.time,
+        stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == "dp" else None,
     )
 
 

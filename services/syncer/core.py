@@ -6,7 +6,8 @@ direction check; admission.py), `rounds` (merge rounds, grace window and timers,
 merging.py), `publisher` / `watchers` / `observers` (what leaves the core; publishing.py), the
 per-fragment `slots` and which of them this syncer owns (slots.py), `evals` (the eval log;
 evals.py) and `snapshots` (the typed snapshot a restart needs; snapshots.py). The parts tell the
-core about changes through callbacks; only the core calls across parts.
+core about changes through callbacks; only the core calls across parts. It is built from plain
+settings (settings.py: the run's `RunSettings`, the syncer's `CoreSettings`, both from a SyncerConfig).
 No protobuf here either: the core takes the plain forms of the requests and answers with plain
 values; the servicer makes those forms and builds every response and the TrainingState from them
 (services/syncer/wire_views.py).
@@ -45,16 +46,17 @@ from . import influence as influence_lib
 from . import membership as membership_lib
 from . import merging as merging_lib
 from . import publishing as publishing_lib
+from . import settings as settings_lib
 from . import slots as slots_lib
 from . import snapshots as snapshots_lib
 from . import state as state_lib
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
-ROUND_TRIGGERS = ("schedule", "upload")
 
-# The run's configuration learners adopt, in plain values, from the flags: tools build a core with it.
-make_run_settings = state_lib.RunSettings.of
+# The core's configuration in plain values, from the flags (settings.py): tools build a core with them.
+make_run_settings = settings_lib.RunSettings.of
+CoreSettings = settings_lib.CoreSettings
 
 
 class Joined(NamedTuple):
@@ -76,7 +78,7 @@ class Status(NamedTuple):
     """The syncer's state now in plain values, what the TrainingState is built from
     (wire_views.training_state)."""
 
-    run: state_lib.RunSettings
+    run: settings_lib.RunSettings
     plan: fragments_lib.FragmentPlan
     instance: str
     shards: shards_lib.ShardLayout
@@ -108,74 +110,37 @@ class Status(NamedTuple):
     restored_from_checkpoint: bool
 
 
-def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int) -> None:
-    if round_trigger not in ROUND_TRIGGERS:
-        raise ValueError(f"round_trigger={round_trigger!r} is not one of {ROUND_TRIGGERS}")
-    if outer_step_fraction not in outer_lib.OUTER_STEP_FRACTIONS:
-        raise ValueError(f"outer_step_fraction={outer_step_fraction!r} is not one of {outer_lib.OUTER_STEP_FRACTIONS}")
-    if token_budget < 0:
-        raise ValueError(f"token_budget={token_budget} must be >= 0")
-
-
-def _round_settings(run: state_lib.RunSettings) -> merging_lib.RoundSettings:
-    return merging_lib.RoundSettings(
-        merge_rule=run.merge_rule, embedding_merge_rule=run.embedding_merge_rule, overlap_steps=run.overlap_steps,
-        min_quorum=run.min_quorum, max_staleness_versions=run.max_staleness_versions)
-
-
 class SyncerCore:
     """The syncer's state machine. See the module docstring for the concurrency model."""
 
-    # See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
-    # `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own
-    # outer optimizer (the data-parallel baseline's AdamW); by default every fragment shares
-    # Nesterov SGD with `outer_lr` and `outer_momentum`. `max_decoding`: contributions between
-    # decode and fold-in at once (default: see Admission). `round_trigger`: "schedule" (decoupled
-    # mode: rounds open on the syncer's schedule, ddiloco.algo.rounds) or "upload" (a round opens with
-    # its first contribution; the synchronous modes, whose learners upload together, always use it).
-    # `outer_step_fraction`: "steps", "work" or "whole" (ddiloco.algo.outer.merge_share). `token_budget`: the
-    # run ends once tokens_processed() reaches it (0: never; see budget_reached).
+    # `stepper_factory` gives each fragment its own outer optimizer (the data-parallel baseline's
+    # AdamW); by default every fragment shares Nesterov SGD with `settings.outer_lr` and `outer_momentum`.
     def __init__(
         self,
         *,
-        run: state_lib.RunSettings,  # the run's configuration learners adopt (make_run_settings)
+        run: settings_lib.RunSettings,  # the run's configuration learners adopt (make_run_settings)
         plan: fragments_lib.FragmentPlan,
-        initial_params: Mapping[int, np.ndarray],
-        outer_lr: float,
-        outer_momentum: float,
-        grace_gamma: float,
-        max_grace_s: float,
-        liveness_timeout_s: float,
-        merge_history: int,
+        initial_params: Mapping[int, np.ndarray],  # of the fragments this syncer owns, at least
+        settings: CoreSettings,
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
-        on_merge: Callable[[], None] | None = None,
-        norm_bound: robust_lib.NormBoundPolicy | None = None,
-        quarantine_after: int = 3,
-        quarantine_window_s: float = 600.0,
-        quarantine_s: float = 3600.0,
-        direction: robust_lib.DirectionPolicy | None = None,
         stepper_factory: Callable[[fragments_lib.Fragment], outer_lib.OuterStepper] | None = None,
-        max_decoding: int | None = None,
-        round_trigger: str = "schedule",
-        outer_step_fraction: str = "whole",
-        token_budget: int = 0, shard_layout: shards_lib.ShardLayout | None = None,
+        on_merge: Callable[[], None] | None = None,
     ) -> None:
-        _check_knobs(round_trigger, outer_step_fraction, token_budget)
-        self.run, self.plan, self.token_budget = run, plan, token_budget
+        self.run, self.plan, self.settings, self.token_budget = run, plan, settings, settings.token_budget
         self.instance = uuid.uuid4().hex
         self.clock, self.wall_clock = clock, wall_clock  # read by the views of the state too (wire_views, metrics)
         self.on_merge = on_merge
-        self.norm_bound = norm_bound or robust_lib.NormBoundPolicy()
+        self.norm_bound = settings.norm_bound or robust_lib.NormBoundPolicy()
         # Off unless given (the syncer service passes SyncerConfig.direction_policy, on by default).
-        self.direction = direction or robust_lib.DirectionPolicy(mode="off")
+        self.direction = settings.direction or robust_lib.DirectionPolicy(mode="off")
         self.observers = publishing_lib.Observers()
         self.watchers = publishing_lib.Watchers()
         # Fault tests only: __main__ arms named crash points here (ddiloco.failpoints).
         self.failpoint: Callable[[str], None] = lambda name: None
-        steppers = slots_lib.outer_steppers(plan, outer_lr, outer_momentum, stepper_factory)
+        steppers = slots_lib.outer_steppers(plan, settings.outer_lr, settings.outer_momentum, stepper_factory)
         # A shard builds only its own fragments' values and state (`initial_params` needs no others).
-        self.slots = slots_lib.build_slots(plan, shard_layout, initial_params, steppers, self.norm_bound)
+        self.slots = slots_lib.build_slots(plan, settings.shard_layout, initial_params, steppers, self.norm_bound)
         self.shards = self.slots.layout  # which fragments this syncer owns (fragment shards)
         self.owned, self.owned_slots = self.slots.owned, self.slots.owned_slots
         self.directions = robust_lib.DirectionGuard(self.direction, [plan.fragments[f] for f in sorted(self.owned)])
@@ -185,35 +150,42 @@ class SyncerCore:
         self.uploads: collections.Counter = collections.Counter()  # shared by the parts: never rebound
         self.membership = membership_lib.Membership(
             model_fingerprint=run.model_fingerprint, model_name=run.model_name,
-            clock=clock, wall_clock=wall_clock, liveness_timeout_s=liveness_timeout_s,
-            quarantine_after=quarantine_after, quarantine_window_s=quarantine_window_s, quarantine_s=quarantine_s,
-            uploads=self.uploads, emit=self._emit, on_change=self._notify, on_quarantine=self._after_quarantine)
+            clock=clock, wall_clock=wall_clock, liveness_timeout_s=settings.liveness_timeout_s,
+            quarantine_after=settings.quarantine_after, quarantine_window_s=settings.quarantine_window_s,
+            quarantine_s=settings.quarantine_s, uploads=self.uploads, emit=self._emit, on_change=self._notify,
+            on_quarantine=self._after_quarantine)
         self.admission = admission_lib.Admission(
             instance=self.instance, plan=plan, slots=self.slots, membership=self.membership,
             directions=self.directions, direction_policy=self.direction, norm_bound=self.norm_bound,
-            uploads=self.uploads, clock=clock,
-            max_decoding=max_decoding or backpressure_lib.decoding_bound(self.owned, self.direction.min_others))
-        self.rounds = merging_lib.Rounds(
-            settings=_round_settings(run), plan=plan, slots=self.slots, steppers=steppers,
-            scheduled=round_trigger == "schedule" and run.sync_mode in ("", "decoupled"),
-            outer_step_fraction=outer_step_fraction, merge_history=merge_history, grace_gamma=grace_gamma,
-            max_grace_s=max_grace_s, uploads=self.uploads, clock=clock, wall_clock=wall_clock,
-            membership=self.membership, publisher=self.publisher, tick=lambda: self.tick(), notify=self._notify,
-            emit=self._emit, failpoint=lambda name: self.failpoint(name), merged=self._merged, owned=self.owned)
+            uploads=self.uploads, clock=clock, max_decoding=settings.max_decoding
+            or backpressure_lib.decoding_bound(self.owned, self.direction.min_others))
+        self.rounds = self._rounds(steppers, stepper_factory is None)
         # Who influenced each merge (services/syncer/influence.py); __main__ gives it the ledger.
         self.influence = influence_lib.Influence(run_id=run.run_id, instance=self.instance,
                                                  directions=self.directions)
         self.admission.influence = self.rounds.influence = self.influence
-        # For the ledger's replayable records: the outer optimizer, when it is the shared Nesterov SGD.
-        self.rounds.outer = ({"lr": outer_lr, "momentum": outer_momentum, "nesterov": True}
-                             if stepper_factory is None else None)
         self.snapshots = snapshots_lib.Snapshots(
             slots=self.slots, owned_slots=self.owned_slots, shards=self.shards, membership=self.membership,
             rounds=self.rounds, uploads=self.uploads, evals=self.evals, clock=clock, wall_clock=wall_clock)
         self.started_at_unix_s = wall_clock()
         self.restored_from_checkpoint = False
-        # The last committed checkpoint (__main__'s checkpointer sets them; restore too).
+        # The last committed checkpoint (note_checkpoint; restore too).
         self.last_checkpoint_outer_step, self.last_checkpoint_unix_s = 0, 0.0
+
+    def _rounds(self, steppers: list[outer_lib.OuterStepper], shared_sgd: bool) -> merging_lib.Rounds:
+        run, settings = self.run, self.settings
+        rounds = merging_lib.Rounds(
+            settings=settings_lib.round_settings(run), plan=self.plan, slots=self.slots, steppers=steppers,
+            scheduled=settings.round_trigger == "schedule" and run.sync_mode in ("", "decoupled"),
+            outer_step_fraction=settings.outer_step_fraction, merge_history=settings.merge_history,
+            grace_gamma=settings.grace_gamma, max_grace_s=settings.max_grace_s, uploads=self.uploads,
+            clock=self.clock, wall_clock=self.wall_clock, membership=self.membership, publisher=self.publisher,
+            tick=lambda: self.tick(), notify=self._notify, emit=self._emit,
+            failpoint=lambda name: self.failpoint(name), merged=self._merged, owned=self.owned)
+        # For the ledger's replayable records: the outer optimizer, when it is the shared Nesterov SGD.
+        rounds.outer = ({"lr": settings.outer_lr, "momentum": settings.outer_momentum, "nesterov": True}
+                        if shared_sgd else None)
+        return rounds
 
     # ------------------------------------------- the parts' state, as the views and tools read it
 

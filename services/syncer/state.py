@@ -2,10 +2,9 @@
 
 Owns `SyncerSnapshot` (with `FragmentSnapshot`, `MemberSnapshot`, `EvalSnapshot`): what a checkpoint
 keeps, and its conversion to and from the checkpoint's JSON-friendly form
-(services/syncer/checkpointing.py stores that form); and the plain forms of the run's configuration
-learners adopt (`RunSettings`) and of a ReportEvalRequest (`EvalReport`). The protobuf views of
-this state (RunConfig, the TrainingState rows, EvalRecord) live in services/syncer/wire_views.py,
-next to the servicer, which also makes these plain forms.
+(services/syncer/checkpointing.py stores that form); and the plain form of a ReportEvalRequest
+(`EvalReport`). The protobuf views of this state (the TrainingState rows, EvalRecord) live in
+services/syncer/wire_views.py, next to the servicer, which also makes these plain forms.
 Must not: import generated protobuf code; take locks or mutate the core (snapshots.Snapshots calls
 these under the fragments' locks, on the core's loop).
 """
@@ -132,45 +131,6 @@ class MemberSnapshot:
             member.quarantined_until_s = now_s + self.quarantine_remaining_s
             member.quarantined_until_unix_s = now_unix_s + self.quarantine_remaining_s
         return member
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSettings:
-    """The run's configuration learners adopt, in plain values: the RunConfig without the fragment
-    plan (the core holds it beside). Made from the syncer's flags by `of`; wire_views.run_config
-    gives the RunConfig of it and the plan."""
-
-    run_id: str
-    model_name: str
-    model_config_json: str
-    model_fingerprint: str
-    overlap_steps: int  # tau
-    min_quorum: int  # K
-    upload_codec: str  # by name (ddiloco.wire.codec), as download_codec
-    upload_block_size: int
-    download_codec: str
-    chunk_size_bytes: int
-    max_staleness_versions: int
-    mixing_alpha: float
-    zstd_level: int
-    merge_rule: str
-    embedding_merge_rule: str
-    sync_mode: str  # "" or "decoupled": the rounds follow the schedule (with round_trigger "schedule")
-    init_seed: int
-    on_arrival: str
-    round_trigger: str
-
-    @classmethod
-    def of(cls, cfg, *, model_name: str, model_config_json: str, fingerprint: str) -> RunSettings:
-        """The settings of a syncer started with `cfg` (a SyncerConfig) for this model."""
-        return cls(
-            run_id=cfg.run_id, model_name=model_name, model_config_json=model_config_json,
-            model_fingerprint=fingerprint, overlap_steps=cfg.overlap_steps, min_quorum=cfg.min_quorum,
-            upload_codec=cfg.upload_codec, upload_block_size=cfg.upload_block_size,
-            download_codec=cfg.download_codec, chunk_size_bytes=cfg.chunk_size_bytes,
-            max_staleness_versions=cfg.max_staleness_versions, mixing_alpha=cfg.mixing_alpha,
-            zstd_level=cfg.zstd_level, merge_rule=cfg.merge_rule, embedding_merge_rule=cfg.embedding_merge_rule,
-            sync_mode=cfg.sync_mode, init_seed=cfg.seed, on_arrival=cfg.on_arrival, round_trigger=cfg.round_trigger)
 
 
 class EvalReport(NamedTuple):

@@ -23,6 +23,7 @@ from . import admission as admission_lib
 from . import influence as influence_lib
 from . import membership as membership_lib
 from . import merging as merging_lib
+from . import settings as settings_lib
 from . import slots as slots_lib
 from . import state as state_lib
 
@@ -139,7 +140,7 @@ def fragment_state(s: slots_lib.FragmentStatus) -> syncer_pb2.FragmentState:
     return syncer_pb2.FragmentState(**s._asdict())
 
 
-def run_config(run: state_lib.RunSettings, plan: fragments_lib.FragmentPlan) -> syncer_pb2.RunConfig:
+def run_config(run: settings_lib.RunSettings, plan: fragments_lib.FragmentPlan) -> syncer_pb2.RunConfig:
     """The RunConfig learners adopt, from the run's settings and the fragment plan (the core's
     `run` and `plan`): a copy of its own."""
     config = syncer_pb2.RunConfig()
@@ -148,7 +149,7 @@ def run_config(run: state_lib.RunSettings, plan: fragments_lib.FragmentPlan) -> 
 
 
 @functools.lru_cache(maxsize=4)  # one run a syncer; its plan may list thousands of tensors. Shared: read only
-def _run_config(run: state_lib.RunSettings, plan: fragments_lib.FragmentPlan) -> syncer_pb2.RunConfig:
+def _run_config(run: settings_lib.RunSettings, plan: fragments_lib.FragmentPlan) -> syncer_pb2.RunConfig:
     return syncer_pb2.RunConfig(
         run_id=run.run_id,
         model_name=run.model_name,

@@ -250,8 +250,9 @@ def _committed_checkpoint(address: str, security, run_id: str) -> dict[str, np.n
     core = core_lib.SyncerCore(
         run=run, plan=plan,
         initial_params={f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments},
-        outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.8, max_grace_s=1.0, liveness_timeout_s=30.0,
-        merge_history=8, clock=time.monotonic, wall_clock=time.time)
+        settings=core_lib.CoreSettings(outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.8, max_grace_s=1.0,
+                                       liveness_timeout_s=30.0, merge_history=8),
+        clock=time.monotonic, wall_clock=time.time)
 
     async def commit():
         blobs, metadata = checkpointing.encode_snapshot(await core.snapshot(),

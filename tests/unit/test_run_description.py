@@ -110,8 +110,9 @@ async def _snapshot(run, plan, model):
     core = core_lib.SyncerCore(
         run=run, plan=plan, initial_params={f.fragment_id: fragments_lib.flatten_fragment(params, f)
                                                          for f in plan.fragments},
-        outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.8, max_grace_s=1.0, liveness_timeout_s=30.0,
-        merge_history=8, clock=lambda: 0.0, wall_clock=lambda: 0.0)
+        settings=core_lib.CoreSettings(outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.8, max_grace_s=1.0,
+                                       liveness_timeout_s=30.0, merge_history=8),
+        clock=lambda: 0.0, wall_clock=lambda: 0.0)
     return await core.snapshot()
 
 
