@@ -1,14 +1,18 @@
 """The syncer core is a facade (issue 22): the servicer, the service's entry point, the wire views and
-the checkpoint benchmark call the core's methods, never its parts, and the core holds no protobuf.
+the checkpoint benchmark call the core's methods, never its parts; the core holds no protobuf; and
+it is built from plain settings that carry every knob of the SyncerConfig.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 
 from google.protobuf import message
 
+from services.syncer import config as config_lib
+from services.syncer import core as core_lib
 from tests import fakes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -48,3 +52,16 @@ def test_the_core_holds_no_protobuf(clock):
     held = {name: type(value).__name__ for name, value in vars(core).items() if isinstance(value, message.Message)}
     assert held == {}
     assert core.run.max_staleness_versions == fakes.CONFIG_DEFAULTS["max_staleness_versions"]
+
+
+def test_the_core_settings_take_each_knob_from_the_syncer_config():
+    cfg = config_lib.SyncerConfig(outer_lr=0.3, outer_momentum=0.5, grace_gamma=0.25, max_grace_s=7.0,
+                                  liveness_timeout_s=9.0, merge_history=5, quarantine_after=2,
+                                  quarantine_window_s=60.0, quarantine_s=0.0, round_trigger="upload",
+                                  outer_step_fraction="steps", token_budget=1000, norm_bound_factor=4.0)
+    settings = core_lib.CoreSettings.of(cfg)
+    renamed = {"direction": "direction_policy"}
+    for field in dataclasses.fields(settings):
+        if field.name != "max_decoding":  # the core's own bound unless a test sets one
+            assert getattr(settings, field.name) == getattr(cfg, renamed.get(field.name, field.name)), field.name
+    assert settings.norm_bound.factor == 4.0 and settings.shard_layout == cfg.shard_layout
