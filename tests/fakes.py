@@ -12,6 +12,7 @@ the knobs its scenario depends on, over the defaults below (those of the unit te
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -49,11 +50,14 @@ SPECS = [fragments_lib.TensorSpec("a", (8, 4)), fragments_lib.TensorSpec("b", (1
 # The SyncerConfig fields a core is made with unless the test gives a whole `config`.
 CONFIG_DEFAULTS = {"min_quorum": 1, "max_staleness_versions": 2, "num_fragments": 2, "overlap_steps": 2,
                    "sync_period_steps": 2, "upload_codec": "fp32"}
-# SyncerCore's keyword arguments unless the test overrides them. Rounds open with their first
+# The core's settings (CoreSettings) unless the test overrides them. Rounds open with their first
 # upload (the RunConfig still says what `config` says: no learner reads it here).
 CORE_DEFAULTS = {"outer_lr": 0.7, "outer_momentum": 0.9, "grace_gamma": 0.5, "max_grace_s": 10.0,
                  "liveness_timeout_s": 30.0, "merge_history": 16, "round_trigger": "upload"}
-_CORE_ARGS = frozenset(inspect.signature(core_lib.SyncerCore.__init__).parameters) - {"self"}
+_SETTINGS = frozenset(f.name for f in dataclasses.fields(core_lib.CoreSettings))
+# SyncerCore's own keyword arguments a test may give (stepper_factory, on_merge).
+_CORE_ARGS = _SETTINGS | (frozenset(inspect.signature(core_lib.SyncerCore.__init__).parameters)
+                          - {"self", "run", "plan", "initial_params", "settings", "clock", "wall_clock"})
 
 
 def make_core(clock: Callable[[], float] | None = None, *, config: config_lib.SyncerConfig | None = None,
@@ -65,8 +69,9 @@ def make_core(clock: Callable[[], float] | None = None, *, config: config_lib.Sy
     config: the fragment plan's shape and the RunConfig; without it, the SyncerConfig fields among
       `overrides` over CONFIG_DEFAULTS.
     initial_std: the initial parameters are N(0, initial_std^2) drawn from seed 0; 0 gives zeros.
-    overrides: SyncerCore's keyword arguments over CORE_DEFAULTS (a knob both take, such as
-      grace_gamma, goes to the core: the one that acts on it) and SyncerConfig fields.
+    overrides: CoreSettings fields over CORE_DEFAULTS (a knob both take, such as grace_gamma, goes
+      to the core: the one that acts on it), SyncerCore's stepper_factory / on_merge, and
+      SyncerConfig fields.
     """
     core_kwargs = {**CORE_DEFAULTS, **{k: v for k, v in overrides.items() if k in _CORE_ARGS}}
     fields = {k: v for k, v in overrides.items() if k not in _CORE_ARGS}
@@ -75,14 +80,15 @@ def make_core(clock: Callable[[], float] | None = None, *, config: config_lib.Sy
     elif fields:
         raise TypeError(f"give either a config or its fields, not both: {sorted(fields)}")
     plan = fragments_lib.plan_fragments(specs, config.num_fragments, config.sync_period_steps, staggered=staggered)
-    run_config = core_lib.make_run_config(cfg=config, plan=plan, model_name=model_name, model_config_json="{}",
-                                          fingerprint="f" * 64)
+    run = core_lib.make_run_settings(config, model_name=model_name, model_config_json="{}", fingerprint="f" * 64)
     rng = np.random.default_rng(0)
     initial = {f.fragment_id: (initial_std * rng.standard_normal(f.numel)).astype(np.float32) if initial_std
                else np.zeros(f.numel, np.float32) for f in plan.fragments}
     clocks = {"clock": clock, "wall_clock": clock} if clock is not None else {"clock": time.monotonic,
                                                                               "wall_clock": time.time}
-    return core_lib.SyncerCore(run_config=run_config, plan=plan, initial_params=initial, **clocks, **core_kwargs)
+    settings = core_lib.CoreSettings(**{k: v for k, v in core_kwargs.items() if k in _SETTINGS})
+    return core_lib.SyncerCore(run=run, plan=plan, initial_params=initial, settings=settings, **clocks,
+                               **{k: v for k, v in core_kwargs.items() if k not in _SETTINGS})
 
 
 def join(core: core_lib.SyncerCore, learner_id: str, incarnation: int = 1) -> syncer_pb2.JoinResponse:

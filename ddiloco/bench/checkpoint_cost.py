@@ -39,6 +39,7 @@ from ddiloco.cli import service_names
 checkpointing = service_names.load("services.syncer.checkpointing")
 config_lib = service_names.load("services.syncer.config")
 core_lib = service_names.load("services.syncer.core")
+wire_views = service_names.load("services.syncer.wire_views")
 
 _DEFAULT_OUT = pathlib.Path("bench/results/checkpoint-cost")
 
@@ -57,15 +58,13 @@ def _core(cfg: config_lib.SyncerConfig) -> tuple[core_lib.SyncerCore, object]:
                                         staggered=True)
     params = {k: np.asarray(v, dtype=np.float32) for k, v in model.init(jax.random.PRNGKey(cfg.seed)).items()}
     initial = {f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments}
-    run_config = core_lib.make_run_config(
-        cfg=cfg, plan=plan, model_name=model.name, fingerprint=models.model_fingerprint(model),
+    run = core_lib.make_run_settings(
+        cfg, model_name=model.name, fingerprint=models.model_fingerprint(model),
         model_config_json=json.dumps(dict(model.config), sort_keys=True))
     core = core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
-        liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
+        run=run, plan=plan, initial_params=initial, settings=core_lib.CoreSettings.of(cfg),
         clock=time.monotonic, wall_clock=time.time)
-    return core, checkpointing.describe_run(cfg, core.config, plan)
+    return core, checkpointing.describe_run(cfg, wire_views.run_config(core.run, plan), plan)
 
 
 def _client(addresses: list[str]):
@@ -82,17 +81,18 @@ async def _time_checkpoints(core, description, addresses: list[str], reps: int, 
     size_bytes = 0
     try:
         for step in range(1, reps + 1):
-            for slot in core.slots:  # a new global state, as after a merge
-                slot.params += rng.standard_normal(slot.params.shape).astype(np.float32) * 1e-3
             t0 = time.perf_counter()
             snapshot = await core.snapshot()
+            snapshot_s = time.perf_counter() - t0
+            for fragment in snapshot.fragments:  # a new global state, as after a merge (untimed)
+                fragment.params += rng.standard_normal(fragment.params.shape).astype(np.float32) * 1e-3
             t1 = time.perf_counter()
             blobs, metadata = await asyncio.to_thread(checkpointing.encode_snapshot, snapshot, description)
             t2 = time.perf_counter()
             refs = {name: (await client.put_blob(data), len(data)) for name, data in blobs.items()}
             await client.commit_manifest(f"bench-{len(addresses)}", step, refs, metadata)
             t3 = time.perf_counter()
-            for key, value in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            for key, value in zip(parts, (snapshot_s, t2 - t1, t3 - t2, snapshot_s + t3 - t1)):
                 parts[key].append(value)
             size_bytes = sum(len(b) for b in blobs.values())
     finally:

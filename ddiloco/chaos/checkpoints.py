@@ -8,9 +8,10 @@ import datetime
 import json
 
 
-def heldout_loss(snapshot: dict, run_config, *, max_corpus_bytes: int, num_shards: int, heldout_fraction: float = 0.05,
+def heldout_loss(snapshot, run_config, *, max_corpus_bytes: int, num_shards: int, heldout_fraction: float = 0.05,
                  data_dir: str = "", batches: int = 8, batch_size: int = 16) -> float:
-    """The held-out loss of a checkpoint's global parameters (the evaluator's computation, in process)."""
+    """The held-out loss of a checkpoint's global parameters (`snapshot`: a SyncerSnapshot), the
+    evaluator's computation, in process."""
     import jax
     import numpy as np
 
@@ -21,7 +22,7 @@ def heldout_loss(snapshot: dict, run_config, *, max_corpus_bytes: int, num_shard
 
     model = models.get_model(run_config.model_name, json.loads(run_config.model_config_json))
     plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
-    by_id = {int(f["fragment_id"]): np.asarray(f["params"], dtype=np.float32) for f in snapshot["fragments"]}
+    by_id = {f.fragment_id: np.asarray(f.params, dtype=np.float32) for f in snapshot.fragments}
     params = {}
     for frag in plan.fragments:
         params.update(fragments_lib.unflatten_fragment(by_id[frag.fragment_id], frag))
@@ -37,9 +38,9 @@ def heldout_loss(snapshot: dict, run_config, *, max_corpus_bytes: int, num_shard
 _LOSS_FNS: dict = {}
 
 
-def load_checkpoints(address: str, run_id: str) -> list[tuple[int, dict | Exception]]:
-    """Every checkpoint of `run_id` the store at `address` retains, oldest first, as (step,
-    decoded snapshot), or (step, the exception) when one does not load (I4 reports it)."""
+def load_checkpoints(address: str, run_id: str) -> list[tuple[int, object]]:
+    """Every checkpoint of `run_id` the store at `address` retains, oldest first, as (step, its
+    SyncerSnapshot), or (step, the exception) when one does not load (I4 reports it)."""
     from ddiloco import checkpoint_client
     from ddiloco.rpc import channel as channel_lib
     from ddiloco.cli import service_names
@@ -55,7 +56,7 @@ def load_checkpoints(address: str, run_id: str) -> list[tuple[int, dict | Except
             for manifest in await client.list_manifests(run_id):
                 try:
                     blobs = {ref.name: await client.get_blob(ref.digest) for ref in manifest.blobs}
-                    out.append((manifest.step, checkpointing.decode_snapshot(blobs)))
+                    out.append((manifest.step, checkpointing.load_snapshot(blobs)))
                 except Exception as exc:  # noqa: BLE001 - reported by I4
                     out.append((manifest.step, exc))
             return out

@@ -314,7 +314,7 @@ class Harness(FaultActions):
         self._emit(f"syncer stopped with {code}")
         return final
 
-    def _load_checkpoints(self) -> tuple[list, dict | None]:
+    def _load_checkpoints(self) -> tuple[list, object | None]:
         if "checkpoint" not in self.procs:
             return [], None
         loaded = load_checkpoints(self.cluster.services["checkpoint"].address, self.run_id)

@@ -228,7 +228,7 @@ class HubHarness(Harness):
         self.leader_at_end = leader
         return final
 
-    def _load_checkpoints(self) -> tuple[list, dict | None]:
+    def _load_checkpoints(self) -> tuple[list, object | None]:
         """One repair pass over both stores, then every retained checkpoint of each store."""
         self.repair_summaries = asyncio.run(_repair([self.cluster.services[n].address for n in STORES], self.run_id))
         self.store_checkpoints = {n: load_checkpoints(self.cluster.services[n].address, self.run_id) for n in STORES}

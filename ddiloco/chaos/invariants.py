@@ -342,10 +342,10 @@ def check_learner_hashes(syncer_records: Sequence[dict], summaries: Mapping[str,
     return check
 
 
-def check_checkpoints(syncer_records: Sequence[dict], checkpoints: Sequence[tuple[int, dict | Exception]]) -> Check:
+def check_checkpoints(syncer_records: Sequence[dict], checkpoints: Sequence[tuple[int, object]]) -> Check:
     """I4: every retained checkpoint loads, hashes right, is finite and is a state the syncer had.
 
-    `checkpoints`: (manifest step, decoded snapshot) per retained checkpoint, or (step, the error
+    `checkpoints`: (manifest step, its SyncerSnapshot: checkpointing.load_snapshot) per retained checkpoint, or (step, the error
     raised while loading it).
     """
     check = Check("I4 committed checkpoints load and match their hashes")
@@ -362,22 +362,22 @@ def check_checkpoints(syncer_records: Sequence[dict], checkpoints: Sequence[tupl
             check.fail(f"checkpoint at step {step} does not load: {snapshot!r}")
             continue
         good = True
-        if int(snapshot.get("outer_steps", -1)) != int(step):
+        if snapshot.outer_steps != int(step):
             good = False
-            check.fail(f"checkpoint at step {step} holds outer step {snapshot.get('outer_steps')}")
-        for frag in snapshot["fragments"]:
-            params = np.asarray(frag["params"])
+            check.fail(f"checkpoint at step {step} holds outer step {snapshot.outer_steps}")
+        for frag in snapshot.fragments:
+            params = np.asarray(frag.params)
             digest = fragments_lib.fragment_sha256(params)
-            if digest != frag["params_sha256"]:
+            if digest != frag.params_sha256:
                 good = False
-                check.fail(f"checkpoint {step} fragment {frag['fragment_id']}: sha256 {digest[:12]} != recorded "
-                           f"{frag['params_sha256'][:12]}")
+                check.fail(f"checkpoint {step} fragment {frag.fragment_id}: sha256 {digest[:12]} != recorded "
+                           f"{frag.params_sha256[:12]}")
             if not np.all(np.isfinite(params)):
                 good = False
-                check.fail(f"checkpoint {step} fragment {frag['fragment_id']}: non-finite values")
-            if syncer_records and (int(frag["version"]), digest) not in known[int(frag["fragment_id"])]:
+                check.fail(f"checkpoint {step} fragment {frag.fragment_id}: non-finite values")
+            if syncer_records and (frag.version, digest) not in known[frag.fragment_id]:
                 good = False
-                check.fail(f"checkpoint {step} fragment {frag['fragment_id']} version {frag['version']}: a state the "
+                check.fail(f"checkpoint {step} fragment {frag.fragment_id} version {frag.version}: a state the "
                            "syncer's history does not have")
         loadable += good
     if not checkpoints:

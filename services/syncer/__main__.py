@@ -46,6 +46,7 @@ from . import ledger_sink as ledger_sink_lib
 from . import metrics as syncer_metrics
 from . import servicer as servicer_lib
 from . import state as state_lib
+from . import wire_views
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
@@ -68,7 +69,7 @@ class _Checkpointer:
         # With election: the leader's epoch, written into each manifest (the store keeps one lineage).
         self.epoch = None
         # Every checkpoint says what its bytes mean (model, config, fragment plan): `ddiloco export`.
-        self._description = checkpointing.describe_run(cfg, core.config, core.plan)
+        self._description = checkpointing.describe_run(cfg, wire_views.run_config(core.run, core.plan), core.plan)
         self.commit_loop: commit_gate.CommitLoop | None = None
         if cfg.commit_before_broadcast:
             core.commit_before_broadcast = True
@@ -102,8 +103,7 @@ class _Checkpointer:
             return False
         if self._metrics is not None:
             self._metrics.checkpoint_write.observe(time.monotonic() - started)
-        core.last_checkpoint_outer_step = snapshot.outer_steps
-        core.last_checkpoint_unix_s = time.time()
+        core.note_checkpoint(snapshot.outer_steps, time.time())
         core.mark_committed(snapshot)
         if self.on_commit is not None:
             self.on_commit(snapshot)
@@ -244,7 +244,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     # With election a syncer's life (for the history) starts when it leads, once restored (_lead).
     history = None if leadership.coordinated else history_lib.attach(core, cfg.history_file)
     if cfg.merge_ledger:  # one hash-chained record per merge (ddiloco audit)
-        core.influence.ledger = influence_lib.MergeLedger(cfg.merge_ledger, max_bytes=cfg.merge_ledger_max_bytes)
+        core.attach_ledgers(ledger=influence_lib.MergeLedger(cfg.merge_ledger, max_bytes=cfg.merge_ledger_max_bytes))
     store_ledger = await _start_store_ledger(cfg, core, client, leadership)
     if store_ledger is not None:
         metrics.watch_ledger(store_ledger)
@@ -289,19 +289,14 @@ def _make_core(cfg: config_lib.SyncerConfig, model: models.Model,
     fragment shard builds and holds its own fragments only (initial.py)."""
     fingerprint = models.model_fingerprint(model)
     initial = initial_lib.initial_fragments(model, plan, cfg.seed, cfg.shard_layout.owned)
-    run_config = core_lib.make_run_config(
-        cfg=cfg, plan=plan, model_name=model.name, model_config_json=json.dumps(dict(model.config), sort_keys=True),
+    run = core_lib.make_run_settings(
+        cfg, model_name=model.name, model_config_json=json.dumps(dict(model.config), sort_keys=True),
         fingerprint=fingerprint,
     )
     return core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params=initial, outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum, grace_gamma=cfg.grace_gamma, max_grace_s=cfg.max_grace_s,
-        liveness_timeout_s=cfg.liveness_timeout_s, merge_history=cfg.merge_history,
-        clock=time.monotonic, wall_clock=time.time, norm_bound=cfg.norm_bound,
-        quarantine_after=cfg.quarantine_after, quarantine_window_s=cfg.quarantine_window_s,
-        quarantine_s=cfg.quarantine_s, direction=cfg.direction_policy, stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == "dp" else None,
-        round_trigger=cfg.round_trigger, outer_step_fraction=cfg.outer_step_fraction,
-        token_budget=cfg.token_budget, shard_layout=cfg.shard_layout,
+        run=run, plan=plan, initial_params=initial, settings=core_lib.CoreSettings.of(cfg),
+        clock=time.monotonic, wall_clock=time.time,
+        stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == "dp" else None,
     )
 
 
@@ -456,9 +451,8 @@ async def _start_store_ledger(cfg, core, client, leadership) -> ledger_sink_lib.
         return None
     sink = ledger_sink_lib.StoreLedger(client, cfg.store_run_id, call_timeout_s=10.0,
                                        blob_timeout_s=cfg.checkpoint_timeout_s)
-    core.influence.store_ledger = sink
-    core.influence.retain_contributions = cfg.retain_contributions
-    core.influence.epoch = lambda: leadership.epoch
+    core.attach_ledgers(store_ledger=sink, retain_contributions=cfg.retain_contributions,
+                        epoch=lambda: leadership.epoch)
     if not leadership.coordinated:
         try:
             await sink.resume()

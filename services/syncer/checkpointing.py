@@ -33,7 +33,7 @@ _TRAINING_FIELDS = ("sync_mode", "seed", "outer_lr", "outer_momentum", "outer_st
 
 def describe_run(cfg, run_config, plan: fragments_lib.FragmentPlan) -> run_description_lib.RunDescription:
     """The `run` blob's record for a syncer started with `cfg` (a SyncerConfig); `run_config` is the
-    RunConfig learners adopt (wire_views.make_run_config), passed through to the library unread."""
+    RunConfig learners adopt (wire_views.run_config), passed through to the library unread."""
     training = {name: getattr(cfg, name) for name in _TRAINING_FIELDS if hasattr(cfg, name)}
     return run_description_lib.describe(run_config, plan, training)
 
@@ -74,15 +74,13 @@ def encode_snapshot(snapshot: state_lib.SyncerSnapshot,
 
 
 def load_snapshot(blobs: dict[str, bytes]) -> state_lib.SyncerSnapshot:
-    """Inverse of encode_snapshot: the typed snapshot SyncerCore.restore takes; ValueError when the
-    checkpoint is malformed."""
-    return state_lib.SyncerSnapshot.from_dict(decode_snapshot(blobs))
+    """Inverse of encode_snapshot: the typed snapshot SyncerCore.restore takes, and the tools read
+    without a syncer (the chaos invariants, tests); ValueError when the checkpoint is malformed."""
+    return state_lib.SyncerSnapshot.from_dict(_checkpoint_form(blobs))
 
 
-def decode_snapshot(blobs: dict[str, bytes]) -> dict:
-    """The checkpoint form of the blobs (SyncerSnapshot.to_dict's, the arrays loaded), for the tools
-    that read a checkpoint without a syncer (the chaos invariants, tests); a syncer restores
-    `load_snapshot`'s typed snapshot. ValueError when the checkpoint is malformed."""
+def _checkpoint_form(blobs: dict[str, bytes]) -> dict:
+    """The blobs as SyncerSnapshot.to_dict's form, the arrays loaded."""
     try:
         state = json.loads(blobs["state"])
     except (KeyError, json.JSONDecodeError) as exc:

@@ -6,7 +6,8 @@ direction check; admission.py), `rounds` (merge rounds, grace window and timers,
 merging.py), `publisher` / `watchers` / `observers` (what leaves the core; publishing.py), the
 per-fragment `slots` and which of them this syncer owns (slots.py), `evals` (the eval log;
 evals.py) and `snapshots` (the typed snapshot a restart needs; snapshots.py). The parts tell the
-core about changes through callbacks; only the core calls across parts.
+core about changes through callbacks; only the core calls across parts. It is built from plain
+settings (settings.py: the run's `RunSettings`, the syncer's `CoreSettings`, both from a SyncerConfig).
 No protobuf here either: the core takes the plain forms of the requests and answers with plain
 values; the servicer makes those forms and builds every response and the TrainingState from them
 (services/syncer/wire_views.py).
@@ -45,17 +46,17 @@ from . import influence as influence_lib
 from . import membership as membership_lib
 from . import merging as merging_lib
 from . import publishing as publishing_lib
+from . import settings as settings_lib
 from . import slots as slots_lib
 from . import snapshots as snapshots_lib
 from . import state as state_lib
-from . import wire_views
 
 _LOG = logging.getLogger("ddiloco.syncer")
 
-ROUND_TRIGGERS = ("schedule", "upload")
 
-# The RunConfig learners adopt, built from flags (wire_views.make_run_config): tools build a core with it.
-make_run_config = wire_views.make_run_config
+# The core's configuration in plain values, from the flags (settings.py): tools build a core with them.
+make_run_settings = settings_lib.RunSettings.of
+CoreSettings = settings_lib.CoreSettings
 
 
 class Joined(NamedTuple):
@@ -73,13 +74,40 @@ class Accepted(NamedTuple):
     weight: float
 
 
-def _check_knobs(round_trigger: str, outer_step_fraction: str, token_budget: int) -> None:
-    if round_trigger not in ROUND_TRIGGERS:
-        raise ValueError(f"round_trigger={round_trigger!r} is not one of {ROUND_TRIGGERS}")
-    if outer_step_fraction not in outer_lib.OUTER_STEP_FRACTIONS:
-        raise ValueError(f"outer_step_fraction={outer_step_fraction!r} is not one of {outer_lib.OUTER_STEP_FRACTIONS}")
-    if token_budget < 0:
-        raise ValueError(f"token_budget={token_budget} must be >= 0")
+class Status(NamedTuple):
+    """The syncer's state now in plain values, what the TrainingState is built from
+    (wire_views.training_state)."""
+
+    run: settings_lib.RunSettings
+    plan: fragments_lib.FragmentPlan
+    instance: str
+    shards: shards_lib.ShardLayout
+    started_at_unix_s: float
+    now_s: float  # the core's clock: the members' status is judged at it
+    now_unix_s: float
+    liveness_timeout_s: float
+    outer_steps: int
+    tokens_merged: int
+    tokens_processed: int
+    token_budget: int
+    fragments: list[slots_lib.FragmentStatus]  # the owned ones
+    members: list[membership_lib.Member]  # by learner id; read only
+    recent_merges: list[merging_lib.MergeRecord]
+    evals: list[state_lib.EvalSnapshot]
+    influence: list[influence_lib.LearnerInfluence]
+    bytes_in: int
+    bytes_out: int
+    uploads: dict[str, int]
+    auth_failures: dict[str, int]
+    quarantines: int
+    direction_judgments: dict[str, int]
+    grace_window_s: float
+    step_time_s: float
+    quorum_time_s: float
+    sync_time_s: float
+    last_checkpoint_outer_step: int
+    last_checkpoint_unix_s: float
+    restored_from_checkpoint: bool
 
 
 class SyncerCore:
@@ -87,95 +115,79 @@ class SyncerCore:
 
     commit_before_broadcast = False  # set by __main__ (--commit-before-broadcast): see sendable
 
-    # See SyncerConfig for the meaning of each knob. `quarantine_after` 0 disables quarantine;
-    # `quarantine_s` 0 quarantines until restart. `stepper_factory` gives each fragment its own
-    # outer optimizer (the data-parallel baseline's AdamW); by default every fragment shares
-    # Nesterov SGD with `outer_lr` and `outer_momentum`. `max_decoding`: contributions between
-    # decode and fold-in at once (default: see Admission). `round_trigger`: "schedule" (decoupled
-    # mode: rounds open on the syncer's schedule, ddiloco.algo.rounds) or "upload" (a round opens with
-    # its first contribution; the synchronous modes, whose learners upload together, always use it).
-    # `outer_step_fraction`: "steps", "work" or "whole" (ddiloco.algo.outer.merge_share). `token_budget`: the
-    # run ends once tokens_processed() reaches it (0: never; see budget_reached).
+    # `stepper_factory` gives each fragment its own outer optimizer (the data-parallel baseline's
+    # AdamW); by default every fragment shares Nesterov SGD with `settings.outer_lr` and `outer_momentum`.
     def __init__(
         self,
         *,
-        run_config,  # the RunConfig learners adopt (make_run_config): held for the responses, read as RunSettings
+        run: settings_lib.RunSettings,  # the run's configuration learners adopt (make_run_settings)
         plan: fragments_lib.FragmentPlan,
-        initial_params: Mapping[int, np.ndarray],
-        outer_lr: float,
-        outer_momentum: float,
-        grace_gamma: float,
-        max_grace_s: float,
-        liveness_timeout_s: float,
-        merge_history: int,
+        initial_params: Mapping[int, np.ndarray],  # of the fragments this syncer owns, at least
+        settings: CoreSettings,
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
-        on_merge: Callable[[], None] | None = None,
-        norm_bound: robust_lib.NormBoundPolicy | None = None,
-        quarantine_after: int = 3,
-        quarantine_window_s: float = 600.0,
-        quarantine_s: float = 3600.0,
-        direction: robust_lib.DirectionPolicy | None = None,
         stepper_factory: Callable[[fragments_lib.Fragment], outer_lib.OuterStepper] | None = None,
-        max_decoding: int | None = None,
-        round_trigger: str = "schedule",
-        outer_step_fraction: str = "whole",
-        token_budget: int = 0, shard_layout: shards_lib.ShardLayout | None = None,
+        on_merge: Callable[[], None] | None = None,
     ) -> None:
-        _check_knobs(round_trigger, outer_step_fraction, token_budget)
-        self.config, self.plan, self.token_budget = run_config, plan, token_budget
-        settings = wire_views.run_settings(run_config)
+        self.run, self.plan, self.settings, self.token_budget = run, plan, settings, settings.token_budget
         self.instance = uuid.uuid4().hex
         self.clock, self.wall_clock = clock, wall_clock  # read by the views of the state too (wire_views, metrics)
         self.on_merge = on_merge
-        self.norm_bound = norm_bound or robust_lib.NormBoundPolicy()
+        self.norm_bound = settings.norm_bound or robust_lib.NormBoundPolicy()
         # Off unless given (the syncer service passes SyncerConfig.direction_policy, on by default).
-        self.direction = direction or robust_lib.DirectionPolicy(mode="off")
+        self.direction = settings.direction or robust_lib.DirectionPolicy(mode="off")
         self.observers = publishing_lib.Observers()
         self.watchers = publishing_lib.Watchers()
         # Fault tests only: __main__ arms named crash points here (ddiloco.failpoints).
         self.failpoint: Callable[[str], None] = lambda name: None
-        steppers = slots_lib.outer_steppers(plan, outer_lr, outer_momentum, stepper_factory)
+        steppers = slots_lib.outer_steppers(plan, settings.outer_lr, settings.outer_momentum, stepper_factory)
         # A shard builds only its own fragments' values and state (`initial_params` needs no others).
-        self.slots = slots_lib.build_slots(plan, shard_layout, initial_params, steppers, self.norm_bound)
+        self.slots = slots_lib.build_slots(plan, settings.shard_layout, initial_params, steppers, self.norm_bound)
         self.shards = self.slots.layout  # which fragments this syncer owns (fragment shards)
         self.owned, self.owned_slots = self.slots.owned, self.slots.owned_slots
         self.directions = robust_lib.DirectionGuard(self.direction, [plan.fragments[f] for f in sorted(self.owned)])
-        self.publisher = publishing_lib.Publisher(download_codec=settings.download_codec,
-                                                  block_size=settings.upload_block_size, zstd_level=settings.zstd_level)
+        self.publisher = publishing_lib.Publisher(download_codec=run.download_codec,
+                                                  block_size=run.upload_block_size, zstd_level=run.zstd_level)
         self.evals = evals_lib.EvalLog(wall_clock)
         self.uploads: collections.Counter = collections.Counter()  # shared by the parts: never rebound
         self.membership = membership_lib.Membership(
-            model_fingerprint=settings.model_fingerprint, model_name=settings.model_name,
-            clock=clock, wall_clock=wall_clock, liveness_timeout_s=liveness_timeout_s,
-            quarantine_after=quarantine_after, quarantine_window_s=quarantine_window_s, quarantine_s=quarantine_s,
-            uploads=self.uploads, emit=self._emit, on_change=self._notify, on_quarantine=self._after_quarantine)
+            model_fingerprint=run.model_fingerprint, model_name=run.model_name,
+            clock=clock, wall_clock=wall_clock, liveness_timeout_s=settings.liveness_timeout_s,
+            quarantine_after=settings.quarantine_after, quarantine_window_s=settings.quarantine_window_s,
+            quarantine_s=settings.quarantine_s, uploads=self.uploads, emit=self._emit, on_change=self._notify,
+            on_quarantine=self._after_quarantine)
         self.admission = admission_lib.Admission(
             instance=self.instance, plan=plan, slots=self.slots, membership=self.membership,
             directions=self.directions, direction_policy=self.direction, norm_bound=self.norm_bound,
-            uploads=self.uploads, clock=clock,
-            max_decoding=max_decoding or backpressure_lib.decoding_bound(self.owned, self.direction.min_others))
-        self.rounds = merging_lib.Rounds(
-            settings=wire_views.round_settings(run_config), plan=plan, slots=self.slots, steppers=steppers,
-            scheduled=round_trigger == "schedule" and settings.sync_mode in ("", "decoupled"),
-            outer_step_fraction=outer_step_fraction, merge_history=merge_history, grace_gamma=grace_gamma,
-            max_grace_s=max_grace_s, uploads=self.uploads, clock=clock, wall_clock=wall_clock,
-            membership=self.membership, publisher=self.publisher, tick=lambda: self.tick(), notify=self._notify,
-            emit=self._emit, failpoint=lambda name: self.failpoint(name), merged=self._merged, owned=self.owned)
+            uploads=self.uploads, clock=clock, max_decoding=settings.max_decoding
+            or backpressure_lib.decoding_bound(self.owned, self.direction.min_others))
+        self.rounds = self._rounds(steppers, stepper_factory is None)
         # Who influenced each merge (services/syncer/influence.py); __main__ gives it the ledger.
-        self.influence = influence_lib.Influence(run_id=settings.run_id, instance=self.instance,
+        self.influence = influence_lib.Influence(run_id=run.run_id, instance=self.instance,
                                                  directions=self.directions)
         self.admission.influence = self.rounds.influence = self.influence
-        # For the ledger's replayable records: the outer optimizer, when it is the shared Nesterov SGD.
-        self.rounds.outer = ({"lr": outer_lr, "momentum": outer_momentum, "nesterov": True}
-                             if stepper_factory is None else None)
         self.snapshots = snapshots_lib.Snapshots(
             slots=self.slots, owned_slots=self.owned_slots, shards=self.shards, membership=self.membership,
             rounds=self.rounds, uploads=self.uploads, evals=self.evals, clock=clock, wall_clock=wall_clock)
         self.started_at_unix_s = wall_clock()
         self.restored_from_checkpoint = False
-        # The last committed checkpoint (__main__'s checkpointer sets them; restore too).
+        # The last committed checkpoint (note_checkpoint; restore too).
         self.last_checkpoint_outer_step, self.last_checkpoint_unix_s = 0, 0.0
+
+    def _rounds(self, steppers: list[outer_lib.OuterStepper], shared_sgd: bool) -> merging_lib.Rounds:
+        run, settings = self.run, self.settings
+        rounds = merging_lib.Rounds(
+            settings=settings_lib.round_settings(run), plan=self.plan, slots=self.slots, steppers=steppers,
+            scheduled=settings.round_trigger == "schedule" and run.sync_mode in ("", "decoupled"),
+            outer_step_fraction=settings.outer_step_fraction, merge_history=settings.merge_history,
+            grace_gamma=settings.grace_gamma, max_grace_s=settings.max_grace_s, uploads=self.uploads,
+            clock=self.clock, wall_clock=self.wall_clock, membership=self.membership, publisher=self.publisher,
+            tick=lambda: self.tick(), notify=self._notify, emit=self._emit,
+            failpoint=lambda name: self.failpoint(name), merged=self._merged, owned=self.owned)
+        # For the ledger's replayable records: the outer optimizer, when it is the shared Nesterov SGD.
+        rounds.outer = ({"lr": settings.outer_lr, "momentum": settings.outer_momentum, "nesterov": True}
+                        if shared_sgd else None)
+        return rounds
 
     # ------------------------------------------- the parts' state, as the views and tools read it
 
@@ -299,6 +311,14 @@ class SyncerCore:
                          work: tuple | None = None) -> None:
         """Counts one refused upload by reason, once; a strike once per `work` (Membership.record_rejection)."""
         self.membership.record_rejection(reason, learner_id, exc, work=work)
+
+    def count_upload(self, event: str) -> None:
+        """Counts an upload event the servicer sees (TrainingState.uploads): "waited_for_slot", "slowed"."""
+        self.uploads[event] += 1
+
+    def note_watch_refused(self, rpc: str, limit: str) -> None:
+        """A watch stream refused at its cap (ddiloco_syncer_watch_refusals_total)."""
+        self._emit("watch_refused", rpc, limit)
 
     def record_auth_failure(self, reason: str, *, caller: str = "", method: str = "") -> None:
         self.membership.record_auth_failure(reason, caller=caller, method=method)
@@ -474,6 +494,28 @@ class SyncerCore:
         if self.commit_before_broadcast:
             self._notify()
 
+    def owned_fragment_ids(self) -> list[int]:
+        """The fragments this syncer (shard) owns, in order: those it streams and calls rounds of."""
+        return [s.fragment.fragment_id for s in self.owned_slots]
+
+    def published_sha256(self) -> dict[int, str]:
+        """What learners hold of each owned fragment's current version, by digest."""
+        return {s.fragment.fragment_id: s.published_sha256 for s in self.owned_slots}
+
+    async def download(self, fragment_id: int, held_version: int, *,
+                       accept_delta: bool) -> tuple[int, codec_lib.EncodedPayload, bool] | None:
+        """(version, payload, is_delta) of an owned fragment for a watcher holding `held_version`
+        (-1: none), None when it holds the current one. A watcher holding the previous version that
+        accepts deltas gets the (smaller) delta when the download codec is lossy; anyone else gets
+        the exact float32 values."""
+        slot = self.slots[fragment_id]
+        if slot.version <= held_version or not self.sendable(slot):
+            return None
+        delta = self.delta_payload(slot, held_version) if accept_delta else None
+        if delta is not None:
+            return (*delta, True)
+        return (*(await self.encoded_payload(slot)), False)
+
     def wake_watchers(self) -> None:
         """Wakes every wait_for_change now (shutdown: watch streams end without waiting a poll)."""
         self._notify()
@@ -490,6 +532,40 @@ class SyncerCore:
         self._notify()
 
     # ---------------------------------------------------------------------------------- state
+
+    def status(self, recent_merges: int) -> Status:
+        """The state now, with the last `recent_merges` merges (0: none): the TrainingState's values."""
+        membership, rounds = self.membership, self.rounds
+        return Status(
+            run=self.run, plan=self.plan, instance=self.instance, shards=self.shards,
+            started_at_unix_s=self.started_at_unix_s, now_s=self.clock(), now_unix_s=self.wall_clock(),
+            liveness_timeout_s=membership.liveness_timeout_s, outer_steps=rounds.outer_steps,
+            tokens_merged=rounds.tokens_merged, tokens_processed=self.tokens_processed(),
+            token_budget=self.token_budget, fragments=[s.status() for s in self.owned_slots],
+            members=sorted(membership.members.values(), key=lambda m: m.learner_id),
+            recent_merges=list(rounds.merges)[-recent_merges:] if recent_merges else [],
+            evals=list(self.evals), influence=self.influence.summary(),
+            bytes_in=membership.bytes_in, bytes_out=membership.bytes_out, uploads=dict(self.uploads),
+            auth_failures=dict(membership.auth_failures), quarantines=membership.quarantines,
+            direction_judgments=dict(self.admission.direction_judgments), grace_window_s=self.grace_window_s(),
+            step_time_s=self.step_time_s(), quorum_time_s=rounds.quorum_time.value or 0.0,
+            sync_time_s=rounds.sync_time.value or 0.0, last_checkpoint_outer_step=self.last_checkpoint_outer_step,
+            last_checkpoint_unix_s=self.last_checkpoint_unix_s, restored_from_checkpoint=self.restored_from_checkpoint)
+
+    def note_checkpoint(self, outer_step: int, unix_s: float) -> None:
+        """A checkpoint of the state at `outer_step` was committed at `unix_s` (__main__'s checkpointer)."""
+        self.last_checkpoint_outer_step, self.last_checkpoint_unix_s = outer_step, unix_s
+
+    def attach_ledgers(self, *, ledger=None, store_ledger=None, retain_contributions: bool = False,
+                       epoch: Callable[[], int] | None = None) -> None:
+        """Where the merges' influence records go (Influence): a local MergeLedger file, and/or the
+        checkpoint store's ledger with the contributions retained or not and the leader's epoch."""
+        if ledger is not None:
+            self.influence.ledger = ledger
+        if store_ledger is not None:
+            self.influence.store_ledger, self.influence.retain_contributions = store_ledger, retain_contributions
+        if epoch is not None:
+            self.influence.epoch = epoch
 
     async def snapshot(self) -> state_lib.SyncerSnapshot:
         """A consistent copy of everything a restart needs (Snapshots.take)."""

@@ -213,7 +213,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         self._gauge = backpressure.LoadGauge(contended=lambda: self._uploads_running > 1)
 
         def refused(rpc: str, limit: str) -> None:
-            core.observers.emit("watch_refused", rpc, limit)  # ddiloco_syncer_watch_refusals_total
+            core.note_watch_refused(rpc, limit)  # ddiloco_syncer_watch_refusals_total
 
         self._state_streams = _OpenStreams("WatchTrainingState", state_watch_cap, refused)
         self._fragment_streams = _OpenStreams("WatchFragments", fragment_watch_cap, refused)
@@ -297,7 +297,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         iterator = request_iterator.__aiter__()
         scope = _UploadScope()
         if self._upload_slots.locked():
-            self._core.uploads["waited_for_slot"] += 1
+            self._core.count_upload("waited_for_slot")
             remaining_s = context.time_remaining()
             wait_s = None if remaining_s is None else max(0.0, remaining_s - _DEADLINE_MARGIN_S)
             try:
@@ -387,7 +387,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         scope.acknowledged = True
         wire_bytes = first.ByteSize()
         assembler = serde.ChunkAssembler(header.payload.payload_size_bytes,
-                                         max_chunk_bytes=self._core.config.chunk_size_bytes, keep=incoming is None)
+                                         max_chunk_bytes=self._core.run.chunk_size_bytes, keep=incoming is None)
         while not assembler.done:
             try:
                 msg = await _next_request(iterator, self._upload_idle_timeout_s)
@@ -431,7 +431,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
         period_s = self._core.plan.sync_period_steps * self._core.step_time_s()
         response.next_upload_after_s = self._gauge.next_upload_after_s(period_s)
         if response.next_upload_after_s:
-            self._core.uploads["slowed"] += 1
+            self._core.count_upload("slowed")
             self._core.note_hold(ticket.header, response.next_upload_after_s)
         return response
 
@@ -451,10 +451,10 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
             await self._abort(context, "WatchFragments", exc)
         held = serde.versions_from_proto(request.held) if request.syncer_instance == core.instance else {}
         # A shard streams (and calls learners to) only the fragments it owns.
-        sent = {s.fragment.fragment_id: held.get(s.fragment.fragment_id, -1) for s in core.owned_slots}
-        chunk_size = min(core.config.chunk_size_bytes, WATCH_CHUNK_BYTES)
+        sent = {fid: held.get(fid, -1) for fid in core.owned_fragment_ids()}
+        chunk_size = min(core.run.chunk_size_bytes, WATCH_CHUNK_BYTES)
         member = core.member(request.learner_id)
-        called = {s.fragment.fragment_id: 0 for s in core.owned_slots}  # the last round this learner was called to
+        called = dict.fromkeys(sent, 0)  # the last round this learner was called to
         seen = -1
         while True:
             await self._end_if_shutting_down(context)
@@ -463,24 +463,18 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 return
             seen = core.change_counter
             if not observer:
-                for slot in core.owned_slots:
-                    call = core.round_call(slot.fragment.fragment_id, request.learner_id)
+                for fid in sent:
+                    call = core.round_call(fid, request.learner_id)
                     if call is not None and call.round > called[call.fragment_id]:
                         called[call.fragment_id] = call.round
                         yield syncer_pb2.WatchFragmentsResponse(round_call=wire_views.round_call(call))
-            for slot in core.owned_slots:
-                fid = slot.fragment.fragment_id
-                if slot.version <= sent[fid] or not core.sendable(slot):
+            for fid in sent:
+                download = await core.download(fid, sent[fid], accept_delta=request.accept_delta)
+                if download is None:
                     continue
-                # A client holding the previous version gets the (smaller) delta when the run's
-                # download codec is lossy; anyone else gets the exact float32 values.
-                delta = core.delta_payload(slot, sent[fid]) if request.accept_delta else None
-                if delta is not None:
-                    version, encoded = delta
-                else:
-                    version, encoded = await core.encoded_payload(slot)
+                version, encoded, is_delta = download
                 messages, out_bytes = self._watch_messages.get(core.instance, fid, version, encoded,
-                                                                delta is not None, chunk_size, self.epoch)
+                                                                is_delta, chunk_size, self.epoch)
                 if not observer:  # which of this learner's work the version holds (rebase on arrival)
                     receipt = wire_views.merge_receipt(
                         fid, version, core.merged_through_step(request.learner_id, request.incarnation, fid, version))
@@ -489,7 +483,7 @@ class SyncerServicer(syncer_pb2_grpc.SyncerServicer):
                 for msg in messages:
                     yield msg
                 core.count_bytes(member, outbound=out_bytes, codec=encoded.codec)
-                messages = encoded = delta = None  # not held while this stream waits (_WatchMessages)
+                messages = encoded = download = None  # not held while this stream waits (_WatchMessages)
                 sent[fid] = version
                 if not observer:
                     core.broadcast_sent(request.learner_id, fid, version)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,6 +48,19 @@ class Round:
     # the merge's own inputs (rules, caps, outer step), so that `ddiloco audit replay` can redo it.
     folds: list = dataclasses.field(default_factory=list)
     merge_inputs: dict | None = None
+
+
+class FragmentStatus(NamedTuple):
+    """One fragment's row of the training state now (FragmentSlot.status; wire_views.fragment_state)."""
+
+    fragment_id: int
+    version: int
+    numel: int
+    pending_contributions: int  # folded into the open round
+    params_sha256: str
+    published_sha256: str
+    round: int  # rounds opened so far
+    round_open: bool
 
 
 @dataclasses.dataclass
@@ -149,6 +163,13 @@ class FragmentSlot:
         self.params_sha256 = digest
         self.encoded = None
         self.round = None
+
+    def status(self) -> FragmentStatus:
+        return FragmentStatus(
+            fragment_id=self.fragment.fragment_id, version=self.version, numel=self.fragment.numel,
+            pending_contributions=len(self.round.contributions) if self.round else 0,
+            params_sha256=self.params_sha256, published_sha256=self.published_sha256, round=self.rounds_opened,
+            round_open=bool(self.round is not None and self.round.open))
 
     def cancel_timer(self) -> None:
         if self.timer is not None:

@@ -2,10 +2,9 @@
 
 Owns `SyncerSnapshot` (with `FragmentSnapshot`, `MemberSnapshot`, `EvalSnapshot`): what a checkpoint
 keeps, and its conversion to and from the checkpoint's JSON-friendly form
-(services/syncer/checkpointing.py stores that form); and the plain forms of what the core reads of
-the RunConfig (`RunSettings`) and of a ReportEvalRequest (`EvalReport`). The protobuf views of this
-state (RunConfig, the TrainingState rows, EvalRecord) live in services/syncer/wire_views.py, next
-to the servicer, which also makes these plain forms.
+(services/syncer/checkpointing.py stores that form); and the plain form of a ReportEvalRequest
+(`EvalReport`). The protobuf views of this state (the TrainingState rows, EvalRecord) live in
+services/syncer/wire_views.py, next to the servicer, which also makes these plain forms.
 Must not: import generated protobuf code; take locks or mutate the core (snapshots.Snapshots calls
 these under the fragments' locks, on the core's loop).
 """
@@ -132,18 +131,6 @@ class MemberSnapshot:
             member.quarantined_until_s = now_s + self.quarantine_remaining_s
             member.quarantined_until_unix_s = now_unix_s + self.quarantine_remaining_s
         return member
-
-
-class RunSettings(NamedTuple):
-    """What the core reads of the RunConfig learners adopt (wire_views.run_settings)."""
-
-    run_id: str
-    model_name: str
-    model_fingerprint: str
-    sync_mode: str  # "" or "decoupled": the rounds follow the schedule (with round_trigger "schedule")
-    download_codec: str  # by name (ddiloco.wire.codec)
-    upload_block_size: int
-    zstd_level: int
 
 
 class EvalReport(NamedTuple):

@@ -1,8 +1,7 @@
 """The protobuf views of the syncer's plain state: the one place below the servicer that builds
 syncer_pb2 messages from the parts' Python values.
 
-Owns `make_run_config` (the RunConfig learners adopt) and the part of it the rounds read
-(`round_settings`), the TrainingState (`training_state`) and its rows (`member_state`,
+Owns the RunConfig learners adopt (`run_config`, of the core's plain RunSettings), the TrainingState (`training_state`) and its rows (`member_state`,
 `fragment_state`, `merge_record`, `learner_influence`, `eval_record`), the RoundCall of a watch
 stream (`round_call`), and the plain forms of the requests membership reads (`join_args`,
 `progress`) and of the upload header admission reads (`upload_header`).
@@ -14,6 +13,7 @@ Must not: hold state, take locks or mutate the core; called on the core's loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ddiloco import build_info
 from ddiloco.algo import fragments as fragments_lib
@@ -23,6 +23,7 @@ from . import admission as admission_lib
 from . import influence as influence_lib
 from . import membership as membership_lib
 from . import merging as merging_lib
+from . import settings as settings_lib
 from . import slots as slots_lib
 from . import state as state_lib
 
@@ -60,22 +61,14 @@ def eval_report(req: syncer_pb2.ReportEvalRequest) -> state_lib.EvalReport:
                                 outer_steps=sum(v.version for v in req.evaluated))
 
 
-def run_settings(run_config: syncer_pb2.RunConfig) -> state_lib.RunSettings:
-    """What the core reads of the RunConfig."""
-    return state_lib.RunSettings(
-        run_id=run_config.run_id, model_name=run_config.model_name, model_fingerprint=run_config.model_fingerprint,
-        sync_mode=run_config.sync_mode, download_codec=serde.codec_from_proto(run_config.download_codec),
-        upload_block_size=run_config.upload_block_size, zstd_level=run_config.zstd_level)
-
-
 def join_response(core, member: membership_lib.Member, *, assign_data_shard: bool) -> syncer_pb2.JoinResponse:
     """A joined learner's answer: the run's config, the versions and digests, its data shard, and
     whether the run's token budget is already spent."""
     return syncer_pb2.JoinResponse(
-        config=core.config,
+        config=_run_config(core.run, core.plan),
         fragment_versions=serde.versions_to_proto(core.versions()),
         syncer_instance=core.instance,
-        published_sha256={s.fragment.fragment_id: s.published_sha256 for s in core.owned_slots},
+        published_sha256=core.published_sha256(),
         data_shard=max(member.data_shard, 0),
         data_shard_assigned=member.data_shard_assigned and assign_data_shard,
         schedule_start_step=member.steps_prev_lives,
@@ -142,54 +135,46 @@ def member_state(m: membership_lib.Member, *, now_s: float, liveness_timeout_s: 
     )
 
 
-def fragment_state(s: slots_lib.FragmentSlot) -> syncer_pb2.FragmentState:
+def fragment_state(s: slots_lib.FragmentStatus) -> syncer_pb2.FragmentState:
     """One fragment's row of the TrainingState."""
-    return syncer_pb2.FragmentState(
-        fragment_id=s.fragment.fragment_id, version=s.version, numel=s.fragment.numel,
-        pending_contributions=len(s.round.contributions) if s.round else 0,
-        params_sha256=s.params_sha256,
-        published_sha256=s.published_sha256,
-        round=s.rounds_opened,
-        round_open=bool(s.round is not None and s.round.open),
-    )
+    return syncer_pb2.FragmentState(**s._asdict())
 
 
-def make_run_config(*, cfg, plan: fragments_lib.FragmentPlan, model_name: str, model_config_json: str,
-                    fingerprint: str) -> syncer_pb2.RunConfig:
-    """The RunConfig learners adopt, from the syncer's configuration and fragment plan."""
+def run_config(run: settings_lib.RunSettings, plan: fragments_lib.FragmentPlan) -> syncer_pb2.RunConfig:
+    """The RunConfig learners adopt, from the run's settings and the fragment plan (the core's
+    `run` and `plan`): a copy of its own."""
+    config = syncer_pb2.RunConfig()
+    config.CopyFrom(_run_config(run, plan))
+    return config
+
+
+@functools.lru_cache(maxsize=4)  # one run a syncer; its plan may list thousands of tensors. Shared: read only
+def _run_config(run: settings_lib.RunSettings, plan: fragments_lib.FragmentPlan) -> syncer_pb2.RunConfig:
     return syncer_pb2.RunConfig(
-        run_id=cfg.run_id,
-        model_name=model_name,
-        model_config_json=model_config_json,
-        model_fingerprint=fingerprint,
+        run_id=run.run_id,
+        model_name=run.model_name,
+        model_config_json=run.model_config_json,
+        model_fingerprint=run.model_fingerprint,
         num_fragments=plan.num_fragments,
         sync_period_steps=plan.sync_period_steps,
-        overlap_steps=cfg.overlap_steps,
-        min_quorum=cfg.min_quorum,
-        upload_codec=serde.codec_to_proto(cfg.upload_codec),
-        upload_block_size=cfg.upload_block_size,
-        download_codec=serde.codec_to_proto(cfg.download_codec),
-        chunk_size_bytes=cfg.chunk_size_bytes,
-        max_staleness_versions=cfg.max_staleness_versions,
-        mixing_alpha=cfg.mixing_alpha,
-        on_arrival=cfg.on_arrival,
-        round_trigger=cfg.round_trigger,
+        overlap_steps=run.overlap_steps,
+        min_quorum=run.min_quorum,
+        upload_codec=serde.codec_to_proto(run.upload_codec),
+        upload_block_size=run.upload_block_size,
+        download_codec=serde.codec_to_proto(run.download_codec),
+        chunk_size_bytes=run.chunk_size_bytes,
+        max_staleness_versions=run.max_staleness_versions,
+        mixing_alpha=run.mixing_alpha,
+        on_arrival=run.on_arrival,
+        round_trigger=run.round_trigger,
         fragments=serde.plan_to_proto(plan),
-        zstd_level=cfg.zstd_level,
-        merge_rule=cfg.merge_rule,
-        embedding_merge_rule=cfg.embedding_merge_rule,
+        zstd_level=run.zstd_level,
+        merge_rule=run.merge_rule,
+        embedding_merge_rule=run.embedding_merge_rule,
         protocol_version=serde.PROTOCOL_VERSION,
-        sync_mode=cfg.sync_mode,
-        init_seed=cfg.seed,
+        sync_mode=run.sync_mode,
+        init_seed=run.init_seed,
     )
-
-
-def round_settings(run_config: syncer_pb2.RunConfig) -> merging_lib.RoundSettings:
-    """What the rounds read of the RunConfig."""
-    return merging_lib.RoundSettings(
-        merge_rule=run_config.merge_rule, embedding_merge_rule=run_config.embedding_merge_rule,
-        overlap_steps=run_config.overlap_steps, min_quorum=run_config.min_quorum,
-        max_staleness_versions=run_config.max_staleness_versions)
 
 
 def round_call(call: merging_lib.RoundCall) -> syncer_pb2.RoundCall:
@@ -217,41 +202,38 @@ def learner_influence(i: influence_lib.LearnerInfluence) -> syncer_pb2.LearnerIn
 
 
 def training_state(core, recent_merges: int) -> syncer_pb2.TrainingState:
-    """The TrainingState of a SyncerCore now, with its last `recent_merges` merges (0: none).
-    Call on the core's loop."""
-    now = core.clock()
-    members = [member_state(m, now_s=now, liveness_timeout_s=core.liveness_timeout_s)
-               for m in sorted(core.members.values(), key=lambda m: m.learner_id)]
-    merges = list(core.merges)[-recent_merges:] if recent_merges else []
+    """The TrainingState of a SyncerCore now (SyncerCore.status), with its last `recent_merges`
+    merges (0: none). Call on the core's loop."""
+    st = core.status(recent_merges)
     return syncer_pb2.TrainingState(
-        run_id=core.config.run_id,
-        syncer_instance=core.instance,
+        run_id=st.run.run_id,
+        syncer_instance=st.instance,
         build_version=build_info.version(), build_commit=build_info.commit(),
-        started_at_unix_s=core.started_at_unix_s,
-        now_unix_s=core.wall_clock(),
-        outer_steps=core.outer_steps,
-        fragments=[fragment_state(s) for s in core.owned_slots],
-        members=members,
-        recent_merges=[merge_record(r) for r in merges],
-        tokens_merged=core.tokens_merged,
-        bytes_in=core.membership.bytes_in,
-        bytes_out=core.membership.bytes_out,
-        evals=[eval_record(e) for e in core.evals],
-        last_checkpoint_outer_step=core.last_checkpoint_outer_step,
-        last_checkpoint_unix_s=core.last_checkpoint_unix_s,
-        restored_from_checkpoint=core.restored_from_checkpoint,
-        config=core.config,
-        uploads=dict(core.uploads),
-        grace_window_s=core.grace_window_s(),
-        step_time_s=core.step_time_s(),
-        quorum_time_s=core.rounds.quorum_time.value or 0.0,
-        sync_time_s=core.rounds.sync_time.value or 0.0,
-        auth_failures=dict(core.membership.auth_failures),
-        quarantines=core.membership.quarantines,
-        direction_judgments=dict(core.direction_judgments),
-        tokens_processed=core.tokens_processed(),
-        token_budget=core.token_budget,
-        influence=[learner_influence(i) for i in core.influence.summary()],
-        shards=shard_map(core.shards),
-        shard_index=core.shards.index,
+        started_at_unix_s=st.started_at_unix_s,
+        now_unix_s=st.now_unix_s,
+        outer_steps=st.outer_steps,
+        fragments=[fragment_state(s) for s in st.fragments],
+        members=[member_state(m, now_s=st.now_s, liveness_timeout_s=st.liveness_timeout_s) for m in st.members],
+        recent_merges=[merge_record(r) for r in st.recent_merges],
+        tokens_merged=st.tokens_merged,
+        bytes_in=st.bytes_in,
+        bytes_out=st.bytes_out,
+        evals=[eval_record(e) for e in st.evals],
+        last_checkpoint_outer_step=st.last_checkpoint_outer_step,
+        last_checkpoint_unix_s=st.last_checkpoint_unix_s,
+        restored_from_checkpoint=st.restored_from_checkpoint,
+        config=_run_config(st.run, st.plan),
+        uploads=st.uploads,
+        grace_window_s=st.grace_window_s,
+        step_time_s=st.step_time_s,
+        quorum_time_s=st.quorum_time_s,
+        sync_time_s=st.sync_time_s,
+        auth_failures=st.auth_failures,
+        quarantines=st.quarantines,
+        direction_judgments=st.direction_judgments,
+        tokens_processed=st.tokens_processed,
+        token_budget=st.token_budget,
+        influence=[learner_influence(i) for i in st.influence],
+        shards=shard_map(st.shards),
+        shard_index=st.shards.index,
     )

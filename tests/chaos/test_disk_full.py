@@ -35,8 +35,8 @@ def _counter(svc: cluster_lib.ServiceProcess, name: str, **labels) -> float:
     return total
 
 
-def _checkpoints(address: str, run_id: str) -> list[tuple[int, dict]]:
-    """Every retained checkpoint of the run, loaded and decoded; fails on one that does not load."""
+def _checkpoints(address: str, run_id: str) -> list[tuple[int, object]]:
+    """Every retained checkpoint of the run, loaded (SyncerSnapshot); fails on one that does not load."""
     loaded = harness.load_checkpoints(address, run_id)
     assert not [step for step, snap in loaded if isinstance(snap, Exception)], loaded
     return loaded
@@ -69,7 +69,7 @@ def test_row07_store_disk_full_training_goes_on_and_the_last_checkpoint_stays(tm
         assert refused >= 1, "the store did not answer RESOURCE_EXHAUSTED"
         retained = _checkpoints(store.address, "disk-full")
         assert retained and retained[-1][0] == committed, [step for step, _ in retained]
-        assert retained[-1][1]["outer_steps"] == committed
+        assert retained[-1][1].outer_steps == committed
 
         # Space again: the next checkpoint commits, and everything retained loads.
         assert store.stop(15) == 0, store.log_tail()
@@ -78,7 +78,7 @@ def test_row07_store_disk_full_training_goes_on_and_the_last_checkpoint_stays(tm
         wait_until(lambda: probe.state(0).last_checkpoint_outer_step > during.outer_steps, timeout_s=180,
                    what="checkpoints resuming after the disk has space again")
         after = _checkpoints(store.address, "disk-full")
-        assert after[-1][0] > committed and all(snap["outer_steps"] == step for step, snap in after)
+        assert after[-1][0] > committed and all(snap.outer_steps == step for step, snap in after)
         assert all(svc.proc.poll() is None for svc in cluster.learners()), "a learner exited"
     finally:
         if probe is not None:

@@ -16,6 +16,7 @@ from ddiloco import failpoints, history
 from ddiloco.chaos import invariants, schedule
 from ddiloco.chaos.schedule import FaultEvent, FaultSchedule
 from ddiloco.cli import processes
+from services.syncer import state as state_lib
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -255,10 +256,8 @@ def test_i4_and_i5_checkpoints_and_loss():
     params = np.arange(4, dtype=np.float32)
     digest = fragments_lib.fragment_sha256(params)
     syncer = [_start("A", 0, {0: 0}), _merged("A", 1, 0, 1, [("l0", 0), ("l1", 0)], sha=digest)]
-    good = {"outer_steps": 1, "fragments": [{"fragment_id": 0, "version": 1, "params": params,
-                                              "params_sha256": digest}]}
-    torn = {"outer_steps": 1, "fragments": [{"fragment_id": 0, "version": 1, "params": params + 1,
-                                              "params_sha256": digest}]}
+    good, torn = (state_lib.SyncerSnapshot(outer_steps=1, tokens_merged=0, fragments=[state_lib.FragmentSnapshot(
+        fragment_id=0, version=1, params=values, opt_state=[], params_sha256=digest)]) for values in (params, params + 1))
     assert invariants.check_checkpoints(syncer, [(1, good)]).ok
     check = invariants.check_checkpoints(syncer, [(1, good), (2, torn), (3, ValueError("unreadable"))])
     assert check.figures == {"checkpoints": 3, "loadable": 1} and len(check.violations) >= 3

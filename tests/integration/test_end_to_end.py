@@ -137,19 +137,19 @@ def test_syncer_sigkill_restores_checkpoint_bit_exactly_and_learners_reconnect(c
             return manifest, {ref.name: await client.get_blob(ref.digest) for ref in manifest.blobs}
 
         manifest, blobs = store_call(store.address, latest)
-        snapshot = checkpointing.decode_snapshot(blobs)
+        snapshot = checkpointing.load_snapshot(blobs)
         expected = {
-            str(f["fragment_id"]): {
-                "version": f["version"],
-                "sha256": hashlib.sha256(np.asarray(f["params"], dtype="<f4").tobytes()).hexdigest(),
+            str(f.fragment_id): {
+                "version": f.version,
+                "sha256": hashlib.sha256(np.asarray(f.params, dtype="<f4").tobytes()).hexdigest(),
             }
-            for f in snapshot["fragments"]
+            for f in snapshot.fragments
         }
         syncer.start()
         syncer.wait_ready(120)
         ready = json.loads(syncer.ready_file.read_text())
         assert ready["restored"] is True
-        assert ready["outer_steps"] == manifest.step == snapshot["outer_steps"]
+        assert ready["outer_steps"] == manifest.step == snapshot.outer_steps
         assert ready["fragments"] == expected  # bit-exact: same bytes, same versions
 
         # Learners reconnect to the new syncer life and merges resume from the restored versions.
@@ -197,16 +197,16 @@ def test_checkpoint_store_outage_does_not_stop_training(cluster):
             loaded = []
             for manifest in await client.list_manifests("e2e-store-down"):
                 blobs = {ref.name: await client.get_blob(ref.digest) for ref in manifest.blobs}
-                loaded.append((manifest.step, checkpointing.decode_snapshot(blobs)))
+                loaded.append((manifest.step, checkpointing.load_snapshot(blobs)))
             return loaded
 
         loaded = store_call(store.address, load_all)
         assert loaded, "no committed checkpoint"
         for step, snapshot in loaded:
-            assert snapshot["outer_steps"] == step
-            for frag in snapshot["fragments"]:
-                digest = hashlib.sha256(np.asarray(frag["params"], dtype="<f4").tobytes()).hexdigest()
-                assert digest == frag["params_sha256"]
-                assert np.all(np.isfinite(frag["params"]))
+            assert snapshot.outer_steps == step
+            for frag in snapshot.fragments:
+                digest = hashlib.sha256(np.asarray(frag.params, dtype="<f4").tobytes()).hexdigest()
+                assert digest == frag.params_sha256
+                assert np.all(np.isfinite(frag.params))
     finally:
         probe.close()

@@ -161,11 +161,11 @@ def test_export_of_an_earlier_step_matches_that_checkpoint(trained):
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "config.json").read_text())["step"] == step
     tensors = load_file(out / "model.safetensors")
-    snapshot = checkpointing.decode_snapshot(blobs)
+    snapshot = checkpointing.load_snapshot(blobs)
     plan = serde.plan_from_proto(trained["state"].config.fragments, trained["state"].config.sync_period_steps)
     for frag in plan.fragments:
-        expected = snapshot["fragments"][frag.fragment_id]
-        np.testing.assert_array_equal(fragments_lib.flatten_fragment(tensors, frag), expected["params"])
+        expected = snapshot.fragments[frag.fragment_id]
+        np.testing.assert_array_equal(fragments_lib.flatten_fragment(tensors, frag), expected.params)
     # An existing export is never overwritten silently.
     again = _ddiloco(["export", "--store", trained["store"], "--run-id", RUN_ID, "--step", str(step),
                       "--out", str(out)], trained["cluster"].env)
@@ -197,7 +197,7 @@ def test_a_checkpoint_without_a_run_record_stays_readable_but_cannot_be_exported
         return blobs
 
     blobs = store_call(trained["store"], commit_legacy)
-    assert checkpointing.decode_snapshot(blobs)["outer_steps"] == trained["state"].outer_steps
+    assert checkpointing.load_snapshot(blobs).outer_steps == trained["state"].outer_steps
     out = trained["workdir"] / "legacy"
     result = _ddiloco(["export", "--store", trained["store"], "--run-id", "legacy-run", "--out", str(out)],
                       trained["cluster"].env)
@@ -239,23 +239,24 @@ def _committed_checkpoint(address: str, security, run_id: str) -> dict[str, np.n
     from ddiloco.rpc import channel as channel_lib
     from services.syncer import config as syncer_config
     from services.syncer import core as core_lib
+    from services.syncer import wire_views
 
     model = models.get_model("transformer", _TINY_CONFIG)
     plan = fragments_lib.plan_fragments(model.tensor_specs(), 4, 4)
     cfg = syncer_config.SyncerConfig(run_id=run_id, insecure=True, num_fragments=4, sync_period_steps=4)
-    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name=model.name,
-                                          model_config_json=json.dumps(dict(model.config)),
-                                          fingerprint=models.model_fingerprint(model))
+    run = core_lib.make_run_settings(cfg, model_name=model.name, model_config_json=json.dumps(dict(model.config)),
+                                     fingerprint=models.model_fingerprint(model))
     params = {k: np.asarray(v) for k, v in model.init(jax.random.PRNGKey(7)).items()}
     core = core_lib.SyncerCore(
-        run_config=run_config, plan=plan,
+        run=run, plan=plan,
         initial_params={f.fragment_id: fragments_lib.flatten_fragment(params, f) for f in plan.fragments},
-        outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.8, max_grace_s=1.0, liveness_timeout_s=30.0,
-        merge_history=8, clock=time.monotonic, wall_clock=time.time)
+        settings=core_lib.CoreSettings(outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.8, max_grace_s=1.0,
+                                       liveness_timeout_s=30.0, merge_history=8),
+        clock=time.monotonic, wall_clock=time.time)
 
     async def commit():
         blobs, metadata = checkpointing.encode_snapshot(await core.snapshot(),
-                                                        checkpointing.describe_run(cfg, run_config, plan))
+                                                        checkpointing.describe_run(cfg, wire_views.run_config(run, plan), plan))
         channel = channel_lib.aio_channel(address, security)
         try:
             client = checkpoint_client.CheckpointClient(channel, timeout=datetime.timedelta(seconds=5),

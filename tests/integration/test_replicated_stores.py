@@ -53,11 +53,11 @@ def _load_every_checkpoint(address: str, run_id: str, steps: list[int], *, decod
             if not decode:
                 loaded.append(step)
                 continue
-            snapshot = checkpointing.decode_snapshot(blobs)
-            assert snapshot["outer_steps"] == step
-            for frag in snapshot["fragments"]:
-                digest = hashlib.sha256(np.asarray(frag["params"], dtype="<f4").tobytes()).hexdigest()
-                assert digest == frag["params_sha256"]
+            snapshot = checkpointing.load_snapshot(blobs)
+            assert snapshot.outer_steps == step
+            for frag in snapshot.fragments:
+                digest = hashlib.sha256(np.asarray(frag.params, dtype="<f4").tobytes()).hexdigest()
+                assert digest == frag.params_sha256
             loaded.append(step)
         return loaded
 

@@ -70,7 +70,7 @@ def test_every_watcher_gets_the_fragment_in_bounded_chunks():
         for values, sizes in results:
             np.testing.assert_array_equal(values, core.slots[0].published)
             assert len(sizes) > 1 and max(sizes) <= servicer_lib.WATCH_CHUNK_BYTES  # the run's chunk is 1 MiB
-        assert sum(results[0][1]) > core.config.chunk_size_bytes // 4
+        assert sum(results[0][1]) > core.run.chunk_size_bytes // 4
 
     asyncio.run(run())
 

@@ -21,6 +21,7 @@ from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
 from services.syncer import checkpointing
 from services.syncer import ledger_sink
+from services.syncer import wire_views
 from tests.fakes import accept, join, make_core, settle
 from tests.waits import wait_until_async
 
@@ -96,8 +97,9 @@ async def _ledgered(core) -> tuple[MemoryStore, ledger_sink.StoreLedger]:
     """An in-memory store holding the core's initial checkpoint, and the core's ledger sink to it,
     contributions retained."""
     store = MemoryStore()
-    run_id = core.config.run_id
-    description = run_description_lib.describe(core.config, core.plan, {"outer_lr": 0.7, "outer_momentum": 0.9})
+    run_id = core.run.run_id
+    description = run_description_lib.describe(wire_views.run_config(core.run, core.plan), core.plan,
+                                               {"outer_lr": 0.7, "outer_momentum": 0.9})
     await store.checkpoint(run_id, 0, checkpointing.encode_snapshot(await core.snapshot(), description)[0])
     sink = ledger_sink.StoreLedger(store, run_id)
     await sink.resume()
@@ -113,7 +115,7 @@ async def _seeded_run(clock, *, idle: bool = False) -> tuple[MemoryStore, str]:
     learner joins and never contributes, and merges take the learners' share ("work": Δ x 6/7)."""
     knobs = {"outer_step_fraction": "work"} if idle else {}
     core = make_core(clock, min_quorum=len(LEARNERS), download_codec="int8", **knobs)
-    run_id = core.config.run_id
+    run_id = core.run.run_id
     store, sink = await _ledgered(core)
     for lid in LEARNERS + (("idle",) if idle else ()):
         join(core, lid)
@@ -231,7 +233,7 @@ async def _pairs_run(clock) -> tuple[MemoryStore, str]:
     history can check it (the share cap applies only from 3 contributions up), capped while its
     claims are unchecked; `x` with a 20x batch has it clipped, so the cap applies to it."""
     core = make_core(clock, min_quorum=2)
-    run_id = core.config.run_id
+    run_id = core.run.run_id
     store, sink = await _ledgered(core)
     rng = np.random.default_rng(11)
     n = core.plan.fragments[0].numel
@@ -328,7 +330,7 @@ def test_the_merge_s_tighter_clip_of_an_unvouched_contribution_is_recorded_and_r
     replay reproduces the merge with it, and a record that drops it (the 4x clip) is named."""
     async def run() -> None:
         core = make_core(clock, min_quorum=3)
-        run_id = core.config.run_id
+        run_id = core.run.run_id
         store, sink = await _ledgered(core)
         rng = np.random.default_rng(5)
         n = core.plan.fragments[0].numel

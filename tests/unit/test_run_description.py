@@ -15,6 +15,7 @@ from ddiloco.algo import fragments as fragments_lib
 from services.syncer import checkpointing
 from services.syncer import config as config_lib
 from services.syncer import core as core_lib
+from services.syncer import wire_views
 
 
 def _tiny_run(num_fragments: int = 3):
@@ -22,10 +23,12 @@ def _tiny_run(num_fragments: int = 3):
     plan = fragments_lib.plan_fragments(model.tensor_specs(), num_fragments, 4)
     cfg = config_lib.SyncerConfig(run_id="unit-run", insecure=True, num_fragments=num_fragments, outer_lr=0.5,
                                   tls_key="/secret/key.pem", auth_tokens_file="/secret/tokens")
-    run_config = core_lib.make_run_config(cfg=cfg, plan=plan, model_name=model.name,
-                                          model_config_json=json.dumps(dict(model.config)),
-                                          fingerprint=models.model_fingerprint(model))
-    return model, plan, cfg, run_config
+    return model, plan, cfg, wire_views.run_config(_run_settings(cfg, model), plan)
+
+
+def _run_settings(cfg, model):
+    return core_lib.make_run_settings(cfg, model_name=model.name, model_config_json=json.dumps(dict(model.config)),
+                                      fingerprint=models.model_fingerprint(model))
 
 
 def test_description_names_every_tensor_of_the_fragment_vectors():
@@ -102,23 +105,24 @@ def test_model_config_from_json_names_its_source():
         rd.model_config_from_json('"tiny"', "--model-config")
 
 
-async def _snapshot(run_config, plan, model):
+async def _snapshot(run, plan, model):
     params = {k: np.asarray(v) for k, v in model.init(jax.random.PRNGKey(0)).items()}
     core = core_lib.SyncerCore(
-        run_config=run_config, plan=plan, initial_params={f.fragment_id: fragments_lib.flatten_fragment(params, f)
+        run=run, plan=plan, initial_params={f.fragment_id: fragments_lib.flatten_fragment(params, f)
                                                          for f in plan.fragments},
-        outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.8, max_grace_s=1.0, liveness_timeout_s=30.0,
-        merge_history=8, clock=lambda: 0.0, wall_clock=lambda: 0.0)
+        settings=core_lib.CoreSettings(outer_lr=0.7, outer_momentum=0.9, grace_gamma=0.8, max_grace_s=1.0,
+                                       liveness_timeout_s=30.0, merge_history=8),
+        clock=lambda: 0.0, wall_clock=lambda: 0.0)
     return await core.snapshot()
 
 
 def test_checkpoint_blobs_carry_the_run_blob_and_older_ones_stay_readable():
     model, plan, cfg, run_config = _tiny_run()
-    snapshot = asyncio.run(_snapshot(run_config, plan, model))
+    snapshot = asyncio.run(_snapshot(_run_settings(cfg, model), plan, model))
     described, metadata = checkpointing.encode_snapshot(snapshot, checkpointing.describe_run(cfg, run_config, plan))
     legacy, legacy_metadata = checkpointing.encode_snapshot(snapshot)
     assert set(described) == set(legacy) | {rd.BLOB_NAME} and metadata["model"] == "transformer"
     assert legacy_metadata == {"format": "1", "kind": "syncer"}  # what every older checkpoint holds
     for blobs in (described, legacy):
-        state = checkpointing.decode_snapshot(blobs)
-        assert [f["params_sha256"] for f in state["fragments"]] == [f.params_sha256 for f in snapshot.fragments]
+        state = checkpointing.load_snapshot(blobs)
+        assert [f.params_sha256 for f in state.fragments] == [f.params_sha256 for f in snapshot.fragments]

@@ -85,7 +85,7 @@ def test_make_core_is_deterministic_and_routes_config_fields_and_core_knobs(cloc
     # A SyncerConfig field reaches the RunConfig; a knob both take goes to the core, which acts on it.
     fakes.join(zeros, "l1")
     fakes.progress(zeros, "l1", step_time_s=2.0)
-    assert zeros.config.max_staleness_versions == 0
+    assert zeros.run.max_staleness_versions == 0
     assert zeros.grace_window_s() == pytest.approx(0.1 * 2 * 2.0)  # gamma x (tau = 2 steps x 2 s)
     assert wire_views.training_state(a, 0).now_unix_s == clock.now_s
     real = fakes.make_core()
