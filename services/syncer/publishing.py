@@ -39,7 +39,7 @@ class Publisher:
         after applying it (computed exactly as they compute it) and the encoding."""
         # One fragment-sized temporary at a time (the merge's peak): the difference, dropped once
         # encoded, then the decoded step, which becomes the new values in place. Same bits as
-        # serde.apply_delta(published, step) (one float32 addition per value).
+        # fragments_lib.apply_delta(published, step) (one float32 addition per value).
         difference = np.subtract(new_params, published, dtype=np.float32)
         encoded = codec_lib.encode(
             difference, self.download_codec, block_size=self._block_size, zstd_level=self._zstd_level,
