@@ -79,3 +79,32 @@ def store_call(address: str, fn):
             await channel.close()
 
     return asyncio.run(_run())
+
+
+def json_log(cluster, name: str):
+    """The JSON records of a service's log (`--json-logs`), in order; other lines are skipped."""
+    for line in cluster.services[name].log_path.read_text(errors="replace").splitlines():
+        try:
+            yield json.loads(line)
+        except ValueError:
+            continue
+
+
+def step_times(cluster, name: str) -> list[float]:
+    """When a learner logged its steps (every --log-every-steps): gaps show the loop waiting."""
+    return [record["ts"] for record in json_log(cluster, name) if record.get("msg") == "step"]
+
+
+def check_uploads_once(cluster, syncers, learners):
+    """No upload applied twice and every acknowledged one accounted for, over the histories of
+    `syncers` (names, one run's instances) and `learners` (chaos invariant I1); returns the check."""
+    from ddiloco import history as history_lib
+    from ddiloco.chaos import invariants
+
+    read = lambda name: history_lib.read(cluster.workdir / f"{name}.history.jsonl")  # noqa: E731
+    syncer_records = sorted((r for name in syncers for r in read(name)), key=lambda r: r["t"])
+    uploads = invariants.check_uploads(syncer_records, {n: read(n) for n in learners})
+    print(f"uploads: {uploads.figures}")
+    assert uploads.ok, uploads.violations
+    assert not uploads.figures.get("double_applied"), uploads.figures
+    return uploads, syncer_records

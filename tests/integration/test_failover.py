@@ -33,7 +33,8 @@ from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
 from ddiloco.chaos import invariants
 from ddiloco.chaos import proxy as proxy_lib
-from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
+from tests.integration.conftest import (LEARNER_PACE, TINY, SyncerProbe, check_uploads_once, json_log, step_times,
+                                       wait_until)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -100,18 +101,6 @@ def _wait_leader(svc, *, timeout_s: float) -> int:
     return _epoch(svc.address)[0]
 
 
-def _step_times(cluster, name: str) -> list[float]:
-    times = []
-    for line in cluster.services[name].log_path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("msg") == "step":
-            times.append(record["ts"])
-    return times
-
-
 def _metric(svc, name: str) -> float:
     """The value of an unlabelled metric on the syncer's /metrics endpoint (its ready file's address)."""
     address = json.loads(svc.ready_file.read_text())["metrics_address"].replace("0.0.0.0", "127.0.0.1")
@@ -124,11 +113,7 @@ def _metric(svc, name: str) -> float:
 
 def _logged_at(cluster, name: str, prefix: str) -> float:
     """The time of the first JSON log line of `name` whose message starts with `prefix`."""
-    for line in cluster.services[name].log_path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
+    for record in json_log(cluster, name):
         if str(record.get("msg", "")).startswith(prefix):
             return record["ts"]
     raise AssertionError(f"{name} never logged {prefix!r}")
@@ -243,7 +228,7 @@ def test_sigkill_of_the_leader_the_standby_leads_within_10_s_and_merges_resume(c
     assert committed_at_end.epoch == epoch_b and committed_at_end.step >= final_step, (committed_at_end, final_step)
     # Learners stepped throughout: no gap between logged steps (every 5) while the leader changed.
     for name in learners:
-        times = [t for t in _step_times(cluster, name) if killed_at - 5 <= t <= resumed_at]
+        times = [t for t in step_times(cluster, name) if killed_at - 5 <= t <= resumed_at]
         gaps = [t1 - t0 for t0, t1 in zip(times, times[1:])]
         assert times and max(gaps, default=0) < 3.0, (name, gaps)
         summary = json.loads((cluster.workdir / f"{name}.summary.json").read_text())
@@ -253,13 +238,7 @@ def test_sigkill_of_the_leader_the_standby_leads_within_10_s_and_merges_resume(c
     assert times.get(epoch_b), "no learner folded in a version of the new leader"
     # No upload applied twice, every acknowledged upload accounted for (a's crash loses its open
     # rounds and its merges after the last commit: classified, not hidden).
-    syncer_records = sorted(history_lib.read(cluster.workdir / "syncer-a.history.jsonl")
-                            + history_lib.read(cluster.workdir / "syncer-b.history.jsonl"), key=lambda r: r["t"])
-    learner_records = {n: history_lib.read(cluster.workdir / f"{n}.history.jsonl") for n in learners}
-    uploads = invariants.check_uploads(syncer_records, learner_records)
-    print(f"uploads: {uploads.figures}")
-    assert uploads.ok, uploads.violations
-    assert not uploads.figures.get("double_applied"), uploads.figures
+    _, syncer_records = check_uploads_once(cluster, ["syncer-a", "syncer-b"], learners)
     versions = invariants.check_versions(syncer_records)
     assert versions.ok, versions.violations
 

@@ -27,8 +27,7 @@ import time
 import pytest
 
 from ddiloco import history as history_lib
-from ddiloco.chaos import invariants
-from tests.integration.conftest import wait_until
+from tests.integration.conftest import check_uploads_once, json_log, wait_until
 from tests.integration.test_failover import (_logged_at, _start_learner, _start_syncer, _state_of,
                                              _two_syncers_merging, _versions, _wait_leader)
 
@@ -80,13 +79,7 @@ def test_a_frozen_leader_is_left_within_seconds_of_the_new_election(cluster, etc
     b.stop(30)
     # The move cancelled uploads in flight to the frozen leader: none was applied twice, and every
     # acknowledged one is accounted for.
-    syncer_records = sorted(history_lib.read(cluster.workdir / "syncer-a.history.jsonl")
-                            + history_lib.read(cluster.workdir / "syncer-b.history.jsonl"), key=lambda r: r["t"])
-    learner_records = {n: history_lib.read(cluster.workdir / f"{n}.history.jsonl") for n in learners}
-    uploads = invariants.check_uploads(syncer_records, learner_records)
-    print(f"uploads: {uploads.figures}")
-    assert uploads.ok, uploads.violations
-    assert not uploads.figures.get("double_applied"), uploads.figures
+    check_uploads_once(cluster, ["syncer-a", "syncer-b"], learners)
 
 
 def _evaluate_once(cluster, syncers: str) -> tuple[dict, float]:
@@ -111,11 +104,7 @@ def _evaluate_once(cluster, syncers: str) -> tuple[dict, float]:
 
 def _joined(cluster, name: str) -> dict | None:
     """The fields of the learner's first `joined the syncer` log line (its JSON log), with its time."""
-    for line in cluster.services[name].log_path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
+    for record in json_log(cluster, name):
         if record.get("msg") == "joined the syncer":
             return record
     return None

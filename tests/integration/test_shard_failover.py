@@ -25,7 +25,6 @@ together; start_syncer_replicas had no `shards`): the test failed at its start.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 
@@ -36,7 +35,7 @@ from ddiloco.chaos import invariants
 from ddiloco.coord import commit as commit_lib
 from ddiloco.coord import election as election_lib
 from ddiloco.coord import etcd as etcd_lib
-from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, wait_until
+from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, step_times, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -78,18 +77,6 @@ def _merge_times(records: list[dict]) -> list[float]:
     return sorted(r["t"] for r in records if r["event"] == "merged")
 
 
-def _step_times(cluster, name: str) -> list[float]:
-    times = []
-    for line in cluster.services[name].log_path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("msg") == "step":
-            times.append(record["ts"])
-    return times
-
-
 def _longest_gap(times: list[float], start: float | None, end: float) -> float:
     """The longest gap between consecutive `times` in (start, end], the last one to `end` included,
     and the first one from `start` unless it is None (a window opening on the run's first merges)."""
@@ -125,7 +112,7 @@ def _check_learners(cluster, learner_records: dict[str, list[dict]], killed_at: 
     """Learners stepped throughout, and folded in shard 1's versions of its leaders' epochs
     (`epochs_1`: old, new) only, never an older after a newer; shard 0's of its one leader."""
     for name, records in learner_records.items():
-        times = [t for t in _step_times(cluster, name) if killed_at - 5 <= t <= resumed_at]
+        times = [t for t in step_times(cluster, name) if killed_at - 5 <= t <= resumed_at]
         gaps = [b - a for a, b in zip(times, times[1:])]
         assert times and max(gaps, default=0) < 3.0, (name, gaps)
         newest, shard_1_epochs = 0, set()
