@@ -552,6 +552,10 @@ class SyncerCore:
             sync_time_s=rounds.sync_time.value or 0.0, last_checkpoint_outer_step=self.last_checkpoint_outer_step,
             last_checkpoint_unix_s=self.last_checkpoint_unix_s, restored_from_checkpoint=self.restored_from_checkpoint)
 
+    def observe(self, observer) -> None:
+        """Adds a passive observer of merges, uploads and traffic (publishing.Observers: metrics, history)."""
+        self.observers.append(observer)
+
     def note_checkpoint(self, outer_step: int, unix_s: float) -> None:
         """A checkpoint of the state at `outer_step` was committed at `unix_s` (__main__'s checkpointer)."""
         self.last_checkpoint_outer_step, self.last_checkpoint_unix_s = outer_step, unix_s

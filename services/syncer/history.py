@@ -22,7 +22,7 @@ class SyncerHistory:
     def started(self) -> None:
         core = self._core
         self._write("start", restored=core.restored_from_checkpoint, outer_steps=core.outer_steps,
-                    min_quorum=core.rounds.settings.min_quorum, liveness_timeout_s=core.liveness_timeout_s,
+                    min_quorum=core.run.min_quorum, liveness_timeout_s=core.liveness_timeout_s,
                     max_grace_s=core.max_grace_s,
                     fragments={str(fid): list(core.fragment_digest(fid)) for fid in core.versions()})
 
@@ -54,5 +54,5 @@ def attach(core, path: str) -> SyncerHistory | None:
         return None
     history = SyncerHistory(core, path)
     history.started()
-    core.observers.append(history)
+    core.observe(history)
     return history

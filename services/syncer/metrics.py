@@ -76,27 +76,27 @@ class ScrapeState:
 
 
 def scrape_state(core) -> ScrapeState:
-    """The core's state for a scrape; call on the core's loop."""
-    now = core.clock()
+    """The core's state for a scrape (from SyncerCore.status, as the TrainingState); call on the core's loop."""
+    status = core.status(0)
     members = tuple(
-        LearnerRow(learner_id=m.learner_id, region=m.region, quarantined=now < m.quarantined_until_s,
-                   status=membership_lib.member_status(m, now_s=now, liveness_timeout_s=core.liveness_timeout_s),
+        LearnerRow(learner_id=m.learner_id, region=m.region, quarantined=status.now_s < m.quarantined_until_s,
+                   status=membership_lib.member_status(m, now_s=status.now_s,
+                                                       liveness_timeout_s=status.liveness_timeout_s),
                    local_step=m.local_step, tokens_total=m.tokens_total, inner_loss=m.inner_loss,
                    last_seen_unix_s=m.last_seen_unix_s)
-        for m in sorted(core.members.values(), key=lambda m: m.learner_id))
+        for m in status.members)
     return ScrapeState(
-        outer_steps=core.outer_steps, min_quorum=core.rounds.settings.min_quorum,
-        num_fragments=core.plan.num_fragments or len(core.slots) or 1,
-        fragments=tuple((s.fragment.fragment_id, s.version, len(s.round.contributions) if s.round else 0)
-                        for s in core.owned_slots),
-        tokens_merged=core.tokens_merged, tokens_processed=core.tokens_processed(),
-        bytes_in=core.membership.bytes_in, bytes_out=core.membership.bytes_out, uploads=dict(core.uploads),
-        auth_failures=dict(core.membership.auth_failures), quarantines=core.membership.quarantines,
-        direction_judgments=dict(core.direction_judgments), members=members,
-        grace_window_s=core.grace_window_s(), step_time_s=core.step_time_s(),
-        quorum_time_s=core.rounds.quorum_time.value or 0.0, sync_time_s=core.rounds.sync_time.value or 0.0,
-        heldout_loss=core.evals[-1].heldout_loss if core.evals else None,
-        last_checkpoint_outer_step=core.last_checkpoint_outer_step)
+        outer_steps=status.outer_steps, min_quorum=status.run.min_quorum,
+        num_fragments=status.plan.num_fragments or len(status.fragments) or 1,
+        fragments=tuple((f.fragment_id, f.version, f.pending_contributions) for f in status.fragments),
+        tokens_merged=status.tokens_merged, tokens_processed=status.tokens_processed,
+        bytes_in=status.bytes_in, bytes_out=status.bytes_out, uploads=status.uploads,
+        auth_failures=status.auth_failures, quarantines=status.quarantines,
+        direction_judgments=status.direction_judgments, members=members,
+        grace_window_s=status.grace_window_s, step_time_s=status.step_time_s,
+        quorum_time_s=status.quorum_time_s, sync_time_s=status.sync_time_s,
+        heldout_loss=status.evals[-1].heldout_loss if status.evals else None,
+        last_checkpoint_outer_step=status.last_checkpoint_outer_step)
 
 
 class SyncerMetrics:
@@ -161,7 +161,7 @@ class SyncerMetrics:
                 self.watch_refusals.labels(rpc=rpc, limit=limit)  # exported at 0 from the start
         registry.register(_StateCollector(core, asyncio.get_running_loop()))
         self._repair_watched = False
-        core.observers.append(self)
+        core.observe(self)
 
     def watch_ledger(self, ledger) -> None:
         """Exports the counters of `ledger` (a ledger_sink.StoreLedger); called once it is configured."""

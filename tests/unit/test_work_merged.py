@@ -133,6 +133,9 @@ class _FakeCore:
         self.state = state
         self.influence = influence_lib.Influence(run_id="run", instance="fake")
 
+    def observe(self, observer) -> None:
+        self.observers.append(observer)
+
     @property
     def scrape(self) -> syncer_metrics.ScrapeState:
         s = self.state
