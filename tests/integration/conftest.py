@@ -13,6 +13,8 @@ import json
 import pytest
 
 from ddiloco import checkpoint_client
+from ddiloco import history as history_lib
+from ddiloco.chaos import invariants
 from ddiloco.cli import cluster as cluster_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
@@ -98,9 +100,6 @@ def step_times(cluster, name: str) -> list[float]:
 def check_uploads_once(cluster, syncers, learners):
     """No upload applied twice and every acknowledged one accounted for, over the histories of
     `syncers` (names, one run's instances) and `learners` (chaos invariant I1); returns the check."""
-    from ddiloco import history as history_lib
-    from ddiloco.chaos import invariants
-
     read = lambda name: history_lib.read(cluster.workdir / f"{name}.history.jsonl")  # noqa: E731
     syncer_records = sorted((r for name in syncers for r in read(name)), key=lambda r: r["t"])
     uploads = invariants.check_uploads(syncer_records, {n: read(n) for n in learners})
