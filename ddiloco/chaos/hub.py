@@ -31,6 +31,8 @@ import signal
 import time
 from collections.abc import Sequence
 
+import grpc
+
 from ddiloco.chaos import etcd as etcd_lib
 from ddiloco.chaos import invariants
 from ddiloco.chaos import schedule as schedule_lib
@@ -40,6 +42,11 @@ from ddiloco.chaos.harness import Harness
 from ddiloco.chaos.observe import HistoryTail, Poller
 from ddiloco.chaos.report import InjectedFault, Result
 from ddiloco.cli import processes
+from ddiloco import checkpoint_client
+from ddiloco import checkpoint_replicas as replicas_lib
+from ddiloco import history as history_lib
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
 SYNCERS = ("syncer-a", "syncer-b")
 STORES = ("store-a", "store-b")
@@ -52,9 +59,6 @@ class _HubPoller(Poller):
 
     def __init__(self, addresses: Sequence[str], interval_s: float = 0.5) -> None:
         super().__init__(addresses[0], interval_s)
-        from ddiloco.rpc import channel as channel_lib
-        from ddiloco.v1 import syncer_pb2_grpc
-
         self._channels = [self._channel] + [channel_lib.sync_channel(a) for a in addresses[1:]]
         self._stubs = [self._stub] + [syncer_pb2_grpc.SyncerStub(ch) for ch in self._channels[1:]]
         self.addresses = list(addresses)
@@ -62,10 +66,6 @@ class _HubPoller(Poller):
 
     def state(self, timeout_s: float = 3.0):
         """The leader's training state (epoch > 0); the last answer, or the last error, otherwise."""
-        import grpc
-
-        from ddiloco.v1 import syncer_pb2
-
         answer, error = None, None
         for address, stub in zip(self.addresses, self._stubs):
             try:
@@ -253,10 +253,6 @@ class HubHarness(Harness):
 
 
 async def _repair(addresses: Sequence[str], run_id: str) -> list[str]:
-    from ddiloco import checkpoint_client
-    from ddiloco import checkpoint_replicas as replicas_lib
-    from ddiloco.rpc import channel as channel_lib
-
     channels = {a: channel_lib.aio_channel(a) for a in addresses}
     try:
         stores = {a: checkpoint_client.CheckpointClient(ch, timeout=datetime.timedelta(seconds=10),
@@ -276,8 +272,6 @@ def outage_summary(workdir: str | pathlib.Path) -> str:
     made no merge after the heal) and the time from the fault to the first merge of another life; for the
     other faults, the merges and checkpoints made while the fault lasted (injection to heal) and
     the longest gap between merges in that window."""
-    from ddiloco import history as history_lib
-
     workdir = pathlib.Path(workdir)
     report = json.loads((workdir / "report.json").read_text())
     history = history_lib.read(workdir / "history" / "syncer.jsonl")

@@ -8,7 +8,12 @@ import pathlib
 import threading
 import time
 
+import grpc
+
 from ddiloco.chaos.report import InjectedFault
+from ddiloco.cli import run_view
+from ddiloco.rpc import channel as channel_lib
+from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 
 
 class HistoryTail:
@@ -73,10 +78,6 @@ class Poller(threading.Thread):
 
     def __init__(self, address: str, interval_s: float = 0.5) -> None:
         super().__init__(name="chaos-poller", daemon=True)
-        from ddiloco.cli import run_view
-        from ddiloco.rpc import channel as channel_lib
-        from ddiloco.v1 import syncer_pb2_grpc
-
         self._channel = channel_lib.sync_channel(address)
         self._stub = syncer_pb2_grpc.SyncerStub(self._channel)
         self._shards = run_view.RunReader(address, recent_merges=0)  # the other shards' channels, when sharded
@@ -89,15 +90,11 @@ class Poller(threading.Thread):
         self.errors = 0
 
     def state(self, timeout_s: float = 3.0):
-        from ddiloco.v1 import syncer_pb2
-
         first = self._stub.GetTrainingState(syncer_pb2.GetTrainingStateRequest(recent_merges=0), timeout=timeout_s).state
         self._shards.timeout_s = timeout_s
         return self._shards.complete(first).state  # unsharded: `first` itself
 
     def run(self) -> None:
-        import grpc
-
         while not self._halt.is_set():
             try:
                 st = self.state(2.0)
