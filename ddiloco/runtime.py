@@ -12,12 +12,6 @@ Both were measured in `ddiloco bench perf`'s scale section (one syncer, 8-64 rep
   freed memory in it. gRPC's and the syncer's worker threads allocate and free uploads and
   downloads all the time: with 64 learners, arenas held ~100 MiB more at the peak than with 8;
   two arenas bring the syncer's peak to within ~5% of the 8-learner one.
-* Within those arenas glibc raises its mmap threshold each time a block served by mmap is freed
-  (up to 32 MiB), so after the first decoded fragment (~0.5 MiB) is freed every later upload,
-  decode and download buffer comes from the heap, whose free space is kept. At 64 learners the
-  heap then held 63 MiB free at the RSS peak (24 MiB at 8 learners); with the threshold fixed at
-  128 KiB, 15 MiB (17 at 8), and the peak RSS gap between 8 and 64 learners fell from 68 to 50 MiB
-  (bench/results/perf-memory-learners-s36.md).
 
 Called from a service's entry point (never on import); each function is a no-op returning False
 where the library is not there (no BLAS loaded, another libc). BLAS threads go through
@@ -35,11 +29,7 @@ import pathlib
 import numpy as np  # noqa: F401 - loads numpy's BLAS, so that threadpoolctl can find it
 from threadpoolctl import threadpool_info, threadpool_limits
 
-_M_MMAP_THRESHOLD = -3  # glibc malloc.h
-_M_ARENA_MAX = -8
-# Blocks at least this large get a mapping of their own, unmapped when freed: every upload's
-# decoded values, direction sample and download chunk (128 KiB) at the default fragment size.
-MMAP_THRESHOLD_BYTES = 128 * 1024
+_M_ARENA_MAX = -8  # glibc malloc.h
 
 
 def blas_threads() -> int | None:
@@ -59,36 +49,20 @@ def set_blas_threads(count: int) -> bool:
     return True
 
 
-def _mallopt():
-    """glibc's mallopt(param, value) -> 1 on success; None where the C library has none."""
+def limit_malloc_arenas(count: int) -> bool:
+    """Caps glibc's malloc arenas at `count` (>= 1) for arenas created from now on (call it early);
+    False where the C library has no mallopt or refuses."""
+    if count < 1:
+        raise ValueError(f"count={count} must be >= 1")
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):
-        return None
+        return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    return mallopt
-
-
-def limit_malloc_arenas(count: int, mmap_threshold_bytes: int | None = MMAP_THRESHOLD_BYTES) -> bool:
-    """Bounds the freed memory glibc's malloc keeps: caps its arenas at `count` (>= 1) for arenas
-    created from now on (call it early), and serves every block of `mmap_threshold_bytes` or more
-    from a mapping of its own, returned to the system when freed, with the threshold fixed (glibc
-    otherwise raises it to the largest such block freed, up to 32 MiB; None leaves it so). False
-    where the C library has no mallopt or refuses either."""
-    if count < 1:
-        raise ValueError(f"count={count} must be >= 1")
-    if mmap_threshold_bytes is not None and mmap_threshold_bytes < 1:
-        raise ValueError(f"mmap_threshold_bytes={mmap_threshold_bytes} must be >= 1")
-    mallopt = _mallopt()
-    if mallopt is None:
-        return False
-    ok = mallopt(_M_ARENA_MAX, count) == 1
-    if mmap_threshold_bytes is not None:
-        ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes) == 1 and ok
-    return ok
+    return mallopt(_M_ARENA_MAX, count) == 1
 
 
 def process_age_s() -> float | None:

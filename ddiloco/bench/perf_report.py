@@ -321,10 +321,8 @@ def _md_scale(sc: dict) -> list[str]:
               "accumulator per fragment whatever the number of learners; per learner the syncer holds one "
               "download chunk (at most 128 KiB, the messages of a version built once for all watchers) and "
               "at most 3 x P decoded contributions wait for a fragment's lock; the direction check keeps "
-              "16 references per fragment (256 KiB each); malloc arenas are capped at 2 (per-thread arenas "
-              "kept ~100 MiB of freed buffers at 64 learners), blocks of 128 KiB or more are mapped on their "
-              "own at a fixed threshold (the heap kept 63 MiB free at 64 learners, 24 at 8) and BLAS calls "
-              "run single-threaded (ddiloco.runtime; bench/results/perf-memory-learners-s36.md).")
+              "16 references per fragment; malloc arenas are capped at 2 (per-thread arenas kept ~100 MiB "
+              "of freed buffers at 64 learners) and BLAS calls run single-threaded (ddiloco.runtime).")
     return md
 
 

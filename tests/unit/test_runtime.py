@@ -1,5 +1,5 @@
-"""ddiloco.runtime: the syncer's process-wide BLAS thread count, malloc arena cap and mmap threshold, a
-process's age, the start-up objects frozen out of the garbage collector's reach."""
+"""ddiloco.runtime: the syncer's process-wide BLAS thread count and malloc arena cap, a process's age, the
+start-up objects frozen out of the garbage collector's reach."""
 
 from __future__ import annotations
 
@@ -31,45 +31,7 @@ def test_arguments_are_checked_and_the_arena_cap_reports_whether_it_applied():
         runtime.set_blas_threads(0)
     with pytest.raises(ValueError):
         runtime.limit_malloc_arenas(0)
-    with pytest.raises(ValueError):
-        runtime.limit_malloc_arenas(2, mmap_threshold_bytes=0)
-    # 8 arenas: what glibc allows on one core anyway; the test process's mmap threshold is left as is.
-    assert isinstance(runtime.limit_malloc_arenas(8, mmap_threshold_bytes=None), bool)
-
-
-# In a child (malloc's settings are the whole process's): a 4 MiB block served by mmap is freed, then
-# a 1 MiB one is taken; prints how many of its bytes are mapped on their own (mallinfo2's hblkhd).
-_MAPPED_AFTER_A_LARGE_FREE = """
-import ctypes, sys
-from ddiloco import runtime
-class Info(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Info
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
-libc.free.argtypes = (ctypes.c_void_p,)
-assert runtime.limit_malloc_arenas(2, **({} if sys.argv[1] == "default" else {"mmap_threshold_bytes": None}))
-libc.free(libc.malloc(4 << 20))
-before = libc.mallinfo2().hblkhd
-block = libc.malloc(1 << 20)
-print(libc.mallinfo2().hblkhd - before)
-libc.free(block)
-"""
-
-
-def _mapped_after_a_large_free(threshold: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _MAPPED_AFTER_A_LARGE_FREE, threshold], capture_output=True,
-                         text=True, timeout=60, check=True)
-    return int(out.stdout)
-
-
-def test_freed_large_blocks_do_not_move_later_ones_into_the_heap():
-    # glibc alone raises its mmap threshold to the 4 MiB block freed: the 1 MiB block then comes from
-    # the heap, whose free space malloc keeps (what grew the syncer's peak with the learners). With
-    # the threshold fixed (the default), it is mapped on its own and unmapped when freed.
-    assert _mapped_after_a_large_free("dynamic") == 0
-    assert _mapped_after_a_large_free("default") >= 1 << 20
+    assert isinstance(runtime.limit_malloc_arenas(8), bool)  # 8 arenas: what glibc allows on one core anyway
 
 
 def test_the_process_age_counts_from_the_process_start_not_from_an_import():
