@@ -13,6 +13,7 @@ build protobuf, or decide anything about rounds or members beyond putting their 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -51,12 +52,20 @@ class Snapshots:
         self._wall = wall_clock
 
     async def take(self) -> state_lib.SyncerSnapshot:
-        """A consistent copy of everything a restart needs (each fragment copied under its lock)."""
+        """A consistent copy of everything a restart needs, taken while every owned fragment's lock
+        is held: a merge advances its fragment's version and the run's counters (outer steps,
+        tokens merged) under that fragment's lock, so no merge can fall between the copies and the
+        counters. (Copying each fragment under its own lock, one after the other, let a merge land
+        between them: a checkpoint then claimed outer step 21 with one fragment a version behind,
+        the final checkpoint at shutdown was skipped as already written, and that merge was lost.)"""
         members = self._membership.members
-        fragments = []
-        for slot in self._owned_slots:  # a shard checkpoints only its own fragments
-            async with slot.lock:
-                fragments.append(state_lib.FragmentSnapshot.of(slot, members))
+        async with contextlib.AsyncExitStack() as held:
+            for slot in self._owned_slots:  # a shard checkpoints only its own fragments; always in order
+                await held.enter_async_context(slot.lock)
+            fragments = [state_lib.FragmentSnapshot.of(slot, members) for slot in self._owned_slots]
+            return self._with_counters(fragments, members)
+
+    def _with_counters(self, fragments: list[state_lib.FragmentSnapshot], members) -> state_lib.SyncerSnapshot:
         rounds = self._rounds
         return state_lib.SyncerSnapshot(
             fragments=fragments,
