@@ -32,7 +32,9 @@ Every figure is a ratio to a limit measured in the same invocation, on the same 
   learners send each fragment to its owner shard): merges/s side by side, their ratio, and each
   shard's peak RSS. Then the saturation levels (`--saturation-step-s`, `--saturation-learners`):
   the same shard counts with a step short enough that the schedule offers more rounds than one
-  shard merges, with every process's CPU (docs/performance.md says what "saturated" means).
+  shard merges, with every process's CPU (docs/performance.md says what "saturated" means);
+  `--saturation-params` runs them on a synthetic model of that size (larger fragments: more of
+  each upload's cost in the shards), `--learners 0` runs the saturation levels alone.
 * model size: codec, merge and transport figures for a ~100M-parameter model's fragments
   (synthetic tensors).
 * sizes: the scale section's level on synthetic models of `--scale-sizes` parameters (0.5M, 100M,
@@ -84,7 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the scale section's step time (default: the overlap section's measured one)")
     parser.add_argument("--rtt-ms", default="0,50",
                         help="added round-trip times of the upload section, comma-separated (ms)")
-    parser.add_argument("--learners", default="", help="learner counts of the scale section (default 8,16,32,64)")
+    parser.add_argument("--learners", default="",
+                        help="learner counts of the scale section (default 8,16,32,64; 0: none, the saturation "
+                             "levels only)")
     parser.add_argument("--large-params", type=float, default=0.0,
                         help="parameters of the model-size section (default ~100M; quick: 4M)")
     parser.add_argument("--syncer-shards", default="",
@@ -94,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that one shard cannot keep up with the schedule (default 0.005; quick: off); 0: off")
     parser.add_argument("--saturation-learners", type=int, default=16,
                         help="replay learners of the saturation levels")
+    parser.add_argument("--saturation-params", default="",
+                        help="the saturation levels on a synthetic model of about this many parameters (like 25M: "
+                             "fragments of ~6M values) instead of the scale section's model (default)")
     parser.add_argument("--scale-sizes", default="",
                         help="model sizes of the sizes section, comma-separated parameter counts like 0.5M,100M,1B "
                              "(default 0.5M,100M,1B; quick: none unless given)")
@@ -122,13 +129,15 @@ def _scale_sections(args: argparse.Namespace, result: dict, workdir: pathlib.Pat
         t0 = common.now()
         shard_counts = ([int(x) for x in args.syncer_shards.split(",")] if args.syncer_shards
                         else ([1] if quick else [1, 2]))
-        result["scale"] = perf_scale.run_scale(workdir, model, captured, counts, seconds=3.0 if quick else 30.0,
-                                               step_s=step_s, processes=2, shard_counts=shard_counts)
+        if counts:
+            result["scale"] = perf_scale.run_scale(workdir, model, captured, counts, seconds=3.0 if quick else 30.0,
+                                                   step_s=step_s, processes=2, shard_counts=shard_counts)
         saturation_step_s = args.saturation_step_s if args.saturation_step_s >= 0 else (0.0 if quick else 0.005)
         if saturation_step_s > 0:
             result["saturation"] = perf_scale.run_saturation(
                 workdir, model, captured, args.saturation_learners, saturation_step_s,
-                seconds=3.0 if quick else 30.0, processes=2, shard_counts=shard_counts)
+                seconds=3.0 if quick else 30.0, processes=2, shard_counts=shard_counts,
+                params=perf_scale.parse_params(args.saturation_params) if args.saturation_params else 0)
         print(f"[perf] scale done in {common.now() - t0:.0f} s", flush=True)
     if "sizes" in sections and _scale_sizes(args):
         t0 = common.now()
@@ -142,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     quick = bool(args.quick)
     counts = [int(x) for x in args.learners.split(",")] if args.learners else ([3] if quick else [8, 16, 32, 64])
+    counts = [c for c in counts if c > 0]  # "--learners 0": the saturation levels only
+    if args.saturation_params:
+        perf_scale.parse_params(args.saturation_params)  # a bad size fails now, not after the other sections
     large_params = int(args.large_params or (4e6 if quick else 100e6))
     model = QUICK_MODEL if quick else DEFAULT_MODEL
     for size in _scale_sizes(args):

@@ -84,7 +84,8 @@ def _scale_headline(sc: dict | None, sat: dict | None = None) -> list[dict]:
     the schedule's rate); the share of the offered work merged at the most learners."""
     rows = []
     if sat and sat.get("levels"):
-        where = f"saturation ({sat['learners']} replay learners, step {sat['step_s'] * 1e3:.0f} ms)"
+        size = f", {sat['params'] / 1e6:.0f}M-param model" if sat.get("params") else ""
+        where = f"saturation ({sat['learners']} replay learners, step {sat['step_s'] * 1e3:.0f} ms{size})"
         for sp in sat.get("speedups", []):
             rows.append(figure(f"merges/s, {sp['shards']} syncer shards, {where}", sp["merges_per_s"], "merges/s",
                                sp["one_shard_merges_per_s"], "one shard, same load",
@@ -392,7 +393,9 @@ def _cores(values) -> str:
 def md_saturation(sat: dict) -> list[str]:
     """The saturation levels: each shard count under the same load, what the schedule offered,
     what the shards served, every process's CPU and whether the level was saturated."""
-    md = ["", f"## Scale-out at saturation: {sat['learners']} replay learners, step {sat['step_s'] * 1e3:.0f} ms",
+    model = (f", synthetic {sat['params'] / 1e6:.1f}M-parameter model (fragments of "
+             f"{'/'.join(f'{n / 1e6:.2f}M' for n in sat['fragment_numels'])} values)" if sat.get("params") else "")
+    md = ["", f"## Scale-out at saturation: {sat['learners']} replay learners, step {sat['step_s'] * 1e3:.0f} ms{model}",
           "", f"The schedule offers {sat['offered_rounds_per_s']:.1f} rounds/s (P / (H x step)) and "
               f"{sat['offered_uploads_per_s']:.0f} uploads/s (one per learner per round); a level is saturated "
               "when its merges/s fall more than 10 % short of the rounds offered and the shards' back-pressure "

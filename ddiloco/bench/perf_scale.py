@@ -330,19 +330,31 @@ def cpu_bound(level: dict) -> bool:
 
 
 def run_saturation(workdir: pathlib.Path, model: dict, captured: pathlib.Path, learners: int, step_s: float,
-                   seconds: float, processes: int, shard_counts: Sequence[int]) -> dict:
+                   seconds: float, processes: int, shard_counts: Sequence[int], params: int = 0) -> dict:
     """The scale-out levels: `learners` replay learners at a step time short enough that the
     schedule offers more rounds and uploads than one shard can serve, against each shard count
     in turn (same load): merges/s and uploads accepted per second, every process's CPU, and
-    the shards' CPU with the same learners idle (no uploads)."""
+    the shards' CPU with the same learners idle (no uploads). `params` > 0: on a synthetic model
+    of about that many parameters (`model_for_params`, its fragments' synthetic pseudo-gradients)
+    instead of `model` and the captured ones: larger fragments put more of each upload's cost in
+    the shard (decode, norms, fold-in, outer step) than in the replay process, which sends bytes
+    encoded once."""
+    payload: dict = {"captured": str(captured)}
+    numels = None
+    if params > 0:
+        model = model_for_params(params)
+        numels = fragment_numels(model)
+        payload = {"synthetic_numels": {str(f): n for f, n in numels.items()}}
     out = {"model": model, "step_s": step_s, "seconds": seconds, "learners": learners, "cores": os.cpu_count() or 1,
            "shard_counts": list(shard_counts), **offered_rates(learners, step_s), "levels": []}
+    if numels:
+        out |= {"params": sum(numels.values()), "fragment_numels": [numels[f] for f in sorted(numels)]}
     for shards in shard_counts:
         # The same learners joined, watching and reporting progress, without uploads: the shards'
         # CPU that does not depend on the work merged (every learner talks to every shard).
-        idle = _run_level(workdir, model, {"captured": str(captured), "uploads": False}, learners,
+        idle = _run_level(workdir, model, payload | {"uploads": False}, learners,
                           max(3.0, seconds / 3), step_s, processes, shards)
-        level = _run_level(workdir, model, {"captured": str(captured)}, learners, seconds, step_s, processes, shards)
+        level = _run_level(workdir, model, payload, learners, seconds, step_s, processes, shards)
         out["levels"].append(level | {"saturated": saturated(level, out["offered_rounds_per_s"]),
                                       "cpu_bound": cpu_bound(level),
                                       "idle_shard_cpu_share_by_shard": idle.get("shard_cpu_share_by_shard", []),

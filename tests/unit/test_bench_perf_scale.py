@@ -437,3 +437,40 @@ def test_the_honoured_hold_is_capped_by_periods_and_a_minute():
     assert uploads.honoured_hold_s(100.0, 8, 0.09) == pytest.approx(8 * 8 * 0.09)
     assert uploads.honoured_hold_s(100.0, 8, 10.0) == pytest.approx(60.0)
     assert uploads.honoured_hold_s(5.0, 8, 0.0) == 0.0  # no step time measured yet: no hold
+
+
+def test_saturation_levels_on_a_synthetic_model_send_that_models_fragments(monkeypatch, tmp_path):
+    # --saturation-params: the shards run the synthetic model and the replay learners send
+    # pseudo-gradients of its fragments (sizes by fragment id), idle level and timed level alike.
+    calls = []
+
+    def level(workdir, model, payload, count, seconds, step_s, processes, shards, one_at_a_time=False):
+        calls.append((model, payload, shards))
+        return _sat_level(shards, 2.0 * shards, 4.0 * shards, [0.9] * shards, 0.1, 0.5)
+
+    monkeypatch.setattr(perf_scale, "_run_level", level)
+    sat = perf_scale.run_saturation(tmp_path, {"preset": "small"}, tmp_path / "captured.npz", 4, 0.08, 30.0, 2,
+                                    [1, 2], params=perf_scale.parse_params("25M"))
+    model = perf_scale.model_for_params(25_000_000)
+    numels = perf_scale.fragment_numels(model)
+    assert all(m == model for m, _, _ in calls) and [s for _, _, s in calls] == [1, 1, 2, 2]
+    assert [p.get("uploads", True) for _, p, _ in calls] == [False, True, False, True]
+    assert all(p["synthetic_numels"] == {str(f): n for f, n in numels.items()} and "captured" not in p
+               for _, p, _ in calls)
+    assert sat["params"] == sum(numels.values()) and min(sat["fragment_numels"]) > 6e6
+    md = "\n".join(perf_report.md_saturation(sat))
+    assert "step 80 ms, synthetic 25.1M-parameter model (fragments of 6.29M/" in md
+    # Without a size: the scale section's model and the captured pseudo-gradients, as before.
+    calls.clear()
+    sat = perf_scale.run_saturation(tmp_path, {"preset": "small"}, tmp_path / "captured.npz", 4, 0.08, 30.0, 2, [1])
+    assert calls[1] == ({"preset": "small"}, {"captured": str(tmp_path / "captured.npz")}, 1) and "params" not in sat
+
+
+def test_a_replay_upload_is_the_header_then_the_fragments_chunks_built_once():
+    chunks = [b"a" * 5, b"b" * 3, b"c"]
+    ident = replay.perf_identity.Identity(object(), "replay-0")
+    whole = ident.messages(2, 7, None, chunks, steps=8, tokens=8 * replay.TOKENS_PER_STEP, final=True)
+    built = ident.messages(2, 7, None, [], steps=8, tokens=8 * replay.TOKENS_PER_STEP, final=True)
+    built += replay.chunk_messages(chunks)
+    assert [m.SerializeToString() for m in built] == [m.SerializeToString() for m in whole]
+    assert [m.chunk.last for m in built[1:]] == [False, False, True]

@@ -51,7 +51,7 @@ from ddiloco.learner import progress as progress_lib
 from ddiloco.learner import uploads as uploads_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import errors as errors_lib
-from ddiloco.v1 import common_pb2, syncer_pb2_grpc
+from ddiloco.v1 import common_pb2, syncer_pb2, syncer_pb2_grpc
 
 TOKENS_PER_STEP = 2048  # what a contribution claims per step (the shards' tokens_merged counts these)
 TICK_S = 0.02  # a replay learner's loop wakes at most this often (it counts steps from the clock)
@@ -102,8 +102,11 @@ async def _send(ctx: dict, ident: perf_identity.Identity, fid: int, base: int, s
     gathering on the version the answer names (merged once a later version arrives), and the
     syncer's back-pressure hint holds the fragment's next upload. `final`: the learner's last
     contribution of the fragment (the syncer waits for this learner no more)."""
-    info, chunks = ctx["payloads"][fid]
-    msgs = ident.messages(fid, base, info, chunks, steps=steps, tokens=steps * TOKENS_PER_STEP, final=final)
+    info, _ = ctx["payloads"][fid]
+    # The header is this upload's own; the chunk messages are the fragment's, built once per
+    # process (every upload of a fragment sends the same payload).
+    msgs = ident.messages(fid, base, info, [], steps=steps, tokens=steps * TOKENS_PER_STEP, final=final)
+    msgs += ctx["chunk_messages"][fid]
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     try:
@@ -288,11 +291,18 @@ def _payloads(spec: dict) -> dict[int, tuple]:
             for fid, (info, chunks) in payloads.items()}
 
 
+def chunk_messages(chunks: list[bytes]) -> list:
+    """A payload's chunks as the upload stream's messages, in order, the last one marked."""
+    return [syncer_pb2.UploadFragmentRequest(chunk=common_pb2.PayloadChunk(seq=i, data=c, last=i == len(chunks) - 1))
+            for i, c in enumerate(chunks)]
+
+
 def make_context(spec: dict, payloads: dict, stub_for) -> dict:
     """What a replay process's learners share: stubs, payloads, counters, the schedule."""
     fids = sorted(payloads)
     period = spec["sync_period_steps"]
     return {"stub": stub_for(spec["address"]), "stub_for": stub_for, "payloads": payloads,
+            "chunk_messages": {fid: chunk_messages(chunks) for fid, (_, chunks) in payloads.items()},
             "counts": {"accepted": 0, "refused": 0, "skipped": 0}, "refusals": {}, "accepted_by_shard": {},
             "work": {"offered_steps": 0, "accepted_steps": 0, "merged_steps": 0, "pending_steps_end": 0,
                      "unmerged_steps_end": 0, "slowed": 0, "final_sent": 0},
