@@ -104,7 +104,7 @@ def _micro_zstd(values: np.ndarray, repeats: int, min_time_s: float, real: bool)
 
 def _upload_path_stages(values: np.ndarray) -> dict[str, Callable[[], object]]:
     """The syncer's per-upload work on one int4 contribution of `values`, stage by stage, as
-    `SyncerCore._accept_upload` runs it (callables to time; `memcpy` of the values for scale)."""
+    services/syncer/intake.py's `Intake._accept` runs it (callables to time; `memcpy` of the values for scale)."""
     numel = values.size
     sizes = [numel // 4, numel // 4, numel // 4, numel - 3 * (numel // 4)]
     fragment = fragments_lib.Fragment(
@@ -124,7 +124,7 @@ def _upload_path_stages(values: np.ndarray) -> dict[str, Callable[[], object]]:
                                 checksum=enc.checksum, on_chunk=on_chunk)
 
     def decode_with_stats():
-        # As SyncerCore._accept_upload runs it: the robust norms and the cosine with the last
+        # As Intake._accept runs it: the robust norms and the cosine with the last
         # merge gathered while each decoded piece is in cache (its second decode thread aside).
         stats = robust_lib.DecodedStats(fragment, last, last_norm)
         decoded = decode(stats.update)
