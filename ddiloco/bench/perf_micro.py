@@ -183,7 +183,7 @@ def _micro_merge(values: np.ndarray, repeats: int, min_time_s: float) -> dict:
         # What the syncer runs: the tensors' norms come from the decode (robust.DecodedStats).
         "fold_in": lambda: acc.add(values, 2.0, norms=norms),
         "fold_in_own_norms": lambda: acc.add(values, 2.0),
-        # What SyncerCore._merge_locked runs: the factored delta, stepped on in one pass.
+        # What Rounds._merge_locked (services/syncer/merging.py) runs: the factored delta, stepped on in one pass.
         "outer_step": lambda: stepper.step_scaled(params, state, *acc.scaled_result(), write_grad=False),
         "result_only": acc.result,
         "stepper_only": lambda: stepper.step(params, state, values),
