@@ -35,12 +35,11 @@ from typing import NamedTuple
 import numpy as np
 
 from ddiloco.algo import _kernels
+from ddiloco.algo import choices
 from ddiloco.algo import fragments as fragments_lib
 
-EQUAL_MEAN = "equal_mean"
-RULES: tuple[str, ...] = ("rda", "mean", EQUAL_MEAN)
-# How norms of contributions spanning different step counts are compared (``norm_allowance_steps``).
-STEP_SCALINGS: tuple[str, ...] = ("per_step", "sqrt_below_median")
+# The names of the rules and step scalings (one definition, light enough for the config modules).
+EQUAL_MEAN, RULES, STEP_SCALINGS = choices.EQUAL_MEAN, choices.RULES, choices.STEP_SCALINGS
 
 
 class _Entry(NamedTuple):

@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 from ddiloco.algo import _kernels
+from ddiloco.algo import choices
 from ddiloco.algo import merge as merge_lib
 
 # The optimizer state's leaf shapes/dtypes and treedef for one fragment size.
@@ -74,9 +75,7 @@ class _SGDTransformation(optax.GradientTransformation):
     hyperparameters: tuple[float, float, bool]
 
 
-# How much of a whole outer step a merge takes (merge_share): "work" (the syncer's default), "steps"
-# (the default until the `ddiloco up` divergence in docs/internals.md), "whole".
-OUTER_STEP_FRACTIONS = ("work", "steps", "whole")
+OUTER_STEP_FRACTIONS = choices.OUTER_STEP_FRACTIONS  # how much of a whole outer step a merge takes
 
 
 class MergeShare(NamedTuple):

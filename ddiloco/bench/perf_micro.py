@@ -104,7 +104,7 @@ def _micro_zstd(values: np.ndarray, repeats: int, min_time_s: float, real: bool)
 
 def _upload_path_stages(values: np.ndarray) -> dict[str, Callable[[], object]]:
     """The syncer's per-upload work on one int4 contribution of `values`, stage by stage, as
-    `SyncerCore._accept_upload` runs it (callables to time; `memcpy` of the values for scale)."""
+    services/syncer/intake.py's `Intake._accept` runs it (callables to time; `memcpy` of the values for scale)."""
     numel = values.size
     sizes = [numel // 4, numel // 4, numel // 4, numel - 3 * (numel // 4)]
     fragment = fragments_lib.Fragment(
@@ -124,7 +124,7 @@ def _upload_path_stages(values: np.ndarray) -> dict[str, Callable[[], object]]:
                                 checksum=enc.checksum, on_chunk=on_chunk)
 
     def decode_with_stats():
-        # As SyncerCore._accept_upload runs it: the robust norms and the cosine with the last
+        # As Intake._accept runs it: the robust norms and the cosine with the last
         # merge gathered while each decoded piece is in cache (its second decode thread aside).
         stats = robust_lib.DecodedStats(fragment, last, last_norm)
         decoded = decode(stats.update)
@@ -183,7 +183,7 @@ def _micro_merge(values: np.ndarray, repeats: int, min_time_s: float) -> dict:
         # What the syncer runs: the tensors' norms come from the decode (robust.DecodedStats).
         "fold_in": lambda: acc.add(values, 2.0, norms=norms),
         "fold_in_own_norms": lambda: acc.add(values, 2.0),
-        # What SyncerCore._merge_locked runs: the factored delta, stepped on in one pass.
+        # What Rounds._merge_locked (services/syncer/merging.py) runs: the factored delta, stepped on in one pass.
         "outer_step": lambda: stepper.step_scaled(params, state, *acc.scaled_result(), write_grad=False),
         "result_only": acc.result,
         "stepper_only": lambda: stepper.step(params, state, values),

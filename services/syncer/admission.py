@@ -5,9 +5,9 @@ is read), idempotency, the steps a contribution is credited with, decoding (boun
 once; its norms and direction sample gathered in the same pass), the hold for direction references, the norm bound
 (refuse, or clip and strike) with its weight cap, and the direction check. Refusals raise
 ServiceError, counted once (Membership.record_rejection): by `validate` for the header's, by the
-core (SyncerCore.accept_upload) for the others.
+upload path (intake.Intake.accept) for the others.
 Must not: fold contributions into rounds or merge; the norm and direction checks run under the
-fragment's lock, which the core holds.
+fragment's lock, which the upload path holds.
 """
 
 from __future__ import annotations
@@ -334,7 +334,7 @@ class Admission:
         """The payload of a validated header, to be fed chunk by chunk as it arrives. Decoded on
         arrival when a decoding permit is free now (taken without waiting: the transfer never
         stalls for one); otherwise only hashed, and decoded under a permit once complete
-        (SyncerCore.accept_upload), as a compressed payload always is. Release with
+        (intake.Intake.accept), as a compressed payload always is. Release with
         `close_payload`."""
         slot = self._slots[header.fragment_id]
         last, last_norm = slot.last_outer_grad or (None, None)

@@ -4,7 +4,7 @@ By default the syncer writes a checkpoint every --checkpoint-every-merges merges
 and a crash or a failover loses the merges since the last one: learners may already hold versions
 the restarted syncer (or the new leader) never had, and rebase their work onto the restored ones.
 In this mode every merge asks for a checkpoint (`CommitLoop.request`), and watch streams send a
-fragment's version only once a committed checkpoint holds it (`SyncerCore.sendable`,
+fragment's version only once a committed checkpoint holds it (`publishing.Downloads.sendable`,
 `FragmentSlot.committed_version`; with leader election "committed" means through the fenced etcd
 pointer). A restarted syncer or a new leader therefore restores every version any learner was
 sent: the failover loses no merge that left the syncer.

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 
+from ddiloco.algo import choices
 from ddiloco.algo import robust as robust_lib
 from ddiloco.algo import rounds as rounds_lib
 from ddiloco.algo import shards as shards_lib
@@ -15,11 +16,9 @@ from ddiloco.coord import etcd as etcd_lib
 from ddiloco.rpc import security
 from ddiloco.wire import codec as codec_lib
 
-_RULES = ("rda", "mean", "equal_mean")  # ddiloco.algo.merge.RULES
-
-
-# ddiloco.algo.outer.OUTER_STEP_FRACTIONS (this module stays free of jax, which that one loads).
-OUTER_STEP_FRACTIONS = ("steps", "work", "whole")
+# The merge rules and outer step fractions from ddiloco.algo.choices: this module stays free of the
+# kernels (numba, jax) that ddiloco.algo.merge and ddiloco.algo.outer load.
+_RULES, OUTER_STEP_FRACTIONS = choices.RULES, choices.OUTER_STEP_FRACTIONS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,6 +172,17 @@ class Influence:
         # `residual_*` fields and ddiloco_syncer_residual_persistent_share; a constant bias shows there.
         self.coherence = coherence_lib.ResidualCoherence()
 
+    def attach(self, *, ledger=None, store_ledger=None, retain_contributions: bool = False,
+               epoch: Callable[[], int] | None = None) -> None:
+        """Where the merges' records go: a local MergeLedger file, and/or the checkpoint store's ledger
+        with the contributions retained or not, and the leader's epoch (__main__ gives them)."""
+        if ledger is not None:
+            self.ledger = ledger
+        if store_ledger is not None:
+            self.store_ledger, self.retain_contributions = store_ledger, retain_contributions
+        if epoch is not None:
+            self.epoch = epoch
+
     def note_refused(self, learner_id: str, fragment_id: int, reason: str, exc: BaseException | None = None) -> None:
         """A contribution was refused (admission or its checks); the fragment's next record names it.
         `exc`: the refusal, noted once however many layers report it."""

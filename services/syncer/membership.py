@@ -11,6 +11,7 @@ callbacks it is given (`on_change`, `on_quarantine`, `emit`), all called on the 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import logging
@@ -197,7 +198,8 @@ class Membership:
                  emit: Callable[..., None], on_change: Callable[[], None],
                  on_quarantine: Callable[[], None]) -> None:
         """`uploads` is the core's upload counter (refusals are counted there by reason);
-        `on_quarantine` runs after a learner is quarantined (rounds waiting for it may be due);
+        `on_quarantine` runs after a learner is quarantined, on a running loop only (rounds waiting
+        for it may be due: SyncerCore.tick);
         `model_fingerprint` / `model_name`: the run's model, which joining learners must match."""
         self.members: dict[str, Member] = {}
         self.auth_failures: collections.Counter = collections.Counter()
@@ -366,6 +368,12 @@ class Membership:
         return {m.learner_id for m in self.members.values()
                 if self._live(m, now) and not m.finished and now >= m.quarantined_until_s}
 
+    def merged_through_step(self, learner_id: str, incarnation: int, fragment_id: int, version: int) -> int:
+        """How far (local step) this learner life's work on the fragment is held by `version`: its
+        MergeReceipt's mark (wire_views.merge_receipt); 0 when the version holds none of it."""
+        member = self.members.get(learner_id)
+        return member.mark_at(fragment_id, version) if member is not None and member.incarnation == incarnation else 0
+
     def note_hold(self, learner_id: str, incarnation: int, fragment_id: int, hold_s: float) -> None:
         """A back-pressure hint asked this learner life to hold its next upload of the fragment for
         `hold_s` (UploadFragmentResponse.next_upload_after_s): see `holding`."""
@@ -491,4 +499,11 @@ class Membership:
         _LOG.warning("learner quarantined", extra={"fields": {"learner": member.learner_id, "reason": reason,
                                                               "seconds": duration_s}})
         self._on_change()
+        # Rounds that were waiting for this learner may now be complete, as on leave: left to their
+        # grace timer, they held every other learner's next upload of the fragment (already
+        # pending) for the whole window; a short run ended with one merge per fragment.
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop (unit tests of pure parts)
+            return
         self._on_quarantine()

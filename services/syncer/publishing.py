@@ -2,8 +2,10 @@
 
 Owns `Publisher` (what learners will hold of a new version, with the error-fed delta of a lossy
 download codec; each version's exact float32 encoding, one encode shared by concurrent watchers;
-the cached delta for a learner one version behind), `Watchers` (the change counter and condition
-every watch stream waits on) and `Observers` (the passive listeners: metrics, history).
+the cached delta for a learner one version behind), `Downloads` (which owned version a watcher is
+sent, as a delta or exact values, and whether it may leave yet: --commit-before-broadcast holds a
+version until a committed checkpoint has it), `Watchers` (the change counter and the waiters every
+watch stream waits on) and `Observers` (the passive listeners: metrics, history).
 Must not: decide what a version holds; the core calls `next_published` under the fragment's lock.
 """
 
@@ -16,6 +18,7 @@ import numpy as np
 
 from ddiloco.wire import codec as codec_lib
 from . import slots as slots_lib
+from . import state as state_lib
 from . import versions as versions_lib
 
 
@@ -102,6 +105,53 @@ class Publisher:
                 slot.encoded = encoded
             return version, encoded
         return slot.version, cached
+
+
+class Downloads:
+    """What a watch stream sends of the fragments this syncer owns (`slots.owned_slots`), in
+    `publisher`'s encodings; `watchers` wake when a held-back version may leave."""
+
+    def __init__(self, *, publisher: Publisher, slots: slots_lib.Slots, watchers: Watchers) -> None:
+        self._publisher = publisher
+        self._slots = slots
+        self._owned_slots = slots.owned_slots
+        self._watchers = watchers
+        self.commit_before_broadcast = False  # set by __main__ (--commit-before-broadcast): see sendable
+
+    def sendable(self, slot: slots_lib.FragmentSlot) -> bool:
+        """Whether the slot's current version may leave the syncer: always, except with
+        --commit-before-broadcast before a committed checkpoint holds it (commit_gate.py)."""
+        return not self.commit_before_broadcast or slot.version <= slot.committed_version
+
+    def mark_committed(self, snapshot: state_lib.SyncerSnapshot) -> None:
+        """A checkpoint of `snapshot` is committed: its versions may be sent; wakes the watchers."""
+        by_id = {f.fragment_id: f.version for f in snapshot.fragments}
+        for slot in self._owned_slots:
+            slot.committed_version = max(slot.committed_version, by_id.get(slot.fragment.fragment_id, 0))
+        if self.commit_before_broadcast:
+            self._watchers.notify()
+
+    def owned_fragment_ids(self) -> list[int]:
+        """The fragments this syncer (shard) owns, in order: those it streams and calls rounds of."""
+        return [s.fragment.fragment_id for s in self._owned_slots]
+
+    def published_sha256(self) -> dict[int, str]:
+        """What learners hold of each owned fragment's current version, by digest."""
+        return {s.fragment.fragment_id: s.published_sha256 for s in self._owned_slots}
+
+    async def download(self, fragment_id: int, held_version: int, *,
+                       accept_delta: bool) -> tuple[int, codec_lib.EncodedPayload, bool] | None:
+        """(version, payload, is_delta) of an owned fragment for a watcher holding `held_version`
+        (-1: none), None when it holds the current one. A watcher holding the previous version that
+        accepts deltas gets the (smaller) delta when the download codec is lossy; anyone else gets
+        the exact float32 values."""
+        slot = self._slots[fragment_id]
+        if slot.version <= held_version or not self.sendable(slot):
+            return None
+        delta = self._publisher.delta_payload(slot, held_version) if accept_delta else None
+        if delta is not None:
+            return (*delta, True)
+        return (*(await self._publisher.encoded_payload(slot)), False)
 
 
 class Watchers:

@@ -192,6 +192,11 @@ class Slots(list):
         """The version of each fragment this syncer (shard) owns."""
         return {s.fragment.fragment_id: s.version for s in self.owned_slots}
 
+    def digest(self, fragment_id: int) -> tuple[int, str, str]:
+        """(version, published_sha256, params_sha256) of a fragment now."""
+        s = self[fragment_id]
+        return s.version, s.published_sha256, s.params_sha256
+
     def require_owned(self, fragment_id: int) -> None:
         """FAILED_PRECONDITION naming the owner when another shard owns the fragment."""
         if fragment_id not in self.owned and 0 <= fragment_id < len(self):

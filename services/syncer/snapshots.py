@@ -5,7 +5,9 @@ and merge marks agree), the membership table (fencing, the security record, toke
 quarantine time left), the traffic and upload counters, the eval log, and the rounds' counters,
 grace-window inputs and schedule position into one typed `state.SyncerSnapshot`; `restore` checks
 a snapshot against the fragments this syncer owns and each fragment's sha256, then gives every
-part its share back.
+part its share back; the restored versions count as committed and the merge ledger names the step
+restored. Also the checkpoint bookkeeping the training state shows: the last committed checkpoint
+(`note_checkpoint`) and whether this life was restored from one.
 Must not: read or write checkpoints (checkpointing.py encodes the snapshot, __main__ stores it),
 build protobuf, or decide anything about rounds or members beyond putting their state back.
 """
@@ -21,6 +23,7 @@ import numpy as np
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import shards as shards_lib
+from . import influence as influence_lib
 from . import membership as membership_lib
 from . import merging as merging_lib
 from . import slots as slots_lib
@@ -38,7 +41,7 @@ class Snapshots:
 
     def __init__(self, *, slots: list[slots_lib.FragmentSlot], owned_slots: list[slots_lib.FragmentSlot],
                  shards: shards_lib.ShardLayout, membership: membership_lib.Membership,
-                 rounds: merging_lib.Rounds, uploads: collections.Counter,
+                 rounds: merging_lib.Rounds, influence: influence_lib.Influence, uploads: collections.Counter,
                  evals: collections.deque[state_lib.EvalSnapshot], clock: Callable[[], float],
                  wall_clock: Callable[[], float]) -> None:
         self._slots = slots
@@ -46,10 +49,18 @@ class Snapshots:
         self._shards = shards
         self._membership = membership
         self._rounds = rounds
+        self._influence = influence
         self._uploads = uploads
         self._evals = evals
         self._clock = clock
         self._wall = wall_clock
+        self.restored_from_checkpoint = False
+        # The last committed checkpoint (note_checkpoint; restore too).
+        self.last_checkpoint_outer_step, self.last_checkpoint_unix_s = 0, 0.0
+
+    def note_checkpoint(self, outer_step: int, unix_s: float) -> None:
+        """A checkpoint of the state at `outer_step` was committed at `unix_s` (__main__'s checkpointer)."""
+        self.last_checkpoint_outer_step, self.last_checkpoint_unix_s = outer_step, unix_s
 
     async def take(self) -> state_lib.SyncerSnapshot:
         """A consistent copy of everything a restart needs, taken while every owned fragment's lock
@@ -84,7 +95,8 @@ class Snapshots:
 
     def restore(self, snapshot: state_lib.SyncerSnapshot) -> None:
         """Loads a snapshot as `take` returns it (or checkpointing.load_snapshot reads it back);
-        ValueError when it holds other fragments than this syncer owns, or one fails its sha256."""
+        ValueError when it holds other fragments than this syncer owns, or one fails its sha256.
+        This life then counts as restored from that (committed) checkpoint."""
         if not isinstance(snapshot, state_lib.SyncerSnapshot):
             raise TypeError(f"restore takes a SyncerSnapshot (checkpointing.load_snapshot), not {type(snapshot).__name__}")
         by_id = {f.fragment_id: f for f in snapshot.fragments}
@@ -109,6 +121,11 @@ class Snapshots:
             if m.quarantine_remaining_s > 0:  # quarantine survives restarts too
                 membership.quarantines += 1
         self._evals.extend(snapshot.evals)
+        for slot in self._owned_slots:  # restored from a committed checkpoint
+            slot.committed_version = slot.version
+        self.restored_from_checkpoint = True
+        self.last_checkpoint_outer_step = self._rounds.outer_steps
+        self._influence.restored_step = self._rounds.outer_steps  # the ledger's records name the lineage they follow
         _LOG.info("restored", extra={"fields": {
             "outer_step": self._rounds.outer_steps,
             "versions": {s.fragment.fragment_id: s.version for s in self._owned_slots},

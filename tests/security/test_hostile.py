@@ -190,7 +190,7 @@ def test_quarantine_after_repeated_rejections_is_visible_and_sticky():
         # h1 alone completes rounds (x would otherwise hold them for the grace window).
         with pytest.raises(errors.PermissionDenied, match="quarantined"):
             await upload(core, "x", 1, honest_delta(core.plan.fragments[1].numel, 1))
-        assert len(core.expected_learners()) == 1
+        assert len(core.membership.expected_learners()) == 1
         await upload(core, "h1", 1, honest_delta(core.plan.fragments[1].numel, 2))
         await settle()
         assert core.slots[1].version == 1

@@ -176,7 +176,7 @@ def test_mutated_protocol_messages_parse_or_fail_and_validate_cleanly(data):
             pass
     # Whatever was thrown at it, the state is still sane.
     assert all(np.isfinite(s.params).all() for s in core.slots)
-    assert all(math_ok(m.step_time_s) for m in core.members.values())
+    assert all(math_ok(m.step_time_s) for m in core.membership.members.values())
 
 
 def math_ok(x: float) -> bool:

@@ -46,7 +46,7 @@ def test_auth_failures_and_quarantines_are_separate_metrics(tmp_path, pki):
         # A quarantine (here directly; the hostile tests reach it through strikes).
         operator = syncer_pb2_grpc.SyncerStub(channel_lib.sync_channel(harness.address, client_security(pki, "operator")))
         Learner(harness.address, "learner-1", sec=client_security(pki, "learner-1")).close()
-        harness.call(lambda: harness.core.membership.quarantine(harness.core.members["learner-1"], reason="test"))
+        harness.call(lambda: harness.core.membership.quarantine(harness.core.membership.members["learner-1"], reason="test"))
         assert read(operator).state.quarantines == 1
         assert _sample(registry, "ddiloco_syncer_quarantines_total") == 1
         assert _sample(registry, "ddiloco_syncer_learners_quarantined") == 1

@@ -37,7 +37,7 @@ async def _run(**spec_overrides) -> tuple[dict, int, int]:
                 "flush_s": 10.0} | spec_overrides
         result = await asyncio.wait_for(replay.replay(spec), 60)
         held = sum(c.steps for slot in core.owned_slots if slot.round is not None for c in slot.round.contributions)
-        return result, core.tokens_merged // replay.TOKENS_PER_STEP, held
+        return result, core.rounds.tokens_merged // replay.TOKENS_PER_STEP, held
 
 
 def test_replay_learners_finish_with_every_step_merged():

@@ -99,7 +99,7 @@ def test_a_dp_round_completes_after_a_given_up_upload_and_counts_it_once():
                     await asyncio.sleep(0.05)
                 assert servicer.stalled
                 assert clients[1].stats.uploads_failed >= 1 and clients[1].stats.sessions >= 2
-                record = core.merges[-1]
+                record = core.rounds.merges[-1]
                 assert sorted(c.learner_id for c in record.contributors) == ["learner-0", "learner-1"]
                 assert core.member(SLOW).uploads_accepted == 1  # applied once
             finally:

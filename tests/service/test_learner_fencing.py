@@ -136,7 +136,7 @@ def test_a_learner_fenced_off_by_its_next_life_stops():
             old.submit_upload(_job(old))
             await _until(lambda: old.fenced is not None)
             assert isinstance(old.fenced, client_lib.FencedError) and "FAILED_PRECONDITION" in str(old.fenced)
-            assert new.fenced is None and core.members[LEARNER].incarnation == 2
+            assert new.fenced is None and core.membership.members[LEARNER].incarnation == 2
         finally:
             await asyncio.to_thread(new.close, leave=False)
 

@@ -82,7 +82,7 @@ def test_refused_headers_keep_their_status_and_accepted_uploads_go_through():
                 served.stub, good, 10.0, after_chunk=lambda: chunks_written.append(1)), 15)
             assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
             assert len(chunks_written) == len(good) - 1 > 30
-            assert core.members["learner-0"].uploads_accepted == 1
+            assert core.membership.members["learner-0"].uploads_accepted == 1
 
     asyncio.run(run())
 
@@ -107,7 +107,7 @@ def test_a_full_syncer_holds_an_upload_until_a_slot_frees_and_refuses_only_at_it
                         served.stub, _messages(core, base_version=0, seed=1), 3.0, pipeline_bytes=1 << 20), 15)
                 assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
                 assert time.monotonic() - started < 3.0
-                assert core.members["learner-0"].uploads_accepted == 0
+                assert core.membership.members["learner-0"].uploads_accepted == 0
                 waiting = asyncio.ensure_future(client_lib.send_upload(
                     served.stub, _messages(core, base_version=0, seed=2), 20.0, pipeline_bytes=1 << 20))
                 await asyncio.sleep(1.0)
@@ -116,7 +116,7 @@ def test_a_full_syncer_holds_an_upload_until_a_slot_frees_and_refuses_only_at_it
                 holder.cancel()
             response = await asyncio.wait_for(waiting, 15)
             assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
-            assert core.members["learner-0"].uploads_accepted == 1
+            assert core.membership.members["learner-0"].uploads_accepted == 1
             assert core.uploads["waited_for_slot"] >= 2
 
     asyncio.run(run())
@@ -141,7 +141,7 @@ def test_refused_pipelined_headers_keep_their_status():
             response = await asyncio.wait_for(client_lib.send_upload(
                 served.stub, _messages(core, base_version=0), 10.0, pipeline_bytes=joined.upload_pipeline_bytes), 15)
             assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
-            assert core.members["learner-0"].uploads_accepted == 1
+            assert core.membership.members["learner-0"].uploads_accepted == 1
 
     asyncio.run(run())
 
@@ -169,14 +169,14 @@ def test_a_corrupted_chunk_is_refused_as_a_checksum_error_and_nothing_of_it_is_m
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
             assert errors.reason_of(info.value) == "checksum", info.value.details()
             assert core.uploads["rejected_checksum"] == 1
-            assert core.members["learner-0"].uploads_accepted == 0
+            assert core.membership.members["learner-0"].uploads_accepted == 0
             slot = core.slots[0]
             assert slot.round is None or "learner-0" not in slot.round.learners
             assert not core.admission.decoding.locked() and core.admission.decoding._value == core.admission.max_decoding
             response = await asyncio.wait_for(client_lib.send_upload(
                 served.stub, good, 10.0, pipeline_bytes=joined.upload_pipeline_bytes), 15)
             assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
-            assert core.members["learner-0"].uploads_accepted == 1
+            assert core.membership.members["learner-0"].uploads_accepted == 1
 
     asyncio.run(run())
 
@@ -221,7 +221,7 @@ def test_frames_that_are_not_messages_are_refused_as_malformed_not_internal():
             state = wire_views.training_state(core, 0)
             assert state.uploads["rejected_malformed"] == len(_GARBAGE_FRAMES) + 1, dict(state.uploads)
             assert "rejected_internal" not in state.uploads, dict(state.uploads)
-            member = core.members["learner-0"]
+            member = core.membership.members["learner-0"]
             assert member.rejections["malformed"] == 1 and member.flags & membership_lib.FLAG_MALFORMED
             assert [f.pending_contributions for f in state.fragments] == [0] and core.slots[0].version == 0
             response = await asyncio.wait_for(client_lib.send_upload(served.stub, good, 10.0), 15)
@@ -273,7 +273,7 @@ def test_an_upload_interrupted_while_writing_is_sent_again_not_taken_as_a_refusa
                     outcomes = client.take_outcomes()
                 assert [o.result for o in outcomes] == [client_lib.OUTCOME_ACCEPTED], (outcomes, vars(client.stats))
                 assert served.servicer.interruptions == 0 and client.stats.uploads_refused == 0, vars(client.stats)
-                assert core.members["learner-0"].uploads_accepted == 1
+                assert core.membership.members["learner-0"].uploads_accepted == 1
             finally:
                 await asyncio.to_thread(client.close, leave=True)
 

@@ -80,7 +80,7 @@ def test_the_messages_of_a_version_are_built_once():
         core = _core()
         slot = core.slots[0]
         cache = servicer_lib._WatchMessages()
-        version, encoded = await core.encoded_payload(slot)
+        version, encoded = await core.publisher.encoded_payload(slot)
         first, wire_bytes = cache.get(core.instance, 0, version, encoded, False, servicer_lib.WATCH_CHUNK_BYTES)
         again, _ = cache.get(core.instance, 0, version, encoded, False, servicer_lib.WATCH_CHUNK_BYTES)
         assert again is first

@@ -66,14 +66,14 @@ def test_a_merged_version_is_held_back_until_its_checkpoint_is_committed():
         store.gate.clear()  # the store holds the commit
         core, checkpointer = _setup(store)
         slot = core.slots[0]
-        assert core.sendable(slot)  # the initial version is sent at once
+        assert core.downloads.sendable(slot)  # the initial version is sent at once
         await _merge(core)
         await fakes.settle()
-        held = (slot.version, core.sendable(slot), list(store.manifests))
+        held = (slot.version, core.downloads.sendable(slot), list(store.manifests))
         counter = core.change_counter
         store.gate.set()
-        await fakes.settle_until(lambda: core.sendable(slot), timeout_s=10)
-        released = (core.sendable(slot), list(store.manifests), core.change_counter > counter)
+        await fakes.settle_until(lambda: core.downloads.sendable(slot), timeout_s=10)
+        released = (core.downloads.sendable(slot), list(store.manifests), core.change_counter > counter)
         await checkpointer.drain()
         return held, released
 
@@ -90,7 +90,7 @@ def test_every_merge_is_committed_and_a_failed_commit_is_retried():
             await _merge(core, 0)
             await _merge(core, 1)
         await fakes.settle_until(lambda: core.last_checkpoint_outer_step == core.outer_steps, timeout_s=10)
-        sendable = [core.sendable(s) for s in core.owned_slots]
+        sendable = [core.downloads.sendable(s) for s in core.owned_slots]
         await checkpointer.drain()
         return core.outer_steps, store.manifests, checkpointer.commit_loop.failures, sendable
 
@@ -108,9 +108,9 @@ def test_a_restored_version_counts_as_committed():
         snapshot = await core.snapshot()
         await checkpointer.drain()
         fresh, _ = _setup(_Store())
-        before = fresh.sendable(fresh.slots[0])
+        before = fresh.downloads.sendable(fresh.slots[0])
         fresh.restore(snapshot)
-        return before, fresh.slots[0].version, fresh.sendable(fresh.slots[0])
+        return before, fresh.slots[0].version, fresh.downloads.sendable(fresh.slots[0])
 
     assert asyncio.run(scenario()) == (True, 1, True)
 
@@ -121,7 +121,7 @@ def test_without_the_mode_versions_are_sent_at_once():
         store.gate.clear()
         core, checkpointer = _setup(store, commit_before_broadcast=False)
         await _merge(core)
-        return core.sendable(core.slots[0]), store.manifests
+        return core.downloads.sendable(core.slots[0]), store.manifests
 
     assert asyncio.run(scenario()) == (True, [])  # no checkpoint per merge (every 16 by default)
 

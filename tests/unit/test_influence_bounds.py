@@ -46,7 +46,7 @@ async def _rounds(core, batches: dict[str, int], rounds: int) -> list[syncer_pb2
             await _upload(core, lid, version, 0.01 * (common + 0.3 * rng.normal(size=n)), tokens_per_step=batch)
         await settle()
         assert core.slots[0].version == version + 1
-    return list(core.merges)
+    return list(core.rounds.merges)
 
 
 def _shares(record: syncer_pb2.MergeRecord) -> dict[str, float]:
@@ -226,7 +226,7 @@ def test_a_run_s_first_merge_clips_a_large_unchecked_contribution_to_twice_the_o
             await _upload(core, lid, 0, 0.01 * scale * (common + 0.1 * rng.normal(size=n)), tokens_per_step=100)
         await settle()
         assert core.slots[0].version == 1
-        return core.merges[0], {i.learner_id: i.clipped for i in wire_views.training_state(core, 0).influence}
+        return core.rounds.merges[0], {i.learner_id: i.clipped for i in wire_views.training_state(core, 0).influence}
 
     tight, tight_clipped = asyncio.run(first_merge())
     loose, loose_clipped = asyncio.run(first_merge(norm_bound=robust_lib.NormBoundPolicy(unverified_clip_factor=0.0)))

@@ -78,7 +78,7 @@ def test_an_inflated_batch_is_clipped_capped_at_half_recorded_and_exported(clock
         assert samples["x"] == pytest.approx(0.5) and samples["a"] == pytest.approx(1 / 6, abs=1e-5)
         assert samples["capped"] == 2 and samples["batch"] == 2  # x uploads last: a, b and c are its history
         # The merge record the training state shows carries the capped weight too.
-        record = core.merges[-1]
+        record = core.rounds.merges[-1]
         weights = {c.learner_id: c.weight for c in record.contributors}
         assert weights["x"] == pytest.approx(sum(w for lid, w in weights.items() if lid != "x"))
 

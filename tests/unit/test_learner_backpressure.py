@@ -152,7 +152,7 @@ def test_a_round_does_not_wait_for_a_learner_the_syncer_asked_to_hold_that_fragm
         await contribute(core, "b", 1, mark=2)
         await settle()
         assert core.slots[1].version == 1  # before the fix: waiting for c until the grace window ends
-        record = core.merges[-1]
+        record = core.rounds.merges[-1]
         assert record.reason == "all_contributed" and record.expected_contributors == 3
         clock.now_s += 31.0  # the hold is over: c is waited for again
         assert core.membership.holding(1) == set()

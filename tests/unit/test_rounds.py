@@ -163,7 +163,7 @@ def test_rounds_open_on_the_syncers_schedule_and_merge_every_called_learner(cloc
         await contribute(core, "c", 0, mark=4)
         await settle()
         assert core.slots[0].version == 1
-        record = core.merges[-1]
+        record = core.rounds.merges[-1]
         assert record.reason == "all_contributed" and len(record.contributors) == 3
         assert record.expected_contributors == 3 and record.round == 1
         assert record.quorum_wait_s == pytest.approx(0.0)  # a's early contribution met K = 1 at the call
@@ -196,8 +196,8 @@ def test_quorum_time_runs_from_the_call_and_the_grace_window_closes_a_round_with
         clock.now_s += 0.1
         core.tick()
         await settle()
-        assert core.slots[1].version == 1 and core.merges[-1].reason == "grace_expired"
-        assert core.merges[-1].expected_contributors == 2
+        assert core.slots[1].version == 1 and core.rounds.merges[-1].reason == "grace_expired"
+        assert core.rounds.merges[-1].expected_contributors == 2
 
     asyncio.run(run())
 
@@ -210,19 +210,19 @@ def test_final_contributions_join_the_next_scheduled_round_until_nobody_trains(c
         await settle()
         # No round of its own (that would add an outer step per learner at the end): a's last work
         # waits for fragment 0's next scheduled round, and a is no longer waited for.
-        assert not core.slots[0].round.open and core.expected_learners() == {"b"}
+        assert not core.slots[0].round.open and core.membership.expected_learners() == {"b"}
         report(core, "b", 4)  # global step 4: fragment 0's round opens with a's work in it
         assert core.slots[0].round.open and core.round_call(0, "b") is not None
         await contribute(core, "b", 0, mark=4)
         await settle()
-        assert core.slots[0].version == 1 and len(core.merges[-1].contributors) == 2
-        assert core.merges[-1].expected_contributors == 2
+        assert core.slots[0].version == 1 and len(core.rounds.merges[-1].contributors) == 2
+        assert core.rounds.merges[-1].expected_contributors == 2
         await contribute(core, "b", 1, mark=5, final=True)  # the last learner finishes: no schedule left
         await settle()
-        assert core.slots[1].version == 1 and core.merges[-1].reason == "all_contributed"
-        assert core.expected_learners() == set()
+        assert core.slots[1].version == 1 and core.rounds.merges[-1].reason == "all_contributed"
+        assert core.membership.expected_learners() == set()
         # The reports carried no tokens; the merges hold a's 400 (fragment 0) and b's 400 per fragment.
-        assert core.tokens_processed() == 800
+        assert core.membership.tokens_processed() == 800
 
     asyncio.run(run())
 
@@ -236,16 +236,16 @@ def test_a_quorum_that_can_no_longer_form_does_not_hold_the_last_learners_work(c
         report(core, "b", 4)  # both rounds open; fragment 0's holds a's last work
         await contribute(core, "b", 0, mark=4)
         await settle()
-        assert core.slots[0].version == 1 and core.merges[-1].reason == "all_contributed"  # K = 2 met
+        assert core.slots[0].version == 1 and core.rounds.merges[-1].reason == "all_contributed"  # K = 2 met
         # Fragment 1: b is the only learner that could ever contribute (a finished): K = 2 cannot
         # form, and every expected learner is in. The old rule held the round below quorum for good.
         await contribute(core, "b", 1, mark=4)
         await settle()
-        assert core.slots[1].version == 1 and core.merges[-1].reason == "quorum_unreachable"
-        assert [c.learner_id for c in core.merges[-1].contributors] == ["b"]
+        assert core.slots[1].version == 1 and core.rounds.merges[-1].reason == "quorum_unreachable"
+        assert [c.learner_id for c in core.rounds.merges[-1].contributors] == ["b"]
         await contribute(core, "b", 0, mark=6, final=True)  # the last learner's last work merges at once
         await settle()
-        assert core.slots[0].version == 2 and core.merges[-1].reason == "quorum_unreachable"
+        assert core.slots[0].version == 2 and core.rounds.merges[-1].reason == "quorum_unreachable"
         assert core.merged_through_step("b", 1, 0, 2) == 6  # its receipt lets it stop
 
     asyncio.run(run())
@@ -268,8 +268,8 @@ def test_last_work_waits_for_no_learner_that_stopped_stepping(clock):
         clock.now_s += 0.8 * 4 * 1.0 + 0.1  # c does not answer: the grace window closes the round
         core.tick()
         await settle()
-        assert core.slots[0].version == 1 and core.merges[-1].reason == "grace_expired"
-        assert sorted(c.learner_id for c in core.merges[-1].contributors) == ["a", "b"]
+        assert core.slots[0].version == 1 and core.rounds.merges[-1].reason == "grace_expired"
+        assert sorted(c.learner_id for c in core.rounds.merges[-1].contributors) == ["a", "b"]
 
     asyncio.run(run())
 
@@ -290,11 +290,11 @@ def test_below_quorum_rounds_still_wait_while_the_quorum_can_form(clock):
         await contribute(core, "a", 1, mark=8)
         core.tick()
         await settle()
-        assert core.versions() == {0: 0, 1: 0} and core.expected_learners() == {"a"}
+        assert core.versions() == {0: 0, 1: 0} and core.membership.expected_learners() == {"a"}
         report(core, "b", 8)  # it does, and the quorum forms
         await contribute(core, "b", 1, mark=8)
         await settle()
-        assert core.slots[1].version == 1 and len(core.merges[-1].contributors) == 2
+        assert core.slots[1].version == 1 and len(core.rounds.merges[-1].contributors) == 2
 
     asyncio.run(run())
 
@@ -329,10 +329,10 @@ def test_receipts_and_tokens_of_earlier_lives_survive_a_restart(clock):
         restored = make_scheduled_core(clock)
         restored.restore(snapshot)
         assert restored.merged_through_step("a", 1, 0, 1) == 3
-        assert restored.tokens_processed() == 500
+        assert restored.membership.tokens_processed() == 500
         join(restored, "a", incarnation=2)
         assert restored.merged_through_step("a", 2, 0, 1) == 0  # a new life has no merged marks
-        assert restored.tokens_processed() == 500  # the earlier life's tokens still count
+        assert restored.membership.tokens_processed() == 500  # the earlier life's tokens still count
 
     asyncio.run(run())
 

@@ -51,7 +51,7 @@ def test_delta_downloads_reconstruct_published_bit_exactly_with_error_feedback(c
         join(core, "l1")
         slot = core.slots[0]
         # A learner that received version 0 exactly (the full fp32 download).
-        version0, full = await core.encoded_payload(slot)
+        version0, full = await core.publisher.encoded_payload(slot)
         assert version0 == 0 and full.codec == "fp32"
         held = _decode(full)
         rng = np.random.default_rng(1)
@@ -61,14 +61,14 @@ def test_delta_downloads_reconstruct_published_bit_exactly_with_error_feedback(c
             core.tick()
             await settle()
             assert slot.version == version
-            assert core.delta_payload(slot, version - 2) is None  # a gap gets the exact values instead
-            delta_version, delta = core.delta_payload(slot, version - 1)
+            assert core.publisher.delta_payload(slot, version - 2) is None  # a gap gets the exact values instead
+            delta_version, delta = core.publisher.delta_payload(slot, version - 1)
             assert delta_version == version and delta.codec == codec
             held = fragments_lib.apply_delta(held, _decode(delta))
             assert fragments_lib.fragment_sha256(held) == slot.published_sha256  # bit-identical to the syncer
             errors.append(float(np.max(np.abs(held - slot.params))))
             # The exact download is of the published values, not of the syncer's own parameters.
-            _, exact = await core.encoded_payload(slot)
+            _, exact = await core.publisher.encoded_payload(slot)
             assert fragments_lib.fragment_sha256(_decode(exact)) == slot.published_sha256
         state = wire_views.training_state(core, 0)
         assert state.fragments[0].published_sha256 == slot.published_sha256
@@ -92,7 +92,7 @@ def test_fp32_downloads_publish_the_parameters_themselves(clock):
         core.tick()
         await settle()
         assert slot.version == 1 and slot.published is slot.params
-        assert core.delta_payload(slot, 0) is None
+        assert core.publisher.delta_payload(slot, 0) is None
         assert slot.published_sha256 == slot.params_sha256
 
     asyncio.run(run())

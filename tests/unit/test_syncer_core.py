@@ -41,7 +41,7 @@ def test_grace_window_waits_for_stragglers_then_merges_everyone(clock):
         core.tick()
         await settle_until(lambda: core.slots[0].version == 1)
         assert core.slots[0].version == 1
-        record = core.merges[-1]
+        record = core.rounds.merges[-1]
         assert {c.learner_id for c in record.contributors} == {"l1", "l2"}
         assert record.reason == "grace_expired" and record.grace_used_s == pytest.approx(2.5)
 
@@ -62,7 +62,7 @@ def test_merge_is_immediate_when_every_live_member_contributed_and_respects_quor
         assert core.slots[1].version == 0
         await upload(core, "l2", 1, 0, np.full(n, 0.03))
         await settle()
-        assert core.slots[1].version == 1 and core.merges[-1].reason == "all_contributed"
+        assert core.slots[1].version == 1 and core.rounds.merges[-1].reason == "all_contributed"
 
     asyncio.run(run())
 
@@ -170,9 +170,9 @@ def test_first_contributions_judge_each_other_before_anything_is_merged(clock):
         assert isinstance(results[0], errors.InvalidArgument) and results[0].reason == "direction", results[0]
         assert all(r.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED for r in results[1:]), results
         await settle()
-        merged = {c.learner_id for m in core.merges for c in m.contributors}
+        merged = {c.learner_id for m in core.rounds.merges for c in m.contributors}
         assert merged == {"a", "b"}, merged
-        judged = core.direction_judgments
+        judged = core.admission.direction_judgments
         assert judged["waited"] >= 1 and judged["waited"] + judged["unjudged"] >= 2, judged
 
     asyncio.run(run())
@@ -190,7 +190,7 @@ def test_the_wait_for_references_is_bounded_and_skipped_when_nobody_could_send_o
         clock.now_s += 100.0  # b and c fall silent (liveness 30 s): nobody could send a reference
         progress(core, "a", 1.0)
         await asyncio.wait_for(upload(core, "a", 1, 0, _directed(core.plan.fragments[1].numel, 2, 1.0)), timeout=10)
-        assert core.direction_judgments["unjudged"] == 2 and core.direction_judgments["waited"] == 0
+        assert core.admission.direction_judgments["unjudged"] == 2 and core.admission.direction_judgments["waited"] == 0
         # Two live others who could send one: the upload waits the configured time, then goes on.
         core = make_core(FakeClock(), direction=robust_lib.DirectionPolicy(judge_wait_s=0.3))
         for lid in ("a", "b", "c"):
@@ -198,7 +198,7 @@ def test_the_wait_for_references_is_bounded_and_skipped_when_nobody_could_send_o
         loop = asyncio.get_running_loop()
         started = loop.time()
         await asyncio.wait_for(upload(core, "a", 0, 0, _directed(n, 3, 1.0)), timeout=10)
-        assert loop.time() - started >= 0.3 and core.direction_judgments["unjudged"] == 1
+        assert loop.time() - started >= 0.3 and core.admission.direction_judgments["unjudged"] == 1
         await settle()
         assert core.slots[0].version == 1 and core.directions.references("b", 0, 1) == 1  # proposal withdrawn, a's kept
 
@@ -261,7 +261,7 @@ def test_a_merge_of_one_of_two_expected_learners_is_half_a_round_with_work():
         for lid, value in (("l1", 0.01), ("l2", 0.03))[:quorum]:
             await upload(core, lid, 0, 0, np.full(n, value))
         await settle()
-        assert core.slots[0].version == 1 and len(core.merges[-1].contributors) == quorum
+        assert core.slots[0].version == 1 and len(core.rounds.merges[-1].contributors) == quorum
         return core.slots[0].params - before, core.slots[0].opt_state[0].copy()
 
     (work_move, work_buf), (steps_move, steps_buf) = [asyncio.run(merged(f, 1)) for f in ("work", "steps")]
@@ -404,12 +404,12 @@ def test_work_merged_never_exceeds_the_work_processed_while_progress_reports_lag
             await upload(core, "l1", fid, 0, np.full(n, 0.01), steps=4)  # 400 tokens each
         await settle()
         assert [s.version for s in core.slots] == [1, 1]
-        assert core.tokens_merged == 800
-        assert core.tokens_processed() == 400
+        assert core.rounds.tokens_merged == 800
+        assert core.membership.tokens_processed() == 400
         state = wire_views.training_state(core, 0)
         assert state.tokens_merged / (len(core.slots) * state.tokens_processed) == pytest.approx(1.0)
         # The next life starts from what this one is known to have processed.
         join(core, "l1", incarnation=2)
-        assert core.tokens_processed() == 400
+        assert core.membership.tokens_processed() == 400
 
     asyncio.run(run())

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CALLERS = ("services/syncer/servicer.py", "services/syncer/__main__.py", "services/syncer/wire_views.py",
            "ddiloco/bench/checkpoint_cost.py")
 # The core's parts and their state: reached through the facade only.
-PARTS = frozenset({"slots", "owned_slots", "members", "membership", "admission", "rounds", "publisher",
+PARTS = frozenset({"slots", "owned_slots", "members", "membership", "admission", "intake", "rounds", "publisher", "downloads",
                    "watchers", "observers", "uploads", "influence", "evals", "snapshots", "directions", "config"})
 
 

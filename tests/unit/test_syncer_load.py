@@ -17,10 +17,10 @@ import pytest
 
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import robust as robust_lib
+from ddiloco.rpc import errors
 from ddiloco.v1 import syncer_pb2
 from ddiloco.wire import codec as codec_lib
 from ddiloco.wire import serde
-from services.syncer import core as core_lib
 from services.syncer import admission as admission_lib
 from services.syncer import wire_views
 from tests.fakes import FakeClock, join, make_core, settle
@@ -60,7 +60,7 @@ def test_a_contribution_admitted_within_the_staleness_bound_is_not_refused_when_
         assert core.uploads["rejected_stale"] == 0
         await settle()
         assert slot.version == 2
-        assert [c.base_version for c in core.merges[-1].contributors] == [0]
+        assert [c.base_version for c in core.rounds.merges[-1].contributors] == [0]
 
     asyncio.run(run())
 
@@ -98,7 +98,7 @@ def test_a_base_already_out_of_the_history_at_admission_is_still_refused():
         enc = _encode(np.full(n, 0.01))
         await core.accept_upload(core.validate_upload_header(_header(core, "a", 0, 0, enc)), enc.payload, 0)
         await settle()
-        with pytest.raises(core_lib.errors.FailedPrecondition, match="stale"):
+        with pytest.raises(errors.FailedPrecondition, match="stale"):
             core.validate_upload_header(_header(core, "b", 0, 0, enc))
 
     asyncio.run(run())
@@ -110,9 +110,9 @@ def test_a_compressed_whole_version_is_kept_only_while_someone_holds_it():
     async def run():
         core = make_core(FakeClock(), specs=[fragments_lib.TensorSpec("w", (50_000,))], num_fragments=1)
         slot = core.slots[0]
-        version, encoded = await core.encoded_payload(slot)
+        version, encoded = await core.publisher.encoded_payload(slot)
         assert version == 0 and encoded.compression == "zstd"
-        assert slot.encoded is encoded and (await core.encoded_payload(slot))[1] is encoded  # shared while held
+        assert slot.encoded is encoded and (await core.publisher.encoded_payload(slot))[1] is encoded  # shared while held
         held = weakref.ref(encoded)
         del encoded
         await settle()  # the encode's finished futures leave the loop's queue
@@ -126,7 +126,7 @@ def test_watchers_asking_at_once_share_one_encode():
         core = make_core(FakeClock())
         slot = core.slots[1]
         assert slot.encoded is None
-        results = await asyncio.gather(*(core.encoded_payload(slot) for _ in range(8)))
+        results = await asyncio.gather(*(core.publisher.encoded_payload(slot) for _ in range(8)))
         assert {version for version, _ in results} == {0}
         assert len({id(encoded) for _, encoded in results}) == 1
         assert results[0][1] is slot.encoded

@@ -32,7 +32,7 @@ def test_the_snapshot_is_typed_and_its_checkpoint_form_round_trips():
         core = make_core(clock, quarantine_after=3)
         join(core, "a")
         join(core, "b")
-        core.membership.quarantine(core.members["b"], reason="test", duration_s=100.0)
+        core.membership.quarantine(core.membership.members["b"], reason="test", duration_s=100.0)
         n = core.plan.fragments[0].numel
         await upload(core, "a", 0, 0, np.full(n, 0.05))
         await settle()
@@ -67,7 +67,7 @@ def test_the_snapshot_is_typed_and_its_checkpoint_form_round_trips():
 
         restored = make_core(clock)
         restored.restore(snap)
-        b = restored.members["b"]
+        b = restored.membership.members["b"]
         assert restored.membership.is_quarantined(b) and b.quarantined_until_s == pytest.approx(clock.now_s + 60.0)
         assert wire_views.training_state(restored, 0).quarantines == 1 and restored.outer_steps == 1
         assert [e.heldout_loss for e in wire_views.training_state(restored, 0).evals] == [3.5]
@@ -88,12 +88,12 @@ def test_a_checkpoint_from_before_the_newer_fields_restores_with_their_defaults(
         }
         core = make_core(FakeClock())
         core.restore(state_lib.SyncerSnapshot.from_dict(oldest))
-        member = core.members["a"]
+        member = core.membership.members["a"]
         assert (member.incarnation, member.region, member.joins, member.data_shard) == (3, "", 1, -1)
         assert not core.membership.is_quarantined(member) and member.merged_marks == {}
         state = wire_views.training_state(core, 0)
         assert (state.outer_steps, state.tokens_merged, state.bytes_in, dict(state.uploads)) == (7, 900, 0, {})
-        assert state.restored_from_checkpoint and core.schedule.global_step == 0.0
+        assert state.restored_from_checkpoint and core.rounds.schedule.global_step == 0.0
         with pytest.raises(errors.FailedPrecondition, match="older than the registered"):
             join(core, "a", incarnation=2)  # fencing survived
 
@@ -118,7 +118,7 @@ def test_the_facade_reports_digests_pending_work_and_cancels_grace_timers():
         await settle()
         assert [(fid, c.learner_id) for fid, c in core.pending_contributions()] == [(0, "l1")]
         assert core.slots[0].timer is not None and not core.merging
-        assert core.member("l1") is core.members["l1"] and core.member("nobody") is None
+        assert core.member("l1") is core.membership.members["l1"] and core.member("nobody") is None
         core.cancel_timers()
         assert all(slot.timer is None for slot in core.slots)
         clock.advance(5.0)  # past the grace window: the next tick merges
@@ -173,6 +173,6 @@ def test_a_syncer_restores_the_typed_snapshot_it_reads_from_the_store():
         restored = make_core(FakeClock())
         restored.restore(state)
         assert restored.versions() == core.versions() and restored.slots[0].params_sha256 == core.slots[0].params_sha256
-        assert restored.members["a"].incarnation == 1 and restored.restored_from_checkpoint
+        assert restored.membership.members["a"].incarnation == 1 and restored.restored_from_checkpoint
 
     asyncio.run(run())

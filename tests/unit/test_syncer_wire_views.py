@@ -51,10 +51,10 @@ def test_the_training_state_and_the_scrape_read_the_same_values():
         await upload(core, "a", 1, 0, np.full(core.plan.fragments[1].numel, 0.01))  # pending in fragment 1
         core.report_eval(wire_views.eval_report(syncer_pb2.ReportEvalRequest(
             protocol_version=serde.PROTOCOL_VERSION, heldout_loss=3.5, tokens_merged=200)))
-        clock.advance(core.liveness_timeout_s + 1.0)
+        clock.advance(core.membership.liveness_timeout_s + 1.0)
         progress(core, "a", 0.5)
         progress(core, "b", 0.7)
-        core.membership.quarantine(core.members["b"], reason="test", duration_s=100.0)
+        core.membership.quarantine(core.membership.members["b"], reason="test", duration_s=100.0)
         core.leave(**wire_views.leave_args(syncer_pb2.LeaveRequest(
             protocol_version=serde.PROTOCOL_VERSION, learner_id="c", incarnation=1)))
         await settle()
@@ -65,7 +65,7 @@ def test_the_training_state_and_the_scrape_read_the_same_values():
     scrape = metrics_lib.scrape_state(core)
 
     # The merge's message holds every value of the plain record, contributors included.
-    record, message = core.merges[-1], state.recent_merges[-1]
+    record, message = core.rounds.merges[-1], state.recent_merges[-1]
     assert len(record.contributors) == 2 and message.ByteSize() > 0
     for name in _names(syncer_pb2.MergeRecord):
         if name != "contributors":
