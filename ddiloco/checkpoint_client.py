@@ -40,6 +40,10 @@ class BlobRef:
     size_bytes: int
 
 
+# A checkpoint's blobs as ``commit_manifest`` takes them: {name: (digest, size_bytes)} or BlobRefs.
+Blobs = Mapping[str, tuple[str, int]] | Iterable[BlobRef]
+
+
 @dataclasses.dataclass(frozen=True)
 class Manifest:
     """A committed checkpoint: named blobs plus string metadata."""
@@ -175,15 +179,8 @@ class CheckpointClient:
             raise BlobVerificationError(f"blob {digest}: downloaded bytes hash to {actual}")
         return data
 
-    async def commit_manifest(
-        self,
-        run_id: str,
-        step: int,
-        blobs: Mapping[str, tuple[str, int]] | Iterable[BlobRef],
-        metadata: Mapping[str, str] | None = None,
-        *,
-        timeout: datetime.timedelta | None = None,
-    ) -> int:
+    async def commit_manifest(self, run_id: str, step: int, blobs: Blobs, metadata: Mapping[str, str] | None = None,
+                              *, timeout: datetime.timedelta | None = None) -> int:
         """Commits a checkpoint of `blobs` ({name: (digest, size_bytes)} or BlobRefs).
 
         Returns the committed step. Raises grpc.aio.AioRpcError with FAILED_PRECONDITION when

@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from ddiloco.checkpoint_client import BlobRef, Manifest
+from ddiloco.checkpoint_client import Blobs, Manifest
 from ddiloco.checkpoint_commit import CommitPointer, CommitRecord
 from ddiloco.rpc import retry as retry_lib
 
@@ -61,7 +61,7 @@ class StoreClient(Protocol):
     async def stat_blobs(self, digests: Iterable[str]) -> set[str]: ...
 
     async def commit_manifest(
-        self, run_id: str, step: int, blobs: Any, metadata: Mapping[str, str] | None = None
+        self, run_id: str, step: int, blobs: Blobs, metadata: Mapping[str, str] | None = None
     ) -> int: ...
 
     async def latest_manifest(self, run_id: str) -> Manifest | None: ...
@@ -260,17 +260,9 @@ class ReplicatedCheckpointClient:
         error.not_found = bool(failures) and all(": NOT_FOUND: " in f for f in failures)  # every store lacks it
         raise error
 
-    async def commit_manifest(
-        self,
-        run_id: str,
-        step: int,
-        blobs: Mapping[str, tuple[str, int]] | Iterable[BlobRef],
-        metadata: Mapping[str, str] | None = None,
-        *,
-        timeout: datetime.timedelta | None = None,
-        pointer: CommitPointer | None = None,
-        epoch: int = 0,
-    ) -> int:
+    async def commit_manifest(self, run_id: str, step: int, blobs: Blobs, metadata: Mapping[str, str] | None = None,
+                              *, timeout: datetime.timedelta | None = None, pointer: CommitPointer | None = None,
+                              epoch: int = 0) -> int:
         """Commits the manifest on every reachable store (QuorumError below write_quorum), then,
         with a `pointer`, moves it to (run_id, step, epoch) (CommitFenced if a newer leader
         holds it). Stores that refused the commit are queued for repair."""

@@ -26,6 +26,13 @@ class ServiceError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
+    def __init_subclass__(cls, *, code: grpc.StatusCode | None = None, **kwargs: object) -> None:
+        # The status is a class keyword (one line a subclass) rather than a class attribute
+        # each subclass body repeats; a subclass without one keeps its parent's.
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+
     def __init__(self, message: str, *, reason: str = "") -> None:
         super().__init__(message)
         self.reason = reason or type(self).__name__
@@ -51,62 +58,41 @@ def metadata_value(error: grpc.RpcError, key: str) -> str:
 def reason_of(error: grpc.RpcError) -> str:
     """The reason a ddiloco server attached to a failed call ("" when none: another server, a
     transport failure, a deadline)."""
-    if not isinstance(error, (grpc.Call, grpc.aio.AioRpcError)):
-        return ""
-    for key, value in error.trailing_metadata() or ():
-        if key == REASON_KEY:
-            return value.decode() if isinstance(value, bytes) else value
-    return ""
+    return metadata_value(error, REASON_KEY)
 
 
-class InvalidArgument(ServiceError):
+class InvalidArgument(ServiceError, code=grpc.StatusCode.INVALID_ARGUMENT):
     """Malformed input: wrong sizes, checksum, non-finite values, chunk order."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
 
-
-class FailedPrecondition(ServiceError):
+class FailedPrecondition(ServiceError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """Valid input the current state refuses: stale base, fenced incarnation, wrong protocol."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class AlreadyExists(ServiceError):
+class AlreadyExists(ServiceError, code=grpc.StatusCode.ALREADY_EXISTS):
     """The same idempotency key arrived with a different payload."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
 
-
-class Unauthenticated(ServiceError):
+class Unauthenticated(ServiceError, code=grpc.StatusCode.UNAUTHENTICATED):
     """No credential, or one that is invalid or revoked."""
 
-    code = grpc.StatusCode.UNAUTHENTICATED
 
-
-class PermissionDenied(ServiceError):
+class PermissionDenied(ServiceError, code=grpc.StatusCode.PERMISSION_DENIED):
     """An authenticated caller acting beyond its identity (another learner, a read-only
     credential writing) or a quarantined learner."""
 
-    code = grpc.StatusCode.PERMISSION_DENIED
+
+class NotFound(ServiceError, code=grpc.StatusCode.NOT_FOUND):
+    """No such blob or manifest."""
 
 
-class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class ResourceExhausted(ServiceError):
+class ResourceExhausted(ServiceError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
     """Too many concurrent requests, or no space left."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-
-class DataLoss(ServiceError):
+class DataLoss(ServiceError, code=grpc.StatusCode.DATA_LOSS):
     """Stored bytes no longer match their digest."""
 
-    code = grpc.StatusCode.DATA_LOSS
 
-
-class Unavailable(ServiceError):
+class Unavailable(ServiceError, code=grpc.StatusCode.UNAVAILABLE):
     """A dependency is temporarily unreachable; the caller may retry."""
-
-    code = grpc.StatusCode.UNAVAILABLE

@@ -60,16 +60,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "1 year per chip for --our-chips-per-learner is always added)")
     g.add_argument("--our-chips-per-learner", type=int, default=ours.chips_per_learner,
                    help="accelerators per learner")
-    g.add_argument("--our-learner-restart-s", type=float, default=ours.learner_restart_mean_s,
-                   help="mean time from a learner crash to it contributing again (docker tests: 5-25 s)")
-    g.add_argument("--our-sync-period-s", type=float, default=ours.sync_period_s,
-                   help="seconds between two syncs of one fragment (H steps x step time)")
-    g.add_argument("--our-syncer-mtbf-s", type=float, default=ours.syncer_mtbf_s,
-                   help="mean time between syncer crashes, seconds (inf = never)")
-    g.add_argument("--our-syncer-restart-s", type=float, default=ours.syncer_restart_mean_s,
-                   help="mean time for a crashed syncer to serve again (docker tests: ~5 s)")
-    g.add_argument("--our-syncer-checkpoint-s", type=float, default=ours.syncer_checkpoint_period_s,
-                   help="seconds between syncer checkpoints (merges after the last one are lost on a crash)")
+    for flag, field, doc in (  # one float flag per field of model.OursConfig, defaulting to it
+            ("learner-restart-s", "learner_restart_mean_s",
+             "mean time from a learner crash to it contributing again (docker tests: 5-25 s)"),
+            ("sync-period-s", "sync_period_s", "seconds between two syncs of one fragment (H steps x step time)"),
+            ("syncer-mtbf-s", "syncer_mtbf_s", "mean time between syncer crashes, seconds (inf = never)"),
+            ("syncer-restart-s", "syncer_restart_mean_s",
+             "mean time for a crashed syncer to serve again (docker tests: ~5 s)"),
+            ("syncer-checkpoint-s", "syncer_checkpoint_period_s",
+             "seconds between syncer checkpoints (merges after the last one are lost on a crash)")):
+        g.add_argument(f"--our-{flag}", type=float, default=getattr(ours, field), help=doc)
 
 
 def _fmt_s(seconds: float) -> str:

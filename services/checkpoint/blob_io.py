@@ -73,7 +73,7 @@ def disk_full_as_resource_exhausted(what: str) -> Iterator[None]:
 # Blob streams.
 
 
-class BlobWriter:
+class BlobWriter(contextlib.AbstractContextManager["BlobWriter"]):  # __enter__ returns self
     """One blob being uploaded: stream `write()`s, then `commit()` or `abort()`.
 
     The bytes go to a temp file and become visible only in `commit()`, after their size and
@@ -101,9 +101,6 @@ class BlobWriter:
         with self._failing_aborts("creating a temp file"):
             ensure_dir(target.parent)
             self._file = open(self._tmp, "xb")
-
-    def __enter__(self) -> BlobWriter:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.abort()
@@ -186,7 +183,7 @@ class BlobWriter:
             raise
 
 
-class BlobReader:
+class BlobReader(contextlib.AbstractContextManager["BlobReader"]):  # __enter__ returns self
     """An open blob whose full content was verified against its digest on open.
 
     `read()` streams the same open file again and re-hashes it; if the bytes changed after the
@@ -219,9 +216,6 @@ class BlobReader:
             raise
         self._hash = hashlib.sha256()
         self._read_bytes = 0
-
-    def __enter__(self) -> BlobReader:
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -228,6 +228,15 @@ def _scalar_families(values: dict, table) -> list:
     return [family(name, doc, value=values[attr]) for attr, name, doc, family in table]
 
 
+def _labeled_family(family, name: str, doc: str, label: str, samples):
+    """A ``family`` (Counter/GaugeMetricFamily) with one sample per (label value, value) pair of
+    ``samples``, in their order."""
+    result = family(name, doc, labels=[label])
+    for key, value in samples:
+        result.add_metric([key], value)
+    return result
+
+
 class _StateCollector:
     """Reads gauges and monotonic counters from the core at scrape time, on the core's loop."""
 
@@ -316,10 +325,8 @@ class _RepairCollector:
         values, per_store = _read_on_loop(self._loop, snapshot)
         yield from _scalar_families(values, self._FAMILIES)
         for name, doc in self._PER_STORE:
-            family = CounterMetricFamily(f"ddiloco_syncer_checkpoint_repair_{name}", doc, labels=["store"])
-            for store, value in per_store[name].items():
-                family.add_metric([store], value)
-            yield family
+            yield _labeled_family(CounterMetricFamily, f"ddiloco_syncer_checkpoint_repair_{name}", doc, "store",
+                                  per_store[name].items())
 
 
 def _progress_families(state: ScrapeState):
@@ -358,11 +365,9 @@ def _traffic_families(state: ScrapeState):
     wire.add_metric(["in"], state.bytes_in)
     wire.add_metric(["out"], state.bytes_out)
     yield wire
-    uploads = CounterMetricFamily("ddiloco_syncer_uploads", "Uploads by result (accepted, duplicate, rejected_<reason>)",
-                                  labels=["result"])
-    for result in sorted(KNOWN_UPLOAD_RESULTS | set(state.uploads)):
-        uploads.add_metric([result], state.uploads.get(result, 0))
-    yield uploads
+    yield _labeled_family(CounterMetricFamily, "ddiloco_syncer_uploads",
+                          "Uploads by result (accepted, duplicate, rejected_<reason>)", "result",
+                          ((r, state.uploads.get(r, 0)) for r in sorted(KNOWN_UPLOAD_RESULTS | set(state.uploads))))
 
 
 def _security_families(state: ScrapeState):
@@ -370,25 +375,20 @@ def _security_families(state: ScrapeState):
     # Security, kept apart from the upload results above: refused callers and quarantines.
     # TLS handshake failures never reach the process (grpc-core drops the connection before
     # any call exists) and so are not counted here; see docs/security.md.
-    auth = CounterMetricFamily(
-        "ddiloco_syncer_auth_failures",
+    reasons = sorted(set(security_lib.AUTH_FAILURE_REASONS) | set(state.auth_failures))
+    yield _labeled_family(
+        CounterMetricFamily, "ddiloco_syncer_auth_failures",
         "Calls refused as UNAUTHENTICATED or PERMISSION_DENIED after a completed TLS handshake, by reason "
         f"({', '.join(security_lib.AUTH_FAILURE_REASONS)})",
-        labels=["reason"])
-    for reason in sorted(set(security_lib.AUTH_FAILURE_REASONS) | set(state.auth_failures)):
-        auth.add_metric([reason], state.auth_failures.get(reason, 0))
-    yield auth
+        "reason", ((reason, state.auth_failures.get(reason, 0)) for reason in reasons))
     yield CounterMetricFamily("ddiloco_syncer_quarantines",
                               "Learners quarantined since this syncer started (restored quarantines included)",
                               value=state.quarantines)
-    judgments = CounterMetricFamily(
-        "ddiloco_syncer_direction_judgments",
+    yield _labeled_family(
+        CounterMetricFamily, "ddiloco_syncer_direction_judgments",
         "Contributions that had fewer than two others to compare with at the direction check: waited "
         "(others arrived within --direction-judge-wait-s) or unjudged (went on without a comparison)",
-        labels=["how"])
-    for how, count in sorted(state.direction_judgments.items()):
-        judgments.add_metric([how], count)
-    yield judgments
+        "how", sorted(state.direction_judgments.items()))
     yield GaugeMetricFamily("ddiloco_syncer_learners_quarantined", "Learners whose uploads are refused right now",
                             value=sum(1 for m in state.members if m.quarantined))
 
@@ -473,25 +473,21 @@ def _influence_families(snap: dict):
     for learner in sorted(snap["share"]):
         share.add_metric([learner], snap["share"][learner])
         top.add_metric([learner], snap["max_share"].get(learner, 0.0))
-    capped = CounterMetricFamily("ddiloco_syncer_merge_share_capped",
-                                 "Merges in which a learner's weight was lowered to --max-merge-share",
-                                 labels=["learner"])
-    for learner, count in sorted(snap["capped"].items()):
-        capped.add_metric([learner], count)
-    clipped = CounterMetricFamily(
-        "ddiloco_syncer_clipped_claims",
+    yield from (share, top)
+    yield _labeled_family(CounterMetricFamily, "ddiloco_syncer_merge_share_capped",
+                          "Merges in which a learner's weight was lowered to --max-merge-share", "learner",
+                          sorted(snap["capped"].items()))
+    clipped = sorted({"steps", "step_rate", "batch", "norm"} | set(snap["clipped"]))
+    yield _labeled_family(
+        CounterMetricFamily, "ddiloco_syncer_clipped_claims",
         "Contributions accepted with a claim or norm clipped: steps (beyond the last merged mark), step_rate "
-        "(beyond the measured step rate), batch (--max-batch-ratio), norm (--norm-clip-factor)", labels=["what"])
-    for what in sorted({"steps", "step_rate", "batch", "norm"} | set(snap["clipped"])):
-        clipped.add_metric([what], snap["clipped"].get(what, 0))
-    refused = CounterMetricFamily("ddiloco_syncer_refused_contributions",
-                                  "Contributions refused, per learner (any reason but load)", labels=["learner"])
-    for learner, count in sorted(snap["refused"].items()):
-        refused.add_metric([learner], count)
-    persistent = GaugeMetricFamily(
-        "ddiloco_syncer_residual_persistent_share",
+        "(beyond the measured step rate), batch (--max-batch-ratio), norm (--norm-clip-factor)", "what",
+        ((what, snap["clipped"].get(what, 0)) for what in clipped))
+    yield _labeled_family(CounterMetricFamily, "ddiloco_syncer_refused_contributions",
+                          "Contributions refused, per learner (any reason but load)", "learner",
+                          sorted(snap["refused"].items()))
+    yield _labeled_family(
+        GaugeMetricFamily, "ddiloco_syncer_residual_persistent_share",
         "Each learner's share of its residual against the other learners that keeps its direction across "
-        "rounds (median over fragments; ddiloco.algo.coherence): a bias added every round raises it", labels=["learner"])
-    for learner, value in sorted(snap.get("persistent", {}).items()):
-        persistent.add_metric([learner], value)
-    yield from (share, top, capped, clipped, refused, persistent)
+        "rounds (median over fragments; ddiloco.algo.coherence): a bias added every round raises it", "learner",
+        sorted(snap.get("persistent", {}).items()))
