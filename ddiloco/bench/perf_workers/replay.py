@@ -224,10 +224,12 @@ async def _finish(ctx: dict, learner: ShardedLearner, state: dict, timeout_s: fl
                 work["final_sent"] += _try_send(ctx, learner, fid, state, final=True)
             await asyncio.sleep(0.05)
             _note_merged(ctx, learner, state)
-        for task in list(state["sending"].values()):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 35)
-        _note_merged(ctx, learner, state)
+    # Uploads still in flight settle first (with or without the finish): their steps are pending
+    # until answered, so counting before the answer could count them twice or not at all.
+    for task in list(state["sending"].values()):
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 35)
+    _note_merged(ctx, learner, state)
     work["pending_steps_end"] += sum(state["pending"].values())
     work["unmerged_steps_end"] += sum(steps for fid in fids for _, steps in state["unmerged"][fid])
 
