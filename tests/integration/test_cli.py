@@ -30,6 +30,13 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def _session_cache(path) -> list[str]:
+    """`up`'s learners on the session's compilation cache (tests/conftest.py). Its default,
+    runs/jax-cache, is relative to the run's workdir, so every test's run compiled the learner's
+    programs from scratch (~65 s to the first step at a load of 13, 3-5 s from the cache)."""
+    return ["--compilation-cache-dir", str(path)]
+
+
 def test_up_trains_and_prints_a_summary(tmp_path):
     workdir = tmp_path / "run"
     result = subprocess.run(
@@ -62,7 +69,7 @@ def test_up_trains_and_prints_a_summary(tmp_path):
     assert missing.returncode == 2 and "not found" in missing.stdout
 
 
-def test_up_with_two_syncer_shards_trains_one_run(tmp_path):
+def test_up_with_two_syncer_shards_trains_one_run(tmp_path, learner_compilation_cache):
     """`ddiloco up --syncer-shards 2` (issue 21): two syncer processes each merge their own
     fragments, the learners and the evaluator find both from shard 0, and the summary is one run
     over both (work merged counts every fragment's merges)."""
@@ -70,7 +77,7 @@ def test_up_with_two_syncer_shards_trains_one_run(tmp_path):
     result = subprocess.run(
         [*_DDILOCO, "up", "--preset", "tiny", "--learners", "2", "--steps", "60", "--sync-period-steps", "4",
          "--syncer-shards", "2", "--no-live", "--eval-interval-s", "3", "--workdir", str(workdir),
-         "--summary-json", str(tmp_path / "s.json")],
+         "--summary-json", str(tmp_path / "s.json"), *_session_cache(learner_compilation_cache)],
         capture_output=True, text=True, timeout=280,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -86,11 +93,11 @@ def test_up_with_two_syncer_shards_trains_one_run(tmp_path):
     assert not [p for ps in pids.values() for p in ps if _pid_alive(p)], "up left processes behind"
 
 
-def test_up_interrupted_shuts_everything_down(tmp_path):
+def test_up_interrupted_shuts_everything_down(tmp_path, learner_compilation_cache):
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
         [*_DDILOCO, "up", "--preset", "tiny", "--learners", "2", "--steps", "100000", "--no-live",
-         "--workdir", str(workdir)],
+         "--workdir", str(workdir), *_session_cache(learner_compilation_cache)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

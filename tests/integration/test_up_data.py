@@ -46,19 +46,21 @@ def _text_tree(root, count: int, seed: int) -> int:
     return total
 
 
-def _up(tmp_path, data_flags: list[str], name: str, cwd=None) -> tuple[subprocess.CompletedProcess, dict]:
+def _up(tmp_path, cache, data_flags: list[str], name: str, cwd=None) -> tuple[subprocess.CompletedProcess, dict]:
+    """`ddiloco up` to the end; its learners on the session's compilation cache (`cache`,
+    tests/conftest.py) instead of one per test: the same programs, compiled once per session."""
     workdir = tmp_path / name
     result = subprocess.run(
         [*_DDILOCO, "up", "--preset", "tiny", "--learners", "2", "--steps", str(_STEPS), "--sync-period-steps", "4",
          "--no-live", "--eval-interval-s", "3", "--workdir", str(workdir), "--summary-json", str(tmp_path / "s.json"),
-         "--compilation-cache-dir", str(tmp_path / "jax-cache"), *data_flags],
+         "--compilation-cache-dir", str(cache), *data_flags],
         capture_output=True, text=True, timeout=280, cwd=cwd,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result, json.loads((tmp_path / "s.json").read_text())
 
 
-def test_up_trains_on_a_directory_of_plain_text_with_a_named_heldout_set(tmp_path):
+def test_up_trains_on_a_directory_of_plain_text_with_a_named_heldout_set(tmp_path, learner_compilation_cache):
     data, heldout = tmp_path / "my-texts", tmp_path / "my-heldout"
     data_bytes = _text_tree(data, 90, seed=1)
     _text_tree(heldout, 8, seed=2)
@@ -66,7 +68,7 @@ def test_up_trains_on_a_directory_of_plain_text_with_a_named_heldout_set(tmp_pat
     (data / ".git").mkdir()
     (data / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     cap = data_bytes * 2 // 3
-    result, summary = _up(tmp_path, ["--data-dir", str(data), "--heldout-dir", str(heldout),
+    result, summary = _up(tmp_path, learner_compilation_cache, ["--data-dir", str(data), "--heldout-dir", str(heldout),
                                      "--max-corpus-bytes", str(cap)], "text")
     out = " ".join(result.stdout.split())  # rich wraps long lines
     assert f"data: {data} (held out: {heldout}): " in out
@@ -98,12 +100,12 @@ def _token_stream(length: int, seed: int) -> np.ndarray:
     return tokens
 
 
-def test_up_trains_on_uint32_token_files(tmp_path):
+def test_up_trains_on_uint32_token_files(tmp_path, learner_compilation_cache):
     data = tmp_path / "tokens"
     data.mkdir()
     _token_stream(200_000, seed=1).astype("<u4").tofile(data / "train.bin")
     _token_stream(20_000, seed=2).astype("<u4").tofile(data / "val.bin")
-    result, summary = _up(tmp_path, ["--data-dir", str(data), "--token-dtype", "uint32"], "tokens")
+    result, summary = _up(tmp_path, learner_compilation_cache, ["--data-dir", str(data), "--token-dtype", "uint32"], "tokens")
     out = " ".join(result.stdout.split())
     assert f"data: {data} (held out: val.bin), uint32: 200,000 training tokens, 20,000 held out" in out
     assert "model vocab_size 512" in out  # from the data's largest id, 511
@@ -130,11 +132,11 @@ def corpus():
 """
 
 
-def test_up_trains_on_what_a_data_source_factory_yields(tmp_path):
+def test_up_trains_on_what_a_data_source_factory_yields(tmp_path, learner_compilation_cache):
     # The module lives in the directory `ddiloco up` runs in; the services (which run in the
     # workdir) import it too.
     (tmp_path / "my_corpus.py").write_text(_FACTORY.format(words=_WORDS))
-    result, summary = _up(tmp_path, ["--data-source", "my_corpus:corpus"], "run", cwd=tmp_path)
+    result, summary = _up(tmp_path, learner_compilation_cache, ["--data-source", "my_corpus:corpus"], "run", cwd=tmp_path)
     assert "data: my_corpus:corpus: 200 files" in result.stdout and "held out: 10 documents" in result.stdout
     assert summary["heldout_loss_end"] < summary["heldout_loss_start"] - 0.5, summary
     assert [ls["steps"] for ls in summary["learners"]] == [_STEPS, _STEPS]

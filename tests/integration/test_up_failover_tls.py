@@ -47,13 +47,13 @@ def _leader_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if "leading with epoch" in line]
 
 
-def test_up_with_two_syncers_over_tls_etcd_trains_and_one_leads(tmp_path):
+def test_up_with_two_syncers_over_tls_etcd_trains_and_one_leads(tmp_path, learner_compilation_cache):
     workdir = tmp_path / "run"
     etcd_helper.etcd_binary()  # a missing etcd fails here, saying so
     result = subprocess.run(
         [*_DDILOCO, "up", "--tls", "--syncer-replicas", "2", "--preset", "tiny", "--learners", "2", "--steps", "60",
          "--sync-period-steps", "4", "--no-live", "--eval-interval-s", "3", "--workdir", str(workdir),
-         "--summary-json", str(tmp_path / "s.json"), "--compilation-cache-dir", str(tmp_path / "jax-cache")],
+         "--summary-json", str(tmp_path / "s.json"), "--compilation-cache-dir", str(learner_compilation_cache)],
         capture_output=True, text=True, timeout=380,
     )
     out = result.stdout[-3000:] + result.stderr[-3000:]

@@ -121,10 +121,22 @@ def k8s_versions(tools) -> list[str]:
     return [*K8S_VERSIONS, kubernetes_validate.latest_version()]
 
 
+def _parse_each_schema_once() -> None:
+    """kubernetes-validate reads and parses a kind's schema and the version's whole definitions
+    file (megabytes of JSON) at every validate() call: ~0.1 s per document and version, most of
+    this tier's time, the same files each time. This process keeps each parsed file (the
+    validator only reads them); what is validated against what does not change."""
+    from kubernetes_validate import utils
+
+    if not hasattr(utils.schema_contents, "cache_info"):
+        utils.schema_contents = functools.lru_cache(maxsize=None)(utils.schema_contents)
+
+
 def validate_strictly(docs, versions: list[str]) -> list[str]:
     """Every problem of every doc against every version's strict schema (unknown kinds are problems)."""
     import kubernetes_validate as kv
 
+    _parse_each_schema_once()
     problems = []
     for doc in docs:
         for version in versions:
