@@ -334,7 +334,9 @@ def _start_workers(args: argparse.Namespace, cluster: cluster_lib.LocalCluster, 
         cluster.start_learner(i, region="region-a" if i % 2 == 0 else "region-b", extra=[
             "--steps", str(args.steps), "--num-shards", str(args.learners), "--batch-size", str(args.batch_size),
             *data_flags,
-            *(["--compilation-cache-dir", args.compilation_cache_dir] if args.compilation_cache_dir else []),
+            # Resolved where `up` runs (the learners run in the workdir): the next run finds it.
+            *(["--compilation-cache-dir", os.path.abspath(args.compilation_cache_dir)]
+              if args.compilation_cache_dir else []),
             # Each learner's resume state (docs/operations.md), kept with the run's other files.
             "--state-dir", str(cluster.workdir / "state" / f"learner-{i}"),
         ])

@@ -42,8 +42,8 @@ def test_up_trains_and_prints_a_summary(tmp_path):
     result = subprocess.run(
         [*_DDILOCO, "up", "--preset", "tiny", "--learners", "2", "--steps", "60", "--sync-period-steps", "4",
          "--no-live", "--eval-interval-s", "3", "--workdir", str(workdir), "--summary-json", str(tmp_path / "s.json"),
-         "--compilation-cache-dir", str(tmp_path / "jax-cache")],
-        capture_output=True, text=True, timeout=280,
+         "--compilation-cache-dir", "jax-cache"],  # relative: where `up` runs, not the workdir
+        capture_output=True, text=True, timeout=280, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "syncer listening on 127.0.0.1:" in result.stdout
