@@ -29,7 +29,7 @@ from services.syncer import core as core_lib
 from services.syncer import membership as membership_lib
 from services.syncer import servicer as servicer_lib
 from services.syncer import wire_views
-from tests.fakes import make_core
+from tests.fakes import make_core, settle_until
 from tests.service.conftest import serve_syncer
 
 pytestmark = pytest.mark.timeout(120)
@@ -172,7 +172,11 @@ def test_a_corrupted_chunk_is_refused_as_a_checksum_error_and_nothing_of_it_is_m
             assert core.membership.members["learner-0"].uploads_accepted == 0
             slot = core.slots[0]
             assert slot.round is None or "learner-0" not in slot.round.learners
-            assert not core.admission.decoding.locked() and core.admission.decoding._value == core.admission.max_decoding
+            # The status reaches the client before the handler's cleanup gives the permit back.
+            def permits_back() -> bool:
+                return not core.admission.decoding.locked() and core.admission.decoding._value == core.admission.max_decoding
+            await settle_until(permits_back, timeout_s=10)
+            assert permits_back(), (core.admission.decoding._value, core.admission.max_decoding)
             response = await asyncio.wait_for(client_lib.send_upload(
                 served.stub, good, 10.0, pipeline_bytes=joined.upload_pipeline_bytes), 15)
             assert response.result == syncer_pb2.UploadFragmentResponse.RESULT_ACCEPTED
