@@ -89,13 +89,24 @@ def test_two_process_unit_trains_syncs_and_stays_identical(cluster):
             assert c.learner_id == "unit-0" and c.tokens == c.steps * batch * SEQ_LEN
 
 
+# Both units' pace: the 4-device unit starts its first step 2-10 s after the 1-device one (its join
+# initializes and hashes on 4 devices, it compiles longer). At LEARNER_PACE (~0.05 s a step) the
+# small unit then finished its 48 steps before the big one had taken 3 (CI, twice, and under load
+# here), so every merge of the two had one of them share-capped: the late unit's claims unchecked
+# in its first merges, then the early unit's steps clipped against the late one's rate (what those
+# bounds are for). A step at least 0.2 s keeps such an offset to a fraction of the run: the two step
+# side by side for most of it, which is what this test is about.
+MIXED_PACE = ["--step-delay-s", "0.2", "--log-every-steps", "50"]
+MIXED_STEPS = 96
+
+
 def test_big_and_small_units_merge_in_proportion_to_tokens(cluster):
     syncer = cluster.start_syncer(run_id="unit-mixed", extra=[*TINY, "--min-quorum", "2"])
-    steps = 48
+    steps = MIXED_STEPS
     big = _start_learner(cluster, "learner-0", learner_id="learner-0", devices=4,
-                         extra=["--steps", str(steps), "--batch-size", "16", "--num-shards", "2", *LEARNER_PACE])
+                         extra=["--steps", str(steps), "--batch-size", "16", "--num-shards", "2", *MIXED_PACE])
     small = _start_learner(cluster, "learner-1", learner_id="learner-1", devices=1,
-                           extra=["--steps", str(steps), "--batch-size", "4", "--num-shards", "2", *LEARNER_PACE])
+                           extra=["--steps", str(steps), "--batch-size", "4", "--num-shards", "2", *MIXED_PACE])
     probe = SyncerProbe(syncer.address)
     try:
         for svc in (big, small):
