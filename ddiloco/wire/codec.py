@@ -319,52 +319,57 @@ def decode(
         return _deserialize(raw, codec, numel, block_size, on_chunk, executor)
 
 
-def check_and_decompress(
-    payload: bytes,
-    *,
-    codec: str,
-    numel: int,
-    raw_size_bytes: int,
-    checksum: bytes,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    compression: str | None = None,
-    checksum_kind: str | None = None,
-    digest: bytes | None = None,
-) -> bytes:
+@dataclass(frozen=True)
+class Declared:
+    """What a sender declares of a payload: ``decode``'s arguments for the checks, one definition
+    for every decoder that takes them as keywords (``Declared(**keywords)`` refuses a missing or
+    unknown name with the TypeError a signature would raise)."""
+
+    codec: str
+    numel: int
+    raw_size_bytes: int
+    checksum: bytes
+    block_size: int = DEFAULT_BLOCK_SIZE
+    compression: str | None = None
+    checksum_kind: str | None = None
+
+
+def check_and_decompress(payload: bytes, *, digest: bytes | None = None, **declared) -> bytes:
     """Every check ``decode`` makes before looking at values, then zstd: returns the raw bytes.
 
-    Shared by the numpy and JAX decoders and the streaming one (``stream``, which passes the
-    ``digest`` it computed chunk by chunk); raises what ``decode`` raises for sizes, checksum
-    and frame.
+    ``declared``: the fields of ``Declared`` as keywords. Shared by the numpy and JAX decoders
+    (``decode`` passes on the ``digest`` the streaming decoder computed chunk by chunk); raises
+    what ``decode`` raises for sizes, checksum and frame.
     """
-    checksum_kind = infer_format(payload, checksum, "zstd", checksum_kind)[1]
-    check_sizes(codec, numel, raw_size_bytes, len(payload), block_size, None)
-    check_digest(payload_digest(payload, checksum_kind) if digest is None else digest, checksum,
+    d = Declared(**declared)
+    checksum_kind = infer_format(payload, d.checksum, "zstd", d.checksum_kind)[1]
+    check_sizes(d.codec, d.numel, d.raw_size_bytes, len(payload), d.block_size, None)
+    check_digest(payload_digest(payload, checksum_kind) if digest is None else digest, d.checksum,
                  checksum_kind, len(payload))
     # Inferred only from bytes that passed their checksum.
-    compression, _ = infer_format(payload, checksum, compression, checksum_kind)
+    compression, _ = infer_format(payload, d.checksum, d.compression, checksum_kind)
     if compression == "none":
-        check_sizes(codec, numel, raw_size_bytes, len(payload), block_size, compression)
+        check_sizes(d.codec, d.numel, d.raw_size_bytes, len(payload), d.block_size, compression)
         return payload
     try:
         content_bytes = zstandard.frame_content_size(payload)
     except zstandard.ZstdError as err:
         raise CorruptPayloadError(f"payload is not a zstd frame: {err}") from err
-    if content_bytes != raw_size_bytes:
-        declared = "unknown" if content_bytes == -1 else content_bytes
+    if content_bytes != d.raw_size_bytes:
+        in_frame = "unknown" if content_bytes == -1 else content_bytes
         raise SizeError(
-            f"zstd frame declares content size {declared} but raw_size_bytes={raw_size_bytes}: "
+            f"zstd frame declares content size {in_frame} but raw_size_bytes={d.raw_size_bytes}: "
             "encode with write_content_size=True and matching sizes"
         )
     try:
         raw = zstandard.ZstdDecompressor().decompress(
-            payload, max_output_size=raw_size_bytes, allow_extra_data=False
+            payload, max_output_size=d.raw_size_bytes, allow_extra_data=False
         )
     except zstandard.ZstdError as err:
         raise CorruptPayloadError(f"payload does not decompress: {err}") from err
-    if len(raw) != raw_size_bytes:
+    if len(raw) != d.raw_size_bytes:
         raise CorruptPayloadError(
-            f"payload decompressed to {len(raw)} bytes, not raw_size_bytes={raw_size_bytes}"
+            f"payload decompressed to {len(raw)} bytes, not raw_size_bytes={d.raw_size_bytes}"
         )
     return raw
 

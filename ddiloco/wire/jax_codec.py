@@ -264,34 +264,21 @@ def dequantize(raw: bytes, codec: str, numel: int, block_size: int = codec_lib.D
     return _dequantize_kernel(to_device(scales), to_device(body), codec=codec, numel=numel, block_size=block_size)
 
 
-def decode(
-    payload: bytes,
-    *,
-    codec: str,
-    numel: int,
-    raw_size_bytes: int,
-    checksum: bytes,
-    block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
-    compression: str | None = None,
-    checksum_kind: str | None = None,
-) -> np.ndarray:
-    """``codec.decode`` with the dequantization jitted: same checks, errors and values."""
-    fmt = {"compression": compression, "checksum_kind": checksum_kind}
-    if codec not in codec_lib.QUANTIZED_CODECS or numel == 0:
-        return codec_lib.decode(payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes,
-                                checksum=checksum, block_size=block_size, **fmt)
-    raw = codec_lib.check_and_decompress(payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes,
-                                         checksum=checksum, block_size=block_size, **fmt)
-    n_blocks = -(-numel // block_size)
+def decode(payload: bytes, **declared) -> np.ndarray:
+    """``codec.decode`` with the dequantization jitted: same checks, errors and values.
+    ``declared``: the fields of ``codec.Declared`` as keywords (``codec.decode``'s arguments)."""
+    d = codec_lib.Declared(**declared)
+    if d.codec not in codec_lib.QUANTIZED_CODECS or d.numel == 0:
+        return codec_lib.decode(payload, **declared)
+    raw = codec_lib.check_and_decompress(payload, **declared)
+    n_blocks = -(-d.numel // d.block_size)
     scales = np.frombuffer(raw, "<f4", count=n_blocks)
     if not (np.isfinite(scales) & (scales >= 0)).all():
         # codec.py's own path raises the detailed NonFiniteError.
-        return codec_lib.decode(payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes,
-                                checksum=checksum, block_size=block_size, **fmt)
-    parts, invalid = dequantize(raw, codec, numel, block_size)
+        return codec_lib.decode(payload, **declared)
+    parts, invalid = dequantize(raw, d.codec, d.numel, d.block_size)
     values = np.concatenate([np.asarray(p) for p in parts])  # fresh and writable, as codec.decode returns
-    if bool(invalid) or (scales.size and float(scales.max()) * _qmax(codec) > layout._F32_MAX
+    if bool(invalid) or (scales.size and float(scales.max()) * _qmax(d.codec) > layout._F32_MAX
                          and not np.isfinite(values).all()):
-        return codec_lib.decode(payload, codec=codec, numel=numel, raw_size_bytes=raw_size_bytes,
-                                checksum=checksum, block_size=block_size, **fmt)
+        return codec_lib.decode(payload, **declared)
     return values

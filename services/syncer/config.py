@@ -300,11 +300,20 @@ class SyncerConfig:
                                        tls_key=self.coord_tls_key, tls_server_name=self.coord_tls_server_name,
                                        insecure=not self.coord_tls_ca)
 
+    def _own_tls(self) -> dict[str, str | bool]:
+        """The syncer's own CA, certificate and key (or plaintext): its server's, and its client
+        certificate towards the store."""
+        return {"tls_ca": self.tls_ca, "tls_cert": self.tls_cert, "tls_key": self.tls_key, "insecure": self.insecure}
+
     def server_security(self) -> security.ServerSecurity:
         """ValueError unless mutual TLS is fully configured or plaintext was asked for."""
-        return security.ServerSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
-                                       insecure=self.insecure, auth_tokens_file=self.auth_tokens_file,
+        return security.ServerSecurity(**self._own_tls(), auth_tokens_file=self.auth_tokens_file,
                                        tls_deny_list=self.tls_deny_list)
+
+    def checkpoint_security(self) -> security.ClientSecurity:
+        """How the syncer reaches the store: its own certificate as the client certificate."""
+        return security.ClientSecurity(**self._own_tls(), tls_server_name=self.checkpoint_tls_server_name,
+                                       auth_token_file=self.checkpoint_auth_token_file)
 
     @property
     def shard_layout(self) -> shards_lib.ShardLayout:
@@ -321,12 +330,6 @@ class SyncerConfig:
     def checkpoint_targets(self) -> list[str]:
         """The checkpoint stores: --checkpoint-target split at commas (one store: today's single store)."""
         return [t.strip() for t in self.checkpoint_target.split(",") if t.strip()]
-
-    def checkpoint_security(self) -> security.ClientSecurity:
-        """How the syncer reaches the store: its own certificate as the client certificate."""
-        return security.ClientSecurity(tls_ca=self.tls_ca, tls_cert=self.tls_cert, tls_key=self.tls_key,
-                                       tls_server_name=self.checkpoint_tls_server_name, insecure=self.insecure,
-                                       auth_token_file=self.checkpoint_auth_token_file)
 
     @property
     def norm_bound(self) -> robust_lib.NormBoundPolicy:
