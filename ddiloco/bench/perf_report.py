@@ -560,9 +560,10 @@ def md_sizes(sizes: dict, previous: dict | None) -> list[str]:
                   f"{', uncommitted changes' if previous.get('dirty') else ''}, {previous['started_utc']}); "
                   "a run from before the model-size rows gives its scale section's default model (one syncer) at "
                   "the nearest learner count; '-': not measured then.")
-    md.append("\nEvery shard builds the whole model's initial parameters and keeps a float32 copy of every "
-              "fragment, owned or not (services/syncer: one slot per planned fragment), and its start-up buffers "
-              "stay resident: its peak RSS grows with the whole model's size, not with its share of it. A size "
+    md.append("\nA shard builds and keeps only the fragments it owns (services/syncer/initial.py: tensor by "
+              "tensor, never the whole model; other shards' fragments are empty slots): its peak RSS grows with "
+              "its share of the model, about perf_scale.SHARD_PEAK_BYTES_PER_OWNED_PARAM bytes per owned "
+              "parameter above its start-up. A size "
               "whose estimated peak (perf_scale.memory_needed_bytes, measured per parameter) exceeds 90 % of the "
               "available memory is not started.")
     return md

@@ -393,7 +393,8 @@ def run_sizes(workdir: pathlib.Path, sizes: list[str], shards: int, learners: in
               processes: int) -> dict:
     """The model-size rows: one level per size (`parse_params`), `shards` shards and `learners`
     replay learners uploading synthetic pseudo-gradients of that model's fragments. Shards start
-    one at a time from 200M parameters (each builds the whole model's initial parameters)."""
+    one at a time from 200M parameters (each builds its own fragments' initial values, tensor by
+    tensor: one start-up's transient at a time)."""
     rows = []
     for size in sizes:
         params_target = parse_params(size)
