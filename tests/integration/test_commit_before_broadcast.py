@@ -33,6 +33,17 @@ def _metrics(svc) -> dict[str, float]:
     return values
 
 
+def _committed_steps(svc) -> list[int]:
+    """The outer steps of the checkpoints this life of the syncer committed, from its JSON log."""
+    steps = []
+    for line in svc.log_path.read_text().splitlines():
+        if line.startswith("{") and line.endswith("}"):  # a line still being written is skipped
+            record = json.loads(line)
+            if record.get("msg") == "checkpoint committed":
+                steps.append(int(record["outer_step"]))
+    return steps
+
+
 def test_a_restarted_syncer_holds_every_version_a_learner_was_sent(cluster):
     cluster.start_store()
     syncer = cluster.start_syncer(run_id="commit-before-broadcast",
@@ -47,6 +58,10 @@ def test_a_restarted_syncer_holds_every_version_a_learner_was_sent(cluster):
         started = time.monotonic()
         wait_until(lambda: probe.state(0).outer_steps >= 12, timeout_s=200, what="12 merges (fewer than the default 16 per checkpoint)")
         merge_s = time.monotonic() - started
+        # The checkpoint after the first is written while merges go on (CI once read the metrics
+        # with it still in flight: 12 merges, 1 checkpoint); wait for it, bounded.
+        wait_until(lambda: len(_committed_steps(syncer)) >= 2, timeout_s=60, what="two committed checkpoints")
+        committed_steps = _committed_steps(syncer)
         state = probe.state(0)
         sent_before_kill = {f.fragment_id: f.version for f in state.fragments}
         metrics = _metrics(syncer)
@@ -74,11 +89,13 @@ def test_a_restarted_syncer_holds_every_version_a_learner_was_sent(cluster):
     write_s = metrics.get("ddiloco_syncer_checkpoint_write_seconds_sum", 0.0) / max(writes, 1.0)
     print(f"\ncommit before broadcast: {state.outer_steps} merges in {merge_s:.1f} s, {writes:.0f} checkpoints "
           f"({writes / max(state.outer_steps, 1):.2f} per merge, {write_s * 1e3:.0f} ms each); versions at the kill "
-          f"{sent_before_kill}, newest folded in by a learner {folded}, restored {versions}")
+          f"{sent_before_kill}, newest folded in by a learner {folded}, restored {versions}, checkpoints committed at "
+          f"outer steps {committed_steps}")
     assert restored.restored_from_checkpoint
     # Nothing a learner was sent is lost: every fragment restored at or beyond what they hold.
     assert all(versions[fid] >= version for fid, version in folded.items()), (versions, folded)
     # Checkpoints follow the merges (coalesced: merges that land while one is written share the
-    # next). Without the mode none would be written before the 16th merge, and the restart would
-    # restore version 0 of every fragment: the assertion above fails then.
+    # next). Without the mode none would be written before the 16th merge (the first at step 16),
+    # and the restart would restore version 0 of every fragment: the assertion above fails then.
     assert writes >= 2
+    assert len(committed_steps) >= 2 and committed_steps[1] < 16, committed_steps
