@@ -153,21 +153,16 @@ def scaled_sgd_step(
     sums: np.ndarray,
     bounds: np.ndarray,
     scales: np.ndarray,
-    params: np.ndarray,
-    buf: np.ndarray,
-    momentum: np.float32,
-    neg_lr: np.float32,
+    state: tuple[np.ndarray, np.ndarray],
+    outs: tuple[np.ndarray, np.ndarray, np.ndarray],
+    rule: tuple[np.float32, np.float32, np.float32, np.float32],
     nesterov: bool,
-    grad_out: np.ndarray,
-    params_out: np.ndarray,
-    buf_out: np.ndarray,
     want_grad_sq: bool,
-    carry: np.float32,
-    into: np.float32,
 ) -> tuple[float, float]:
     """One outer step with Δ given as scaled sums: Δ[bounds[k]:bounds[k+1]] = sums · scales[k].
 
-    ``momentum`` decays the buffer and ``into`` is the share of Δ it takes in
+    ``state`` is (params, momentum buffer) before the step, ``outs`` is (grad_out, params_out,
+    buf_out) and ``rule`` is (momentum, neg_lr, carry, into), all float32. ``momentum`` decays the buffer and ``into`` is the share of Δ it takes in
     (b' ← into·Δ + momentum·b); ``carry`` weighs what the step takes of it beyond Δ: Nesterov
     moves by Δ + carry·b', heavy ball by Δ + carry·(b' − into·Δ). A whole step passes into = 1 and
     carry = μ (Nesterov) or 1 (heavy ball); see ``OuterStepper.step_scaled`` for other fractions.
@@ -185,6 +180,9 @@ def scaled_sgd_step(
     result is 0 and the second is 0 or NaN (NaN iff a new parameter is not finite), from a float32
     probe instead of float64 sums; the float64 sums were a quarter of the step's time.
     """
+    params, buf = state
+    grad_out, params_out, buf_out = outs
+    momentum, neg_lr, carry, into = rule
     grad_sq = 0.0
     params_sum = 0.0
     scratch = grad_out.size < params.size
@@ -236,11 +234,9 @@ def warm_up() -> None:
     pairs = np.array([[0, 1]], np.int64)
     piece_stats(one, 0, pairs, one, pairs, np.zeros(1, np.int64), np.empty(1, np.float32), np.empty(1), np.empty(1))
     fold_segments(one, whole, np.ones(1, np.float32), np.zeros(1, np.float32), np.empty(1, np.float64))
-    scaled_sgd_step(
-        one, np.array([0, 1], np.int64), np.ones(1, np.float32), one, one,
-        np.float32(0.9), np.float32(-0.7), True, np.empty_like(one), np.empty_like(one), np.empty_like(one), True,
-        np.float32(0.9), np.float32(1.0),
-    )
+    rule = (np.float32(0.9), np.float32(-0.7), np.float32(0.9), np.float32(1.0))
+    outs = (np.empty_like(one), np.empty_like(one), np.empty_like(one))
+    scaled_sgd_step(one, whole, np.ones(1, np.float32), (one, one), outs, rule, True, True)
 
 
 if not COMPILED:  # no numba (its extra is not installed): the same kernels in numpy, bit for bit

@@ -70,24 +70,13 @@ def fold_segments(
         sum_squares[k] = _square_sum(y)
 
 
-def scaled_sgd_step(
-    sums: np.ndarray,
-    bounds: np.ndarray,
-    scales: np.ndarray,
-    params: np.ndarray,
-    buf: np.ndarray,
-    momentum: np.float32,
-    neg_lr: np.float32,
-    nesterov: bool,
-    grad_out: np.ndarray,
-    params_out: np.ndarray,
-    buf_out: np.ndarray,
-    want_grad_sq: bool,
-    carry: np.float32,
-    into: np.float32,
-) -> tuple[float, float]:
+def scaled_sgd_step(sums: np.ndarray, bounds: np.ndarray, scales: np.ndarray, state: tuple, outs: tuple, rule: tuple,
+                    nesterov: bool, want_grad_sq: bool) -> tuple[float, float]:
     """``_kernels.scaled_sgd_step``: see there for the arguments and the results. A ``grad_out``
     shorter than the fragment is scratch there; here Δ then lives in a temporary per chunk."""
+    params, buf = state
+    grad_out, params_out, buf_out = outs
+    momentum, neg_lr, carry, into = rule
     grad_sq = 0.0
     params_sum = 0.0
     scratch = grad_out.size < params.size

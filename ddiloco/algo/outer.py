@@ -381,9 +381,9 @@ class OuterStepper:
             # Without write_grad, Δ goes block by block to an L1-sized scratch (for its norm).
             grad_out = self._take(params.size) if write_grad or params.size <= _kernels.BLOCK else self._scratch
             kernel_sq, params_sum = _kernels.scaled_sgd_step(
-                np.ascontiguousarray(values), bounds, scales, np.ascontiguousarray(params), buf,
-                np.float32(decay), np.float32(-lr), nesterov, grad_out, params_out, buf_out, grad_sq is None,
-                np.float32(carry), np.float32(into),
+                np.ascontiguousarray(values), bounds, scales, (np.ascontiguousarray(params), buf),
+                (grad_out, params_out, buf_out), (np.float32(decay), np.float32(-lr), np.float32(carry), np.float32(into)),
+                nesterov, grad_sq is None,
             )
             grad_sq = kernel_sq if grad_sq is None else grad_sq
             grad = grad_out if write_grad else None

@@ -80,8 +80,9 @@ def step_digest(kernels) -> str:
     n = sums.size
     bounds = np.array([0, 1000, 40_000, n], np.int64)
     outs = [np.empty(n, np.float32) for _ in range(3)]
-    kernels.scaled_sgd_step(sums, bounds, np.array([0.5, 1.0, 2.0], np.float32), params, buf, np.float32(0.9),
-                            np.float32(-0.7), True, *outs, True, np.float32(0.9), np.float32(1.0))
+    rule = (np.float32(0.9), np.float32(-0.7), np.float32(0.9), np.float32(1.0))
+    kernels.scaled_sgd_step(sums, bounds, np.array([0.5, 1.0, 2.0], np.float32), (params, buf), tuple(outs), rule,
+                            True, True)
     return hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest()
 
 

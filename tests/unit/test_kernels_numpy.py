@@ -85,12 +85,13 @@ def test_outer_step_gives_the_compiled_bits(nesterov, carry, into, scratch, want
     bounds = _segments(rng, n)
     sums, params, buf = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
     scales = rng.uniform(0.1, 2, bounds.size - 1).astype(np.float32)
+    rule = (np.float32(0.9), np.float32(-0.7), np.float32(carry), np.float32(into))
     out = {}
     for name, k in (("compiled", algo_compiled), ("numpy", algo_numpy)):
         grad = np.full(algo_compiled.BLOCK if scratch else n, np.nan, np.float32)
         params_out, buf_out = np.empty(n, np.float32), np.empty(n, np.float32)
-        result = k.scaled_sgd_step(sums, bounds, scales, params, buf, np.float32(0.9), np.float32(-0.7), nesterov,
-                                   grad, params_out, buf_out, want_grad_sq, np.float32(carry), np.float32(into))
+        result = k.scaled_sgd_step(sums, bounds, scales, (params, buf), (grad, params_out, buf_out), rule, nesterov,
+                                   want_grad_sq)
         out[name] = (params_out, buf_out, None if scratch else grad, result)
     for a, b in zip(out["compiled"][:3], out["numpy"][:3]):
         assert (a is None and b is None) or a.tobytes() == b.tobytes()
@@ -99,10 +100,9 @@ def test_outer_step_gives_the_compiled_bits(nesterov, carry, into, scratch, want
         assert out["numpy"][3] == (0.0, 0.0)
     params[5] = np.inf  # a non-finite new parameter shows in the second result either way
     grad = np.empty(algo_compiled.BLOCK if scratch else n, np.float32)
-    _, params_sum = algo_numpy.scaled_sgd_step(sums, bounds, scales, params, buf, np.float32(0.9),
-                                               np.float32(-0.7), nesterov, grad, np.empty(n, np.float32),
-                                               np.empty(n, np.float32), want_grad_sq, np.float32(carry),
-                                               np.float32(into))
+    _, params_sum = algo_numpy.scaled_sgd_step(sums, bounds, scales, (params, buf),
+                                               (grad, np.empty(n, np.float32), np.empty(n, np.float32)), rule,
+                                               nesterov, want_grad_sq)
     assert not np.isfinite(params_sum)
 
 
