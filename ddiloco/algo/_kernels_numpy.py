@@ -74,13 +74,10 @@ def scaled_sgd_step(sums: np.ndarray, bounds: np.ndarray, scales: np.ndarray, st
                     nesterov: bool, want_grad_sq: bool) -> tuple[float, float]:
     """``_kernels.scaled_sgd_step``: see there for the arguments and the results. A ``grad_out``
     shorter than the fragment is scratch there; here Δ then lives in a temporary per chunk."""
-    params, buf = state
-    grad_out, params_out, buf_out = outs
-    momentum, neg_lr, carry, into = rule
-    grad_sq = 0.0
-    params_sum = 0.0
+    (params, buf), (grad_out, params_out, buf_out), (momentum, neg_lr, carry, into) = state, outs, rule
     scratch = grad_out.size < params.size
     whole_heavy_ball = not nesterov and carry == 1 and into == 1
+    grad_sq = params_sum = 0.0
     for k in range(scales.size):
         scale = scales[k]
         for lo in range(bounds[k], bounds[k + 1], _CHUNK):
