@@ -8,7 +8,6 @@ the background. Exit status: 0 done, 3 could not join, 4 fenced off by a newer l
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -44,11 +43,6 @@ from . import metrics as learner_metrics
 from . import train as train_lib
 
 _LOG = logging.getLogger("ddiloco.learner")
-
-
-def core_hash(values: np.ndarray) -> str:
-    """sha256 of a float32 vector's little-endian bytes (the syncer's params_sha256 convention)."""
-    return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").tobytes()).hexdigest()
 
 
 # Builds the learner's SyncClient from its config: the seam through which a tool runs this learner
@@ -325,7 +319,7 @@ def _finish(life: _Life, started: float) -> dict:
         "budget_reached": client.budget_reached,
         "tokens_per_step": life.sampler.tokens_per_batch, "params_sha256": distributed_lib.params_sha256(loop.params),
         # The global values this learner holds, per fragment: compare with the syncer's published_sha256.
-        "held": {str(f): {"version": v, "sha256": core_hash(loop.global_copy[f])}
+        "held": {str(f): {"version": v, "sha256": fragments_lib.fragment_sha256(loop.global_copy[f])}
                  for f, (_, v) in sorted(loop.held.items())},
         "held_instances": {str(f): inst for f, (inst, _) in sorted(loop.held.items())},  # the syncer lives
         **life.unit.describe(),

@@ -54,6 +54,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ddiloco.algo import coherence as coherence_lib
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import merge as merge_lib
 from ddiloco.algo import robust as robust_lib
 
@@ -84,15 +85,10 @@ def line_sha256(line: bytes) -> str:
     return hashlib.sha256(line.rstrip(b"\n")).hexdigest()
 
 
-def values_sha256(values: np.ndarray) -> str:
-    """sha256 of a contribution's values as little-endian float32 bytes (one pass: a worker thread)."""
-    return hashlib.sha256(np.ascontiguousarray(values, dtype="<f4").data).hexdigest()
-
-
 def fold_record(learner: str, weight: float, norms: np.ndarray | None, steps: int, contribution_sha256: str,
                 decoded: np.ndarray, folded: np.ndarray, *, retain: bool, claims_unverified: bool = False) -> dict:
     """What the ledger keeps of one fold-in (MergeAccumulator.add's inputs, in the order of the
-    adds), in exactly the form replay passes back. `contribution_sha256`: values_sha256(decoded),
+    adds), in exactly the form replay passes back. `contribution_sha256`: fragments.fragment_sha256(decoded),
     taken before the fragment's lock. With `retain` a copy of the values folded in (and their
     hash when they differ from the decoded ones): call it in a worker thread."""
     out = {"learner": learner, "weight": float(weight), "steps": max(1, int(steps)),
@@ -100,7 +96,7 @@ def fold_record(learner: str, weight: float, norms: np.ndarray | None, steps: in
            "contribution_sha256": contribution_sha256, "claims_unverified": bool(claims_unverified)}
     if retain:
         out["data"] = np.ascontiguousarray(folded, dtype="<f4").tobytes()
-        out["blob"] = contribution_sha256 if folded is decoded else hashlib.sha256(out["data"]).hexdigest()
+        out["blob"] = contribution_sha256 if folded is decoded else fragments_lib.fragment_sha256(np.frombuffer(out["data"], "<f4"))
     return out
 
 

@@ -179,7 +179,7 @@ class Rounds:
         thread, before the fragment's lock is taken."""
         if self.influence is None or not self.influence.audit_mode:
             return ""
-        return await asyncio.to_thread(influence_lib.values_sha256, values)
+        return await asyncio.to_thread(fragments_lib.fragment_sha256, values)
 
     async def fold(self, slot: slots_lib.FragmentSlot, rnd: slots_lib.Round, fragment_id: int, delta: np.ndarray,
                    norms: np.ndarray, weight: float, base: np.ndarray, learner_id: str = "", steps: int = 1,
@@ -202,7 +202,7 @@ class Rounds:
                                 claims_unverified=claims_unverified)
             if audit:  # after add: a refused contribution leaves no trace in the order
                 rnd.folds.append(influence_lib.fold_record(
-                    learner_id, weight, folded_norms, steps, contribution_sha256 or influence_lib.values_sha256(delta),
+                    learner_id, weight, folded_norms, steps, contribution_sha256 or fragments_lib.fragment_sha256(delta),
                     delta if decoded is None else decoded, corrected, retain=audit == "retain",
                     claims_unverified=claims_unverified))
 
