@@ -168,6 +168,7 @@ class SyncerCore:
     record_auth_failure = _of("membership", "record_auth_failure")
     step_time_s = _of("membership", "step_time_s")  # mean smoothed step time over live learners
     merged_through_step = _of("membership", "merged_through_step")  # a MergeReceipt's mark
+    liveness_timeout_s = _of("membership", "liveness_timeout_s")  # silent after this long unseen
     # Uploads (intake.py, admission.py).
     validate_upload_header = _of("intake", "validate_header")
     accept_upload = _of("intake", "accept")
@@ -180,6 +181,7 @@ class SyncerCore:
     cancel_timers = _of("rounds", "cancel_timers")  # shutdown: nothing merges after the last checkpoint
     merging = _of("rounds", "merging")  # a merge is scheduled or running on some fragment
     outer_steps = _of("rounds", "outer_steps")
+    max_grace_s = _of("rounds", "max_grace_s")  # the cap on a round's grace window
     # What leaves the core (publishing.py) and the fragments (slots.py).
     versions = _of("slots", "versions")  # the version of each fragment this syncer (shard) owns
     fragment_digest = _of("slots", "digest")  # (version, published_sha256, params_sha256)
@@ -199,6 +201,7 @@ class SyncerCore:
     restored_from_checkpoint = _of("snapshots", "restored_from_checkpoint")
     last_checkpoint_outer_step = _of("snapshots", "last_checkpoint_outer_step")
     attach_ledgers = _of("influence", "attach")  # where the merges' records go (__main__)
+    influence_counts = _of("influence", "counts")  # per-identity counts the metrics export
 
     def member(self, learner_id: str) -> membership_lib.Member | None:
         """The registered member of this id (any life), None if it never joined."""

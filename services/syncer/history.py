@@ -22,8 +22,8 @@ class SyncerHistory:
     def started(self) -> None:
         core = self._core
         self._write("start", restored=core.restored_from_checkpoint, outer_steps=core.outer_steps,
-                    min_quorum=core.run.min_quorum, liveness_timeout_s=core.membership.liveness_timeout_s,
-                    max_grace_s=core.rounds.max_grace_s,
+                    min_quorum=core.run.min_quorum, liveness_timeout_s=core.liveness_timeout_s,
+                    max_grace_s=core.max_grace_s,
                     fragments={str(fid): list(core.fragment_digest(fid)) for fid in core.versions()})
 
     def upload_accepted(self, header) -> None:

@@ -299,6 +299,14 @@ class Influence:
             out["blobs"] = sorted(blobs)
         return blobs
 
+    def counts(self) -> dict:
+        """Copies of the influence counts the metrics export (metrics._influence_families): shares,
+        capped shares, clipped claims, refusals and persistent-direction scores, per identity.
+        Call on the core's loop."""
+        return {"share": dict(self.last_share), "max_share": dict(self.max_share),
+                "capped": dict(self.share_capped), "clipped": dict(self.clipped_claims),
+                "refused": dict(self.refused), "persistent": self.coherence.scores()}
+
     def summary(self) -> list[LearnerInfluence]:
         """Each identity's part in the recent merges (TrainingState.influence), by learner id."""
         parts: dict[str, list[tuple[float, bool, bool]]] = collections.defaultdict(list)

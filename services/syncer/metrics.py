@@ -246,7 +246,7 @@ class _StateCollector:
 
     def collect(self):
         state, influence = _read_on_loop(self._loop, lambda: (scrape_state(self._core),
-                                                              _influence_snapshot(self._core)))
+                                                              self._core.influence_counts()))
         yield from _influence_families(influence)
         yield from _progress_families(state)
         yield from _traffic_families(state)
@@ -452,14 +452,6 @@ def _outcome_families(state: ScrapeState):
                                 "Deprecated name of ddiloco_work_merged_ratio (same value)", value=share)
     yield GaugeMetricFamily("ddiloco_syncer_last_checkpoint_outer_step", "Outer step of the last committed checkpoint",
                             value=state.last_checkpoint_outer_step)
-
-
-def _influence_snapshot(core) -> dict:
-    """Copies of the core's influence counts (services/syncer/influence.py), taken on its loop."""
-    influence = core.influence
-    return {"share": dict(influence.last_share), "max_share": dict(influence.max_share),
-            "capped": dict(influence.share_capped), "clipped": dict(influence.clipped_claims),
-            "refused": dict(influence.refused), "persistent": influence.coherence.scores()}
 
 
 def _influence_families(snap: dict):

@@ -1,6 +1,7 @@
-"""The syncer core is a facade (issue 22): the servicer, the service's entry point, the wire views and
-the checkpoint benchmark call the core's methods, never its parts; the core holds no protobuf; and
-it is built from plain settings that carry every knob of the SyncerConfig.
+"""The syncer core is a facade (issue 22): the servicer, the service's entry point, the wire views,
+the history and metrics observers and the checkpoint benchmark call the core's methods, never its
+parts; the core holds no protobuf; and it is built from plain settings that carry every knob of the
+SyncerConfig.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tests import fakes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CALLERS = ("services/syncer/servicer.py", "services/syncer/__main__.py", "services/syncer/wire_views.py",
-           "ddiloco/bench/checkpoint_cost.py")
+           "services/syncer/history.py", "services/syncer/metrics.py", "ddiloco/bench/checkpoint_cost.py")
 # The core's parts and their state: reached through the facade only.
 PARTS = frozenset({"slots", "owned_slots", "members", "membership", "admission", "intake", "rounds", "publisher", "downloads",
                    "watchers", "observers", "uploads", "influence", "evals", "snapshots", "directions", "config"})
