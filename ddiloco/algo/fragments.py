@@ -287,10 +287,18 @@ def pseudo_gradient(global_values: np.ndarray, local_values: np.ndarray) -> np.n
     return np.subtract(global_values, local_values, dtype=np.float32)
 
 
-def apply_delta(held: np.ndarray, step: np.ndarray) -> np.ndarray:
+def version_step(held: np.ndarray, new_values: np.ndarray) -> np.ndarray:
+    """new_values - held in float32: what the syncer encodes as a delta-encoded global version
+    (GlobalFragmentHeader.delta); learners then hold apply_delta(held, decoded step)."""
+    return np.subtract(new_values, held, dtype=np.float32)
+
+
+def apply_delta(held: np.ndarray, step: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
     """held + step in float32: how the syncer and every learner compute a delta-encoded global
-    version (GlobalFragmentHeader.delta), so that both get bit-identical values."""
-    return np.add(held, step, dtype=np.float32)
+    version (GlobalFragmentHeader.delta), so that both get bit-identical values. `out`: a float32
+    array to write the sum into (it may be `step` itself, so the syncer holds no second
+    fragment-sized array); the bits are the same as without it."""
+    return np.add(held, step, out=out, dtype=np.float32)
 
 
 def fragment_sha256(values: np.ndarray) -> str:

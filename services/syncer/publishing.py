@@ -16,6 +16,7 @@ import dataclasses
 
 import numpy as np
 
+from ddiloco.algo import fragments as fragments_lib
 from ddiloco.wire import codec as codec_lib
 from . import slots as slots_lib
 from . import state as state_lib
@@ -41,16 +42,16 @@ class Publisher:
         """Encodes new_params - published in the download codec; returns what learners will hold
         after applying it (computed exactly as they compute it) and the encoding."""
         # One fragment-sized temporary at a time (the merge's peak): the difference, dropped once
-        # encoded, then the decoded step, which becomes the new values in place. Same bits as
-        # fragments_lib.apply_delta(published, step) (one float32 addition per value).
-        difference = np.subtract(new_params, published, dtype=np.float32)
+        # encoded, then the decoded step, which becomes the new values in place (apply_delta's
+        # out=: the same bits as the learners' allocating form).
+        difference = fragments_lib.version_step(published, new_params)
         encoded = codec_lib.encode(
             difference, self.download_codec, block_size=self._block_size, zstd_level=self._zstd_level,
             min_zstd_ratio=codec_lib.FANOUT_MIN_ZSTD_RATIO,  # encoded once, sent to every learner
         )
         del difference
         step = versions_lib.decode_step(encoded)  # fresh and writable (codec.decode)
-        return np.add(published, step, out=step), encoded
+        return fragments_lib.apply_delta(published, step, out=step), encoded
 
     async def next_published(self, slot: slots_lib.FragmentSlot, new_params: np.ndarray) -> np.ndarray:
         """What learners will hold of the slot's next version (`new_params` itself when downloads

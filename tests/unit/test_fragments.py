@@ -240,3 +240,23 @@ def test_numel_sums_tensor_sizes():
     )
     assert fragment.numel == 10 == math.prod((2, 3)) + 4
     assert fragment.slices() == {"a": slice(0, 6), "b": slice(6, 10)}
+
+
+def test_applying_a_delta_in_place_gives_the_bits_of_the_allocating_form():
+    # The syncer writes the new version into the decoded step (out=step); learners allocate.
+    # Both must hold bit-identical values, subnormals, infinities and signed zeros included.
+    rng = np.random.default_rng(7)
+    held = (rng.standard_normal(10_000) * np.float32(1e3)).astype(np.float32)
+    step = (rng.standard_normal(10_000) * np.float32(1e-3)).astype(np.float32)
+    held[:3] = [np.float32(1e-40), -0.0, np.inf]
+    step[:3] = [np.float32(-3e-41), 0.0, 1.0]
+    allocated = fragments_lib.apply_delta(held, step)
+    into = step.copy()
+    in_place = fragments_lib.apply_delta(held, into, out=into)
+    assert in_place is into and allocated is not step
+    np.testing.assert_array_equal(in_place.view(np.uint32), allocated.view(np.uint32))
+    assert allocated.dtype == np.float32
+    # The step the syncer encodes is the float32 difference, whatever dtype the new values come in.
+    new = held.astype(np.float64) + 0.25
+    np.testing.assert_array_equal(fragments_lib.version_step(held, new),
+                                  (new.astype(np.float32) - held).astype(np.float32))
