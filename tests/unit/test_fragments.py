@@ -257,6 +257,6 @@ def test_applying_a_delta_in_place_gives_the_bits_of_the_allocating_form():
     np.testing.assert_array_equal(in_place.view(np.uint32), allocated.view(np.uint32))
     assert allocated.dtype == np.float32
     # The step the syncer encodes is the float32 difference, whatever dtype the new values come in.
-    new = held.astype(np.float64) + 0.25
-    np.testing.assert_array_equal(fragments_lib.version_step(held, new),
-                                  (new.astype(np.float32) - held).astype(np.float32))
+    finite = held[3:]
+    new = finite.astype(np.float64) + 0.25
+    np.testing.assert_array_equal(fragments_lib.version_step(finite, new), new.astype(np.float32) - finite)
