@@ -25,8 +25,9 @@ from collections.abc import Callable, Hashable
 from ddiloco.algo import fragments as fragments_lib
 
 # How learners and the syncer synchronize (RunConfig.sync_mode): Decoupled DiLoCo's rounds, and the
-# two baselines it is compared with (synchronous DiLoCo, data-parallel through the syncer).
-SYNC_MODES = ("decoupled", "diloco", "dp")
+# two baselines it is compared with (synchronous DiLoCo, data-parallel through the syncer). The
+# strings are the wire's and the CLI's (RunConfig.sync_mode, --sync-mode): compare with these names.
+DECOUPLED, DILOCO, DP = SYNC_MODES = ("decoupled", "diloco", "dp")
 
 # Sums of fractions of a step (1/3 + 1/3 + 1/3) fall short of whole steps in floating point.
 _STEP_EPS = 1e-6

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddiloco.algo import fragments as fragments_lib
+from ddiloco.algo import rounds as rounds_lib
 from ddiloco.learner import client as client_lib
 from ddiloco.learner import sharded as sharded_lib
 from ddiloco.learner import loop as loop_lib
@@ -182,8 +183,8 @@ class Learner:
             raise
         plan = serde.plan_from_proto(run_config.fragments, run_config.sync_period_steps)
         problems = params_problems(self._given, plan)
-        sync_mode = run_config.sync_mode or "decoupled"
-        if not problems and sync_mode == "dp":
+        sync_mode = run_config.sync_mode or rounds_lib.DECOUPLED
+        if not problems and sync_mode == rounds_lib.DP:
             problems = ["the run is the data-parallel baseline (sync_mode dp), which sends gradients, not "
                         "parameters: an embedded learner joins decoupled and diloco runs"]
         if problems:

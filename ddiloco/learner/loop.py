@@ -99,7 +99,7 @@ class LearnerLoop:
         incarnation: int,
         mixing_alpha: float = 0.0,
         step_delay_s: Callable[[], float] | None = None,
-        sync_mode: str = "decoupled",
+        sync_mode: str = rounds_lib.DECOUPLED,
         should_stop: Callable[[], bool] = lambda: False,
         barrier_resend_s: float = 15.0,
         on_arrival: str = "",
@@ -131,15 +131,15 @@ class LearnerLoop:
         self._last_upload_base: dict[int, tuple[str, int]] = {}
         self.stats = LoopStats()
         self.sync_mode = sync_mode
-        self._barrier = sync_mode in ("diloco", "dp")
-        self._gradient_mode = sync_mode == "dp"
+        self._barrier = sync_mode in (rounds_lib.DILOCO, rounds_lib.DP)
+        self._gradient_mode = sync_mode == rounds_lib.DP
         self._should_stop = should_stop
         self._barrier_resend_s = barrier_resend_s
         default_rule = "mix" if mixing_alpha else "overwrite"
-        self.on_arrival = (on_arrival or default_rule) if sync_mode == "decoupled" else default_rule
+        self.on_arrival = (on_arrival or default_rule) if sync_mode == rounds_lib.DECOUPLED else default_rule
         if self.on_arrival not in arrival_lib.ON_ARRIVAL_RULES:
             raise ValueError(f"on_arrival={on_arrival!r}: this learner knows {arrival_lib.ON_ARRIVAL_RULES}")
-        self._called = sync_mode == "decoupled" and round_trigger != "upload"
+        self._called = sync_mode == rounds_lib.DECOUPLED and round_trigger != "upload"
         self.pending: dict[int, arrival_lib.PendingContribution] = {}
         self._not_taken = np.zeros(num, dtype=np.int64)  # contributions refused or lost, per fragment
         self._jobs: dict[int, client_lib.UploadJob] = {}  # the job behind each pending contribution
@@ -249,7 +249,7 @@ class LearnerLoop:
             if self.stats.first_loss is None:
                 self.stats.first_loss = loss
             self.stats.loss_ema.update(loss)
-        if self.sync_mode == "decoupled":
+        if self.sync_mode == rounds_lib.DECOUPLED:
             jobs = [job for job in (self._contribute(fid) for fid in self._due_fragments()) if job is not None]
             arrivals = {}
         else:
@@ -352,7 +352,7 @@ class LearnerLoop:
         deadline = time.monotonic() + timeout_s
         self.apply_updates()
         self._client.set_progress(self.progress_request())
-        if self.sync_mode != "decoupled":
+        if self.sync_mode != rounds_lib.DECOUPLED:
             arrivals = self._client.arrivals()
             jobs = [job for job in (self._queue_upload(fid) for fid in range(self.plan.num_fragments)
                                     if self.c_steps[fid] > 0) if job is not None]

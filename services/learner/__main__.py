@@ -28,6 +28,7 @@ from ddiloco import logs, models, runtime
 from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import inner as inner_lib
+from ddiloco.algo import rounds as rounds_lib
 from ddiloco.data import corpus
 from ddiloco.data import sources as data_sources
 from ddiloco.learner import client as client_lib
@@ -209,8 +210,8 @@ def _join(cfg: config_lib.LearnerConfig, client, liveness: liveness_lib.LoopLive
         _LOG.error("this learner builds a different model than the syncer's (fingerprint mismatch)")
         client.close(leave=False)
         return 4
-    sync_mode = run_config.sync_mode or "decoupled"
-    if sync_mode != "decoupled" and cfg.num_processes > 1:
+    sync_mode = run_config.sync_mode or rounds_lib.DECOUPLED
+    if sync_mode != rounds_lib.DECOUPLED and cfg.num_processes > 1:
         _LOG.error(f"sync mode {sync_mode!r} (a baseline) is not supported by multi-process learner units")
         client.close(leave=False)
         return 2
@@ -333,7 +334,7 @@ def _resume(cfg: config_lib.LearnerConfig, loop: loop_lib.LearnerLoop, run_confi
     from now on, and returns what writes the next snapshots."""
     if not cfg.state_dir:
         return None
-    if sync_mode != "decoupled" or cfg.num_processes > 1:
+    if sync_mode != rounds_lib.DECOUPLED or cfg.num_processes > 1:
         _LOG.warning(f"--state-dir ignored: resume supports single-process learners in decoupled mode "
                      f"(this is {sync_mode}, {cfg.num_processes} process(es))")
         return None

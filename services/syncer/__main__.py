@@ -26,6 +26,7 @@ from ddiloco import metrics as metrics_lib
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import inner as inner_lib
 from ddiloco.algo import outer as outer_lib
+from ddiloco.algo import rounds as rounds_lib
 from ddiloco import failpoints as failpoints_lib
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.rpc import interceptors as rpc_interceptors
@@ -272,8 +273,8 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
 def _plan_fragments(cfg: config_lib.SyncerConfig, model: models.Model) -> fragments_lib.FragmentPlan:
     """The model's fragment plan; a baseline sync mode is said in the log, with its quorum."""
     plan = fragments_lib.plan_fragments(model.tensor_specs(), cfg.num_fragments, cfg.sync_period_steps,
-                                        staggered=cfg.sync_mode == "decoupled")
-    if cfg.sync_mode != "decoupled":
+                                        staggered=cfg.sync_mode == rounds_lib.DECOUPLED)
+    if cfg.sync_mode != rounds_lib.DECOUPLED:
         _LOG.info(f"sync mode {cfg.sync_mode} (a baseline): {config_lib.apply_sync_mode.__doc__.split(chr(10))[0]}",
                   extra={"fields": {"min_quorum": cfg.min_quorum, "fragments": cfg.num_fragments,
                                     "H": cfg.sync_period_steps, "upload": cfg.upload_codec}})
@@ -296,7 +297,7 @@ def _make_core(cfg: config_lib.SyncerConfig, model: models.Model,
     return core_lib.SyncerCore(
         run=run, plan=plan, initial_params=initial, settings=core_lib.CoreSettings.of(cfg),
         clock=time.monotonic, wall_clock=time.time,
-        stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == "dp" else None,
+        stepper_factory=_dp_stepper_factory(cfg) if cfg.sync_mode == rounds_lib.DP else None,
     )
 
 

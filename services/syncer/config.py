@@ -28,7 +28,7 @@ class SyncerConfig:
     bind: str = "0.0.0.0:50051"  # host:port to serve on; port 0 picks a free port
     # decoupled (Decoupled DiLoCo), or a baseline for comparisons: diloco (synchronous DiLoCo) or
     # dp (data-parallel through the syncer). The baselines fix some knobs: see apply_sync_mode.
-    sync_mode: str = "decoupled"
+    sync_mode: str = rounds_lib.DECOUPLED
     ready_file: str = ""  # if set, JSON {address, pid} is written here once serving
     run_id: str = "default"  # names the run in the checkpoint store; keep it across restarts
     # Fragment shards (docs/architecture.md, "Fragment shards"): this process's index in the shard
@@ -385,13 +385,13 @@ def apply_sync_mode(cfg: SyncerConfig) -> SyncerConfig:
       the number of learners.
     * decoupled: unchanged.
     """
-    if cfg.sync_mode == "diloco":
+    if cfg.sync_mode == rounds_lib.DILOCO:
         return dataclasses.replace(cfg, grace_gamma=0.0, max_grace_s=0.0, upload_codec="fp32",
                                    download_codec="fp32", mixing_alpha=0.0, direction_check="off",
                                    merge_rule="equal_mean", embedding_merge_rule="equal_mean",
                                    outer_step_fraction="whole", norm_clip_factor=0.0, max_merge_share=1.0,
                                    unverified_clip_factor=0.0, norm_bound_action="clip")
-    if cfg.sync_mode == "dp":
+    if cfg.sync_mode == rounds_lib.DP:
         return dataclasses.replace(cfg, num_fragments=1, sync_period_steps=1, overlap_steps=0, grace_gamma=0.0,
                                    max_grace_s=0.0, upload_codec="fp32", download_codec="fp32", mixing_alpha=0.0,
                                    merge_rule="mean", embedding_merge_rule="mean", max_staleness_versions=0,

@@ -37,6 +37,7 @@ import numpy as np
 from ddiloco.algo import fragments as fragments_lib
 from ddiloco.algo import outer as outer_lib
 from ddiloco.algo import robust as robust_lib
+from ddiloco.algo import rounds as rounds_lib
 from . import admission as admission_lib
 from . import backpressure as backpressure_lib
 from . import evals as evals_lib
@@ -142,7 +143,7 @@ class SyncerCore:
         run, settings = self.run, self.settings
         rounds = merging_lib.Rounds(
             settings=settings_lib.round_settings(run), plan=self.plan, slots=self.slots, steppers=steppers,
-            scheduled=settings.round_trigger == "schedule" and run.sync_mode in ("", "decoupled"),
+            scheduled=settings.round_trigger == "schedule" and run.sync_mode in ("", rounds_lib.DECOUPLED),
             outer_step_fraction=settings.outer_step_fraction, merge_history=settings.merge_history,
             grace_gamma=settings.grace_gamma, max_grace_s=settings.max_grace_s, uploads=self.uploads,
             clock=self.clock, wall_clock=self.wall_clock, membership=self.membership, publisher=self.publisher,

@@ -231,7 +231,7 @@ class Membership:
             raise errors.FailedPrecondition(
                 f"learner {req.learner_id!r} incarnation {req.incarnation} is older than the "
                 f"registered {member.incarnation}: a newer life of this learner has joined",
-                reason="fenced",
+                reason=errors.REASON_FENCED,
             )
         replaced = None
         if member is None or req.incarnation > member.incarnation:
@@ -315,13 +315,13 @@ class Membership:
         if member is None:
             raise errors.FailedPrecondition(
                 f"learner {learner_id!r} has not joined (or the syncer restarted): call Join first",
-                reason="not_joined",
+                reason=errors.REASON_NOT_JOINED,
             )
         if incarnation != member.incarnation:
             raise errors.FailedPrecondition(
                 f"learner {learner_id!r} incarnation {incarnation} is fenced off: the registered "
                 f"incarnation is {member.incarnation}",
-                reason="fenced",
+                reason=errors.REASON_FENCED,
             )
         return member
 
