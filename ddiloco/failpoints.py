@@ -20,9 +20,9 @@ parses and fires its points here.
 Known points:
 
     syncer.after_quorum   a fragment's round reached its quorum and the merge started, before
-                          the outer step is applied (services/syncer/core.py `_merge_locked`)
+                          the outer step is applied (services/syncer/merging.py `_merge_locked`)
     learner.after_chunk   an upload stream sent a payload chunk, before the stream ends
-                          (ddiloco/learner/client.py `_upload`): a crash mid-upload
+                          (ddiloco/learner/uploads.py `Uploader`): a crash mid-upload
     learner.inner_step    the training loop is about to take an inner step
                           (services/learner/__main__.py): with `stall`, a hung loop
     store.write           the checkpoint store is about to write data to a temp file

@@ -233,7 +233,7 @@ async def serve(cfg: config_lib.SyncerConfig) -> int:
     model = models.get_model(cfg.model, cfg.model_overrides)
     plan = _plan_fragments(cfg, model)
     client = _checkpoint_client(cfg, security.store) if cfg.checkpoint_target else None
-    core = _make_core(cfg, model, plan)
+    core = make_core(cfg, model, plan)
     registry = metrics_lib.new_registry("syncer")
     metrics = syncer_metrics.SyncerMetrics(core, registry)
     checkpointer, leadership = _checkpointing_and_leadership(cfg, core, client, metrics, registry)
@@ -284,10 +284,13 @@ def _plan_fragments(cfg: config_lib.SyncerConfig, model: models.Model) -> fragme
     return plan
 
 
-def _make_core(cfg: config_lib.SyncerConfig, model: models.Model,
-               plan: fragments_lib.FragmentPlan) -> core_lib.SyncerCore:
+def make_core(cfg: config_lib.SyncerConfig, model: models.Model,
+              plan: fragments_lib.FragmentPlan | None = None) -> core_lib.SyncerCore:
     """The core over the model's initial parameters (seeded by --seed), before any restore: a
-    fragment shard builds and holds its own fragments only (initial.py)."""
+    fragment shard builds and holds its own fragments only (initial.py). `plan`: the model's
+    fragment plan for `cfg` unless given. Public: how tests build the core the service runs."""
+    if plan is None:
+        plan = _plan_fragments(cfg, model)
     fingerprint = models.model_fingerprint(model)
     initial = initial_lib.initial_fragments(model, plan, cfg.seed, cfg.shard_layout.owned)
     run = core_lib.make_run_settings(

@@ -55,7 +55,7 @@ def _array_bytes(root) -> int:
 def _core(**fields):
     cfg = config_lib.SyncerConfig(num_fragments=4, model_config='{"preset": "small"}', seed=3, **fields)
     model = models.get_model(cfg.model, cfg.model_overrides)
-    return syncer_main._make_core(cfg, model, syncer_main._plan_fragments(cfg, model))
+    return syncer_main.make_core(cfg, model)
 
 
 @pytest.fixture(scope="module")
