@@ -131,7 +131,7 @@ class _FakeCore:
     def __init__(self, state: syncer_pb2.TrainingState) -> None:
         self.observers: list = []
         self.state = state
-        self.influence = influence_lib.Influence(run_id="run", instance="fake")
+        self.influence_counts = influence_lib.Influence(run_id="run", instance="fake").counts  # the facade's name
 
     def observe(self, observer) -> None:
         self.observers.append(observer)
