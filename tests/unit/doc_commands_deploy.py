@@ -217,21 +217,21 @@ def _check_docker_build(line: Line, out: Findings, root: pathlib.Path, args: lis
 # helm and kubectl
 
 
-def _schema_problems(values: object, schema: dict, path: str = "") -> list[str]:
+def schema_problems(values: object, schema: dict, path: str = "") -> list[str]:
     """Keys of `values` that a JSON schema closed with additionalProperties: false does not admit."""
     if not isinstance(values, dict) or "properties" not in schema:
         return []
     problems = []
     for key, value in values.items():
         if key in schema["properties"]:
-            problems += _schema_problems(value, schema["properties"][key], f"{path}{key}.")
+            problems += schema_problems(value, schema["properties"][key], f"{path}{key}.")
         elif schema.get("additionalProperties") is False:
             problems.append(f"{path}{key}")
     return problems
 
 
 @functools.cache
-def _chart_schema(chart: pathlib.Path) -> dict:
+def chart_schema(chart: pathlib.Path) -> dict:
     return json.loads((chart / "values.schema.json").read_text(encoding="utf-8"))
 
 
@@ -251,13 +251,13 @@ def check_helm(line: Line, out: Findings, root: pathlib.Path) -> None:
             return out.bad(line, f"{chart} is not a chart directory (no Chart.yaml)")
     if command == "test" and not (root / _CHART / "templates" / "tests").is_dir():
         out.bad(line, "the chart has no templates/tests for `helm test` to run")
-    schema = _chart_schema(root / charts[0]) if charts else _chart_schema(root / _CHART)
+    schema = chart_schema(root / charts[0]) if charts else chart_schema(root / _CHART)
     for name, value in options:
         if name in ("-f", "--values"):
             if not (root / str(value)).is_file():
                 out.bad(line, f"no values file {value}")
                 continue
-            bad = _schema_problems(yaml.safe_load((root / str(value)).read_text(encoding="utf-8")), schema)
+            bad = schema_problems(yaml.safe_load((root / str(value)).read_text(encoding="utf-8")), schema)
             out.problems.extend(f"{line.where}: {value}: the chart has no value {key}" for key in bad)
         elif name in ("--set", "--set-string"):
             for pair in str(value).split(","):
@@ -265,7 +265,7 @@ def check_helm(line: Line, out: Findings, root: pathlib.Path) -> None:
                 for part in reversed(pair.split("=", 1)[0].split(".")):
                     nested = {part: nested}
                 out.problems.extend(f"{line.where}: --set {pair}: the chart has no value {key}"
-                                    for key in _schema_problems(nested, schema))
+                                    for key in schema_problems(nested, schema))
 
 
 @functools.cache

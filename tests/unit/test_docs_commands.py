@@ -37,14 +37,16 @@ from __future__ import annotations
 
 import os
 import pathlib
+import textwrap
 
 import pytest
+import yaml
 
 from tests.unit import test_docs as docs
 from tests.unit.doc_commands import (_REPO, _SHELL_LANGUAGES, _UNCHECKED_LANGUAGES, Findings, Line, check_ddiloco,
                                      check_make, check_pip, check_python, describe_programs, fenced_blocks, head,
                                      split_assignments)
-from tests.unit.doc_commands_deploy import check_docker, check_helm, check_kubectl
+from tests.unit.doc_commands_deploy import _CHART, chart_schema, check_docker, check_helm, check_kubectl, schema_problems
 
 
 def shell_lines(paths: list[pathlib.Path]) -> tuple[list[Line], list[str]]:
@@ -217,3 +219,29 @@ def test_blocks_and_continuations_are_read_as_the_shell_reads_them(tmp_path) -> 
                                                      ("python", [(7, "import os")]))
     lines, problems = shell_lines([page])
     assert lines == [Line("page.md:2", ("A=1", "docker", "compose", "up", "-d"))] and not problems
+
+
+def chart_value_snippets(paths: list[pathlib.Path]) -> list[tuple[str, dict]]:
+    """(file:line, values) of every ```yaml block whose top-level keys are all chart values: the
+    values snippets a reader copies into a values file (docs/deploy.md, gpu.md, failover.md)."""
+    top = set(chart_schema(_REPO / _CHART)["properties"])
+    found = []
+    for path in paths:
+        for language, block in fenced_blocks(path):
+            values = yaml.safe_load(textwrap.dedent("\n".join(text for _, text in block))) if language == "yaml" else None
+            if block and isinstance(values, dict) and set(values) <= top:
+                found.append((f"{path.name}:{block[0][0]}", values))
+    return found
+
+
+def test_every_chart_values_snippet_names_values_the_chart_has(tmp_path) -> None:
+    snippets = chart_value_snippets(docs.doc_files())
+    assert len(snippets) >= 3, snippets  # deploy.md (etcd TLS), failover.md (replicas), gpu.md (learners.gpu)
+    schema = chart_schema(_REPO / _CHART)
+    problems = [f"{where}: the chart has no value {key}" for where, values in snippets
+                for key in schema_problems(values, schema)]
+    assert not problems, "\n".join(problems)
+    page = tmp_path / "page.md"
+    page.write_text("```yaml\nsyncer:\n  replicas: 2\n  settings: {coordEtcdd: x}\n```\n", encoding="utf-8")
+    [(where, values)] = chart_value_snippets([page])
+    assert schema_problems(values, schema) == ["syncer.settings.coordEtcdd"]
