@@ -3,10 +3,9 @@
     python -m ddiloco.chaos.hostile_learner --hostile scale:1e4 <ddiloco learner flags>
     python -m ddiloco.chaos.hostile_learner --hostile noise:19 --claim-steps 4 --claim-batch 20 <flags>
 
-runs services.learner's main with a `HostileSyncClient` wrapped around the learner's own client
-(ShardedSyncClient): the learner trains as usual and its own state stays honest, but each
-pseudo-gradient v is changed on its way to the wire, when the loop hands it to the client, before
-it is encoded (`BEHAVIOURS`): "scale:<x>" sends x v, "signflip" -v, "noise:<x>" Gaussian noise of norm
+runs services.learner's main with a `HostileSyncClient`: the learner trains as usual and its own
+state stays honest, but each pseudo-gradient v is changed on its way to the wire, before it is
+encoded (`BEHAVIOURS`): "scale:<x>" sends x v, "signflip" -v, "noise:<x>" Gaussian noise of norm
 x ‖v‖, "drift:<x>" v + x ‖v‖ u with u one fixed unit vector (a small constant bias every round),
 "replay" the first pseudo-gradient it sent for a fragment of that size, again and again, and
 "honest" v itself. A drifting learner keeps the bias out of its own record of what it sent
@@ -24,6 +23,7 @@ to get one.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import math
 import sys
@@ -31,10 +31,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ddiloco.cli import service_names
 from ddiloco.learner import client as client_lib
-from ddiloco.learner import sharded as sharded_lib
-from ddiloco.v1 import syncer_pb2
+from ddiloco.learner import uploads as uploads_lib
+from ddiloco.cli import service_names
 from ddiloco.wire import serde
 
 learner_main = service_names.load("services.learner.__main__")
@@ -102,93 +101,56 @@ def transform(kind: str, x: float, *, seed: int = 0) -> Callable[[np.ndarray], n
     return apply
 
 
-class HostileSyncClient:
-    """A sync client wrapping a real one (`inner`: a SyncClient or the learner's ShardedSyncClient)
-    whose every upload carries `factor` x the pseudo-gradient the loop submitted (or `change` of
-    it), and whose headers claim `claim_steps` x the steps and `claim_steps` x `claim_batch` x the
-    tokens. It perturbs the upload before it reaches `inner.submit_upload`, the public upload
-    method, so `inner` encodes and sends the changed values as it would honest ones; every other
-    member is `inner`'s (the learner loop's `SyncClientLike` members explicitly, the rest of what
-    services/learner uses, e.g. start and close, through `__getattr__`)."""
-
-    def __init__(self, inner, *, factor: float = 1.0, change: Callable[[np.ndarray], np.ndarray] | None = None,
-                 claim_steps: float = 1.0, claim_batch: float = 1.0, hide_change: bool = False) -> None:
-        self._inner = inner
+def corrupting(encode: Callable[..., object], factor: float | Callable[[np.ndarray], np.ndarray]) -> Callable[..., object]:
+    """`encode` (codec.encode's signature) applied to `factor` x the values (or to `factor(values)`):
+    the syncer decodes the corrupted values, and the client's record of what was sent
+    (UploadJob.sent_values) holds them too."""
+    if callable(factor):
+        change = factor
+    else:
         scale = np.float32(factor)
-        self._change = change or (lambda values: values * scale)
+
+        def change(values: np.ndarray) -> np.ndarray:
+            return values * scale
+
+    def encode_corrupted(values: np.ndarray, *args, **kwargs):
+        return encode(np.asarray(change(np.asarray(values, np.float32)), np.float32), *args, **kwargs)
+
+    return encode_corrupted
+
+
+class HostileSyncClient(client_lib.SyncClient):
+    """A SyncClient whose every upload carries `factor` x the pseudo-gradient the loop submitted
+    (or `change` of it), and whose headers claim `claim_steps` x the steps and `claim_steps` x
+    `claim_batch` x the tokens."""
+
+    def __init__(self, cfg: client_lib.ClientConfig, *, factor: float = 1.0,
+                 change: Callable[[np.ndarray], np.ndarray] | None = None,
+                 claim_steps: float = 1.0, claim_batch: float = 1.0, hide_change: bool = False) -> None:
+        super().__init__(dataclasses.replace(cfg, encode=corrupting(cfg.encode, change or factor)))
+        self._honest_encode = cfg.encode
         self.hide_change = hide_change  # sent_values: the honest values as encoded (module docstring: drift)
         self.factor = factor
         self.claim_steps = claim_steps
         self.claim_batch = claim_batch
 
-    def __getattr__(self, name: str):
-        # Only for what this class does not define (start, close, run_config, stats, ...).
-        return getattr(self._inner, name)
-
     def submit_upload(self, job: client_lib.UploadJob) -> None:
-        """Queues `job` on `inner` with its values changed (and its claims inflated). The values are
-        replaced by a new array, never written into: the caller's delta stays honest. The job itself
-        is changed in place, so that `inner` records on the caller's job what the syncer will decode
-        (`sent_values`), as for an honest upload; with `hide_change` `inner` gets a copy instead and
-        the caller's job records what the honest values would have decoded to."""
-        honest = job.delta
-        changed = np.asarray(self._change(np.asarray(honest, np.float32)), np.float32)
-        steps, tokens = job.steps, job.tokens
         if self.claim_steps != 1.0 or self.claim_batch != 1.0:
-            steps = max(1, round(job.steps * self.claim_steps))
-            tokens = round(job.tokens * self.claim_steps * self.claim_batch)
-        if not self.hide_change:
-            job.delta, job.steps, job.tokens = changed, steps, tokens
-            self._inner.submit_upload(job)
-            return
-        self._inner.submit_upload(dataclasses.replace(job, delta=changed, steps=steps, tokens=tokens))
-        job.sent_values = self._honest_record(honest)
+            job = dataclasses.replace(job, steps=max(1, round(job.steps * self.claim_steps)),
+                                      tokens=round(job.tokens * self.claim_steps * self.claim_batch))
+        super().submit_upload(job)
 
-    def _honest_record(self, values: np.ndarray) -> np.ndarray | None:
-        """What `inner` would record as sent for `values` (the upload codec's decoding; None when
-        lossless), computed as uploads.Uploader does, on the caller's thread (drift only)."""
-        cfg = self._inner.run_config
-        encoded = self._inner.cfg.encode(values, serde.codec_from_proto(cfg.upload_codec),
-                                         block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level)
-        if encoded.codec == "fp32":
-            return None
-        return serde.decode_payload(serde.payload_info_to_proto(encoded), encoded.payload)
-
-    # The rest of SyncClientLike: `inner`'s, unchanged.
-
-    def instance_of(self, fragment_id: int) -> str | None:
-        return self._inner.instance_of(fragment_id)
-
-    @property
-    def fenced(self) -> client_lib.FencedError | None:
-        return self._inner.fenced
-
-    def take_updates(self) -> list[client_lib.GlobalFragment]:
-        return self._inner.take_updates()
-
-    def take_outcomes(self) -> list[client_lib.UploadOutcome]:
-        return self._inner.take_outcomes()
-
-    def take_calls(self) -> dict[int, syncer_pb2.RoundCall]:
-        return self._inner.take_calls()
-
-    def take_refused(self) -> set[tuple[int, str, int]]:
-        return self._inner.take_refused()
-
-    def set_progress(self, request: syncer_pb2.ReportProgressRequest) -> None:
-        self._inner.set_progress(request)
-
-    def arrivals(self) -> dict[int, int]:
-        return self._inner.arrivals()
-
-    def wait_for_arrivals(self, after: dict[int, int], timeout_s: float) -> bool:
-        return self._inner.wait_for_arrivals(after, timeout_s)
-
-    def held_values(self) -> dict[int, tuple[int, np.ndarray]]:
-        return self._inner.held_values()
-
-    def agree_any(self, flag: bool) -> bool:
-        return self._inner.agree_any(flag)
+    async def _encode(self, job: uploads_lib.UploadJob) -> list | None:
+        messages = await super()._encode(job)
+        if messages is not None and self.hide_change and job.sent_values is not None:
+            # A lossy codec: the record the rebase reads is what an honest upload would have decoded
+            # to. (Lossless: sent_values stays None and the rebase reads the honest delta itself.)
+            cfg = self.run_config
+            honest = await asyncio.to_thread(self._honest_encode, job.delta, serde.codec_from_proto(cfg.upload_codec),
+                                             block_size=cfg.upload_block_size, zstd_level=cfg.zstd_level)
+            job.sent_values = await asyncio.to_thread(serde.decode_payload, serde.payload_info_to_proto(honest),
+                                                      honest.payload)
+        return messages
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -222,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--claim-steps and --claim-batch must be >= 1")
     change = transform(kind, x, seed=args.hostile_seed)
     return learner_main.main(learner_argv, lambda cfg: HostileSyncClient(
-        sharded_lib.ShardedSyncClient(cfg), factor=x if kind in ("scale", "signflip") else 1.0, change=change,
+        cfg, factor=x if kind in ("scale", "signflip") else 1.0, change=change,
         claim_steps=args.claim_steps, claim_batch=args.claim_batch, hide_change=kind == "drift"))
 
 

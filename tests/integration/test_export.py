@@ -28,7 +28,6 @@ from ddiloco.wire import serde
 from services.learner import config as learner_config
 from services.learner import train as train_lib
 from services.syncer import checkpointing
-from tests import ports
 from tests.integration.conftest import LEARNER_PACE, TINY, SyncerProbe, store_call, wait_until
 from tests.waits import TEARDOWN_CLIENTS_S
 
@@ -300,9 +299,13 @@ def test_export_over_mutual_tls_takes_a_model_reader_not_a_reader(tmp_path):
 
 
 def test_exporting_from_an_unreachable_store_gives_up_within_its_bound(tmp_path):
-    with ports.refused_address() as address:  # bound, never listening: every connection is refused
-        started = time.monotonic()
-        result = _ddiloco(["export", "--store", address, "--run-id", "r", "--out", str(tmp_path / "o"),
-                           "--retry-for-s", "1", "--timeout-s", "1"], None, timeout_s=60)
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    started = time.monotonic()
+    result = _ddiloco(["export", "--store", address, "--run-id", "r", "--out", str(tmp_path / "o"),
+                       "--retry-for-s", "1", "--timeout-s", "1"], None, timeout_s=60)
     assert result.returncode == 3 and "unreachable" in result.stderr and "Traceback" not in result.stderr
     assert time.monotonic() - started < 30

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,6 @@ from ddiloco.chaos import observe
 from ddiloco.rpc import channel as channel_lib
 from ddiloco.v1 import syncer_pb2, syncer_pb2_grpc
 from ddiloco.wire import serde
-from tests import ports
 from tests.integration.conftest import TINY, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -192,7 +192,10 @@ def test_record_goes_through_a_syncer_restart_and_gives_up_on_a_syncer_gone(clus
 def test_a_syncer_that_accepts_connections_but_never_answers_is_given_up_on(tmp_path):
     # A listening socket that never speaks gRPC: a hung syncer, or a proxy with nothing behind it.
     # The recorder's watchdog cancels each silent stream, and the retries end with --retry-for-s.
-    with ports.frozen_address() as address:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
         started = time.monotonic()
         result = subprocess.run([*_DDILOCO, "record", "--target", address, "--out", str(tmp_path / "silent"),
                                  "--retry-for-s", "3", "--timeout-s", "1"], capture_output=True, text=True, timeout=60)

@@ -362,12 +362,10 @@ def test_the_chaos_hostile_learner_corrupts_every_upload_over_grpc(tmp_path):
     # The hostile learner of the chaos tools (no knob in the production client): the deltas the loop
     # submits are honest, the ones on the wire x1e4; refused by the norm bound, then quarantined. The
     # same deltas through a plain SyncClient are accepted.
-    def client(learner_id: str, **hostile) -> client_lib.SyncClient:
-        out = client_lib.SyncClient(client_lib.ClientConfig(
-            target=h.address, learner_id=learner_id, incarnation=1, region="r", tokens_per_step=0,
-            call_timeout_s=5.0, retry_bound_s=5.0, security=security.ClientSecurity(insecure=True)))
-        if hostile:  # the chaos tool's wrapper around the same production client
-            out = hostile_learner.HostileSyncClient(out, **hostile)
+    def client(cls, learner_id: str, **kwargs) -> client_lib.SyncClient:
+        out = cls(client_lib.ClientConfig(target=h.address, learner_id=learner_id, incarnation=1, region="r",
+                                          tokens_per_step=0, call_timeout_s=5.0, retry_bound_s=5.0,
+                                          security=security.ClientSecurity(insecure=True)), **kwargs)
         out.start(30.0)
         return out
 
@@ -375,8 +373,8 @@ def test_the_chaos_hostile_learner_corrupts_every_upload_over_grpc(tmp_path):
         honest = Learner(h.address, "learner-0")
         payload, info = encoded(honest_delta(h.numel(0), 0))
         honest.upload(0, 0, payload, info)
-        hostile = client("learner-1", factor=hostile_learner.parse_hostile("scale:1e4"))
-        plain = client("learner-2")
+        hostile = client(hostile_learner.HostileSyncClient, "learner-1", factor=hostile_learner.parse_hostile("scale:1e4"))
+        plain = client(client_lib.SyncClient, "learner-2")
         try:
             deltas = [honest_delta(h.numel(1), i) for i in range(3)]
             sent = [d.copy() for d in deltas]

@@ -68,17 +68,16 @@ def test_a_new_member_or_a_probe_in_the_loop_is_caught():
     assert len(strays) == 1 and "getattr(self._client, 'close', None)" in strays[0], strays
 
 
-def _sync_client() -> client_lib.SyncClient:
-    return client_lib.SyncClient(client_lib.ClientConfig(target="127.0.0.1:1", learner_id="l", incarnation=1, region="r",
-                                                         tokens_per_step=0, security=security.ClientSecurity(insecure=True)))
+def _sync_client(cls=client_lib.SyncClient, **kwargs) -> client_lib.SyncClient:
+    return cls(client_lib.ClientConfig(target="127.0.0.1:1", learner_id="l", incarnation=1, region="r",
+                                       tokens_per_step=0, security=security.ClientSecurity(insecure=True)), **kwargs)
 
 
 @pytest.fixture
 def implementations():
     """Every client the loop is given, in production, tools and tests (never started: no network)."""
     sync_client = _sync_client()
-    hostile_inner = _sync_client()
-    hostile = hostile_learner.HostileSyncClient(hostile_inner, factor=-1.0)
+    hostile = _sync_client(hostile_learner.HostileSyncClient, factor=-1.0)
     unit = distributed.UnitClient(types.SimpleNamespace(is_leader=False), None, threading.Event())
     sharded = sharded_lib.ShardedSyncClient(sync_client.cfg, session_factory=lambda cfg: sync_client)
     yield {
@@ -89,7 +88,7 @@ def implementations():
         "test_learner_resend._BarrierClient": test_learner_resend._BarrierClient({0: 1}),
         "fakes.RecordingSyncClient": fakes.RecordingSyncClient(),
     }
-    for client in (sync_client, hostile_inner):
+    for client in (sync_client, hostile):
         client._loop.close()  # created by the constructor; never run
 
 
